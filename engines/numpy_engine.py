@@ -1,0 +1,165 @@
+"""The numpy reference engine: exact fp32 decoder for every supported family.
+
+Non-expert tensors are held in memory (dequantized at load); experts come through the
+ExpertStreamer, which reads them from the pack on demand or ahead of time. Hooks:
+`predictor.predict(layer, ctx)` names experts of later layers to prefetch, and
+`router_hook(layer, logits, ctx)` may replace the routing (cache-aware bias, a prerouter).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from workbench.routing import route
+from workbench.schedule import ExpertStreamer
+from workbench.spec import MoESpec
+from workbench.store.pack import Pack
+from workbench.telemetry import LayerEvent, Telemetry
+
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(np.float32)
+    return w * (x32 / np.sqrt((x32 * x32).mean(-1, keepdims=True) + eps))
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def rope(x, pos, theta):
+    """x: (heads, T, hd); HF rotate-half convention."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    f = np.outer(pos.astype(np.float32), inv)
+    cos, sin = np.cos(np.concatenate([f, f], -1)), np.sin(np.concatenate([f, f], -1))
+    a, b = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + np.concatenate([-b, a], -1) * sin
+
+
+class NumpyEngine:
+    name = "numpy"
+
+    def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, predictor=None, router_hook=None,
+                 max_context: int | None = None):
+        self.pack, self.spec, self.streamer, self.tel = pack, pack.spec, streamer, telemetry
+        self.predictor, self.router_hook = predictor, router_hook
+        self.w = {name: pack.tensor(name) for name in pack.tensors}
+        if "lm_head" not in self.w:
+            self.w["lm_head"] = self.w["embed"]
+        self.max_context = max_context or self.spec.max_position_embeddings
+        self.token_index = 0
+        self.dense_compute_s = 0.0              # attention, norms, dense MLPs, head: compute outside the MoE layers
+        self.reset()
+
+    def reset(self):
+        s = self.spec
+        self.kv = [(np.zeros((s.num_kv_heads, 0, s.head_dim), np.float32),
+                    np.zeros((s.num_kv_heads, 0, s.head_dim), np.float32)) for _ in range(s.num_layers)]
+        self.pos = 0
+
+    # ------------------------------------------------------------ blocks
+
+    def attention(self, i: int, x: np.ndarray) -> np.ndarray:
+        s, w, p = self.spec, self.w, f"layers.{i}."
+        T = x.shape[0]
+        q, k, v = x @ w[p + "q"].T, x @ w[p + "k"].T, x @ w[p + "v"].T
+        if s.attention_bias:
+            q, k, v = q + w[p + "q_bias"], k + w[p + "k_bias"], v + w[p + "v_bias"]
+        if s.qk_norm == "full":
+            q, k = rms_norm(q, w[p + "q_norm"], s.rms_norm_eps), rms_norm(k, w[p + "k_norm"], s.rms_norm_eps)
+        if s.clip_qkv is not None:
+            q, k, v = (np.clip(a, -s.clip_qkv, s.clip_qkv) for a in (q, k, v))
+        q = q.reshape(T, s.num_heads, s.head_dim).transpose(1, 0, 2)
+        k = k.reshape(T, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
+        v = v.reshape(T, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
+        if s.qk_norm == "head":
+            q, k = rms_norm(q, w[p + "q_norm"], s.rms_norm_eps), rms_norm(k, w[p + "k_norm"], s.rms_norm_eps)
+        pos = np.arange(self.pos, self.pos + T)
+        q, k = rope(q, pos, s.rope_theta), rope(k, pos, s.rope_theta)
+        K, V = self.kv[i]
+        K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
+        self.kv[i] = (K, V)
+        rep = s.num_heads // s.num_kv_heads
+        K, V = np.repeat(K, rep, 0), np.repeat(V, rep, 0)
+        att = q @ K.transpose(0, 2, 1) / np.sqrt(s.head_dim)
+        S = K.shape[1]
+        mask = np.arange(S)[None, :] > (S - T + np.arange(T))[:, None]
+        att = np.where(mask, -np.inf, att)
+        att = np.exp(att - att.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        y = (att @ V).transpose(1, 0, 2).reshape(T, -1)
+        return y @ w[p + "o"].T
+
+    def mlp(self, x, gate, up, down):
+        return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+    def moe(self, i: int, x: np.ndarray, h: np.ndarray, phase: str) -> np.ndarray:
+        s, w, p = self.spec, self.w, f"layers.{i}."
+        ev = LayerEvent(token=self.token_index if phase == "decode" else -1, layer=i, phase=phase,
+                        routed=[], predicted=[], hit=[], t_start=time.perf_counter())
+        t0 = time.perf_counter()
+        logits = x @ w[p + "router"].T
+        ctx = {"x": x, "h": h, "logits": logits, "phase": phase, "engine": self}
+        if self.router_hook is not None:
+            idx, weights = self.router_hook(i, logits, ctx)
+        else:
+            idx, weights = route(s, logits, w.get(p + "router_bias"))
+        ctx["routed"] = idx
+        ev.router_s = time.perf_counter() - t0
+        ev.predicted = self.streamer.predicted_for.pop(i, [])
+        if self.predictor is not None:          # name (and start reading) later layers' experts now
+            t0 = time.perf_counter()
+            for target, experts in self.predictor.predict(i, ctx).items():
+                self.streamer.predicted_for[target] = list(map(int, experts))
+                self.streamer.prefetch(target, experts, protect={(i, int(e)) for e in np.unique(idx)})
+            ev.router_s += time.perf_counter() - t0
+        needed = sorted(set(int(e) for e in np.unique(idx)))
+        ev.routed = needed
+        contrib = {}
+
+        def compute(e, ew):
+            rows, slot = np.nonzero(idx == e)
+            contrib[e] = (rows, self.mlp(x[rows], ew["gate"], ew["up"], ew["down"]) * weights[rows, slot][:, None])
+
+        self.streamer.run_layer(i, needed, compute, ev)
+        t0 = time.perf_counter()
+        out = np.zeros_like(x)
+        for e in needed:                        # a fixed order: the same sum whatever the arrival order
+            rows, y = contrib[e]
+            out[rows] += y                      # rows are distinct: a token picks an expert once
+        if s.shared_expert_size:
+            y = self.mlp(x, w[p + "shared.gate"], w[p + "shared.up"], w[p + "shared.down"])
+            if s.shared_expert_gate:
+                y = y / (1.0 + np.exp(-(x @ w[p + "shared_gate"].T)))
+            out = out + y
+        ev.compute_s += time.perf_counter() - t0
+        ev.t_end = time.perf_counter()
+        self.tel.add_event(ev)
+        return out
+
+    # ------------------------------------------------------------ forward
+
+    def forward(self, ids, phase: str = "decode") -> np.ndarray:
+        """Run tokens `ids` at the current position (extending the KV cache); returns logits (T, vocab)."""
+        s, w = self.spec, self.w
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.pos + len(ids) > self.max_context:
+            raise ValueError(f"context of {self.pos + len(ids)} tokens exceeds the model's {self.max_context}")
+        clock = time.perf_counter
+        t0 = clock()
+        x = w["embed"][ids].astype(np.float32)
+        for i in range(s.num_layers):
+            p = f"layers.{i}."
+            x = x + self.attention(i, rms_norm(x, w[p + "attn_norm"], s.rms_norm_eps))
+            xn = rms_norm(x, w[p + "mlp_norm"], s.rms_norm_eps)
+            if i in s.dense_layers:
+                x = x + self.mlp(xn, w[p + "dense.gate"], w[p + "dense.up"], w[p + "dense.down"])
+            else:
+                self.dense_compute_s += clock() - t0
+                x = x + self.moe(i, xn, x, phase)
+                t0 = clock()
+        self.pos += len(ids)
+        logits = rms_norm(x, w["norm"], s.rms_norm_eps) @ w["lm_head"].T
+        self.dense_compute_s += clock() - t0
+        return logits

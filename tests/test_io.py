@@ -1,0 +1,242 @@
+import errno
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from workbench import io as wio
+
+SIZE = 3 * 1024 * 1024 + 1234  # not a multiple of 4096: the last block is partial
+
+
+def o_direct_supported(path) -> bool:
+    """Independent check: does this filesystem accept an aligned O_DIRECT read?"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        os.preadv(fd, [wio.aligned_empty(4096)], 0)
+        return True
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def disk_dir():
+    """A directory on the repository's disk (/tmp may be tmpfs, which can refuse O_DIRECT)."""
+    root = Path(__file__).resolve().parents[1] / ".pytest_tmp"
+    root.mkdir(exist_ok=True)
+    d = Path(tempfile.mkdtemp(dir=root))
+    yield d
+    shutil.rmtree(d)
+    try:
+        root.rmdir()
+    except OSError:
+        pass
+
+
+@pytest.fixture(params=["tmp", "disk"])
+def where(request, tmp_path):
+    return tmp_path if request.param == "tmp" else request.getfixturevalue("disk_dir")
+
+
+@pytest.fixture
+def pack(where):
+    data = np.random.default_rng(0).integers(0, 256, SIZE, dtype=np.uint8)
+    path = where / "pack.bin"
+    path.write_bytes(data.tobytes())
+    return path, data
+
+
+def test_aligned_empty():
+    for n in (0, 1, 4096, 10_000):
+        buf = wio.aligned_empty(n)
+        assert buf.dtype == np.uint8 and buf.shape == (n,)
+        assert n == 0 or buf.ctypes.data % 4096 == 0  # an empty view has no meaningful address
+    assert wio.aligned_empty(100, align=512).ctypes.data % 512 == 0
+
+
+def test_modes_are_labelled(pack):
+    path, _ = pack
+    with wio.Reader(path) as r:
+        assert r.mode == ("o_direct" if o_direct_supported(path) else "page-cache")
+    with wio.Reader(path, direct=False) as r:
+        assert r.mode == "page-cache"
+
+
+def test_falls_back_only_on_einval(pack, monkeypatch):
+    path, data = pack
+    real_open = os.open
+
+    def refusing_open(p, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", p)
+        return real_open(p, flags, *a)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with wio.Reader(path) as r:
+        assert r.mode == "page-cache"
+        np.testing.assert_array_equal(r.read(5, 7000), data[5:7005])
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError):
+        wio.Reader(path.with_name("missing.bin"))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_read_unaligned_ranges(pack, direct):
+    path, data = pack
+    rnd = random.Random(1)
+    ranges = [(0, 1), (1, 4095), (4095, 2), (4096, 4096), (0, SIZE), (SIZE - 1, 1), (SIZE - 5000, 5000), (17, 0)]
+    ranges += [(o, rnd.randrange(0, min(300_000, SIZE - o) + 1)) for o in rnd.sample(range(SIZE), 30)]
+    with wio.Reader(path, direct=direct) as r:
+        for off, n in ranges:
+            got = r.read(off, n)
+            assert got.dtype == np.uint8 and got.shape == (n,)
+            np.testing.assert_array_equal(got, data[off:off + n])
+
+
+def test_aligned_read_is_a_view_of_an_aligned_buffer(pack):
+    path, data = pack
+    with wio.Reader(path) as r:
+        got = r.read(8192, 65536)
+        assert got.base is not None and got.ctypes.data % 4096 == 0
+        np.testing.assert_array_equal(got, data[8192:8192 + 65536])
+        assert r.stats()["bytes_read"] == 65536 and r.stats()["reads"] == 1
+
+
+def test_bytes_read_counts_alignment_padding(pack):
+    path, _ = pack
+    with wio.Reader(path) as r:
+        r.read(1, 10)
+        r.read(4090, 10)  # straddles a block boundary: two blocks
+        s = r.stats()
+    assert s["bytes_read"] == 3 * 4096 and s["reads"] == 2 and s["merged"] == 0 and s["read_s"] > 0
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_submit_random_ranges_exact(pack, direct):
+    path, data = pack
+    rnd = random.Random(2)
+    reqs = []
+    for i in range(200):
+        off = rnd.randrange(SIZE)
+        reqs.append((("expert", i), off, rnd.randrange(0, min(100_000, SIZE - off) + 1)))
+    with wio.Reader(path, direct=direct, workers=4) as r:
+        futs = r.submit(reqs)
+        assert set(futs) == {k for k, _, _ in reqs}
+        for key, off, n in reqs:
+            np.testing.assert_array_equal(futs[key].result(timeout=10), data[off:off + n])
+        s = r.stats()
+    assert s["reads"] + s["merged"] >= 1 and s["bytes_read"] > 0
+
+
+def test_submit_merges_adjacent_ranges(pack):
+    path, data = pack
+    reqs = [(i, 1000 + i * 10_000, 10_000) for i in range(20)]  # contiguous, unaligned
+    random.Random(3).shuffle(reqs)
+    with wio.Reader(path) as r:
+        futs = r.submit(reqs)
+        for key, off, n in reqs:
+            np.testing.assert_array_equal(futs[key].result(timeout=10), data[off:off + n])
+        s = r.stats()
+    assert s["merged"] == 19 and s["reads"] == 1 < len(reqs)
+    start, end = 0, -(-(1000 + 20 * 10_000) // 4096) * 4096
+    assert s["bytes_read"] == end - start
+
+
+def test_submit_merge_gap(pack):
+    path, _ = pack
+    reqs = [(i, i * 3 * 4096, 4096) for i in range(10)]  # 8 KiB holes between them
+    with wio.Reader(path) as r:
+        [f.result() for f in r.submit(reqs).values()]
+        assert r.stats()["merged"] == 0 and r.stats()["reads"] == 10
+    with wio.Reader(path) as r:
+        [f.result() for f in r.submit(reqs, merge_gap=8192).values()]
+        s = r.stats()
+        assert s["merged"] == 9 and s["reads"] == 1 and s["bytes_read"] == 28 * 4096
+
+
+def test_submit_rejects_duplicate_keys(pack):
+    path, _ = pack
+    with wio.Reader(path) as r, pytest.raises(ValueError, match="duplicate"):
+        r.submit([("a", 0, 10), ("a", 100, 10)])
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_read_past_eof_names_file_offset_length(pack, direct):
+    path, _ = pack
+    with wio.Reader(path, direct=direct) as r:
+        with pytest.raises(EOFError) as e:
+            r.read(SIZE - 10, 100)
+        msg = str(e.value)
+        assert str(path) in msg and str(SIZE - 10) in msg and "100" in msg
+        fut = r.submit([("x", SIZE + 8192, 5), ("ok", 0, 5)])
+        assert str(path) in str(fut["x"].exception(timeout=10))
+        assert fut["ok"].result(timeout=10).shape == (5,)
+        # merged into one read that comes up short: only the request past EOF fails
+        fut = r.submit([("in", SIZE - 20, 10), ("out", SIZE - 10, 20)])
+        assert r.stats()["merged"] == 1
+        assert fut["in"].result(timeout=10).shape == (10,)
+        assert "offset=%d length=20" % (SIZE - 10) in str(fut["out"].exception(timeout=10))
+
+
+def test_truncated_file_raises(pack):
+    path, data = pack
+    with wio.Reader(path) as r:
+        os.truncate(path, 100_000)
+        np.testing.assert_array_equal(r.read(0, 100_000), data[:100_000])
+        with pytest.raises(EOFError, match=str(path)):
+            r.read(90_000, 20_000)
+
+
+def test_drop_cache_and_close(pack):
+    path, data = pack
+    r = wio.Reader(path, direct=False)
+    r.read(0, 4096)
+    r.drop_cache()
+    np.testing.assert_array_equal(r.read(100, 50), data[100:150])
+    r.close()
+    r.close()  # idempotent
+    assert r.fd == -1
+
+
+def test_probe_disk_scratch_file(where):
+    before = set(os.listdir(where))
+    probe = wio.probe_disk(where, sizes=(4096, 65536), depths=(1, 2), seconds_per_point=0.01)
+    assert set(os.listdir(where)) == before  # scratch file removed
+    assert probe["path"] == str(where) and probe["mode"] in ("o_direct", "page-cache")
+    assert [(p["size"], p["depth"]) for p in probe["points"]] == [(4096, 1), (4096, 2), (65536, 1), (65536, 2)]
+    for p in probe["points"]:
+        assert p["mb_s"] > 0 and p["reads"] >= p["depth"] and 0 < p["lat_ms_p50"] <= p["lat_ms_p99"]
+    assert probe["best_mb_s"] == max(p["mb_s"] for p in probe["points"])
+
+
+def test_probe_disk_reads_a_large_pack_in_place(disk_dir):
+    path = disk_dir / "big.pack"
+    with open(path, "wb") as f:
+        f.truncate(64 * 1024 * 1024)  # sparse is enough: only the file's own reads matter
+    probe = wio.probe_disk(path, sizes=(65536,), depths=(1,), seconds_per_point=0.01)
+    assert os.listdir(disk_dir) == ["big.pack"]
+    assert len(probe["points"]) == 1 and probe["points"][0]["mb_s"] > 0
+
+
+def test_bandwidth_at_picks_best_depth_at_nearest_size():
+    probe = {"points": [
+        {"size": 4096, "depth": 1, "mb_s": 10.0}, {"size": 4096, "depth": 4, "mb_s": 30.0},
+        {"size": 262144, "depth": 1, "mb_s": 200.0}, {"size": 262144, "depth": 4, "mb_s": 500.0},
+    ]}
+    assert wio.bandwidth_at(probe, 4096) == 30e6
+    assert wio.bandwidth_at(probe, 8192) == 30e6
+    assert wio.bandwidth_at(probe, 200_000) == 500e6
+    assert wio.bandwidth_at(probe, 10 * 1024 * 1024) == 500e6

@@ -1,0 +1,134 @@
+"""The expert cache: a byte budget that is never exceeded, counted in slots of one expert each.
+
+A slot is taken when a read is issued (in-flight reads count: their buffers exist), and
+freed on eviction. Policies: LRU or LFU; scope: one global pool, or one pool per MoE layer
+(the smolmaxxing pager). Pinned experts (a warm set) are never evicted, and neither is
+anything in the caller's `protect` set (the experts the current layer still needs).
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter, OrderedDict
+
+from workbench.spec import WorkbenchError
+
+_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def parse_budget(text, total_expert_bytes: int) -> int:
+    """'0.25' -> a quarter of all expert bytes; '96MiB' / '3GB' / '123456' -> bytes; 'all' -> everything."""
+    s = str(text).strip()
+    if s.lower() in ("all", "1", "1.0"):
+        return total_expert_bytes
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", s)
+    if not m or m[2].upper() not in _UNITS:
+        raise WorkbenchError(f"--budget {text!r}: expected a fraction like 0.25 or a size like 96MiB")
+    x = float(m[1])
+    if not m[2] and x < 1.0:
+        return int(x * total_expert_bytes)
+    return int(x * _UNITS[m[2].upper()])
+
+
+def _in_flight(v) -> bool:
+    """A slot whose read has not landed yet: its buffer exists, so it stays counted and is not evicted."""
+    return v is None or (hasattr(v, "done") and not v.done())
+
+
+class ExpertCache:
+    def __init__(self, budget_bytes: int, item_bytes: int, layers: list[int], policy: str = "lru",
+                 scope: str = "global", min_slots_per_layer: int = 1):
+        if policy not in ("lru", "lfu"):
+            raise WorkbenchError(f"cache policy {policy!r}: choose lru or lfu")
+        self.item_bytes = item_bytes
+        self.budget_bytes = budget_bytes
+        self.policy, self.scope = policy, scope
+        slots = budget_bytes // item_bytes
+        if scope == "per_layer":
+            self.pools = {L: OrderedDict() for L in layers}
+            self.capacity = {L: slots // len(layers) for L in layers}
+        elif scope == "global":
+            pool = OrderedDict()
+            self.pools = {L: pool for L in layers}
+            self.capacity = {L: slots for L in layers}
+        else:
+            raise WorkbenchError(f"cache scope {scope!r}: choose global or per_layer")
+        per_layer = min(self.capacity.values()) if layers else slots
+        if per_layer < min_slots_per_layer:
+            raise WorkbenchError(
+                f"--budget {budget_bytes} bytes is below one layer's top-k: need at least {min_slots_per_layer} expert slots "
+                f"of {item_bytes} bytes{' per layer' if scope == 'per_layer' else ''}, the budget gives {per_layer}")
+        self.pinned: set = set()
+        self.uses: Counter = Counter()
+        self.peak_bytes = 0
+        self.evictions = 0
+
+    def _pool(self, key) -> OrderedDict:
+        return self.pools[key[0]]
+
+    @property
+    def slots_used(self) -> int:
+        return sum(len(p) for p in {id(p): p for p in self.pools.values()}.values())
+
+    @property
+    def bytes(self) -> int:
+        return self.slots_used * self.item_bytes
+
+    def __contains__(self, key) -> bool:
+        return key in self._pool(key)
+
+    def get(self, key):
+        """The entry (a value or an in-flight future) and a touch, or None."""
+        pool = self._pool(key)
+        if key not in pool:
+            return None
+        pool.move_to_end(key)
+        self.uses[key] += 1
+        return pool[key]
+
+    def peek(self, key):
+        return self._pool(key).get(key)
+
+    def _victim(self, pool: OrderedDict, protect):
+        candidates = [k for k, v in pool.items() if k not in protect and k not in self.pinned and not _in_flight(v)]
+        if not candidates:
+            return None
+        if self.policy == "lru":
+            return candidates[0]
+        return min(candidates, key=lambda k: (self.uses[k], list(pool).index(k)))
+
+    def reserve(self, key, value, protect=frozenset()) -> bool:
+        """Insert key (evicting as needed); False if every slot is protected or pinned."""
+        pool = self._pool(key)
+        if key in pool:
+            pool[key] = value
+            return True
+        cap = self.capacity[key[0]]
+        while len(pool) >= cap:
+            v = self._victim(pool, protect)
+            if v is None:
+                return False
+            del pool[v]
+            self.evictions += 1
+        pool[key] = value
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        assert self.bytes <= self.budget_bytes, "expert cache exceeded its budget"
+        return True
+
+    def set(self, key, value):
+        pool = self._pool(key)
+        if key in pool:
+            pool[key] = value
+
+    def drop(self, key):
+        self._pool(key).pop(key, None)
+
+    def pin(self, key, value) -> bool:
+        if self.reserve(key, value):
+            self.pinned.add(key)
+            return True
+        return False
+
+    def keys(self, layer: int | None = None):
+        if layer is None:
+            return [k for p in {id(p): p for p in self.pools.values()}.values() for k in p]
+        return [k for k in self.pools[layer] if k[0] == layer]

@@ -1,0 +1,41 @@
+"""The physical floor of a configuration (DESIGN.md's measurement protocol).
+
+floor time per token = max(compute time per token, bytes read per token / disk bandwidth at the
+read size), with the bandwidth from a disk probe of the pack's own disk, cached per device.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from workbench.io import bandwidth_at, probe_disk
+from workbench.registry import cache_dir
+
+
+def probe(path=None, seconds_per_point: float = 0.3, refresh: bool = False) -> dict:
+    target = Path(path) if path else cache_dir() / "packs"
+    target.mkdir(parents=True, exist_ok=True) if not target.exists() and not target.suffix else None
+    dev = os.stat(target).st_dev
+    saved = cache_dir() / "probes" / f"dev-{dev}.json"
+    if saved.exists() and not refresh:
+        return json.loads(saved.read_text())
+    res = probe_disk(target, seconds_per_point=seconds_per_point)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    tmp = saved.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res))
+    tmp.replace(saved)
+    return res
+
+
+def read_size(pack) -> int:
+    """The size of one read that brings in (part of) an expert in this pack's layout."""
+    return max(n for _, n in pack.expert_reads(pack.spec.moe_layers[0], 0))
+
+
+def floor_tok_s(pack, compute_s_per_token: float, bytes_per_token: float, disk: dict) -> dict:
+    bw = bandwidth_at(disk, read_size(pack))
+    read_s = bytes_per_token / bw
+    floor = max(compute_s_per_token, read_s)
+    return {"floor_tok_s": 1.0 / floor if floor > 0 else float("inf"), "floor_read_s_per_token": read_s,
+            "floor_compute_s_per_token": compute_s_per_token, "disk_bw_at_read_size": bw}

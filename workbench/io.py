@@ -1,0 +1,286 @@
+"""Stream byte ranges (MoE expert weights) from an on-disk pack file.
+
+`Reader` reads with O_DIRECT by default, so every byte comes from the disk and
+not from the page cache; `mode` says which path was actually taken.  Reads are
+`os.preadv` calls into 4096-aligned numpy buffers; `preadv` releases the GIL,
+so reads submitted to the thread pool overlap compute in other threads.
+
+`probe_disk` measures what the disk under a path delivers (MB/s and latency per
+read size and queue depth); `bandwidth_at` turns that into bytes/s for a size.
+MB here is 10**6 bytes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import errno
+import os
+import random
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+ALIGN = 4096
+KiB, MiB = 1024, 1024 * 1024
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
+    """Uninitialised uint8 array of `nbytes` whose data address is a multiple of `align`."""
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes]
+
+
+def _align_out(offset: int, length: int) -> tuple[int, int]:
+    """The 4096-aligned range [start, end) covering [offset, offset + length)."""
+    return offset // ALIGN * ALIGN, -(-(offset + length) // ALIGN) * ALIGN
+
+
+class Reader:
+    """Positional reader of one file; safe to use from many threads."""
+
+    def __init__(self, path, direct: bool = True, workers: int = 4):
+        self.path = os.fspath(path)
+        self.workers = workers
+        self._direct = False
+        self.fd = self._open_direct() if direct else -1
+        if self.fd < 0:
+            self.fd = os.open(self.path, os.O_RDONLY)
+        self.mode = "o_direct" if self._direct else "page-cache"
+        self._lock = threading.Lock()
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self.bytes_read = 0
+        self.reads = 0
+        self.merged = 0
+        self.read_s = 0.0
+
+    def _open_direct(self) -> int:
+        """O_DIRECT fd, or -1 if the filesystem refuses O_DIRECT (EINVAL)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            return -1
+        # Some filesystems accept the open flag and only refuse the read itself.
+        try:
+            os.preadv(fd, [aligned_empty(ALIGN)], 0)
+        except OSError as e:
+            os.close(fd)
+            if e.errno != errno.EINVAL:
+                raise
+            return -1
+        self._direct = True
+        return fd
+
+    # -- reading ---------------------------------------------------------------
+
+    def _pread(self, buf: np.ndarray, pos: int, need: int) -> int:
+        """Fill `buf` from file offset `pos` until at least `need` bytes arrived.
+
+        Returns the byte count, which is below `need` only at end of file.
+        """
+        mv = memoryview(buf)
+        got = calls = 0
+        t0 = time.perf_counter()
+        while got < need:
+            n = os.preadv(self.fd, [mv[got:]], pos + got)
+            calls += 1
+            if n == 0:
+                break
+            got += n
+            # An O_DIRECT short read that ends off a block boundary is EOF; reading
+            # on from there would be misaligned (EINVAL).
+            if self._direct and got % ALIGN:
+                break
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.reads += calls
+            self.bytes_read += got
+            self.read_s += dt
+        return got
+
+    def _eof_error(self, offset: int, length: int, file_end: int) -> EOFError:
+        return EOFError(f"{self.path}: read past end of file: offset={offset} "
+                        f"length={length}, file ends at byte {file_end}")
+
+    def read(self, offset: int, length: int) -> np.ndarray:
+        """The `length` bytes at `offset` (a view into an aligned buffer)."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"bad range offset={offset} length={length}")
+        if length == 0:
+            return np.empty(0, dtype=np.uint8)
+        start, end = _align_out(offset, length)
+        buf = aligned_empty(end - start)
+        got = self._pread(buf, start, offset + length - start)
+        if got < offset + length - start:
+            raise self._eof_error(offset, length, start + got)
+        return buf[offset - start:offset - start + length]
+
+    def submit(self, requests, merge_gap: int = 0) -> dict:
+        """Read `(key, offset, length)` requests on the worker pool.
+
+        Requests whose aligned ranges overlap or are at most `merge_gap` bytes
+        apart share one preadv.  Returns {key: Future resolving to the bytes}.
+        """
+        futures, spans = {}, []
+        for key, offset, length in requests:
+            if key in futures:
+                raise ValueError(f"duplicate key {key!r}")
+            if offset < 0 or length < 0:
+                raise ValueError(f"bad range for {key!r}: offset={offset} length={length}")
+            futures[key] = cf.Future()
+            spans.append((*_align_out(offset, length), key, offset, length))
+        spans.sort(key=lambda s: (s[0], s[1]))
+
+        groups = []  # [start, end, [(key, offset, length), ...]]
+        for start, end, key, offset, length in spans:
+            if groups and start <= groups[-1][1] + merge_gap:
+                groups[-1][1] = max(groups[-1][1], end)
+                groups[-1][2].append((key, offset, length))
+            else:
+                groups.append([start, end, [(key, offset, length)]])
+        with self._lock:
+            self.merged += len(spans) - len(groups)
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="io-reader")
+        for start, end, members in groups:
+            self._pool.submit(self._run_group, start, end, members, futures)
+        return futures
+
+    def _run_group(self, start, end, members, futures):
+        live = [m for m in members if futures[m[0]].set_running_or_notify_cancel()]
+        if not live:
+            return
+        buf = aligned_empty(end - start)
+        try:
+            got = self._pread(buf, start, max(off + n for _, off, n in live) - start)
+        except BaseException as e:
+            for key, _, _ in live:
+                futures[key].set_exception(e)
+            return
+        # A short read (EOF) fails only the requests that reach past it.
+        for key, off, n in live:
+            if off + n <= start + got:
+                futures[key].set_result(buf[off - start:off - start + n])
+            else:
+                futures[key].set_exception(self._eof_error(off, n, start + got))
+
+    # -- bookkeeping -------------------------------------------------------------
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"path": self.path, "mode": self.mode, "bytes_read": self.bytes_read,
+                    "reads": self.reads, "merged": self.merged, "read_s": self.read_s}
+
+    def drop_cache(self) -> None:
+        """Evict the file from the page cache, so later buffered/mmap reads are cold."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)  # dirty pages are not evicted by DONTNEED
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# -- disk probe --------------------------------------------------------------------
+
+SCRATCH_BYTES = 64 * MiB
+
+
+def _write_scratch(directory: str) -> str:
+    fd, path = tempfile.mkstemp(prefix=".probe-", dir=directory)
+    try:
+        rng = np.random.default_rng()
+        for _ in range(SCRATCH_BYTES // (4 * MiB)):
+            os.write(fd, rng.bytes(4 * MiB))
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return path
+
+
+def _probe_point(reader: Reader, file_size: int, size: int, depth: int, seconds: float) -> dict:
+    blocks = (file_size - size) // ALIGN + 1
+    lat = [[] for _ in range(depth)]
+
+    def worker(i):
+        rnd = random.Random()
+        buf = aligned_empty(size)
+        deadline = time.perf_counter() + seconds
+        while True:  # at least one read, however small the budget
+            t0 = time.perf_counter()
+            reader._pread(buf, rnd.randrange(blocks) * ALIGN, size)
+            t1 = time.perf_counter()
+            lat[i].append(t1 - t0)
+            if t1 >= deadline:
+                return
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(depth)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    ms = np.concatenate([np.asarray(x) for x in lat]) * 1e3
+    return {"size": size, "depth": depth, "mb_s": len(ms) * size / elapsed / 1e6,
+            "lat_ms_p50": float(np.percentile(ms, 50)), "lat_ms_p99": float(np.percentile(ms, 99)),
+            "reads": len(ms)}
+
+
+def probe_disk(path, sizes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB), depths=(1, 2, 4, 8),
+               seconds_per_point: float = 0.3, direct: bool = True) -> dict:
+    """Random-read throughput and latency of the disk holding `path`.
+
+    Reads `path` itself if it is a file of at least 64 MiB, else a temporary
+    64 MiB scratch file written next to it (deleted afterwards).  Each point runs
+    `depth` threads of random aligned reads of `size` bytes for the time budget.
+    """
+    path = os.fspath(path)
+    scratch = None
+    if os.path.isfile(path) and os.path.getsize(path) >= SCRATCH_BYTES:
+        target = path
+    else:
+        scratch = target = _write_scratch(path if os.path.isdir(path) else os.path.dirname(path) or ".")
+    try:
+        with Reader(target, direct=direct) as reader:
+            if reader.mode == "page-cache":
+                reader.drop_cache()  # start cold; buffered reads still warm up as they go
+            file_size = os.path.getsize(target)
+            points = [_probe_point(reader, file_size, size, depth, seconds_per_point)
+                      for size in sizes if size <= file_size for depth in depths]
+            mode = reader.mode
+    finally:
+        if scratch:
+            os.unlink(scratch)
+    return {"path": path, "mode": mode, "points": points,
+            "best_mb_s": max((p["mb_s"] for p in points), default=0.0)}
+
+
+def bandwidth_at(probe: dict, size: int) -> float:
+    """Bytes/s for reads of `size`: best depth at the probed size nearest (in log scale)."""
+    points = probe["points"]
+    if not points:
+        raise ValueError("probe has no points")
+    nearest = min({p["size"] for p in points}, key=lambda s: abs(np.log(s / size)))
+    return max(p["mb_s"] for p in points if p["size"] == nearest) * 1e6

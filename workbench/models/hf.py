@@ -1,0 +1,174 @@
+"""Read a Hugging Face MoE checkpoint directory lazily: config.json + safetensors shards.
+
+Tensors are memory-mapped and read one at a time, so converting a checkpoint never
+holds it whole in RAM. Names are mapped to the workbench's canonical names:
+
+    embed, norm, lm_head
+    layers.{i}.attn_norm .q .k .v .o .q_bias .k_bias .v_bias .q_norm .k_norm .mlp_norm
+    layers.{i}.router .router_bias .shared.{gate,up,down} .shared_gate .dense.{gate,up,down}
+    experts: (layer, expert) -> gate (ff, d), up (ff, d), down (d, ff)
+
+(safetensors' numpy loader has no bfloat16, so the few lines of the file format are read here.)
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from workbench.spec import MoESpec, WorkbenchError, from_hf_config
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+           "I64": np.int64, "I32": np.int32}
+
+_LAYER = r"model\.layers\.(\d+)\."
+_RULES = [  # (regex, canonical template)
+    (r"model\.embed_tokens\.weight", "embed"),
+    (r"model\.norm\.weight", "norm"),
+    (r"lm_head\.weight", "lm_head"),
+    (_LAYER + r"input_layernorm\.weight", "layers.{0}.attn_norm"),
+    (_LAYER + r"post_attention_layernorm\.weight", "layers.{0}.mlp_norm"),
+    (_LAYER + r"self_attn\.([qkvo])_proj\.weight", "layers.{0}.{1}"),
+    (_LAYER + r"self_attn\.([qkv])_proj\.bias", "layers.{0}.{1}_bias"),
+    (_LAYER + r"self_attn\.([qk])_norm\.weight", "layers.{0}.{1}_norm"),
+    (_LAYER + r"(?:mlp|block_sparse_moe)\.gate\.weight", "layers.{0}.router"),
+    (_LAYER + r"mlp\.gate\.e_score_correction_bias", "layers.{0}.router_bias"),
+    (_LAYER + r"mlp\.shared_experts?\.(gate|up|down)_proj\.weight", "layers.{0}.shared.{1}"),
+    (_LAYER + r"mlp\.shared_expert_gate\.weight", "layers.{0}.shared_gate"),
+    (_LAYER + r"mlp\.(gate|up|down)_proj\.weight", "layers.{0}.dense.{1}"),
+]
+_EXPERT = re.compile(_LAYER + r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
+_FUSED = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)")
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+class Shard:
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                self.header = json.loads(f.read(n))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WorkbenchError(f"{path}: not a readable safetensors file ({e})") from None
+        self.header.pop("__metadata__", None)
+        self.base = 8 + n
+        self.size = path.stat().st_size
+        self._mm = None
+
+    def array(self, name: str, index: int | None = None) -> np.ndarray:
+        h = self.header[name]
+        start, end = h["data_offsets"]
+        if self.base + end > self.size:
+            raise WorkbenchError(f"{self.path}: truncated: tensor {name} ends at byte {self.base + end}, file has {self.size}")
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        raw = self._mm[self.base + start:self.base + end]
+        dt = _DTYPES.get(h["dtype"])
+        if dt is None:
+            raise WorkbenchError(f"{self.path}: tensor {name} has unsupported dtype {h['dtype']}")
+        a = raw.view(dt).reshape(h["shape"])
+        if index is not None:  # one slice of a fused (E, ...) tensor, converted alone
+            a = a[index]
+        return bf16_to_f32(a) if h["dtype"] == "BF16" else a.astype(np.float32)
+
+    def dtype(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
+
+class HFModel:
+    """A Hugging Face checkpoint directory, read lazily tensor by tensor."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        cfg_path = self.path / "config.json"
+        if not cfg_path.exists():
+            raise WorkbenchError(f"{cfg_path}: missing (not a Hugging Face model directory)")
+        try:
+            self.config = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise WorkbenchError(f"{cfg_path}: invalid JSON ({e})") from None
+        self.spec: MoESpec = from_hf_config(self.config, str(cfg_path))
+        self.shards = self._open_shards()
+        self.where: dict[str, tuple[Shard, str]] = {}       # canonical -> (shard, hf name)
+        self.experts: dict[tuple[int, int, str], tuple[Shard, str, int | None]] = {}
+        for shard in self.shards:
+            for name in shard.header:
+                self._index(shard, name)
+        self._check_complete()
+
+    def _open_shards(self) -> list[Shard]:
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            missing = [f for f in files if not (self.path / f).exists()]
+            if missing:
+                raise WorkbenchError(f"{index}: shard {missing[0]} is missing from {self.path}")
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not files:
+                raise WorkbenchError(f"{self.path}: no .safetensors files")
+        return [Shard(self.path / f) for f in files]
+
+    def _index(self, shard: Shard, name: str):
+        if m := _EXPERT.fullmatch(name):
+            self.experts[(int(m[1]), int(m[2]), _PART[m[3]])] = (shard, name, None)
+            return
+        if m := _FUSED.fullmatch(name):
+            layer, which = int(m[1]), m[2]
+            for e in range(self.spec.num_experts):
+                parts = ("gate", "up") if which == "gate_up_proj" else ("down",)
+                for i, p in enumerate(parts):
+                    self.experts[(layer, e, p)] = (shard, name, (e, i))
+            return
+        for pattern, template in _RULES:
+            if m := re.fullmatch(pattern, name):
+                self.where[template.format(*m.groups())] = (shard, name)
+                return
+
+    def _check_complete(self):
+        s = self.spec
+        need = ["embed", "norm"] + ([] if s.tie_word_embeddings else ["lm_head"])
+        for i in range(s.num_layers):
+            need += [f"layers.{i}.{n}" for n in ("attn_norm", "q", "k", "v", "o", "mlp_norm")]
+            need += [f"layers.{i}.router"] if i in s.moe_layers else [f"layers.{i}.dense.{p}" for p in ("gate", "up", "down")]
+        missing = [n for n in need if n not in self.where]
+        missing += [f"expert {k}" for i in s.moe_layers for e in range(s.num_experts)
+                    for k in [(i, e, p) for p in ("gate", "up", "down")] if k not in self.experts]
+        if missing:
+            raise WorkbenchError(f"{self.path}: checkpoint lacks {len(missing)} tensors, first: {missing[0]}")
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def tensor(self, name: str) -> np.ndarray:
+        shard, hf = self.where[name]
+        return shard.array(hf)
+
+    def tensor_shape(self, name: str) -> list[int]:
+        shard, hf = self.where[name]
+        return shard.header[hf]["shape"]
+
+    def source_dtype(self, name: str) -> str:
+        shard, hf = self.where[name]
+        return shard.dtype(hf)
+
+    def expert(self, layer: int, e: int) -> dict[str, np.ndarray]:
+        out = {}
+        ff = self.spec.moe_intermediate_size
+        for p in ("gate", "up", "down"):
+            shard, hf, fused = self.experts[(layer, e, p)]
+            if fused is None:
+                out[p] = shard.array(hf)
+            else:
+                # transformers v5 fuses experts: gate_up_proj (E, 2ff, d) with gate first; down_proj (E, d, ff)
+                full = shard.array(hf, index=fused[0])
+                out[p] = full[fused[1] * ff:(fused[1] + 1) * ff] if p != "down" else full
+        return out

@@ -1,0 +1,111 @@
+"""Predictors: which experts will a later layer use? Each returns {target layer: expert ids}.
+
+lookahead(depth, width)  layer L+depth's router, with its own input norm, applied to layer L's
+                         residual stream (LES: depth 1; smolmaxxing: depth 2); width k or 2k
+history                  the experts the previous token used at the next layer
+oracle                   the true routing, replayed from a trace of the same tokens (the bound)
+shuffled                 draws from each layer's marginal expert frequencies: no timing (a control)
+
+Predictions are made at decode only; prefill routes exactly and reads what it needs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from workbench.routing import topk_desc
+
+
+def _rms(x, w, eps):
+    return w * (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps))
+
+
+class Lookahead:
+    def __init__(self, spec, weights, depth: int = 1, width: str = "k"):
+        self.spec, self.w, self.depth = spec, weights, depth
+        self.width = spec.top_k * (2 if width == "2k" else 1)
+        self.moe = spec.moe_layers
+
+    def target(self, layer: int):
+        i = self.moe.index(layer) + self.depth
+        return self.moe[i] if i < len(self.moe) else None
+
+    def scores(self, layer: int, h: np.ndarray, target: int) -> np.ndarray:
+        p = f"layers.{target}."
+        x = _rms(h, self.w[p + "mlp_norm"], self.spec.rms_norm_eps)
+        return x @ self.w[p + "router"].T
+
+    def predict(self, layer: int, ctx) -> dict:
+        t = self.target(layer)
+        if t is None or ctx["phase"] != "decode":
+            return {}
+        logits = self.scores(layer, ctx["h"][-1:], t)
+        if self.spec.router == "sigmoid_group":
+            logits = logits + self.w.get(f"layers.{t}.router_bias", 0.0)
+        return {t: topk_desc(logits, self.width)[0].tolist()}
+
+
+class History:
+    """At layer L of token t, the experts token t-1 used at the next MoE layer."""
+
+    def __init__(self, spec):
+        self.moe, self.last = spec.moe_layers, {}
+
+    def predict(self, layer: int, ctx) -> dict:
+        self.last[layer] = np.unique(ctx["routed"][-1]).tolist()
+        i = self.moe.index(layer) + 1
+        if ctx["phase"] != "decode" or i >= len(self.moe) or self.moe[i] not in self.last:
+            return {}
+        return {self.moe[i]: self.last[self.moe[i]]}
+
+
+class Oracle:
+    """Replays a routing trace {(token index, layer): experts} captured from the same tokens."""
+
+    def __init__(self, spec, trace: dict, depth: int = 1):
+        self.moe, self.trace, self.depth = spec.moe_layers, trace, depth
+
+    def predict(self, layer: int, ctx) -> dict:
+        i = self.moe.index(layer) + self.depth
+        if ctx["phase"] != "decode" or i >= len(self.moe):
+            return {}
+        key = (ctx["engine"].token_index, self.moe[i])
+        return {self.moe[i]: self.trace[key]} if key in self.trace else {}
+
+
+class Shuffled:
+    """Keeps each layer's marginal expert frequencies (from the usage profile), not the timing."""
+
+    def __init__(self, spec, usage: dict, seed: int = 0):
+        self.moe, self.k = spec.moe_layers, spec.top_k
+        self.p = {L: np.asarray(c, np.float64) / max(1, sum(c)) for L, c in usage.items()}
+        self.rng = np.random.default_rng(seed)
+
+    def predict(self, layer: int, ctx) -> dict:
+        i = self.moe.index(layer) + 1
+        if ctx["phase"] != "decode" or i >= len(self.moe):
+            return {}
+        t = self.moe[i]
+        p = self.p[t]
+        k = min(self.k, int((p > 0).sum()))
+        return {t: self.rng.choice(len(p), size=k, replace=False, p=p).tolist()}
+
+
+def recall(predicted, routed) -> float:
+    """Fraction of the routed experts that were predicted."""
+    routed = set(map(int, routed))
+    return len(routed & set(map(int, predicted))) / max(1, len(routed))
+
+
+def make_predictor(name: str | None, spec, weights, usage=None, trace=None):
+    if not name:
+        return None
+    kind, *args = name.split(":")
+    if kind == "lookahead":
+        return Lookahead(spec, weights, depth=int(args[0]) if args else 1, width=args[1] if len(args) > 1 else "k")
+    if kind == "history":
+        return History(spec)
+    if kind == "oracle":
+        return Oracle(spec, trace or {})
+    if kind == "shuffled":
+        return Shuffled(spec, usage)
+    raise ValueError(f"predictor {name!r}: choose lookahead:DEPTH:k|2k, history, oracle or shuffled")

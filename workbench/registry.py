@@ -1,0 +1,72 @@
+"""Where models live: registered names, Hugging Face directories, packs, and the pack cache.
+
+`--model demo` is the demo model shipped in data/models/demo-moe. A Hugging Face directory is
+converted to a pack on first use (per layout and precision) under $WORKBENCH_CACHE/packs
+(default ~/.cache/moe-workbench); a pack path is used as it is.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from workbench.spec import WorkbenchError
+from workbench.store.pack import MAGIC, Pack, convert
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {"demo": REPO / "data" / "models" / "demo-moe"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "moe-workbench"))
+
+
+def is_pack(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(8) == MAGIC
+
+
+def model_dir(model: str) -> Path:
+    p = MODELS.get(model, Path(model))
+    if not p.exists():
+        known = ", ".join(MODELS)
+        raise WorkbenchError(f"{p}: no such model (a registered name: {known}; a Hugging Face directory; or a pack)")
+    return p
+
+
+def _fingerprint(d: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(d.glob("*")):
+        if f.suffix in (".json", ".safetensors"):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:12]
+
+
+def resolve_pack(model: str, layout: str, experts: str, rest: str, progress: bool = False) -> Path:
+    """A pack for this model and storage setting, converting (once) if needed."""
+    p = model_dir(model)
+    if is_pack(p):
+        return p
+    if p.is_file():
+        raise WorkbenchError(f"{p}: not an expert pack (bad magic) and not a model directory")
+    name = f"{p.name}-{_fingerprint(p)}-{layout}-{experts}-{rest}.pack"
+    dst = cache_dir() / "packs" / name
+    if not dst.exists():
+        convert(p, dst, layout=layout, experts=experts, rest=rest, progress=progress)
+    return dst
+
+
+def tokenizer_for(pack: Pack):
+    """The tokenizer: embedded in the pack's header, else tokenizer.json beside the source."""
+    from tokenizers import Tokenizer
+
+    text = pack.header.get("tokenizer")
+    if text:
+        return Tokenizer.from_str(text)
+    src = Path(pack.header["source"]["path"]) / "tokenizer.json"
+    if src.exists():
+        return Tokenizer.from_file(str(src))
+    return None

@@ -1,0 +1,96 @@
+"""Run records: runs/<utc-time>-<preset>-<id>/ with config, env, summary JSON and Parquet tables.
+
+Written into a temporary directory, every file fsynced, then renamed into place: a reader
+never sees half a record.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from workbench.registry import REPO
+
+
+def runs_dir() -> Path:
+    return Path(os.environ.get("WORKBENCH_RUNS", REPO / "runs"))
+
+
+def environment() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    pkgs = {}
+    for name in ("numpy", "pyarrow", "tokenizers", "streamlit", "llama-cpp-python", "mlx", "lm-eval", "torch"):
+        try:
+            pkgs[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    cpu = ""
+    try:
+        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"machine": platform.machine(), "system": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
+            "python": sys.version.split()[0], "packages": pkgs, "git_commit": commit}
+
+
+def _write(path: Path, data: bytes):
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _parquet(path: Path, rows: list[dict]):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    table = pa.Table.from_pylist(rows) if rows else pa.table({})
+    pq.write_table(table, path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def write_run(preset: str, config: dict, summary: dict, layers: list[dict], events: list[dict],
+              tokens: list[dict] | None = None, root: Path | None = None) -> Path:
+    root = root or runs_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{preset}-{secrets.token_hex(3)}"
+    tmp = root / f".{name}.tmp"
+    tmp.mkdir()
+    dumps = lambda o: (json.dumps(o, indent=1, default=str) + "\n").encode()
+    _write(tmp / "config.json", dumps(config))
+    _write(tmp / "env.json", dumps(environment()))
+    _write(tmp / "summary.json", dumps(summary))
+    _parquet(tmp / "layers.parquet", layers)
+    _parquet(tmp / "events.parquet", events)
+    if tokens is not None:
+        _parquet(tmp / "tokens.parquet", tokens)
+    final = root / name
+    os.replace(tmp, final)
+    return final
+
+
+def read_run(path) -> dict:
+    import pyarrow.parquet as pq
+    p = Path(path)
+    out = {k: json.loads((p / f"{k}.json").read_text()) for k in ("config", "env", "summary")}
+    for k in ("layers", "events", "tokens"):
+        if (p / f"{k}.parquet").exists():
+            out[k] = pq.read_table(p / f"{k}.parquet").to_pylist()
+    return out
+
+
+def list_runs(root: Path | None = None) -> list[Path]:
+    root = root or runs_dir()
+    if not root.exists():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / "summary.json").exists())

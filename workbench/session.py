@@ -1,0 +1,196 @@
+"""A Session: one model, one preset, one budget, wired up and ready to generate.
+
+    with Session("demo", "les", budget="0.25") as s:
+        out = s.generate("Once upon a time", tokens=60)
+        print(out["text"], s.summary()["tok_s"])
+"""
+from __future__ import annotations
+
+import json
+import resource
+import time
+
+import numpy as np
+
+from engines import load_engine
+from workbench.cache import ExpertCache, parse_budget
+from workbench.io import Reader
+from workbench.predict import make_predictor
+from workbench.presets import Preset, get_preset
+from workbench.registry import cache_dir, resolve_pack, tokenizer_for
+from workbench.routing import route
+from workbench.schedule import ExpertStreamer
+from workbench.spec import WorkbenchError
+from workbench.store.pack import Pack
+from workbench.telemetry import Telemetry, TokenRecord
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Session:
+    def __init__(self, model: str = "demo", preset: str | Preset = "on_demand", budget: str | None = None,
+                 engine: str = "numpy", direct: bool = True, workers: int = 4, progress: bool = False,
+                 trace: dict | None = None, **overrides):
+        self.preset = preset if isinstance(preset, Preset) else get_preset(preset)
+        if overrides:
+            self.preset = self.preset.with_(**overrides)
+        p = self.preset
+        self.model = model
+        self.pack_path = resolve_pack(model, p.layout, p.experts, p.rest, progress=progress)
+        self.pack = Pack(self.pack_path)
+        self.spec = self.pack.spec
+        self.tokenizer = tokenizer_for(self.pack)
+        s = self.spec
+        self.item_bytes = 4 * sum(int(np.prod(v)) for v in self.pack.expert_shapes.values())  # f32 in memory
+        self.all_expert_bytes = self.item_bytes * self.pack.num_expert_total
+        self.budget_text = str(budget if budget is not None else p.budget)
+        self.budget_bytes = parse_budget(self.budget_text, self.all_expert_bytes)
+        self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache_policy,
+                                 scope=p.cache_scope, min_slots_per_layer=s.top_k)
+        self.reader = Reader(self.pack_path, direct=direct, workers=workers)
+        self.tel = Telemetry(s.num_layers)
+        self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution)
+        self.engine = load_engine(engine, self.pack, self.streamer, self.tel)
+        w = self.engine.w
+        usage = self.usage() if (p.warm or (p.predictor or "").startswith("shuffled")) else None
+        self.engine.predictor = make_predictor(p.predictor, s, w, usage=usage, trace=trace)
+        self.engine.router_hook = self._router_hook()
+        self.reader_bytes0 = 0
+        if self.budget_bytes >= self.all_expert_bytes:
+            self.streamer.load_resident([(L, e) for L in s.moe_layers for e in range(s.num_experts)])
+        elif p.warm:
+            self.warm_start(usage)
+        self.reader_bytes0 = self.reader.bytes_read
+
+    # ------------------------------------------------------------ setup helpers
+
+    def _router_hook(self):
+        r = self.preset.routing
+        if r == "exact":
+            return None
+        if r.startswith("cache_bias:"):
+            beta = float(r.split(":", 1)[1])
+            spec, cache, w = self.spec, self.cache, self.engine.w
+
+            def biased(layer, logits, ctx):
+                bias = np.zeros(spec.num_experts, np.float32)
+                for (L, e) in cache.keys(layer):
+                    v = cache.peek((L, e))
+                    if L == layer and v is not None and not hasattr(v, "done"):
+                        bias[e] = beta
+                return route(spec, logits, w.get(f"layers.{layer}.router_bias"), bias=bias)
+            return biased
+        raise WorkbenchError(f"routing {r!r}: choose exact or cache_bias:BETA")
+
+    def usage(self) -> dict:
+        """Expert use per layer on held-out text (TinyStories validation), cached per pack."""
+        path = cache_dir() / "profiles" / f"{self.pack.content_id()}.json"
+        if path.exists():
+            return {int(k): v for k, v in json.loads(path.read_text()).items()}
+        from workbench.textdata import heldout_ids
+        counts = usage_profile(self.pack_path, heldout_ids(self.tokenizer, "tinystories", 512))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(counts))
+        tmp.replace(path)
+        return counts
+
+    def warm_start(self, usage: dict):
+        """Fill each layer's pool (or the global cache, evenly) with its most-used experts."""
+        s = self.spec
+        per_layer = min(self.cache.capacity.values()) if self.preset.cache_scope == "per_layer" \
+            else self.cache.capacity[s.moe_layers[0]] // len(s.moe_layers)
+        keys = [(L, int(e)) for L in s.moe_layers for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per_layer]]
+        self.streamer.load_resident(keys, pin=False)
+
+    # ------------------------------------------------------------ running
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise WorkbenchError(f"{self.pack_path}: the model has no tokenizer; pass token ids")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(map(int, ids))) if self.tokenizer else " ".join(map(str, ids))
+
+    def step(self, ids, phase: str) -> np.ndarray:
+        """One forward of `ids`; appends a TokenRecord whose time split adds up to its wall time."""
+        e, tel = self.engine, self.tel
+        n_ev, dense0, bytes0 = len(tel.events), e.dense_compute_s, self.reader.bytes_read
+        t0 = time.perf_counter()
+        logits = e.forward(ids, phase)
+        wall = time.perf_counter() - t0
+        evs = tel.events[n_ev:]
+        compute = (e.dense_compute_s - dense0) + sum(v.compute_s for v in evs)
+        router = sum(v.router_s for v in evs)
+        dq = sum(v.dequant_s for v in evs)
+        wait = sum(v.wait_s for v in evs)
+        hits = sum(sum(v.hit) for v in evs)
+        misses = sum(len(v.hit) for v in evs) - hits
+        tel.add_token(TokenRecord(token=e.token_index, phase=phase, n_tokens=len(ids), wall_s=wall, compute_s=compute,
+                                  router_s=router, dequant_s=dq, flash_wait_s=wait,
+                                  other_s=max(0.0, wall - compute - router - dq - wait), hits=hits, misses=misses,
+                                  bytes_read=self.reader.bytes_read - bytes0, cache_bytes=self.cache.bytes))
+        return logits
+
+    def generate(self, prompt, tokens: int = 32, stop_at_eos: bool = False, on_token=None) -> dict:
+        """Greedy decoding. prompt: text or token ids. on_token(session, token_id, text_so_far) after each token."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise WorkbenchError("empty prompt")
+        self.engine.reset()
+        self.engine.token_index = 0
+        logits = self.step(ids, "prefill")
+        out = []
+        for i in range(tokens):
+            nxt = int(np.argmax(logits[-1]))
+            out.append(nxt)
+            if on_token:
+                self.tel.tokens[-1].text = self.decode(out)
+                on_token(self, nxt, self.tel.tokens[-1].text)
+            if (stop_at_eos and nxt == self.spec.eos_token_id) or i == tokens - 1:
+                break
+            self.engine.token_index = i + 1
+            logits = self.step([nxt], "decode")
+        text = self.decode(out)
+        return {"text": text, "tokens": out, "prompt_tokens": len(ids), "tok_s": self.tel.summary()["tok_s"]}
+
+    def summary(self) -> dict:
+        s = self.tel.summary()
+        s.update(cache_bytes=self.cache.bytes, cache_peak_bytes=self.cache.peak_bytes, budget_bytes=self.budget_bytes,
+                 peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode, per_layer=self.tel.per_layer("decode"),
+                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes)
+        return s
+
+    def config(self) -> dict:
+        return {"model": self.model, "pack": str(self.pack_path), "pack_id": self.pack.content_id(),
+                "engine": self.engine.name, "preset": self.preset.to_dict(), "budget": self.budget_text,
+                "budget_bytes": self.budget_bytes, "reader_mode": self.reader.mode, "spec": self.spec.to_dict()}
+
+    def close(self):
+        self.reader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.close()
+
+
+def usage_profile(pack_path, ids: list[int]) -> dict:
+    """Count expert use per layer over `ids` (one prefill, every expert resident, exact routing)."""
+    pack = Pack(pack_path)
+    counts = {L: [0] * pack.spec.num_experts for L in pack.spec.moe_layers}
+    with Session(str(pack_path), "resident") as s:
+        s.engine.router_hook = None
+
+        def counting(layer, logits, ctx):
+            idx, w = route(s.spec, logits, s.engine.w.get(f"layers.{layer}.router_bias"))
+            for e in idx.reshape(-1):
+                counts[layer][int(e)] += 1
+            return idx, w
+        s.engine.router_hook = counting
+        s.step(ids, "prefill")
+    return counts

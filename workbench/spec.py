@@ -1,0 +1,129 @@
+"""MoESpec: everything the engine needs to know about a decoder-only MoE model.
+
+One spec covers the supported families; `from_hf_config` reads a Hugging Face
+config.json and refuses, with a clear message, what it cannot run.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+class WorkbenchError(Exception):
+    """A user-facing error: one line naming the file and the problem (CLI exit code 2)."""
+
+
+@dataclass
+class MoESpec:
+    family: str                      # qwen3_moe | qwen2_moe | olmoe | mixtral | dots1
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    router: str = "softmax_topk"     # softmax_topk | sigmoid_group
+    norm_topk_prob: bool = True
+    n_group: int = 1                 # sigmoid_group: experts split into groups,
+    topk_group: int = 1              # the best topk_group groups survive (ranked by their top-2 sum)
+    routed_scaling_factor: float = 1.0
+    qk_norm: str = "none"            # none | head (Qwen3: RMSNorm per head) | full (OLMoE: over all heads)
+    attention_bias: bool = False
+    clip_qkv: float | None = None
+    shared_expert_size: int = 0      # intermediate size of the always-on shared expert(s), 0 = none
+    shared_expert_gate: bool = False # Qwen2-MoE scales the shared expert by sigmoid(gate(x))
+    dense_layers: list[int] = field(default_factory=list)  # layers with a dense MLP instead of experts
+    dense_intermediate_size: int = 0
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i not in self.dense_layers]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoESpec":
+        return cls(**d)
+
+
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "dots1")
+
+
+def _rope_theta(cfg: dict) -> float:
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
+        raise ValueError(f"rope type {rp.get('rope_type')!r} is not supported")
+    return float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _first(x):
+    return x[0] if isinstance(x, list) else x
+
+
+def from_hf_config(cfg: dict, where: str = "config.json") -> MoESpec:
+    family = cfg.get("model_type")
+    if family not in SUPPORTED:
+        raise WorkbenchError(f"{where}: model_type {family!r} is not a supported MoE family ({', '.join(SUPPORTED)})")
+    try:
+        heads = cfg["num_attention_heads"]
+        common = dict(
+            family=family, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rope_theta=_rope_theta(cfg), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            bos_token_id=_first(cfg.get("bos_token_id")), eos_token_id=_first(cfg.get("eos_token_id")),
+        )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+        if family == "qwen3_moe":
+            step = cfg.get("decoder_sparse_step", 1)
+            dense = [i for i in range(common["num_layers"])
+                     if i in cfg.get("mlp_only_layers", []) or not (cfg.get("num_experts", 0) > 0 and (i + 1) % step == 0)]
+            return MoESpec(**common, num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                           moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=cfg.get("norm_topk_prob", True),
+                           qk_norm="head", attention_bias=bool(cfg.get("attention_bias", False)),
+                           dense_layers=dense, dense_intermediate_size=cfg.get("intermediate_size", 0))
+        if family == "qwen2_moe":
+            step = cfg.get("decoder_sparse_step", 1)
+            dense = [i for i in range(common["num_layers"])
+                     if i in cfg.get("mlp_only_layers", []) or not (cfg.get("num_experts", 0) > 0 and (i + 1) % step == 0)]
+            return MoESpec(**common, num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                           moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=cfg.get("norm_topk_prob", False),
+                           attention_bias=bool(cfg.get("qkv_bias", True)),
+                           shared_expert_size=cfg.get("shared_expert_intermediate_size", 0), shared_expert_gate=True,
+                           dense_layers=dense, dense_intermediate_size=cfg.get("intermediate_size", 0))
+        if family == "olmoe":
+            return MoESpec(**common, num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                           moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=cfg.get("norm_topk_prob", False),
+                           qk_norm="full", attention_bias=bool(cfg.get("attention_bias", False)), clip_qkv=cfg.get("clip_qkv"))
+        if family == "mixtral":
+            return MoESpec(**common, num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                           moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+        # dots1: Qwen3 attention with the DeepSeek-V3 sigmoid-group router and shared experts.
+        if cfg.get("use_sliding_window") or any(t != "full_attention" for t in (cfg.get("layer_types") or [])):
+            raise ValueError("sliding-window attention layers are not supported")
+        n_exp = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+        return MoESpec(**common, num_experts=n_exp, top_k=cfg["num_experts_per_tok"],
+                       moe_intermediate_size=cfg["moe_intermediate_size"], router="sigmoid_group",
+                       norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), n_group=cfg.get("n_group") or 1,
+                       topk_group=cfg.get("topk_group") or 1, routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+                       qk_norm="head", attention_bias=bool(cfg.get("attention_bias", False)),
+                       shared_expert_size=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"],
+                       dense_layers=list(range(cfg.get("first_k_dense_replace") or 0)),
+                       dense_intermediate_size=cfg.get("intermediate_size", 0))
+    except KeyError as e:
+        raise WorkbenchError(f"{where}: missing field {e.args[0]!r} for model_type {family!r}") from None
+    except ValueError as e:
+        raise WorkbenchError(f"{where}: {e}") from None

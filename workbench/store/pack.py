@@ -1,0 +1,259 @@
+"""The expert pack: one file, a JSON header, non-expert tensors, then per-layer expert regions.
+
+    bytes 0-7    b"MOEPACK\\0"
+    bytes 8-11   format version (u32 little-endian)
+    bytes 12-19  header length (u64)
+    header       UTF-8 JSON: source, spec, layout, quant, tensors, experts (offsets, sizes, crc32)
+    data         from the first 4 KiB boundary after the header
+
+Layouts:
+  contiguous  one expert's gate|up|down adjacent, a layer's experts adjacent, each expert 4 KiB
+              aligned and padded, so one expert is one read and neighbours merge into one.
+  native      the projections in separate regions per layer (all gates, all ups, all downs), as
+              in the source checkpoint: one expert is three scattered reads.
+
+Every tensor and every expert carries a crc32; the reader checks it on every load.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from workbench.spec import MoESpec, WorkbenchError
+from workbench.store import quant
+
+MAGIC = b"MOEPACK\0"
+FORMAT = 1
+ALIGN = 4096
+PARTS = ("gate", "up", "down")
+EXPERT_KINDS = ("q2", "q3", "q4", "q8", "bf16")
+REST_KINDS = ("q4", "q8", "bf16")
+
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _crc(buf) -> str:
+    return f"{zlib.crc32(buf) & 0xFFFFFFFF:08x}"
+
+
+def tensor_kind(name: str, shape: tuple, rest: str) -> str:
+    """Quantize matrices; keep norms, biases and the router (it decides routing) in f32."""
+    if len(shape) != 2 or name.endswith(("router", "shared_gate")):
+        return "f32"
+    return rest if rest == "bf16" or shape[1] % quant.GROUP == 0 else "bf16"
+
+
+def expert_kind(shape: tuple, experts: str) -> str:
+    return experts if experts == "bf16" or shape[1] % quant.GROUP == 0 else "bf16"
+
+
+# f32 (norms, biases, the router) is stored raw and may be any rank; the rest goes through the codecs.
+def _encode(a: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "f32":
+        return np.ascontiguousarray(a, dtype=np.float32).reshape(-1).view(np.uint8)
+    return quant.encode(np.asarray(a, dtype=np.float32), kind)
+
+
+def _decode(buf: np.ndarray, shape: tuple, kind: str) -> np.ndarray:
+    if kind == "f32":
+        return buf.view(np.float32).reshape(shape)
+    return quant.decode(buf, shape, kind)
+
+
+def _nbytes(shape: tuple, kind: str) -> int:
+    return 4 * int(np.prod(shape)) if kind == "f32" else quant.encoded_nbytes(shape, kind)
+
+
+# ---------------------------------------------------------------- writing
+
+def _plan(model, layout: str, experts: str, rest: str, data_start: int):
+    s = model.spec
+    d, ff = s.hidden_size, s.moe_intermediate_size
+    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    kinds = {p: expert_kind(shapes[p], experts) for p in PARTS}
+    sizes = {p: _nbytes(shapes[p], kinds[p]) for p in PARTS}
+    off = data_start
+    tensors = {}
+    for name in model.names():
+        shape = tuple(model.tensor_shape(name))
+        kind = tensor_kind(name, shape, rest)
+        n = _nbytes(shape, kind)
+        tensors[name] = {"offset": off, "nbytes": n, "shape": list(shape), "kind": kind, "crc32": "0" * 8}
+        off = _align(off + n)
+    layers = {}
+    for i in s.moe_layers:
+        entries = [{"parts": {}, "crc32": "0" * 8} for _ in range(s.num_experts)]
+        if layout == "contiguous":
+            for ent in entries:
+                start = off
+                for p in PARTS:
+                    ent["parts"][p] = [off, sizes[p]]
+                    off += sizes[p]
+                off = _align(off)
+                ent["span"] = [start, off - start]
+        else:
+            for p in PARTS:
+                for ent in entries:
+                    ent["parts"][p] = [off, sizes[p]]
+                    off = _align(off + sizes[p])
+        layers[str(i)] = entries
+    expert_info = {"shapes": {p: list(shapes[p]) for p in PARTS}, "kinds": kinds, "nbytes": sum(sizes.values()),
+                   "layers": layers}
+    return tensors, expert_info, off
+
+
+def _header_bytes(header: dict) -> bytes:
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str = "q4", progress: bool = False) -> Path:
+    """Stream a checkpoint into a pack at dst, atomically (temp name, fsync, rename)."""
+    from workbench.models.hf import HFModel
+
+    if layout not in ("contiguous", "native"):
+        raise WorkbenchError(f"--layout {layout!r}: choose contiguous or native")
+    if experts not in EXPERT_KINDS:
+        raise WorkbenchError(f"--experts {experts!r}: choose one of {', '.join(EXPERT_KINDS)}")
+    if rest not in REST_KINDS:
+        raise WorkbenchError(f"--rest {rest!r}: choose one of {', '.join(REST_KINDS)}")
+    model = src if hasattr(src, "spec") else HFModel(src)
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    header = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "source": {"path": str(Path(model.path).resolve()), "config_sha256":
+                         hashlib.sha256((Path(model.path) / "config.json").read_bytes()).hexdigest()},
+              "spec": model.spec.to_dict(), "layout": layout, "quant": {"experts": experts, "rest": rest}}
+    tok = Path(model.path) / "tokenizer.json"
+    if tok.exists():  # carried in the header so a pack is self-contained
+        header["tokenizer"] = tok.read_text(encoding="utf-8")
+    data_start = ALIGN
+    while True:  # the header's length depends on the offsets it records: iterate to a fixed point
+        tensors, expert_info, end = _plan(model, layout, experts, rest, data_start)
+        header.update(tensors=tensors, experts=expert_info, file_size=end)
+        need = _align(20 + len(_header_bytes(header)))
+        if need == data_start:
+            break
+        data_start = need
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.truncate(end)
+            for name, t in tensors.items():
+                buf = _encode(model.tensor(name), t["kind"])
+                t["crc32"] = _crc(buf)
+                f.seek(t["offset"])
+                f.write(buf)
+            layers = expert_info["layers"]
+            items = [(int(i), e) for i in layers for e in range(model.spec.num_experts)]
+            bar = _progress(items, progress, "experts")
+            for i, e in bar:
+                w = model.expert(i, e)
+                ent = layers[str(i)][e]
+                crc = 0
+                for p in PARTS:
+                    buf = _encode(w[p], expert_info["kinds"][p])
+                    crc = zlib.crc32(buf, crc)
+                    f.seek(ent["parts"][p][0])
+                    f.write(buf)
+                ent["crc32"] = f"{crc & 0xFFFFFFFF:08x}"
+            hb = _header_bytes(header)
+            f.seek(0)
+            f.write(MAGIC + struct.pack("<IQ", FORMAT, len(hb)) + hb)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return dst
+
+
+def _progress(items, on: bool, what: str):
+    if not on:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=f"converting {what}", unit="expert")
+
+
+# ---------------------------------------------------------------- reading
+
+class Pack:
+    """An expert pack opened for reading: header parsed and checked against the file."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                pre = f.read(20)
+                if len(pre) < 20 or pre[:8] != MAGIC:
+                    raise WorkbenchError(f"{self.path}: not an expert pack (bad magic)")
+                version, n = struct.unpack("<IQ", pre[8:])
+                if version > FORMAT:
+                    raise WorkbenchError(f"{self.path}: pack format {version} is newer than this workbench reads ({FORMAT}); "
+                                         f"upgrade the workbench or re-convert")
+                self.header = json.loads(f.read(n))
+        except OSError as e:
+            raise WorkbenchError(f"{self.path}: cannot read ({e.strerror})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise WorkbenchError(f"{self.path}: header is not valid JSON (corrupt pack)") from None
+        h = self.header
+        size = self.path.stat().st_size
+        if size < h["file_size"]:
+            raise WorkbenchError(f"{self.path}: truncated: {size} bytes, header says {h['file_size']}")
+        self.spec = MoESpec.from_dict(h["spec"])
+        self.layout = h["layout"]
+        self.quant = h["quant"]
+        self.tensors = h["tensors"]
+        ex = h["experts"]
+        self.expert_shapes = {p: tuple(ex["shapes"][p]) for p in PARTS}
+        self.expert_kinds = ex["kinds"]
+        self.expert_nbytes = ex["nbytes"]           # on-disk bytes of one expert (unpadded)
+        self.expert_layers = {int(k): v for k, v in ex["layers"].items()}
+        self.num_expert_total = sum(len(v) for v in self.expert_layers.values())
+
+    @property
+    def total_expert_bytes(self) -> int:
+        return self.expert_nbytes * self.num_expert_total
+
+    def content_id(self) -> str:
+        return hashlib.sha256(_header_bytes(self.header)).hexdigest()[:16]
+
+    def tensor(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        with open(self.path, "rb") as f:
+            f.seek(t["offset"])
+            buf = np.frombuffer(f.read(t["nbytes"]), dtype=np.uint8)
+        if _crc(buf) != t["crc32"]:
+            raise WorkbenchError(f"{self.path}: checksum mismatch in tensor {name} (corrupt pack)")
+        return _decode(buf, tuple(t["shape"]), t["kind"])
+
+    def expert_reads(self, layer: int, e: int) -> list[tuple[int, int]]:
+        """The (offset, length) reads that bring in one expert: one for contiguous, three for native."""
+        ent = self.expert_layers[layer][e]
+        if "span" in ent:
+            return [tuple(ent["span"])]
+        return [tuple(ent["parts"][p]) for p in PARTS]
+
+    def decode_expert(self, layer: int, e: int, chunks: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """chunks: the bytes of expert_reads(layer, e), in order. Checks the crc, returns f32 matrices."""
+        ent = self.expert_layers[layer][e]
+        if "span" in ent:
+            base = ent["span"][0]
+            parts = {p: chunks[0][o - base:o - base + n] for p, (o, n) in ent["parts"].items()}
+        else:
+            parts = dict(zip(PARTS, chunks))
+        crc = 0
+        for p in PARTS:
+            crc = zlib.crc32(parts[p], crc)
+        if f"{crc & 0xFFFFFFFF:08x}" != ent["crc32"]:
+            raise WorkbenchError(f"{self.path}: checksum mismatch in expert {e} of layer {layer} (corrupt pack)")
+        return {p: _decode(parts[p], self.expert_shapes[p], self.expert_kinds[p]) for p in PARTS}

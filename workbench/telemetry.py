@@ -1,0 +1,141 @@
+"""Telemetry: one event per (token, layer), one record per token, and their aggregates.
+
+The per-token time split adds up to wall time by construction:
+compute + router + dequant + flash_wait + other == wall, where `other` is what is left.
+Live views read `ring` (a bounded deque the engine appends to) and `tokens`.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class LayerEvent:
+    token: int                  # index of the generated token (prefill: -1)
+    layer: int
+    phase: str                  # prefill | decode
+    routed: list[int]           # distinct experts the layer used
+    predicted: list[int]        # experts the predictor named for this layer (prefetched)
+    hit: list[bool]             # per routed expert: already in memory when the layer asked
+    bytes_read: int = 0         # bytes the reader transferred for this layer's misses
+    wait_s: float = 0.0         # compute thread blocked on reads (flash wait)
+    dequant_s: float = 0.0      # the part of the blocked time spent dequantizing
+    compute_s: float = 0.0
+    router_s: float = 0.0
+    t_start: float = 0.0
+    t_end: float = 0.0
+
+
+@dataclass
+class TokenRecord:
+    token: int
+    phase: str
+    n_tokens: int               # tokens processed in this forward (prefill: prompt length)
+    wall_s: float
+    compute_s: float
+    router_s: float
+    dequant_s: float
+    flash_wait_s: float
+    other_s: float
+    hits: int
+    misses: int
+    bytes_read: int
+    cache_bytes: int
+    text: str = ""
+
+
+@dataclass
+class Telemetry:
+    num_layers: int
+    ring_size: int = 4096
+    events: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    wasted_bytes: int = 0
+
+    def __post_init__(self):
+        self.ring = deque(maxlen=self.ring_size)
+        self.lock = threading.Lock()
+
+    def add_event(self, ev: LayerEvent):
+        with self.lock:
+            self.events.append(ev)
+            self.ring.append(ev)
+
+    def add_token(self, rec: TokenRecord):
+        with self.lock:
+            self.tokens.append(rec)
+
+    # ------------------------------------------------------------ aggregates
+
+    def per_layer(self, phase: str | None = "decode") -> list[dict]:
+        rows = {}
+        for ev in self.events:
+            if phase and ev.phase != phase:
+                continue
+            r = rows.setdefault(ev.layer, dict(layer=ev.layer, hits=0, misses=0, bytes_read=0, wait_s=0.0,
+                                               compute_s=0.0, predicted=0, predicted_used=0, routed=0))
+            h = sum(ev.hit)
+            r["hits"] += h
+            r["misses"] += len(ev.hit) - h
+            r["bytes_read"] += ev.bytes_read
+            r["wait_s"] += ev.wait_s
+            r["compute_s"] += ev.compute_s
+            used = len(set(ev.predicted) & set(ev.routed))
+            r["predicted"] += len(ev.predicted)
+            r["predicted_used"] += used
+            r["routed"] += len(ev.routed)
+        out = []
+        for L in sorted(rows):
+            r = rows[L]
+            r["hit_rate"] = r["hits"] / max(1, r["hits"] + r["misses"])
+            r["recall"] = r["predicted_used"] / r["routed"] if r["predicted"] else None
+            r["precision"] = r["predicted_used"] / r["predicted"] if r["predicted"] else None
+            out.append(r)
+        return out
+
+    def summary(self) -> dict:
+        dec = [t for t in self.tokens if t.phase == "decode"]
+        pre = [t for t in self.tokens if t.phase == "prefill"]
+        layers = self.per_layer("decode")
+        hits = sum(r["hits"] for r in layers)
+        misses = sum(r["misses"] for r in layers)
+        routed = sum(r["routed"] for r in layers)
+        predicted = sum(r["predicted"] for r in layers)
+        used = sum(r["predicted_used"] for r in layers)
+        wall = sum(t.wall_s for t in dec)
+        s = dict(
+            tokens=len(dec),
+            tok_s=len(dec) / wall if wall > 0 else 0.0,
+            prefill_tokens=sum(t.n_tokens for t in pre),
+            prefill_tok_s=sum(t.n_tokens for t in pre) / max(1e-12, sum(t.wall_s for t in pre)) if pre else 0.0,
+            hit_rate=hits / max(1, hits + misses),
+            hits=hits, misses=misses,
+            bytes_read=sum(t.bytes_read for t in dec),
+            bytes_read_per_token=sum(t.bytes_read for t in dec) / max(1, len(dec)),
+            decode_s=wall,
+            flash_wait_s=sum(t.flash_wait_s for t in dec),
+            dequant_s=sum(t.dequant_s for t in dec),
+            compute_s=sum(t.compute_s for t in dec),
+            router_s=sum(t.router_s for t in dec),
+            other_s=sum(t.other_s for t in dec),
+            prefetch_recall=used / routed if predicted else None,
+            prefetch_precision=used / predicted if predicted else None,
+            prefetch_issued=self.prefetch_issued, prefetch_used=self.prefetch_used,
+            prefetch_wasted=self.prefetch_wasted, wasted_bytes=self.wasted_bytes,
+        )
+        s["flash_wait_per_token_s"] = s["flash_wait_s"] / max(1, len(dec))
+        s["tok_s_median_window"] = float(np.median([1.0 / t.wall_s for t in dec])) if dec else 0.0
+        return s
+
+    def event_rows(self) -> list[dict]:
+        return [asdict(e) for e in self.events]
+
+    def token_rows(self) -> list[dict]:
+        return [asdict(t) for t in self.tokens]

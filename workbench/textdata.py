@@ -1,0 +1,21 @@
+"""Text the workbench evaluates on: the held-out corpora shipped in data/corpora."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from workbench.spec import WorkbenchError
+from workbench.train.corpora import HELDOUT
+
+
+def text_of(name_or_path: str) -> str:
+    path = HELDOUT.get(name_or_path.replace("wikitext2", "wikitext"), Path(name_or_path))
+    if not Path(path).exists():
+        raise WorkbenchError(f"{path}: no such data file (use tinystories, wikitext2, or a text file)")
+    return Path(path).read_text(encoding="utf-8")
+
+
+def heldout_ids(tokenizer, name: str, n_tokens: int) -> list[int]:
+    """The first n_tokens of a held-out corpus (whole paragraphs are encoded, then cut)."""
+    text = text_of(name)
+    ids = tokenizer.encode(text[: n_tokens * 8]).ids
+    return ids[:n_tokens]
