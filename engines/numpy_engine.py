@@ -13,7 +13,7 @@ import numpy as np
 
 from workbench.routing import route
 from workbench.schedule import ExpertStreamer
-from workbench.spec import MoESpec
+from workbench.spec import WorkbenchError
 from workbench.store.pack import Pack
 from workbench.telemetry import LayerEvent, Telemetry
 
@@ -145,7 +145,7 @@ class NumpyEngine:
         s, w = self.spec, self.w
         ids = np.asarray(ids, dtype=np.int64)
         if self.pos + len(ids) > self.max_context:
-            raise ValueError(f"context of {self.pos + len(ids)} tokens exceeds the model's {self.max_context}")
+            raise WorkbenchError(f"context of {self.pos + len(ids)} tokens exceeds the model's {self.max_context}")
         clock = time.perf_counter
         t0 = clock()
         x = w["embed"][ids].astype(np.float32)

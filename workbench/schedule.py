@@ -165,4 +165,13 @@ class ExpertStreamer:
             ready = []
             issue_backlog()
             if backlog and not pending:
-                raise RuntimeError(f"layer {layer}: no free cache slot for expert {backlog[0]} (pinned experts fill the budget)")
+                self._wait_for_a_slot(layer, backlog[0], ev)
+
+    def _wait_for_a_slot(self, layer, e, ev):
+        """Every free slot is taken by reads in flight (prefetches): wait for one to land, then it can go."""
+        flying = [v for k in self.cache.keys() if isinstance(v := self.cache.peek(k), Future) and not v.done()]
+        if not flying:
+            raise RuntimeError(f"layer {layer}: no cache slot for expert {e}: pinned experts fill the budget")
+        t0 = time.perf_counter()
+        wait(flying, return_when=FIRST_COMPLETED)
+        ev.wait_s += time.perf_counter() - t0

@@ -90,7 +90,7 @@ class Session:
         if path.exists():
             return {int(k): v for k, v in json.loads(path.read_text()).items()}
         from workbench.textdata import heldout_ids
-        counts = usage_profile(self.pack_path, heldout_ids(self.tokenizer, "tinystories", 512))
+        counts = usage_profile(self.pack_path, heldout_ids(self.tokenizer, "tinystories", min(512, self.spec.max_position_embeddings)))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(counts))

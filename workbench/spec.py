@@ -69,6 +69,13 @@ def _first(x):
     return x[0] if isinstance(x, list) else x
 
 
+def _n_experts(cfg: dict) -> int:
+    n = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    if not n:
+        raise KeyError("num_experts")
+    return n
+
+
 def from_hf_config(cfg: dict, where: str = "config.json") -> MoESpec:
     family = cfg.get("model_type")
     if family not in SUPPORTED:
@@ -90,32 +97,31 @@ def from_hf_config(cfg: dict, where: str = "config.json") -> MoESpec:
         if family == "qwen3_moe":
             step = cfg.get("decoder_sparse_step", 1)
             dense = [i for i in range(common["num_layers"])
-                     if i in cfg.get("mlp_only_layers", []) or not (cfg.get("num_experts", 0) > 0 and (i + 1) % step == 0)]
-            return MoESpec(**common, num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                     if i in cfg.get("mlp_only_layers", []) or (i + 1) % step != 0]
+            return MoESpec(**common, num_experts=_n_experts(cfg), top_k=cfg["num_experts_per_tok"],
                            moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=cfg.get("norm_topk_prob", True),
                            qk_norm="head", attention_bias=bool(cfg.get("attention_bias", False)),
                            dense_layers=dense, dense_intermediate_size=cfg.get("intermediate_size", 0))
         if family == "qwen2_moe":
             step = cfg.get("decoder_sparse_step", 1)
             dense = [i for i in range(common["num_layers"])
-                     if i in cfg.get("mlp_only_layers", []) or not (cfg.get("num_experts", 0) > 0 and (i + 1) % step == 0)]
-            return MoESpec(**common, num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                     if i in cfg.get("mlp_only_layers", []) or (i + 1) % step != 0]
+            return MoESpec(**common, num_experts=_n_experts(cfg), top_k=cfg["num_experts_per_tok"],
                            moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=cfg.get("norm_topk_prob", False),
                            attention_bias=bool(cfg.get("qkv_bias", True)),
                            shared_expert_size=cfg.get("shared_expert_intermediate_size", 0), shared_expert_gate=True,
                            dense_layers=dense, dense_intermediate_size=cfg.get("intermediate_size", 0))
         if family == "olmoe":
-            return MoESpec(**common, num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+            return MoESpec(**common, num_experts=_n_experts(cfg), top_k=cfg["num_experts_per_tok"],
                            moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=cfg.get("norm_topk_prob", False),
                            qk_norm="full", attention_bias=bool(cfg.get("attention_bias", False)), clip_qkv=cfg.get("clip_qkv"))
         if family == "mixtral":
-            return MoESpec(**common, num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+            return MoESpec(**common, num_experts=_n_experts(cfg), top_k=cfg["num_experts_per_tok"],
                            moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
         # dots1: Qwen3 attention with the DeepSeek-V3 sigmoid-group router and shared experts.
         if cfg.get("use_sliding_window") or any(t != "full_attention" for t in (cfg.get("layer_types") or [])):
             raise ValueError("sliding-window attention layers are not supported")
-        n_exp = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
-        return MoESpec(**common, num_experts=n_exp, top_k=cfg["num_experts_per_tok"],
+        return MoESpec(**common, num_experts=_n_experts(cfg), top_k=cfg["num_experts_per_tok"],
                        moe_intermediate_size=cfg["moe_intermediate_size"], router="sigmoid_group",
                        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), n_group=cfg.get("n_group") or 1,
                        topk_group=cfg.get("topk_group") or 1, routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),

@@ -111,7 +111,7 @@ class Telemetry:
         used = sum(r["predicted_used"] for r in layers)
         wall = sum(t.wall_s for t in dec)
         s = dict(
-            tokens=len(dec),
+            decode_steps=len(dec),
             tok_s=len(dec) / wall if wall > 0 else 0.0,
             prefill_tokens=sum(t.n_tokens for t in pre),
             prefill_tok_s=sum(t.n_tokens for t in pre) / max(1e-12, sum(t.wall_s for t in pre)) if pre else 0.0,

@@ -1,0 +1,56 @@
+"""The CLI's JSON fields are a contract other tools read: each verb with --json prints one JSON object."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_bad_input import cli
+
+BENCH_FIELDS = {"tok_s", "prefill_tok_s", "hit_rate", "bytes_read", "flash_wait_s", "compute_s", "cache_bytes",
+                "peak_rss_bytes", "floor_tok_s", "per_layer", "prefetch_recall", "prefetch_precision", "wasted_bytes"}
+
+
+def run_json(*args) -> dict:
+    res = cli(*args, "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_info(tiny_models):
+    out = run_json("info", "--model", str(tiny_models["dots1"]))
+    assert out["spec"]["family"] == "dots1" and out["spec"]["router"] == "sigmoid_group"
+
+
+def test_convert_then_info_on_the_pack(tiny_models, tmp_path):
+    out = run_json("convert", str(tiny_models["qwen3_moe"]), str(tmp_path / "t.pack"), "--layout", "native",
+                   "--experts", "q3", "--rest", "q8")
+    assert out["layout"] == "native" and out["quant"] == {"experts": "q3", "rest": "q8"}
+    info = run_json("info", "--model", str(tmp_path / "t.pack"))
+    assert info["kind"] == "pack" and info["experts"] == 16
+
+
+def test_probe_disk(tmp_path):
+    out = run_json("probe-disk", "--path", str(tmp_path), "--seconds", "0.02")
+    assert out["mode"] in ("o_direct", "page-cache")
+    assert len(out["points"]) == 20 and all(p["mb_s"] > 0 for p in out["points"])
+
+
+def test_generate(tiny_models):
+    out = run_json("generate", "--model", str(tiny_models["qwen3_moe"]), "--prompt", "Once upon", "--tokens", "5")
+    assert len(out["tokens"]) == 5 and isinstance(out["text"], str) and out["tok_s"] > 0
+
+
+@pytest.mark.parametrize("preset", ["on_demand", "les"])
+def test_bench_reports_the_contract_fields_and_writes_a_record(tiny_models, preset):
+    out = run_json("bench", "--model", str(tiny_models["qwen3_moe"]), "--preset", preset, "--tokens", "8",
+                   "--budget", "0.25")
+    assert BENCH_FIELDS <= set(out)
+    assert out["tokens"] == 8 and out["tok_s"] > 0 and out["floor_tok_s"] >= out["tok_s"] * 0.5
+    assert len(out["per_layer"]) == 2 and {"hits", "misses", "wait_s"} <= set(out["per_layer"][0])
+    assert out["cache_bytes"] <= out["budget_bytes"]
+    from workbench.runs import read_run
+    rec = read_run(out["run"])
+    assert rec["summary"]["tok_s"] == out["tok_s"] and len(rec["events"]) > 0
+    if preset == "les":
+        assert out["prefetch_recall"] is not None and 0 <= out["prefetch_recall"] <= 1

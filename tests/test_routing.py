@@ -1,0 +1,50 @@
+"""Routers, checked on hand-worked examples."""
+import numpy as np
+
+from workbench.routing import sigmoid_group, softmax_topk, topk_desc
+
+
+def test_softmax_topk_normalises_the_chosen_weights():
+    logits = np.log(np.array([[0.1, 0.4, 0.2, 0.3]], np.float32))
+    idx, w = softmax_topk(logits, 2, norm_topk_prob=True)
+    assert idx.tolist() == [[1, 3]]
+    np.testing.assert_allclose(w, [[0.4 / 0.7, 0.3 / 0.7]], rtol=1e-6)
+    idx, w = softmax_topk(logits, 2, norm_topk_prob=False)
+    np.testing.assert_allclose(w, [[0.4, 0.3]], rtol=1e-6)
+
+
+def test_sigmoid_group_by_hand():
+    # 8 experts in 4 groups of 2. Sigmoid scores (chosen through their logits):
+    s = np.array([0.90, 0.10,   0.60, 0.55,   0.70, 0.20,   0.30, 0.35], np.float32)
+    logits = np.log(s / (1 - s))[None]
+    # Group scores = sum of each group's top-2: 1.00, 1.15, 0.90, 0.65 -> keep groups 1 and 0 (topk_group=2).
+    # Survivors: experts 0,1,2,3. Top-2 among them: 0 (0.90) and 2 (0.60), though expert 4 (0.70) beats 2:
+    # its group lost. Weights: normalised scores times routed scaling 2.5.
+    idx, w = sigmoid_group(logits, k=2, n_group=4, topk_group=2, norm_topk_prob=True, scaling=2.5)
+    assert sorted(idx[0].tolist()) == [0, 2]
+    np.testing.assert_allclose(sorted(w[0].tolist(), reverse=True), [2.5 * 0.9 / 1.5, 2.5 * 0.6 / 1.5], rtol=1e-5)
+
+
+def test_sigmoid_group_correction_bias_selects_but_does_not_weigh():
+    s = np.array([0.90, 0.10, 0.60, 0.55, 0.70, 0.20, 0.30, 0.35], np.float32)
+    logits = np.log(s / (1 - s))[None]
+    # A correction of +0.5 on expert 7 lifts group 3 to 0.30+0.85=1.15: it ties group 1 and beats group 0
+    # (1.00), which is dropped with its 0.90 expert; among experts 2,3,6,7 the corrected top-2 is 7 and 2.
+    corr = np.zeros(8, np.float32)
+    corr[7] = 0.5
+    idx, w = sigmoid_group(logits, k=2, n_group=4, topk_group=2, norm_topk_prob=False, scaling=1.0, correction=corr)
+    assert sorted(idx[0].tolist()) == [2, 7]
+    # the weights are the *uncorrected* sigmoid scores
+    np.testing.assert_allclose(sorted(w[0].tolist()), [0.35, 0.60], rtol=1e-5)
+
+
+def test_cache_bias_changes_selection_not_weights():
+    probs = np.array([[0.30, 0.28, 0.22, 0.20]], np.float32)
+    bias = np.array([0, 0, 0.1, 0], np.float32)          # expert 2 is in memory
+    idx, w = softmax_topk(np.log(probs), 2, norm_topk_prob=False, bias=bias)
+    assert idx[0].tolist() == [2, 0]
+    np.testing.assert_allclose(w[0], [0.22, 0.30], rtol=1e-5)
+
+
+def test_topk_desc_orders_largest_first():
+    assert topk_desc(np.array([[1.0, 5.0, 3.0, 4.0]]), 3).tolist() == [[1, 3, 2]]
