@@ -107,12 +107,14 @@ class NumpyEngine:
             idx, weights = route(s, logits, w.get(p + "router_bias"))
         ctx["routed"] = idx
         ev.router_s = time.perf_counter() - t0
-        ev.predicted = self.streamer.predicted_for.pop(i, [])
+        ev.predicted = self.streamer.predicted_for.pop((i, self.token_index), []) if phase == "decode" else []
         if self.predictor is not None:          # name (and start reading) later layers' experts now
             t0 = time.perf_counter()
             for target, experts in self.predictor.predict(i, ctx).items():
+                # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
+                target = target if isinstance(target, tuple) else (target, self.token_index)
                 self.streamer.predicted_for[target] = list(map(int, experts))
-                self.streamer.prefetch(target, experts, protect={(i, int(e)) for e in np.unique(idx)})
+                self.streamer.prefetch(target[0], experts, protect={(i, int(e)) for e in np.unique(idx)}, token=target[1])
             ev.router_s += time.perf_counter() - t0
         needed = sorted(set(int(e) for e in np.unique(idx)))
         ev.routed = needed

@@ -27,8 +27,8 @@ class ExpertStreamer:
             raise ValueError(f"execution {execution!r}: choose ready_first or wait_all")
         self.pack, self.cache, self.reader, self.tel = pack, cache, reader, telemetry
         self.execution = execution
-        self.prefetched: dict[tuple, int] = {}     # key -> bytes, issued by a predictor, not yet consumed
-        self.predicted_for: dict[int, list[int]] = {}  # layer -> experts the predictor named for its next run
+        self.prefetched: dict[tuple, tuple] = {}   # key -> (bytes, token), issued by a predictor, not yet consumed
+        self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
 
     # ------------------------------------------------------------ reads
 
@@ -66,8 +66,8 @@ class ExpertStreamer:
                 f.add_done_callback(done)
         return total
 
-    def prefetch(self, layer: int, experts, protect=frozenset()) -> list[int]:
-        """Predicted experts of `layer`: start reads for those not in memory. Never evicts `protect`."""
+    def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0) -> list[int]:
+        """Predicted experts of `layer` at `token`: start reads for those not in memory. Never evicts `protect`."""
         keys = []
         for e in experts:
             key = (layer, int(e))
@@ -79,7 +79,7 @@ class ExpertStreamer:
         if keys:
             nbytes = self._issue(keys)
             for k in keys:
-                self.prefetched[k] = nbytes // len(keys)
+                self.prefetched[k] = (nbytes // len(keys), token)
             self.tel.prefetch_issued += len(keys)
         return [k[1] for k in keys]
 
@@ -119,9 +119,9 @@ class ExpertStreamer:
             else:
                 ev.hit.append(True)
                 ready.append(e)
-        for key in [k for k in self.prefetched if k[0] == layer]:   # predicted for this layer, not used
-            self.tel.prefetch_wasted += 1
-            self.tel.wasted_bytes += self.prefetched.pop(key)
+        for key in [k for k, (_, t) in self.prefetched.items() if k[0] == layer and t <= ev.token]:
+            self.tel.prefetch_wasted += 1                 # predicted for this layer and token, not used
+            self.tel.wasted_bytes += self.prefetched.pop(key)[0]
 
         def issue_backlog():
             keys = []
