@@ -58,6 +58,11 @@ class NumpyEngine:
                     np.zeros((s.num_kv_heads, 0, s.head_dim), np.float32)) for _ in range(s.num_layers)]
         self.pos = 0
 
+    def truncate(self, pos: int):
+        """Forget the KV cache past `pos` (rejected speculative tokens)."""
+        self.kv = [(K[:, :pos], V[:, :pos]) for K, V in self.kv]
+        self.pos = pos
+
     # ------------------------------------------------------------ blocks
 
     def attention(self, i: int, x: np.ndarray) -> np.ndarray:

@@ -50,3 +50,24 @@ def test_streaming_equals_resident_for_each_family(tiny_models, family):
     np.testing.assert_array_equal(logits, les_resident)      # les stores q3 experts: compare on its own pack
     toks, logits, _ = decode(tiny_models[family], "on_demand", budget="0.25")
     np.testing.assert_array_equal(logits, ref_logits)
+
+
+def generate(model, preset, n=24, **kw):
+    with Session(str(model), preset, **kw) as s:
+        out = s.generate([5, 9, 33, 71, 2, 18, 5, 9, 33], tokens=n)
+        return out["tokens"], s.summary()
+
+
+def test_speculative_verification_gives_plain_greedy_output(tiny_models):
+    model = tiny_models["qwen3_moe"]
+    plain, _ = generate(model, "les")
+    spec, summary = generate(model, "les", speculative=4)
+    assert spec == plain
+    assert summary["spec_accept_rate"] is not None and summary["tokens_per_target_step"] >= 1.0
+
+
+def test_prompt_lookup_draft_by_hand():
+    from workbench.speculative import prompt_lookup_draft
+    assert prompt_lookup_draft([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert prompt_lookup_draft([1, 2, 3, 4, 5], 3) == []
+    assert prompt_lookup_draft([7, 8, 7], 2) == [8, 7]

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 from workbench.floor import floor_tok_s, probe
+from workbench.presets import get_preset
+from workbench.routing import route
 from workbench.runs import write_run
 from workbench.session import Session
 
@@ -14,10 +16,7 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
     """Warm up (code paths, not the cache: the measured run starts with its own prefill), then measure."""
     if warmup:
         session.generate(prompt, tokens=warmup)
-        session.tel.events.clear()
-        session.tel.tokens.clear()
-        session.tel.prefetch_issued = session.tel.prefetch_used = session.tel.prefetch_wasted = 0
-        session.tel.wasted_bytes = 0
+        session.reset_telemetry()
     out = session.generate(prompt, tokens=tokens)
     s = session.summary()
     n = max(1, s["decode_steps"])
@@ -29,9 +28,30 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
     return res
 
 
+def capture_trace(model: str, preset, prompt, tokens: int) -> dict:
+    """The true routing {(token index, layer): experts} of greedy decoding on this preset's pack (for the oracle)."""
+    trace = {}
+    with Session(model, preset.with_(predictor=None, routing="exact"), budget="all") as s:
+        def record(layer, logits, ctx):
+            idx, w = route(s.spec, logits, s.engine.w.get(f"layers.{layer}.router_bias"))
+            if ctx["phase"] == "decode":
+                trace[(s.engine.token_index, layer)] = sorted(set(idx.reshape(-1).tolist()))
+            return idx, w
+        s.engine.router_hook = record
+        s.generate(prompt, tokens=tokens)
+    return trace
+
+
+def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: int = 64, **kw) -> Session:
+    """A Session; the oracle's trace is captured first from the same tokens."""
+    p = get_preset(preset) if isinstance(preset, str) else preset
+    trace = capture_trace(model, p, prompt, tokens) if p.predictor == "oracle" else None
+    return Session(model, p, budget=budget, trace=trace, **kw)
+
+
 def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
           engine: str = "numpy", direct: bool = True, record: bool = True) -> dict:
-    with Session(model, preset, budget=budget, engine=engine, direct=direct) as s:
+    with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct) as s:
         res = measure(s, prompt, tokens)
         res.update(preset=s.preset.name, budget=s.budget_text)
         if record:

@@ -84,6 +84,13 @@ def cmd_bench(args):
     _print(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "per_layer"))
 
 
+def cmd_ladder(args):
+    from workbench.ladder import run_ladder, table
+    res = run_ladder(args.name, model=args.model, budget=args.budget, tokens=args.tokens, rounds=args.rounds,
+                     progress=None if args.json else print)
+    _print(args, res, table(res))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m workbench", description="MoE expert-streaming workbench")
     sub = ap.add_subparsers(dest="verb", required=True)
@@ -121,6 +128,14 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--no-record", action="store_true")
+
+    from evals.cli import register; register(sub, verb)  # eval ppl|teacher|lm|compare|report, serve
+    p = verb("ladder", cmd_ladder, "a design's ablation ladder, alternating arms, one run record per rung")
+    p.add_argument("name", choices=["les", "smol", "cache", "designs"])
+    p.add_argument("--model", default="demo")
+    p.add_argument("--budget", default="0.25")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3)
 
     args = ap.parse_args(argv)
     try:

@@ -38,10 +38,11 @@ class Lookahead:
         t = self.target(layer)
         if t is None or ctx["phase"] != "decode":
             return {}
-        logits = self.scores(layer, ctx["h"][-1:], t)
+        logits = self.scores(layer, ctx["h"], t)     # every row: a speculative batch needs their union
         if self.spec.router == "sigmoid_group":
             logits = logits + self.w.get(f"layers.{t}.router_bias", 0.0)
-        return {t: topk_desc(logits, self.width)[0].tolist()}
+        top = topk_desc(logits, self.width)
+        return {t: list(dict.fromkeys(top.T.reshape(-1).tolist()))}
 
 
 class History:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import secrets
 import subprocess
 import sys
@@ -63,7 +64,8 @@ def write_run(preset: str, config: dict, summary: dict, layers: list[dict], even
               tokens: list[dict] | None = None, root: Path | None = None) -> Path:
     root = root or runs_dir()
     root.mkdir(parents=True, exist_ok=True)
-    name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{preset}-{secrets.token_hex(3)}"
+    slug = re.sub(r"[^A-Za-z0-9_.]+", "_", preset).strip("_")
+    name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{slug}-{secrets.token_hex(3)}"
     tmp = root / f".{name}.tmp"
     tmp.mkdir()
     dumps = lambda o: (json.dumps(o, indent=1, default=str) + "\n").encode()

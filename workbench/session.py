@@ -21,6 +21,7 @@ from workbench.registry import cache_dir, resolve_pack, tokenizer_for
 from workbench.routing import route
 from workbench.schedule import ExpertStreamer
 from workbench.spec import WorkbenchError
+from workbench.speculative import speculative_decode
 from workbench.store.pack import Pack
 from workbench.telemetry import Telemetry, TokenRecord
 
@@ -143,6 +144,14 @@ class Session:
         self.engine.reset()
         self.engine.token_index = 0
         logits = self.step(ids, "prefill")
+        stop = self.spec.eos_token_id if stop_at_eos else None
+        if self.preset.speculative and tokens > 1:
+            first = int(np.argmax(logits[-1]))
+            if on_token:
+                on_token(self, first, self.decode([first]))
+            out = speculative_decode(self, first, ids, tokens, self.preset.speculative, on_token, stop)
+            return {"text": self.decode(out), "tokens": out, "prompt_tokens": len(ids),
+                    "tok_s": self.tel.summary()["tok_s"]}
         out = []
         for i in range(tokens):
             nxt = int(np.argmax(logits[-1]))
@@ -156,6 +165,10 @@ class Session:
             logits = self.step([nxt], "decode")
         text = self.decode(out)
         return {"text": text, "tokens": out, "prompt_tokens": len(ids), "tok_s": self.tel.summary()["tok_s"]}
+
+    def reset_telemetry(self):
+        self.tel = Telemetry(self.spec.num_layers)
+        self.streamer.tel = self.engine.tel = self.tel
 
     def summary(self) -> dict:
         s = self.tel.summary()

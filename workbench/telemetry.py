@@ -10,7 +10,6 @@ import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 
 
 @dataclass
@@ -46,6 +45,7 @@ class TokenRecord:
     bytes_read: int
     cache_bytes: int
     text: str = ""
+    produced: int = 1           # decode: tokens this step added to the output (speculative steps add more)
 
 
 @dataclass
@@ -58,6 +58,9 @@ class Telemetry:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     wasted_bytes: int = 0
+    spec_proposed: int = 0      # speculative verification: draft tokens proposed, accepted, target steps
+    spec_accepted: int = 0
+    spec_steps: int = 0
 
     def __post_init__(self):
         self.ring = deque(maxlen=self.ring_size)
@@ -106,13 +109,14 @@ class Telemetry:
         layers = self.per_layer("decode")
         hits = sum(r["hits"] for r in layers)
         misses = sum(r["misses"] for r in layers)
-        routed = sum(r["routed"] for r in layers)
-        predicted = sum(r["predicted"] for r in layers)
-        used = sum(r["predicted_used"] for r in layers)
+        predicted_layers = [r for r in layers if r["predicted"]]     # recall counts layers a predictor served
+        routed = sum(r["routed"] for r in predicted_layers)
+        predicted = sum(r["predicted"] for r in predicted_layers)
+        used = sum(r["predicted_used"] for r in predicted_layers)
         wall = sum(t.wall_s for t in dec)
         s = dict(
             decode_steps=len(dec),
-            tok_s=len(dec) / wall if wall > 0 else 0.0,
+            tok_s=sum(t.produced for t in dec) / wall if wall > 0 else 0.0,
             prefill_tokens=sum(t.n_tokens for t in pre),
             prefill_tok_s=sum(t.n_tokens for t in pre) / max(1e-12, sum(t.wall_s for t in pre)) if pre else 0.0,
             hit_rate=hits / max(1, hits + misses),
@@ -130,8 +134,12 @@ class Telemetry:
             prefetch_issued=self.prefetch_issued, prefetch_used=self.prefetch_used,
             prefetch_wasted=self.prefetch_wasted, wasted_bytes=self.wasted_bytes,
         )
-        s["flash_wait_per_token_s"] = s["flash_wait_s"] / max(1, len(dec))
-        s["tok_s_median_window"] = float(np.median([1.0 / t.wall_s for t in dec])) if dec else 0.0
+        produced = max(1, sum(t.produced for t in dec))
+        s["flash_wait_per_token_s"] = s["flash_wait_s"] / produced
+        s["bytes_read_per_token"] = s["bytes_read"] / produced
+        if self.spec_steps:
+            s["spec_accept_rate"] = self.spec_accepted / max(1, self.spec_proposed)
+            s["tokens_per_target_step"] = (self.spec_accepted + self.spec_steps) / self.spec_steps
         return s
 
     def event_rows(self) -> list[dict]:
