@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from workbench.routing import route
 from workbench.schedule import ExpertStreamer
@@ -27,14 +28,18 @@ def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def rope(x, pos, theta):
-    """x: (heads, T, hd); HF rotate-half convention."""
-    hd = x.shape[-1]
+def rope_table(positions: int, hd: int, theta: float):
+    """cos and sin for every position, HF rotate-half convention: (positions, hd) each."""
     inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    f = np.outer(pos.astype(np.float32), inv)
-    cos, sin = np.cos(np.concatenate([f, f], -1)), np.sin(np.concatenate([f, f], -1))
-    a, b = x[..., : hd // 2], x[..., hd // 2:]
-    return x * cos + np.concatenate([-b, a], -1) * sin
+    f = np.outer(np.arange(positions, dtype=np.float32), inv)
+    f = np.concatenate([f, f], -1)
+    return np.cos(f), np.sin(f)
+
+
+def rope(x, cos, sin):
+    """x: (heads, T, hd); cos, sin: (T, hd)."""
+    h = x.shape[-1] // 2
+    return x * cos + np.concatenate([-x[..., h:], x[..., :h]], -1) * sin
 
 
 class NumpyEngine:
@@ -44,24 +49,40 @@ class NumpyEngine:
                  max_context: int | None = None):
         self.pack, self.spec, self.streamer, self.tel = pack, pack.spec, streamer, telemetry
         self.predictor, self.router_hook = predictor, router_hook
+        self.deltas = {}        # projection name -> x -> delta, added to x @ W.T (an unmerged adapter)
         self.w = {name: pack.tensor(name) for name in pack.tensors}
         if "lm_head" not in self.w:
             self.w["lm_head"] = self.w["embed"]
         self.max_context = max_context or self.spec.max_position_embeddings
+        self.cos, self.sin = rope_table(256, self.spec.head_dim, self.spec.rope_theta)  # grows with the context
+        # Decode matmuls are tiny: one BLAS thread is faster, and leaves the other cores to the reader pool.
+        threadpool_limits(limits=1, user_api="blas")
         self.token_index = 0
         self.dense_compute_s = 0.0              # attention, norms, dense MLPs, head: compute outside the MoE layers
         self.reset()
 
     def reset(self):
-        s = self.spec
-        self.kv = [(np.zeros((s.num_kv_heads, 0, s.head_dim), np.float32),
-                    np.zeros((s.num_kv_heads, 0, s.head_dim), np.float32)) for _ in range(s.num_layers)]
+        """An empty KV cache; its buffers grow by doubling, so a decode step copies nothing."""
+        self.kv = [(np.zeros((self.spec.num_kv_heads, 64, self.spec.head_dim), np.float32),) * 2
+                   for _ in range(self.spec.num_layers)]
+        self.kv = [(K, K.copy()) for K, _ in self.kv]
         self.pos = 0
 
     def truncate(self, pos: int):
         """Forget the KV cache past `pos` (rejected speculative tokens)."""
-        self.kv = [(K[:, :pos], V[:, :pos]) for K, V in self.kv]
         self.pos = pos
+
+    def _kv_append(self, i: int, k, v):
+        K, V = self.kv[i]
+        end = self.pos + k.shape[1]
+        if end > K.shape[1]:
+            grow = max(end, 2 * K.shape[1])
+            K2, V2 = (np.zeros((K.shape[0], grow, K.shape[2]), np.float32) for _ in range(2))
+            K2[:, :self.pos], V2[:, :self.pos] = K[:, :self.pos], V[:, :self.pos]
+            K, V = K2, V2
+            self.kv[i] = (K, V)
+        K[:, self.pos:end], V[:, self.pos:end] = k, v
+        return K[:, :end], V[:, :end]
 
     # ------------------------------------------------------------ blocks
 
@@ -69,6 +90,8 @@ class NumpyEngine:
         s, w, p = self.spec, self.w, f"layers.{i}."
         T = x.shape[0]
         q, k, v = x @ w[p + "q"].T, x @ w[p + "k"].T, x @ w[p + "v"].T
+        if self.deltas:
+            q, k, v = (a + self.deltas[p + n](x) if p + n in self.deltas else a for n, a in zip("qkv", (q, k, v)))
         if s.attention_bias:
             q, k, v = q + w[p + "q_bias"], k + w[p + "k_bias"], v + w[p + "v_bias"]
         if s.qk_norm == "full":
@@ -80,21 +103,20 @@ class NumpyEngine:
         v = v.reshape(T, s.num_kv_heads, s.head_dim).transpose(1, 0, 2)
         if s.qk_norm == "head":
             q, k = rms_norm(q, w[p + "q_norm"], s.rms_norm_eps), rms_norm(k, w[p + "k_norm"], s.rms_norm_eps)
-        pos = np.arange(self.pos, self.pos + T)
-        q, k = rope(q, pos, s.rope_theta), rope(k, pos, s.rope_theta)
-        K, V = self.kv[i]
-        K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
-        self.kv[i] = (K, V)
-        rep = s.num_heads // s.num_kv_heads
-        K, V = np.repeat(K, rep, 0), np.repeat(V, rep, 0)
-        att = q @ K.transpose(0, 2, 1) / np.sqrt(s.head_dim)
-        S = K.shape[1]
-        mask = np.arange(S)[None, :] > (S - T + np.arange(T))[:, None]
-        att = np.where(mask, -np.inf, att)
+        cos, sin = self.cos[self.pos:self.pos + T], self.sin[self.pos:self.pos + T]
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        K, V = self._kv_append(i, k, v)
+        S, rep = K.shape[1], s.num_heads // s.num_kv_heads
+        q = q.reshape(s.num_kv_heads, rep * T, s.head_dim)       # grouped query heads share their KV head
+        att = (q @ K.transpose(0, 2, 1)).reshape(s.num_kv_heads, rep, T, S) * (1.0 / np.sqrt(s.head_dim))
+        if T > 1:
+            att = np.where(np.arange(S)[None, :] > (S - T + np.arange(T))[:, None], -np.inf, att)
         att = np.exp(att - att.max(-1, keepdims=True))
         att /= att.sum(-1, keepdims=True)
-        y = (att @ V).transpose(1, 0, 2).reshape(T, -1)
-        return y @ w[p + "o"].T
+        y = (att.reshape(s.num_kv_heads, rep * T, S) @ V).reshape(s.num_heads, T, s.head_dim)
+        y = y.transpose(1, 0, 2).reshape(T, -1)
+        out = y @ w[p + "o"].T
+        return out + self.deltas[p + "o"](y) if p + "o" in self.deltas else out
 
     def mlp(self, x, gate, up, down):
         return (silu(x @ gate.T) * (x @ up.T)) @ down.T
@@ -153,6 +175,8 @@ class NumpyEngine:
         ids = np.asarray(ids, dtype=np.int64)
         if self.pos + len(ids) > self.max_context:
             raise WorkbenchError(f"context of {self.pos + len(ids)} tokens exceeds the model's {self.max_context}")
+        if self.pos + len(ids) > len(self.cos):
+            self.cos, self.sin = rope_table(max(self.pos + len(ids), 2 * len(self.cos)), s.head_dim, s.rope_theta)
         clock = time.perf_counter
         t0 = clock()
         x = w["embed"][ids].astype(np.float32)
