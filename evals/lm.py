@@ -1,0 +1,89 @@
+"""lm-eval runs on the engine with the local tasks in evals/tasks (no hub access)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+from workbench.spec import WorkbenchError
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+LOCAL = ("lambada_openai", "hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "boolq")
+
+
+def local_task_names(tasks) -> list[str]:
+    """'arc_easy' or 'arc_easy_local' -> 'arc_easy_local' (lm-eval has its own tasks of the plain names)."""
+    items = tasks.split(",") if isinstance(tasks, str) else list(tasks)
+    out = []
+    for t in (x.strip() for x in items):
+        if not t:
+            continue
+        base = t[:-6] if t.endswith("_local") else t
+        if base not in LOCAL and t != "workbench_local":
+            raise WorkbenchError(f"--tasks {t!r}: choose among {', '.join(LOCAL)} (or their *_local names)")
+        out.append(t if t == "workbench_local" else f"{base}_local")
+    if not out:
+        raise WorkbenchError("--tasks: none given")
+    return out
+
+
+def require_lm_eval():
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as e:
+        raise WorkbenchError(f"lm-eval is not installed ({e}); pip install -e '.[eval]'") from None
+
+
+def task_manager():
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+
+
+def primary(metrics: dict) -> tuple[str, float | None, float | None]:
+    for m in ("acc", "acc_norm", "exact_match"):
+        if f"{m},none" in metrics:
+            return m, metrics[f"{m},none"], metrics.get(f"{m}_stderr,none")
+    return "", None, None
+
+
+def evaluate(lm, tasks, limit=None, num_fewshot=None, tm=None, verbose: bool = False) -> dict:
+    """Run lm-eval; returns {task: {metric: value}} with lm-eval's "acc,none" keys flattened to "acc"."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import lm_eval
+    if not verbose:
+        for name in ("lm-eval", "lm_eval"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    names = local_task_names(tasks)
+    with contextlib.redirect_stdout(sys.stderr):        # lm-eval prints progress notes; stdout is for --json
+        res = lm_eval.simple_evaluate(model=lm, tasks=names, limit=limit, num_fewshot=num_fewshot,
+                                      task_manager=tm or task_manager(), log_samples=False, bootstrap_iters=1000)
+    out = {}
+    for task, metrics in res["results"].items():
+        row = {}
+        for k, v in metrics.items():
+            if "," in k and isinstance(v, (int, float)):
+                name, filt = k.split(",", 1)
+                row[name if filt == "none" else f"{name},{filt}"] = v
+        row["samples"] = res.get("n-samples", {}).get(task, {}).get("effective")
+        out[task] = row
+    return out
+
+
+def run(model: str, preset: str, budget=None, tasks="lambada_openai,arc_easy,piqa", limit=None, num_fewshot=None,
+        record: bool = True, engine: str = "numpy", direct: bool = True, progress: bool = True,
+        max_length: int | None = None) -> dict:
+    from evals.common import open_session, record as write_record
+    require_lm_eval()
+    from evals.lm_eval_adapter import WorkbenchLM
+    with open_session(model, preset, budget, engine, direct) as s:
+        lm = WorkbenchLM(session=s, model=model, max_length=max_length, progress=progress)
+        results = evaluate(lm, tasks, limit, num_fewshot)
+        out = {"model": model, "preset": s.preset.name, "budget": s.budget_text, "tasks": local_task_names(tasks),
+               "limit": limit, "num_fewshot": num_fewshot, "results": results}
+        params = {"tasks": out["tasks"], "limit": limit, "num_fewshot": num_fewshot}
+        out["run"] = write_record("lm", s, params, {k: v for k, v in out.items() if k != "run"}, enabled=record)
+    return out

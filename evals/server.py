@@ -1,0 +1,618 @@
+"""An OpenAI-compatible HTTP server on one workbench Session (standard library ThreadingHTTPServer).
+
+    python -m workbench serve --model demo --preset les --port 8000
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions (echo + logprobs: lm-eval's
+`local-completions` can score log-likelihoods), POST /v1/chat/completions (stream=true sends SSE
+chunks), and vLLM-style POST /tokenize, POST /detokenize, GET /tokenizer_info (lm-eval's remote
+tokenizer). Requests are validated and refused with a 4xx JSON error; one engine serves every
+request, one at a time, behind a lock; a client that goes away mid-stream ends only its own request.
+"""
+from __future__ import annotations
+
+import json
+import math
+import queue
+import secrets
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from evals.common import log_softmax, trim_telemetry
+
+MAX_BODY = 8 * 2**20
+MAX_LOGPROBS = 20
+ROLES = ("system", "user", "assistant")
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def chat_prompt(messages: list[dict]) -> str:
+    """The simple chat template: one 'Role: content' line per message, then 'Assistant:'."""
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+
+
+# ------------------------------------------------------------------ validation helpers
+
+def _int(body, key, default, lo=None, hi=None, allow_none=False):
+    v = body.get(key, default)
+    if v is None and (allow_none or default is None):
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"'{key}' must be an integer", key)
+    if lo is not None and v < lo:
+        raise ApiError(400, f"'{key}' must be >= {lo} (got {v})", key)
+    if hi is not None and v > hi:
+        raise ApiError(400, f"'{key}' must be <= {hi} (got {v})", key)
+    return v
+
+
+def _num(body, key, default, lo=None, hi=None):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ApiError(400, f"'{key}' must be a number", key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ApiError(400, f"'{key}' must be between {lo} and {hi} (got {v})", key)
+    return float(v)
+
+
+def _bool(body, key, default=False):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"'{key}' must be true or false", key)
+    return v
+
+
+def _stop(body) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v) or len(v) > 4:
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", "stop")
+    return [s for s in v if s]
+
+
+class Engine:
+    """The shared Session: tokenization is thread-safe, the forward pass is behind `lock`."""
+
+    def __init__(self, session, model_id: str):
+        self.s = session
+        self.model_id = model_id
+        self.lock = threading.Lock()
+        self.ctx = int(session.spec.max_position_embeddings)
+        self.eos = session.spec.eos_token_id
+        self.created = int(time.time())
+
+    def encode(self, text: str) -> list[int]:
+        return self.s.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.s.decode(ids)
+
+    def token_str(self, i: int) -> str:
+        return self.s.decode([int(i)])
+
+    def prefill(self, ids) -> np.ndarray:
+        e = self.s.engine
+        e.reset()
+        e.token_index = 0
+        return self.s.step(list(map(int, ids)), "prefill")
+
+    def decode_step(self, tok: int, i: int) -> np.ndarray:
+        self.s.engine.token_index = i
+        return self.s.step([int(tok)], "decode")[-1]
+
+    def top(self, lp_row: np.ndarray, n: int) -> dict:
+        if n <= 0:
+            return {}
+        idx = np.argpartition(-lp_row, n - 1)[:n]
+        idx = idx[np.argsort(-lp_row[idx], kind="stable")]
+        out = {}
+        for i in idx:
+            out.setdefault(self.token_str(i), float(lp_row[i]))
+        return out
+
+
+def _pick(logits_row: np.ndarray, temperature: float, top_p: float, rng) -> int:
+    if temperature <= 0:
+        return int(np.argmax(logits_row))
+    p = np.exp(log_softmax(logits_row[None] / temperature)[0])
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        keep = order[: int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]
+        q = np.zeros_like(p)
+        q[keep] = p[keep]
+        p = q / q.sum()
+    return int(rng.choice(len(p), p=p))
+
+
+def _safe_len(text: str, stops: list[str]) -> int:
+    """How much of `text` can be sent: hold back an unfinished UTF-8 character and any suffix that may start a stop."""
+    n = len(text)
+    if text.endswith("\ufffd"):
+        n -= 1
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, n), 0, -1):
+            if text[:n].endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return n - hold
+
+
+def generate(eng: Engine, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, stops: list[str],
+             logprobs: int | None, echo: bool, seed: int | None, on_text=None, min_tokens: int = 0) -> dict:
+    """Runs under eng.lock. on_text(delta) is called with text that is final (stop strings held back).
+    min_tokens (vLLM's extension): EOS cannot be picked before that many tokens."""
+    rng = np.random.default_rng(seed)
+    logits = eng.prefill(prompt_ids)
+    want_lp = logprobs is not None
+    res = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "gen_ids": []}
+    if want_lp and echo:
+        lp = log_softmax(logits[:-1])
+        res["tokens"] = [eng.token_str(t) for t in prompt_ids]
+        res["token_logprobs"] = [None] + [float(lp[j, prompt_ids[j + 1]]) for j in range(len(prompt_ids) - 1)]
+        res["top_logprobs"] = [None] + [eng.top(lp[j], logprobs) for j in range(len(prompt_ids) - 1)]
+    row = logits[-1]
+    gen, text, sent, finish = [], "", 0, "length"
+    for i in range(max_tokens):
+        if i < min_tokens and eng.eos is not None:
+            masked = row.copy()
+            masked[eng.eos] = -np.inf
+            nxt = _pick(masked, temperature, top_p, rng)
+        else:
+            nxt = _pick(row, temperature, top_p, rng)
+        if want_lp:
+            lp_row = log_softmax(row[None])[0]
+            res["tokens"].append(eng.token_str(nxt))
+            res["token_logprobs"].append(float(lp_row[nxt]))
+            res["top_logprobs"].append(eng.top(lp_row, logprobs))
+        if eng.eos is not None and nxt == eng.eos:
+            finish = "stop"
+            break
+        gen.append(nxt)
+        text = eng.decode(gen)
+        hit = min((text.find(s) for s in stops if s in text), default=-1)
+        if hit >= 0:
+            text, finish = text[:hit], "stop"
+            break
+        if on_text is not None:
+            n = _safe_len(text, stops)
+            if n > sent:
+                on_text(text[sent:n])
+                sent = n
+        if i < max_tokens - 1:
+            row = eng.decode_step(nxt, i + 1)
+    trim_telemetry(eng.s)
+    if on_text is not None and len(text) > sent:
+        on_text(text[sent:])
+    res.update(text=text, finish_reason=finish, gen_ids=gen)
+    return res
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "workbench-serve/0.1"
+    protocol_version = "HTTP/1.1"
+    timeout = 120                              # socket timeout: an idle or stalled client is dropped after this
+
+    @property
+    def eng(self) -> Engine:
+        return self.server.engine
+
+    def log_message(self, fmt, *args):
+        if not self.server.quiet:
+            sys.stderr.write("%s - %s\n" % (self.address_string(), fmt % args))
+
+    # -------------------------------------------------------------- plumbing
+
+    def _send_json(self, status: int, obj: dict):
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _read_body(self):
+        """Read the whole request body before anything else, so a refused request leaves the connection clean."""
+        self._raw = b""
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            self.close_connection = True
+            raise ApiError(411, "chunked request bodies are not supported; send Content-Length")
+        try:
+            n = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            n = -1
+        if n < 0:
+            self.close_connection = True
+            raise ApiError(400, "bad Content-Length")
+        if n > MAX_BODY:
+            self.close_connection = True
+            raise ApiError(413, f"request body over {MAX_BODY} bytes")
+        self._raw = self.rfile.read(n) if n else b""
+        if len(self._raw) < n:
+            self.close_connection = True
+            raise ApiError(400, "request body shorter than Content-Length")
+
+    def _body(self) -> dict:
+        try:
+            body = json.loads(self._raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return body
+
+    def _dispatch(self, method: str):
+        path = urlsplit(self.path).path.rstrip("/") or "/"
+        routes = {
+            ("GET", "/health"): self.health, ("GET", "/v1/models"): self.models,
+            ("GET", "/tokenizer_info"): self.tokenizer_info,
+            ("POST", "/v1/completions"): self.completions, ("POST", "/v1/chat/completions"): self.chat,
+            ("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize,
+        }
+        try:
+            if method != "GET":
+                self._read_body()
+            fn = routes.get((method, path))
+            if fn is None:
+                if any(p == path for (_, p) in routes):
+                    raise ApiError(405, f"{method} not allowed on {path}")
+                raise ApiError(404, f"no route {path}", code="not_found")
+            fn()
+        except ApiError as e:
+            self._try_send(e.status, e.body())
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self.close_connection = True
+        except Exception as e:        # a bug must answer 500, not kill the server
+            import traceback
+            traceback.print_exc()
+            self._try_send(500, ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error").body())
+
+    def _try_send(self, status, obj):
+        try:
+            self._send_json(status, obj)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError, ValueError):
+            self.close_connection = True
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    def do_DELETE(self):
+        self._dispatch("DELETE")
+
+    # -------------------------------------------------------------- simple endpoints
+
+    def health(self):
+        s = self.eng.s
+        self._send_json(200, {"status": "ok", "model": self.eng.model_id, "preset": s.preset.name,
+                              "budget": s.budget_text, "context": self.eng.ctx})
+
+    def models(self):
+        self._send_json(200, {"object": "list", "data": [{"id": self.eng.model_id, "object": "model",
+                                                          "created": self.eng.created, "owned_by": "workbench",
+                                                          "max_model_len": self.eng.ctx}]})
+
+    def tokenizer_info(self):
+        eos = self.eng.eos
+        tok = self.eng.decode([eos]) if eos is not None else None
+        bos = self.eng.s.spec.bos_token_id
+        self._send_json(200, {"eos_token": tok, "bos_token": self.eng.decode([bos]) if bos is not None else None,
+                              "pad_token": tok, "model_max_length": self.eng.ctx, "chat_template": CHAT_TEMPLATE,
+                              "tokenizer_class": "workbench"})
+
+    def tokenize(self):
+        body = self._body()
+        self._check_model(body)
+        if "messages" in body:
+            text = chat_prompt(self._messages(body))
+        else:
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise ApiError(400, "'prompt' must be a string", "prompt")
+        ids = self.eng.encode(text)
+        self._send_json(200, {"tokens": ids, "count": len(ids), "max_model_len": self.eng.ctx})
+
+    def detokenize(self):
+        body = self._body()
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ApiError(400, "'tokens' must be a list of integers", "tokens")
+        self._check_ids(ids, "tokens")
+        self._send_json(200, {"prompt": self.eng.decode(ids)})
+
+    # -------------------------------------------------------------- validation
+
+    def _check_model(self, body):
+        m = body.get("model")
+        if m is not None and m != self.eng.model_id:
+            raise ApiError(404, f"model {m!r} does not exist; this server serves {self.eng.model_id!r}", "model",
+                           "model_not_found")
+
+    def _check_ids(self, ids, param):
+        V = self.eng.s.spec.vocab_size
+        if any(t < 0 or t >= V for t in ids):
+            raise ApiError(400, f"token ids must be in [0, {V})", param)
+
+    def _prompts(self, body) -> list[list[int]]:
+        p = body.get("prompt")
+        if p is None:
+            raise ApiError(400, "'prompt' is required", "prompt")
+        if isinstance(p, str):
+            items = [p]
+        elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            items = [p]
+        elif isinstance(p, list) and p:
+            items = p
+        else:
+            raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids, or a list of those",
+                           "prompt")
+        out = []
+        for it in items:
+            if isinstance(it, str):
+                ids = self.eng.encode(it)
+            elif isinstance(it, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in it):
+                ids = list(it)
+                self._check_ids(ids, "prompt")
+            else:
+                raise ApiError(400, "each prompt must be a string or a list of token ids", "prompt")
+            if not ids:
+                raise ApiError(400, "empty prompt", "prompt")
+            out.append(ids)
+        if len(out) > 64:
+            raise ApiError(400, "at most 64 prompts per request", "prompt")
+        return out
+
+    def _messages(self, body) -> list[dict]:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ApiError(400, "'messages' must be a non-empty list", "messages")
+        out = []
+        for m in msgs:
+            if not isinstance(m, dict) or m.get("role") not in ROLES:
+                raise ApiError(400, f"each message needs a role among {', '.join(ROLES)}", "messages")
+            c = m.get("content")
+            if isinstance(c, list):      # [{"type": "text", "text": ...}, ...]
+                if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
+                    raise ApiError(400, "only text content parts are supported", "messages")
+                c = "".join(x["text"] for x in c)
+            if not isinstance(c, str):
+                raise ApiError(400, "message content must be a string", "messages")
+            out.append({"role": m["role"], "content": c})
+        return out
+
+    def _sampling(self, body, max_default):
+        mt = max_default
+        for k in ("max_tokens", "max_completion_tokens"):
+            if body.get(k) is not None:
+                mt = _int(body, k, max_default, lo=0)
+                break
+        return dict(max_tokens=mt, n=_int(body, "n", 1, lo=1, hi=1),
+                    temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+                    top_p=_num(body, "top_p", 1.0, 0.0, 1.0) or 1.0, stops=_stop(body),
+                    seed=_int(body, "seed", None, allow_none=True), min_tokens=_int(body, "min_tokens", 0, lo=0))
+
+    def _fits(self, n_prompt, max_tokens):
+        if n_prompt + max_tokens > self.eng.ctx:
+            raise ApiError(400, f"this model's maximum context length is {self.eng.ctx} tokens; the request has "
+                                f"{n_prompt} prompt tokens and asks for {max_tokens} more", "max_tokens",
+                           "context_length_exceeded")
+
+    # -------------------------------------------------------------- completions
+
+    def completions(self):
+        body = self._body()
+        self._check_model(body)
+        prompts = self._prompts(body)
+        sp = self._sampling(body, 16)
+        echo = _bool(body, "echo")
+        stream = _bool(body, "stream")
+        logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS, allow_none=True)
+        for ids in prompts:
+            self._fits(len(ids), sp["max_tokens"])
+        if stream and len(prompts) > 1:
+            raise ApiError(400, "stream supports one prompt", "prompt")
+        cid = f"cmpl-{secrets.token_hex(12)}"
+        if stream:
+            return self._stream(cid, "text_completion", prompts[0], sp, chat=False, echo=echo)
+        choices, n_prompt, n_gen = [], 0, 0
+        for i, ids in enumerate(prompts):
+            with self.eng.lock:
+                r = generate(self.eng, ids, sp["max_tokens"], sp["temperature"], sp["top_p"], sp["stops"], logprobs,
+                             echo, sp["seed"], min_tokens=sp["min_tokens"])
+            prompt_text = self.eng.decode(ids)
+            text = (prompt_text + r["text"]) if echo else r["text"]
+            lp = None
+            if logprobs is not None:
+                offs, pos = [], 0 if echo else len(prompt_text)
+                for t in r["tokens"]:
+                    offs.append(pos)
+                    pos += len(t)
+                lp = {"tokens": r["tokens"], "token_logprobs": r["token_logprobs"], "top_logprobs": r["top_logprobs"],
+                      "text_offset": offs}
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": r["finish_reason"]})
+            n_prompt += len(ids)
+            n_gen += len(r["gen_ids"])
+        self._send_json(200, {"id": cid, "object": "text_completion", "created": int(time.time()),
+                              "model": self.eng.model_id, "choices": choices,
+                              "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
+                                        "total_tokens": n_prompt + n_gen}})
+
+    # -------------------------------------------------------------- chat
+
+    def chat(self):
+        body = self._body()
+        self._check_model(body)
+        msgs = self._messages(body)
+        ids = self.eng.encode(chat_prompt(msgs))
+        if not ids:
+            raise ApiError(400, "empty prompt", "messages")
+        sp = self._sampling(body, max(0, min(256, self.eng.ctx - len(ids))))
+        sp["stops"] = sp["stops"] or ["\nUser:", "\nSystem:"]
+        self._fits(len(ids), sp["max_tokens"])
+        cid = f"chatcmpl-{secrets.token_hex(12)}"
+        if _bool(body, "stream"):
+            return self._stream(cid, "chat.completion.chunk", ids, sp, chat=True)
+        with self.eng.lock:
+            r = generate(self.eng, ids, sp["max_tokens"], sp["temperature"], sp["top_p"], sp["stops"], None, False,
+                         sp["seed"], min_tokens=sp["min_tokens"])
+        text = r["text"].lstrip(" ")
+        self._send_json(200, {"id": cid, "object": "chat.completion", "created": int(time.time()),
+                              "model": self.eng.model_id,
+                              "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                           "logprobs": None, "finish_reason": r["finish_reason"]}],
+                              "usage": {"prompt_tokens": len(ids), "completion_tokens": len(r["gen_ids"]),
+                                        "total_tokens": len(ids) + len(r["gen_ids"])}})
+
+    # -------------------------------------------------------------- SSE
+
+    def _stream(self, cid, obj, ids, sp, chat: bool, echo: bool = False):
+        """SSE. A writer thread owns the socket, so a slow client never holds the engine: generation only queues
+        events, and stops (releasing the lock) as soon as the writer finds the client gone."""
+        created = int(time.time())
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        events: queue.Queue = queue.Queue()
+        gone = threading.Event()
+
+        def writer():
+            try:
+                while (item := events.get()) is not None:
+                    self.wfile.write(item)
+                    self.wfile.flush()
+            except OSError:                  # broken pipe, reset, timeout: the client left
+                gone.set()
+                with self.server.count_lock:
+                    self.server.disconnects += 1
+
+        w = threading.Thread(target=writer, name="sse-writer", daemon=True)
+        w.start()
+
+        def send(payload):
+            if gone.is_set():
+                raise _ClientGone
+            events.put(b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n")
+
+        first = [True]
+
+        def chunk(delta_text=None, finish=None):
+            if chat:
+                delta = {}
+                if first[0]:
+                    delta["role"] = "assistant"
+                if delta_text is not None:
+                    delta["content"] = delta_text
+                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            first[0] = False
+            send({"id": cid, "object": obj, "created": created, "model": self.eng.model_id, "choices": [c]})
+
+        strip = [chat]
+
+        def on_text(delta):
+            if strip[0]:                       # the template ends with "Assistant:"; drop the space after it
+                delta = delta.lstrip(" ")
+                if not delta:
+                    return
+                strip[0] = False
+            chunk(delta)
+
+        try:
+            if chat:
+                chunk("")
+            elif echo:
+                chunk(self.eng.decode(ids))
+            with self.eng.lock:
+                r = generate(self.eng, ids, sp["max_tokens"], sp["temperature"], sp["top_p"], sp["stops"], None, False,
+                             sp["seed"], on_text=on_text, min_tokens=sp["min_tokens"])
+            chunk(None, r["finish_reason"])
+            send(b"[DONE]")
+        except _ClientGone:
+            pass
+        except Exception as e:               # headers are sent: report the error as an event, then close
+            import traceback
+            traceback.print_exc()
+            if not gone.is_set():
+                events.put(b"data: " + json.dumps(ApiError(500, f"internal error: {type(e).__name__}: {e}",
+                                                           type_="server_error").body()).encode() + b"\n\n")
+        finally:
+            events.put(None)
+            w.join(self.timeout + 5)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 64
+
+    def __init__(self, addr, engine: Engine, quiet: bool = False):
+        super().__init__(addr, Handler)
+        self.engine = engine
+        self.quiet = quiet
+        self.disconnects = 0                  # streams whose client went away (diagnostics, tests)
+        self.count_lock = threading.Lock()
+
+    def handle_error(self, request, client_address):
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
+
+def make_server(session, host: str = "127.0.0.1", port: int = 8000, model_id: str | None = None,
+                quiet: bool = False) -> Server:
+    from pathlib import Path
+    mid = model_id or Path(str(session.model)).name
+    return Server((host, port), Engine(session, mid), quiet=quiet)
+
+
+def serve(model: str, preset: str, budget=None, host: str = "127.0.0.1", port: int = 8000, model_id: str | None = None,
+          engine: str = "numpy", direct: bool = True, quiet: bool = False):
+    from evals.common import open_session
+    s = open_session(model, preset, budget, engine, direct)
+    srv = make_server(s, host, port, model_id, quiet)
+    h, p = srv.server_address[:2]
+    print(f"serving {srv.engine.model_id!r} ({s.preset.name}, budget {s.budget_text}) on http://{h}:{p}/v1",
+          file=sys.stderr, flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+        s.close()

@@ -1,0 +1,111 @@
+"""Student vs teacher on the same tokens: KL(teacher || student), top-1 agreement, both perplexities,
+and per-layer routing agreement.
+
+The tokens and scored positions are those of the perplexity method (evals.ppl: llama.cpp chunks,
+second half scored, or strided windows), like llama.cpp's --kl-divergence. Routing is captured
+with a router hook on both engines (the teacher routes exactly; the student with its preset's
+routing, on its own hidden states) at every position of every window; agreement per layer is
+the mean over tokens of |top-k(teacher) & top-k(student)| / k, and `routing_exact` the share of
+tokens whose top-k sets are equal.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from evals.common import RoutingCapture, forward, mean_stderr, routing_overlap, text_ids
+from evals.ppl import tokens_needed, window_nll, windows
+from workbench.spec import WorkbenchError
+
+
+class TeacherTrace:
+    """The teacher's log-probs, NLL and routing per window, computed once and reusable for many students."""
+
+    def __init__(self, teacher, ids, n_ctx, chunks=None, stride=None, progress=True, data: str = ""):
+        from tqdm import tqdm
+        if n_ctx > teacher.spec.max_position_embeddings:
+            raise WorkbenchError(f"--ctx {n_ctx}: the model's context is {teacher.spec.max_position_embeddings} tokens")
+        self.ids, self.n_ctx, self.chunks, self.stride, self.data = list(ids), n_ctx, chunks, stride, data
+        self.wins = windows(len(ids), n_ctx, chunks, stride)
+        self.pack_id = teacher.pack.content_id()
+        self.layers = list(teacher.spec.moe_layers)
+        self.items = []
+        cap = RoutingCapture(teacher)
+        try:
+            for b, e, first in tqdm(self.wins, desc="teacher", unit="chunk", disable=not progress):
+                nll, lp = window_nll(forward(teacher, ids[b:e]), ids, b, first, e)
+                self.items.append((nll, lp.astype(np.float32), cap.take()))
+        finally:
+            cap.remove()
+
+
+def compare(student, trace: TeacherTrace, progress: bool = True) -> dict:
+    from tqdm import tqdm
+    ids = trace.ids
+    kl, agree, nll_s, nll_t = [], [], [], []
+    overlap = {L: [] for L in trace.layers}
+    exact = {L: [] for L in trace.layers}
+    cap = RoutingCapture(student)
+    t0 = time.perf_counter()
+    try:
+        for (b, e, first), (t_nll, t_lp, t_route) in tqdm(list(zip(trace.wins, trace.items)),
+                                                          desc=f"student {student.preset.name}", unit="chunk",
+                                                          disable=not progress):
+            s_nll, s_lp = window_nll(forward(student, ids[b:e]), ids, b, first, e)
+            s_route = cap.take()
+            t_lp64 = t_lp.astype(np.float64)
+            s_lp = s_lp.astype(np.float32).astype(np.float64)   # the teacher's are stored as float32: round alike
+            kl.append((np.exp(t_lp64) * (t_lp64 - s_lp)).sum(-1))
+            agree.append(t_lp.argmax(-1) == s_lp.argmax(-1))
+            nll_s.append(s_nll)
+            nll_t.append(t_nll)
+            for L in trace.layers:
+                o, x = routing_overlap(t_route[L], s_route[L])
+                overlap[L].append(o)
+                exact[L].append(x)
+    finally:
+        cap.remove()
+    kl, agree = np.concatenate(kl), np.concatenate(agree).astype(np.float64)
+    nll_s, nll_t = np.concatenate(nll_s), np.concatenate(nll_t)
+    kl_mean, kl_se = mean_stderr(kl)
+    top1, top1_se = mean_stderr(agree)
+    ms, ses = mean_stderr(nll_s)
+    mt, set_ = mean_stderr(nll_t)
+    ra = [float(np.concatenate(overlap[L]).mean()) for L in trace.layers]
+    rx = [float(np.concatenate(exact[L]).mean()) for L in trace.layers]
+    return {
+        "kl": kl_mean, "kl_stderr": kl_se, "kl_max": float(kl.max()), "kl_p99": float(np.percentile(kl, 99)),
+        "kl_median": float(np.median(kl)),
+        "top1": top1, "top1_stderr": top1_se,
+        "ppl": math.exp(ms), "ppl_stderr": math.exp(ms) * ses,
+        "ppl_teacher": math.exp(mt), "ppl_teacher_stderr": math.exp(mt) * set_,
+        "ppl_ratio": math.exp(ms - mt),
+        "routing_agreement": ra, "routing_exact": rx, "routing_layers": trace.layers,
+        "routing_agreement_mean": float(np.mean(ra)) if ra else None,
+        "tokens": int(kl.size), "routed_tokens": int(sum(len(o) for o in overlap[trace.layers[0]])) if trace.layers else 0,
+        "chunks": len(trace.wins), "ctx": trace.n_ctx, "stride": trace.stride,
+        "method": "llama.cpp" if trace.stride is None else "strided", "seconds": time.perf_counter() - t0,
+    }
+
+
+def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: int = 512, chunks: int | None = 4,
+        stride: int | None = None, progress: bool = True, record: bool = True, engine: str = "numpy",
+        direct: bool = True, trace: TeacherTrace | None = None) -> dict:
+    from evals.common import open_session, record as write_record
+    with open_session(model, preset, budget, engine, direct) as s:
+        if trace is None:
+            need = tokens_needed(n_ctx, chunks, stride)
+            ids = text_ids(s.tokenizer, data, need)
+            ids = ids[:need] if need else ids
+            with open_session(model, "teacher", None, engine, direct) as t:
+                trace = TeacherTrace(t, ids, n_ctx, chunks, stride, progress, data)
+        res = compare(s, trace, progress)
+        res.update(model=model, preset=s.preset.name, budget=s.budget_text, data=trace.data, teacher_pack=trace.pack_id)
+        params = {"data": trace.data, "ctx": trace.n_ctx, "chunks": trace.chunks, "stride": trace.stride}
+        layers = [{"layer": L, "routing_agreement": a, "routing_exact": x}
+                  for L, a, x in zip(res["routing_layers"], res["routing_agreement"], res["routing_exact"])]
+        res["run"] = write_record("teacher", s, params, {k: v for k, v in res.items() if k != "run"}, layers,
+                                  enabled=record)
+    return res
