@@ -97,7 +97,7 @@ def recall(predicted, routed) -> float:
     return len(routed & set(map(int, predicted))) / max(1, len(routed))
 
 
-def make_predictor(name: str | None, spec, weights, usage=None, trace=None):
+def make_predictor(name: str | None, spec, weights, usage=None, trace=None, pack=None):
     if not name:
         return None
     kind, *args = name.split(":")
@@ -109,4 +109,7 @@ def make_predictor(name: str | None, spec, weights, usage=None, trace=None):
         return Oracle(spec, trace or {})
     if kind == "shuffled":
         return Shuffled(spec, usage)
-    raise ValueError(f"predictor {name!r}: choose lookahead:DEPTH:k|2k, history, oracle or shuffled")
+    if kind == "prerouter":                 # Edge0: trained heads, one token ahead (workbench/edge0)
+        from workbench.edge0.serve import make_prerouter
+        return make_prerouter(name, spec, weights, pack=pack)
+    raise ValueError(f"predictor {name!r}: choose lookahead:DEPTH:k|2k, history, oracle, shuffled or prerouter[:SKIP]")

@@ -63,6 +63,10 @@ PRESETS = {p.name: p for p in [
     Preset("smol_bias", "smolmaxxing pager with cache-aware routing bias 0.05 for experts in memory",
            experts="q2", rest="q4", cache_scope="per_layer", warm=True, execution="ready_first",
            predictor="lookahead:2:k", routing="cache_bias:0.05"),
+    Preset("edge0", "Edge0: trained prerouter heads predict the next layer's routing a token ahead and that "
+           "prediction is the routing (the first skip_layers MoE layers exact); unmerged recovery LoRA on attention; "
+           "int4 experts and rest",
+           experts="q4", rest="q4", execution="ready_first", predictor="prerouter", routing="prerouter"),
 ]}
 
 

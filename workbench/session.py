@@ -56,7 +56,7 @@ class Session:
         self.engine = load_engine(engine, self.pack, self.streamer, self.tel)
         w = self.engine.w
         usage = self.usage() if (p.warm or (p.predictor or "").startswith("shuffled")) else None
-        self.engine.predictor = make_predictor(p.predictor, s, w, usage=usage, trace=trace)
+        self.engine.predictor = make_predictor(p.predictor, s, w, usage=usage, trace=trace, pack=self.pack)
         self.engine.router_hook = self._router_hook()
         self.reader_bytes0 = 0
         if self.budget_bytes >= self.all_expert_bytes:
@@ -83,7 +83,10 @@ class Session:
                         bias[e] = beta
                 return route(spec, logits, w.get(f"layers.{layer}.router_bias"), bias=bias)
             return biased
-        raise WorkbenchError(f"routing {r!r}: choose exact or cache_bias:BETA")
+        if r.split(":")[0] == "prerouter":     # Edge0: the head's prediction is the routing (+ its LoRA)
+            from workbench.edge0.serve import prerouter_routing
+            return prerouter_routing(self, r)
+        raise WorkbenchError(f"routing {r!r}: choose exact, cache_bias:BETA or prerouter[:nolora]")
 
     def usage(self) -> dict:
         """Expert use per layer on held-out text (TinyStories validation), cached per pack."""

@@ -30,7 +30,8 @@ def model_dir_of(pack) -> Path:
 
 
 def edge0_dir(pack) -> Path:
-    return model_dir_of(pack) / "edge0"
+    src = model_dir_of(pack)
+    return (src.parent if src.is_file() else src) / "edge0"     # a single-file source (GGUF): beside it
 
 
 def artifact_path(pack, kind: str) -> Path:
