@@ -108,7 +108,7 @@ class NumpyEngine:
         K, V = self._kv_append(i, k, v)
         S, rep = K.shape[1], s.num_heads // s.num_kv_heads
         q = q.reshape(s.num_kv_heads, rep * T, s.head_dim)       # grouped query heads share their KV head
-        att = (q @ K.transpose(0, 2, 1)).reshape(s.num_kv_heads, rep, T, S) * (1.0 / np.sqrt(s.head_dim))
+        att = (q @ K.transpose(0, 2, 1)).reshape(s.num_kv_heads, rep, T, S) * np.float32(1.0 / np.sqrt(s.head_dim))
         if T > 1:
             att = np.where(np.arange(S)[None, :] > (S - T + np.arange(T))[:, None], -np.inf, att)
         att = np.exp(att - att.max(-1, keepdims=True))

@@ -38,8 +38,8 @@ def model_dir(model: str) -> Path:
 
 def _fingerprint(d: Path) -> str:
     h = hashlib.sha256()
-    for f in sorted(d.glob("*")):
-        if f.suffix in (".json", ".safetensors"):
+    for f in ([d] if d.is_file() else sorted(d.glob("*"))):   # a .gguf file is its own fingerprint
+        if f.suffix in (".json", ".safetensors", ".gguf"):
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
     return h.hexdigest()[:12]
@@ -50,7 +50,7 @@ def resolve_pack(model: str, layout: str, experts: str, rest: str, progress: boo
     p = model_dir(model)
     if is_pack(p):
         return p
-    if p.is_file():
+    if p.is_file() and p.suffix != ".gguf":       # a GGUF converts like a model directory
         raise WorkbenchError(f"{p}: not an expert pack (bad magic) and not a model directory")
     name = f"{p.name}-{_fingerprint(p)}-{layout}-{experts}-{rest}.pack"
     dst = cache_dir() / "packs" / name

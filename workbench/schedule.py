@@ -27,6 +27,7 @@ class ExpertStreamer:
             raise ValueError(f"execution {execution!r}: choose ready_first or wait_all")
         self.pack, self.cache, self.reader, self.tel = pack, cache, reader, telemetry
         self.execution = execution
+        self.raw = False    # True: compute gets each part's encoded bytes, not f32 (an engine that reads packed weights)
         self.prefetched: dict[tuple, tuple] = {}   # key -> (bytes, token), issued by a predictor, not yet consumed
         self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
 
@@ -56,7 +57,7 @@ class ExpertStreamer:
                 try:
                     chunks = [f.result() for f in part_futs]
                     t0 = time.perf_counter()
-                    w = self.pack.decode_expert(key[0], key[1], chunks)
+                    w = self.pack.decode_expert(key[0], key[1], chunks, raw=self.raw)
                     fut.dequant_s = time.perf_counter() - t0
                     fut.set_result(w)
                 except BaseException as e:  # surfaced in the compute thread by fut.result()
@@ -110,11 +111,12 @@ class ExpertStreamer:
                 backlog.append(e)
                 ev.hit.append(False)
             elif isinstance(ent, Future):
-                ev.hit.append(False)       # a late prefetch: in flight, not yet in memory
-                if ent.done() and ent.exception() is None:
+                if ent.done() and ent.exception() is None:   # a prefetch that landed in time: in memory
+                    ev.hit.append(True)
                     self.cache.set(key, ent.result())
                     ready.append(e)
                 else:
+                    ev.hit.append(False)                      # a late prefetch: still in flight
                     pending[e] = ent
             else:
                 ev.hit.append(True)

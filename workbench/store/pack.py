@@ -33,8 +33,10 @@ MAGIC = b"MOEPACK\0"
 FORMAT = 1
 ALIGN = 4096
 PARTS = ("gate", "up", "down")
-EXPERT_KINDS = ("q2", "q3", "q4", "q8", "bf16")
-REST_KINDS = ("q4", "q8", "bf16")
+EXPERT_KINDS = ("q2", "q3", "q4", "q8", "bf16", "raw")
+REST_KINDS = ("q4", "q8", "bf16", "raw")
+# "raw" (GGUF sources only): keep the source's own blocks byte for byte, as kinds "gguf:<TYPE>" (e.g.
+# gguf:Q4_K), dequantized on load by the gguf package (workbench/models/gguf_model.py).
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -58,18 +60,26 @@ def expert_kind(shape: tuple, experts: str) -> str:
 
 # f32 (norms, biases, the router) is stored raw and may be any rank; the rest goes through the codecs.
 def _encode(a: np.ndarray, kind: str) -> np.ndarray:
+    if kind.startswith("gguf:"):                    # raw GGUF blocks: already encoded, passed through
+        return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     if kind == "f32":
         return np.ascontiguousarray(a, dtype=np.float32).reshape(-1).view(np.uint8)
     return quant.encode(np.asarray(a, dtype=np.float32), kind)
 
 
 def _decode(buf: np.ndarray, shape: tuple, kind: str) -> np.ndarray:
+    if kind.startswith("gguf:"):
+        from workbench.models.gguf_model import dequantize
+        return dequantize(buf, kind[5:], shape)
     if kind == "f32":
         return buf.view(np.float32).reshape(shape)
     return quant.decode(buf, shape, kind)
 
 
 def _nbytes(shape: tuple, kind: str) -> int:
+    if kind.startswith("gguf:"):
+        from workbench.models.gguf_model import row_nbytes
+        return int(np.prod(shape[:-1])) * row_nbytes(kind[5:], shape[-1])
     return 4 * int(np.prod(shape)) if kind == "f32" else quant.encoded_nbytes(shape, kind)
 
 
@@ -79,18 +89,22 @@ def _plan(model, layout: str, experts: str, rest: str, data_start: int):
     s = model.spec
     d, ff = s.hidden_size, s.moe_intermediate_size
     shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
-    kinds = {p: expert_kind(shapes[p], experts) for p in PARTS}
-    sizes = {p: _nbytes(shapes[p], kinds[p]) for p in PARTS}
+    kinds = {p: expert_kind(shapes[p], experts) for p in PARTS} if experts != "raw" else {}
+    sizes = {p: _nbytes(shapes[p], kinds[p]) for p in kinds}
+    layer_kinds = {}                                  # raw: each layer keeps its source's types (Q4_K_M mixes)
     off = data_start
     tensors = {}
     for name in model.names():
         shape = tuple(model.tensor_shape(name))
-        kind = tensor_kind(name, shape, rest)
+        kind = model.tensor_kind(name) if rest == "raw" else tensor_kind(name, shape, rest)
         n = _nbytes(shape, kind)
         tensors[name] = {"offset": off, "nbytes": n, "shape": list(shape), "kind": kind, "crc32": "0" * 8}
         off = _align(off + n)
     layers = {}
     for i in s.moe_layers:
+        if experts == "raw":
+            layer_kinds[str(i)] = kinds = model.expert_kinds(i)
+            sizes = {p: _nbytes(shapes[p], kinds[p]) for p in PARTS}
         entries = [{"parts": {}, "crc32": "0" * 8} for _ in range(s.num_experts)]
         if layout == "contiguous":
             for ent in entries:
@@ -108,6 +122,10 @@ def _plan(model, layout: str, experts: str, rest: str, data_start: int):
         layers[str(i)] = entries
     expert_info = {"shapes": {p: list(shapes[p]) for p in PARTS}, "kinds": kinds, "nbytes": sum(sizes.values()),
                    "layers": layers}
+    if layer_kinds:
+        lsize = {L: sum(_nbytes(shapes[p], k[p]) for p in PARTS) for L, k in layer_kinds.items()}
+        expert_info.update(layer_kinds=layer_kinds, nbytes=max(lsize.values()),
+                           total_nbytes=s.num_experts * sum(lsize.values()))
     return tensors, expert_info, off
 
 
@@ -125,15 +143,27 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
         raise WorkbenchError(f"--experts {experts!r}: choose one of {', '.join(EXPERT_KINDS)}")
     if rest not in REST_KINDS:
         raise WorkbenchError(f"--rest {rest!r}: choose one of {', '.join(REST_KINDS)}")
-    model = src if hasattr(src, "spec") else HFModel(src)
+    if hasattr(src, "spec"):
+        model = src
+    elif str(src).endswith(".gguf"):                # a llama.cpp checkpoint (workbench/models/gguf_model.py)
+        from workbench.models.gguf_model import GGUFModel
+        model = GGUFModel(src)
+    else:
+        model = HFModel(src)
+    if "raw" in (experts, rest) and not hasattr(model, "expert_raw"):
+        raise WorkbenchError(f"{model.path}: --experts/--rest raw keep a GGUF's own blocks; this source is not a GGUF")
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    source = model.source_info() if hasattr(model, "source_info") else \
+        {"path": str(Path(model.path).resolve()),
+         "config_sha256": hashlib.sha256((Path(model.path) / "config.json").read_bytes()).hexdigest()}
     header = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "source": {"path": str(Path(model.path).resolve()), "config_sha256":
-                         hashlib.sha256((Path(model.path) / "config.json").read_bytes()).hexdigest()},
-              "spec": model.spec.to_dict(), "layout": layout, "quant": {"experts": experts, "rest": rest}}
+              "source": source, "spec": model.spec.to_dict(), "layout": layout, "quant": {"experts": experts, "rest": rest}}
     tok = Path(model.path) / "tokenizer.json"
-    if tok.exists():  # carried in the header so a pack is self-contained
+    if hasattr(model, "tokenizer_json"):           # GGUF: the vocabulary is in the file's metadata
+        if text := model.tokenizer_json():
+            header["tokenizer"] = text
+    elif tok.exists():  # carried in the header so a pack is self-contained
         header["tokenizer"] = tok.read_text(encoding="utf-8")
     data_start = ALIGN
     while True:  # the header's length depends on the offsets it records: iterate to a fixed point
@@ -148,7 +178,7 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
         with open(tmp, "wb") as f:
             f.truncate(end)
             for name, t in tensors.items():
-                buf = _encode(model.tensor(name), t["kind"])
+                buf = _encode(model.tensor_raw(name) if t["kind"].startswith("gguf:") else model.tensor(name), t["kind"])
                 t["crc32"] = _crc(buf)
                 f.seek(t["offset"])
                 f.write(buf)
@@ -156,11 +186,12 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
             items = [(int(i), e) for i in layers for e in range(model.spec.num_experts)]
             bar = _progress(items, progress, "experts")
             for i, e in bar:
-                w = model.expert(i, e)
+                w = model.expert_raw(i, e) if experts == "raw" else model.expert(i, e)
+                kinds = expert_info.get("layer_kinds", {}).get(str(i), expert_info["kinds"])
                 ent = layers[str(i)][e]
                 crc = 0
                 for p in PARTS:
-                    buf = _encode(w[p], expert_info["kinds"][p])
+                    buf = w[p] if experts == "raw" else _encode(w[p], kinds[p])   # raw: the GGUF's bytes
                     crc = zlib.crc32(buf, crc)
                     f.seek(ent["parts"][p][0])
                     f.write(buf)
@@ -216,13 +247,14 @@ class Pack:
         ex = h["experts"]
         self.expert_shapes = {p: tuple(ex["shapes"][p]) for p in PARTS}
         self.expert_kinds = ex["kinds"]
-        self.expert_nbytes = ex["nbytes"]           # on-disk bytes of one expert (unpadded)
+        self.expert_layer_kinds = {int(k): v for k, v in ex.get("layer_kinds", {}).items()}  # raw GGUF packs
+        self.expert_nbytes = ex["nbytes"]           # on-disk bytes of one expert (unpadded; raw GGUF: the largest)
         self.expert_layers = {int(k): v for k, v in ex["layers"].items()}
         self.num_expert_total = sum(len(v) for v in self.expert_layers.values())
 
     @property
     def total_expert_bytes(self) -> int:
-        return self.expert_nbytes * self.num_expert_total
+        return self.header["experts"].get("total_nbytes", self.expert_nbytes * self.num_expert_total)
 
     def content_id(self) -> str:
         return hashlib.sha256(_header_bytes(self.header)).hexdigest()[:16]
@@ -243,8 +275,9 @@ class Pack:
             return [tuple(ent["span"])]
         return [tuple(ent["parts"][p]) for p in PARTS]
 
-    def decode_expert(self, layer: int, e: int, chunks: list[np.ndarray]) -> dict[str, np.ndarray]:
-        """chunks: the bytes of expert_reads(layer, e), in order. Checks the crc, returns f32 matrices."""
+    def decode_expert(self, layer: int, e: int, chunks: list[np.ndarray], raw: bool = False) -> dict[str, np.ndarray]:
+        """chunks: the bytes of expert_reads(layer, e), in order. Checks the crc, returns f32 matrices
+        (raw=True: each part's encoded bytes, for an engine that computes from the packed format)."""
         ent = self.expert_layers[layer][e]
         if "span" in ent:
             base = ent["span"][0]
@@ -256,4 +289,7 @@ class Pack:
             crc = zlib.crc32(parts[p], crc)
         if f"{crc & 0xFFFFFFFF:08x}" != ent["crc32"]:
             raise WorkbenchError(f"{self.path}: checksum mismatch in expert {e} of layer {layer} (corrupt pack)")
-        return {p: _decode(parts[p], self.expert_shapes[p], self.expert_kinds[p]) for p in PARTS}
+        if raw:
+            return parts
+        kinds = self.expert_layer_kinds.get(layer, self.expert_kinds)
+        return {p: _decode(parts[p], self.expert_shapes[p], kinds[p]) for p in PARTS}
