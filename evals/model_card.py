@@ -126,9 +126,12 @@ Windows of {a['T']} tokens are drawn at random from one domain each, domains mix
 
 ## Training
 ```
-python -m workbench.train.demo --out runs/train-demo --steps {a['steps']} --minutes 100 --threads 1
+python -m workbench.train.demo --out runs/train-demo --steps {a['steps']}
 python -m workbench.train.demo --out runs/train-demo --export data/models/demo-moe
 ```
+How the shipped checkpoint was actually run (it was resumed from checkpoints on a shared machine):
+{chr(10).join('- ' + h for h in training.get('history', []))}
+
 torch on the CPU, AdamW (β 0.9/0.95, weight decay 0.1), peak LR {a['lr']} with 100 warm-up steps and cosine decay to
 10%, batch {a['batch']} × {a['T']} tokens, seed {a['seed']}, Switch-style load-balancing loss (coefficient 0.01).
 Checkpointed every 50 steps (resumable). Trained for {training['step']} steps ({training['step'] * a['batch'] * a['T']:,} tokens).

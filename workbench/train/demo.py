@@ -1,6 +1,6 @@
 """Train the demo MoE (Qwen3-MoE architecture) on the public corpora, in torch on the CPU.
 
-    python -m workbench.train.demo --out runs/train-demo --minutes 60
+    python -m workbench.train.demo --out runs/train-demo --steps 700
     python -m workbench.train.demo --out runs/train-demo --export data/models/demo-moe
 
 Seeded and resumable: a checkpoint (weights, optimizer, RNG, step) is written
@@ -338,7 +338,7 @@ def export(out: Path, dst: Path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("runs/train-demo"))
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=700)
     ap.add_argument("--minutes", type=float, default=110.0, help="stop (after a checkpoint) past this wall time")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=256)
