@@ -12,7 +12,7 @@ from workbench.routing import route
 from workbench.spec import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]
-PRESET_ORDER = ("teacher", "resident", "on_demand", "les", "smol", "smol_bias")
+PRESET_ORDER = ("teacher", "resident", "on_demand", "les", "smol", "smol_bias", "edge0")
 
 
 def open_session(model: str, preset: str, budget=None, engine: str = "numpy", direct: bool = True):

@@ -89,12 +89,11 @@ class ExpertCache:
         return self._pool(key).get(key)
 
     def _victim(self, pool: OrderedDict, protect):
-        candidates = [k for k, v in pool.items() if k not in protect and k not in self.pinned and not _in_flight(v)]
-        if not candidates:
-            return None
+        candidates = (k for k, v in pool.items() if k not in protect and k not in self.pinned and not _in_flight(v))
         if self.policy == "lru":
-            return candidates[0]
-        return min(candidates, key=lambda k: (self.uses[k], list(pool).index(k)))
+            return next(candidates, None)               # the pool is kept in recency order
+        order = {k: i for i, k in enumerate(pool)}
+        return min(candidates, key=lambda k: (self.uses[k], order[k]), default=None)
 
     def reserve(self, key, value, protect=frozenset()) -> bool:
         """Insert key (evicting as needed); False if every slot is protected or pinned."""
