@@ -27,7 +27,7 @@ BIAS_SWEEP = (0.005, 0.02, 0.05, 0.1, 0.25)
 
 def les_rungs():
     base = get_preset("on_demand").with_(name="on_demand")
-    look = base.with_(name="+lookahead", predictor="lookahead:1:2k")
+    look = base.with_(name="+lookahead", predictor="lookahead:1:k")
     sched = look.with_(name="+ready_first & contiguous", execution="ready_first", layout="contiguous")
     mixed = sched.with_(name="+mixed precision (q3/q4)", experts="q3", rest="q4")
     spec = mixed.with_(name="+speculative verification", speculative=4)

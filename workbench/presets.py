@@ -55,8 +55,8 @@ PRESETS = {p.name: p for p in [
     Preset("shuffled", "control: prefetch experts drawn from each layer's marginal frequencies, no timing information",
            execution="ready_first", predictor="shuffled"),
     Preset("history", "prefetch the previous token's experts at each layer", execution="ready_first", predictor="history"),
-    Preset("les", "LES: router lookahead 1 layer (top-2k), ready-first, contiguous layout, experts q3 / rest q4",
-           experts="q3", rest="q4", execution="ready_first", predictor="lookahead:1:2k"),
+    Preset("les", "LES: router lookahead 1 layer (top-k), ready-first, contiguous layout, experts q3 / rest q4",
+           experts="q3", rest="q4", execution="ready_first", predictor="lookahead:1:k"),
     Preset("smol", "smolmaxxing pager: per-layer LRU pools warmed from each layer's most-used list, "
            "prefetch 2 layers ahead, parallel whole-expert reads, experts q2 / rest q4",
            experts="q2", rest="q4", cache_scope="per_layer", warm=True, execution="ready_first", predictor="lookahead:2:k"),
