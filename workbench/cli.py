@@ -137,6 +137,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
 
+    from workbench.edge0.cli import register; register(sub, verb)  # ladder edge0
+    from engines.llamacpp_cli import register; register(sub, verb)  # export-gguf, trace, replay, bench-peer; bench --engine llamacpp
     args = ap.parse_args(argv)
     try:
         args.fn(args)

@@ -1,0 +1,358 @@
+"""The llama.cpp adapter: GGUF export and import, stock llama.cpp against our teacher, routing traces, replay.
+
+GGUF export/import needs the `gguf` package; the tests that run llama.cpp need llama-cpp-python
+(both in the `llamacpp` and `test` extras) and skip, with the reason, where it is not importable.
+
+Tolerances (f16 export of bf16-rounded tiny weights, llama.cpp CPU):
+  our engine on the imported f16 pack vs on the original (teacher): 1e-4 (the f16 copy of a bf16 value is
+  exact except for f16 subnormals); q8_0: 0.15 absolute on logits of scale ~2-3.
+  llama.cpp f16 vs our teacher: 3e-2 absolute on logits (llama.cpp rounds activations to f16 for its
+  f16 matmuls); greedy tokens and text identical.
+  routing: llama.cpp's top-k sets equal ours except where our own k-th and (k+1)-th router logits are
+  within 2e-2 (a near-tie at f16 activation precision); near-ties are counted, not failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REQUIRED = bool(os.environ.get("WORKBENCH_REQUIRE_LLAMACPP"))   # CI: missing packages fail instead of skipping
+if REQUIRED:
+    import gguf
+else:
+    gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[llamacpp]')")
+try:
+    import llama_cpp  # noqa: F401
+    NO_LLAMA = None
+except Exception as e:  # ImportError, or a shared library that does not load
+    if REQUIRED:
+        raise
+    NO_LLAMA = f"llama-cpp-python is not importable ({type(e).__name__}: {e}); pip install -e '.[llamacpp]'"
+needs_llama = pytest.mark.skipif(NO_LLAMA is not None, reason=NO_LLAMA or "")
+
+from workbench.models.gguf_export import export_gguf          # noqa: E402
+from workbench.models.gguf_model import GGUFModel, _BLOCK, _GLOBAL  # noqa: E402
+from workbench.models.hf import HFModel                       # noqa: E402
+from workbench.spec import WorkbenchError                     # noqa: E402
+from workbench.store.pack import Pack, convert                # noqa: E402
+
+IDS = [5, 17, 200, 31, 64, 99, 150, 3, 250, 12, 77, 42]
+LOGIT_TOL_F16 = 3e-2
+TIE_GAP = 2e-2
+PROMPT = "Tom and his mom went to the park."   # our greedy path has no near-tie (min top-2 gap 0.05)
+
+
+def teacher_logits(model, ids=IDS):
+    from workbench.session import Session
+    with Session(str(model), "teacher", budget="all") as s:
+        s.engine.reset()
+        return s.step(list(ids), "prefill")
+
+
+@pytest.fixture(scope="session")
+def q3(tiny_models):
+    return tiny_models["qwen3_moe"]
+
+
+@pytest.fixture(scope="session")
+def exported(q3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    m = HFModel(q3)
+    return {t: export_gguf(m, root / f"q3-{t}.gguf", t) for t in ("f16", "q8_0")}
+
+
+# ---------------------------------------------------------------- export / import (gguf package only)
+
+def test_export_writes_llamacpp_qwen3moe(q3, exported):
+    g = GGUFModel(exported["f16"])
+    assert g.arch == "qwen3moe"
+    assert g.spec == HFModel(q3).spec
+    assert g.meta("tokenizer.ggml.model") == "gpt2" and g.meta("tokenizer.ggml.pre") == "gpt-2"
+    # every tensor name is one llama.cpp's converter writes for qwen3moe
+    allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN3MOE]}
+    for name in g.raw:
+        base = name.rsplit(".", 1)[0]
+        assert any(base == a.format(bid=i) for a in allowed for i in range(g.spec.num_layers)), name
+    assert g._ne("blk.0.ffn_gate_exps.weight") == [g.spec.hidden_size, g.spec.moe_intermediate_size, g.spec.num_experts]
+    assert g._ne("blk.0.ffn_down_exps.weight") == [g.spec.moe_intermediate_size, g.spec.hidden_size, g.spec.num_experts]
+    types = {t.name: t.tensor_type.name for t in g.reader.tensors}
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32" and types["blk.0.attn_q.weight"] == "F16"
+    assert GGUFModel(exported["q8_0"]).raw["blk.1.ffn_up_exps.weight"].tensor_type.name == "Q8_0"
+    # the vocabulary round-trips into a Hugging Face tokenizer that splits text the same way
+    from tokenizers import Tokenizer
+    mine, theirs = Tokenizer.from_str(g.tokenizer_json()), Tokenizer.from_file(str(q3 / "tokenizer.json"))
+    text = PROMPT + "\n\n  She said: \"Let's go!\" 123 4567."
+    assert mine.encode(text).ids == theirs.encode(text).ids
+    assert mine.decode(mine.encode(text).ids) == text
+
+
+@pytest.mark.parametrize("qtype,tol", [("f16", 1e-4), ("q8_0", 0.15)])
+def test_import_round_trip(q3, exported, tmp_path, qtype, tol):
+    g = GGUFModel(exported[qtype])
+    raw_path = convert(exported[qtype], tmp_path / "raw.pack", experts="raw", rest="raw")
+    pack = Pack(raw_path)
+    kind = "gguf:F16" if qtype == "f16" else "gguf:Q8_0"
+    assert pack.expert_kinds == {"gate": kind, "up": kind, "down": kind}
+    assert pack.header.get("tokenizer") and pack.header["source"]["format"] == "gguf"
+    with open(raw_path, "rb") as f:                 # experts on disk are the GGUF's bytes, unchanged
+        for L, e in [(0, 0), (1, 5), (1, 7)]:
+            (off, n), = pack.expert_reads(L, e)
+            f.seek(off)
+            span = f.read(n)
+            want = g.expert_raw(L, e)
+            for p, (o, m) in pack.expert_layers[L][e]["parts"].items():
+                assert span[o - off:o - off + m] == want[p].tobytes()
+    ref = teacher_logits(q3)
+    z = teacher_logits(raw_path)
+    assert np.abs(z - ref).max() < tol
+    if qtype == "f16":
+        assert (z.argmax(-1) == ref.argmax(-1)).all()
+        # decoded and re-encoded into the workbench's own kinds works too (bf16 holds these weights exactly)
+        z2 = teacher_logits(convert(exported[qtype], tmp_path / "bf16.pack", experts="bf16", rest="bf16"))
+        assert np.abs(z2 - ref).max() < tol
+
+
+def _permute(w, n_head):
+    """convert_hf_to_gguf.py's LlamaModel.permute (Q and K of llama-architecture GGUFs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_family_gguf(src: Path, arch: str, out: Path) -> Path:
+    """A GGUF of a tiny Hugging Face checkpoint as llama.cpp's converter lays it out for `arch` (all F32)."""
+    m = HFModel(src)
+    s = m.spec
+    inv = {v: k for k, v in _GLOBAL.items()}
+    inv_block = {v: k for k, v in _BLOCK.items()}
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(s.num_layers)
+    w.add_context_length(s.max_position_embeddings)
+    w.add_embedding_length(s.hidden_size)
+    w.add_feed_forward_length(s.dense_intermediate_size or s.moe_intermediate_size)
+    w.add_head_count(s.num_heads)
+    w.add_head_count_kv(s.num_kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(s.rms_norm_eps)
+    w.add_expert_count(s.num_experts)
+    w.add_expert_used_count(s.top_k)
+    w.add_expert_feed_forward_length(s.moe_intermediate_size)
+    if s.bos_token_id is not None:
+        w.add_bos_token_id(s.bos_token_id)
+    if s.eos_token_id is not None:
+        w.add_eos_token_id(s.eos_token_id)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(s.shared_expert_size)
+    if arch == "dots1":
+        w.add_leading_dense_block_count(len(s.dense_layers))
+        w.add_expert_shared_count(s.shared_expert_size // s.moe_intermediate_size)
+        w.add_expert_group_count(s.n_group)
+        w.add_expert_group_used_count(s.topk_group)
+        w.add_expert_weights_scale(s.routed_scaling_factor)
+        w.add_expert_weights_norm(s.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    for name in m.names():
+        a = m.tensor(name)
+        if name in inv:
+            gname = inv[name]
+        else:
+            _, i, rest = name.split(".", 2)
+            gname = f"blk.{i}.{inv_block[rest]}"
+            if arch == "llama" and rest in ("q", "k"):
+                a = _permute(a, s.num_heads if rest == "q" else s.num_kv_heads)
+        w.add_tensor(gname, np.ascontiguousarray(a, np.float32))
+    for i in s.moe_layers:
+        for p in ("gate", "up", "down"):
+            w.add_tensor(f"blk.{i}.ffn_{p}_exps.weight",
+                         np.stack([m.expert(i, e)[p] for e in range(s.num_experts)]).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize("family,arch", [("qwen2_moe", "qwen2moe"), ("olmoe", "olmoe"), ("mixtral", "llama"),
+                                         ("dots1", "dots1")])
+def test_import_other_families(tiny_models, tmp_path, family, arch):
+    src = tiny_models[family]
+    path = write_family_gguf(src, arch, tmp_path / f"{family}.gguf")
+    g = GGUFModel(path)
+    want = HFModel(src).spec
+    assert g.spec.family == family
+    assert {k: v for k, v in g.spec.to_dict().items() if k != "dense_intermediate_size"} == \
+           {k: v for k, v in want.to_dict().items() if k != "dense_intermediate_size"}
+    pack = convert(path, tmp_path / f"{family}.pack", experts="raw", rest="raw")
+    assert np.abs(teacher_logits(pack) - teacher_logits(src)).max() < 1e-4
+
+
+def test_refuses_what_moespec_cannot_express(tmp_path):
+    def write(arch, tensors):
+        p = tmp_path / f"{arch}.gguf"
+        w = gguf.GGUFWriter(str(p), arch)
+        w.add_block_count(1)
+        for n, shape in tensors:
+            w.add_tensor(n, np.zeros(shape, np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return p
+    with pytest.raises(WorkbenchError, match="not a supported MoE family"):
+        GGUFModel(write("gpt2", [("token_embd.weight", (8, 4))]))
+    with pytest.raises(WorkbenchError, match="multi-head latent attention"):
+        GGUFModel(write("deepseek2", [("blk.0.attn_kv_a_mqa.weight", (8, 4))]))
+    with pytest.raises(WorkbenchError, match="not an MoE|expert_count"):
+        GGUFModel(write("llama", [("token_embd.weight", (8, 4))]))
+    bad = tmp_path / "junk.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 10)
+    with pytest.raises(WorkbenchError, match="not a readable GGUF"):
+        GGUFModel(bad)
+
+
+def test_replay_of_a_numpy_trace(q3, tmp_path):
+    from workbench.traces import capture_numpy, read_trace, replay, write_trace
+    ids = np.random.default_rng(0).integers(0, 320, 96).tolist()
+    tr, meta = capture_numpy(str(q3), ids)
+    out = write_trace(tmp_path / "t.parquet", tr, ids, meta)
+    back = read_trace(out)
+    assert back["ids"] == ids and np.array_equal(back["topk"], tr["topk"])
+    res = replay(out, "les", "0.5")
+    d = {r["design"]: r for r in res["designs"]}
+    assert res["router_recompute_max_abs"] < 1e-4
+    assert d["oracle"]["recall"] == 1.0 and d["on_demand"]["recall"] is None
+    assert d["oracle"]["hit_rate"] >= d["on_demand"]["hit_rate"]
+    assert all(0.0 <= r["hit_rate"] <= 1.0 for r in res["designs"])
+    assert replay(out, "les", "all")["designs"][0]["hit_rate"] > d["on_demand"]["hit_rate"]
+
+
+# ---------------------------------------------------------------- stock llama.cpp
+
+@needs_llama
+def test_llamacpp_runs_the_export_like_our_teacher(q3, exported):
+    from engines.llamacpp_engine import LlamaCpp
+    from workbench.session import Session
+    with LlamaCpp(exported["f16"], n_ctx=256) as llm:
+        with Session(str(q3), "teacher", budget="all") as s:
+            assert llm.tokenize(PROMPT) == s.encode(PROMPT)
+            ids = s.encode(PROMPT)
+            ref = teacher_logits(q3, ids)
+            llm.reset()
+            z = llm.forward(ids)
+            assert z.shape == ref.shape
+            assert np.abs(z - ref).max() < LOGIT_TOL_F16, np.abs(z - ref).max()
+            ours = s.generate(ids, tokens=16)
+        theirs = llm.generate(ids, 16)
+        assert theirs["tokens"] == ours["tokens"]
+        assert llm.detokenize(theirs["tokens"]) == ours["text"]
+
+
+@needs_llama
+def test_llamacpp_trace_matches_our_routing(q3, exported, tmp_path):
+    from engines.llamacpp_engine import capture_trace
+    from workbench.traces import capture_numpy
+    ids = np.random.default_rng(1).integers(0, 320, 64).tolist()
+    theirs = capture_trace(exported["f16"], ids)
+    ours, _ = capture_numpy(str(q3), ids)
+    assert theirs["moe_layers"] == ours["moe_layers"]
+    assert theirs["topk"].shape == ours["topk"].shape
+    assert np.abs(theirs["router_input"] - ours["router_input"]).max() < LOGIT_TOL_F16
+    assert np.abs(theirs["logits"] - ours["logits"]).max() < LOGIT_TOL_F16
+    k = ours["topk"].shape[-1]
+    same = (np.sort(theirs["topk"], -1) == np.sort(ours["topk"], -1)).all(-1)
+    s = np.sort(ours["logits"], -1)
+    gap = s[..., -k] - s[..., -k - 1]
+    assert (same | (gap < TIE_GAP)).all(), f"top-k differs beyond near-ties at {np.argwhere(~same & (gap >= TIE_GAP))}"
+    assert same.mean() > 0.9
+
+
+@pytest.fixture(scope="session")
+def kquant_model(tmp_path_factory):
+    """A tiny Qwen3-MoE whose rows split into 256-value k-quant blocks (d = ff = 256)."""
+    import torch
+    import transformers as tf
+    from conftest import tiny_tokenizer
+    path = tmp_path_factory.mktemp("kq") / "q3-256"
+    torch.manual_seed(3)
+    cfg = tf.Qwen3MoeConfig(vocab_size=320, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, max_position_embeddings=256, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=512,
+                            norm_topk_prob=True, tie_word_embeddings=False)
+    model = tf.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((torch.randn_like(p) * (0.3 if "norm" in name else 0.05) + (1.0 if "norm" in name else 0.0))
+                    .to(torch.bfloat16).float())
+    model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer(path / "tokenizer.json")
+    return path
+
+
+@needs_llama
+@pytest.mark.parametrize("qtype,block", [("q4_k_m", "Q4_K"), ("q3_k_m", "Q3_K"), ("q2_k", "Q2_K")])
+def test_kquant_import_keeps_blocks(kquant_model, tmp_path, qtype, block):
+    from engines.llamacpp_engine import quantize_gguf
+    f16 = export_gguf(HFModel(kquant_model), tmp_path / "f16.gguf", "f16")
+    q = quantize_gguf(f16, tmp_path / f"{qtype}.gguf", qtype)
+    g = GGUFModel(q)
+    kinds = {p: k for L in g.spec.moe_layers for p, k in g.expert_kinds(L).items()}
+    assert f"gguf:{block}" in kinds.values(), kinds
+    pack = Pack(convert(q, tmp_path / "kq.pack", experts="raw", rest="raw"))
+    assert pack.expert_layer_kinds == {L: g.expert_kinds(L) for L in g.spec.moe_layers}
+    with open(pack.path, "rb") as f:
+        for L in g.spec.moe_layers:
+            for e in range(g.spec.num_experts):
+                (off, n), = pack.expert_reads(L, e)
+                f.seek(off)
+                chunk = np.frombuffer(f.read(n), np.uint8)
+                want = g.expert_raw(L, e)
+                for p, (o, m) in pack.expert_layers[L][e]["parts"].items():
+                    assert chunk[o - off:o - off + m].tobytes() == want[p].tobytes()
+                w = pack.decode_expert(L, e, [chunk])
+                ref = g.expert(L, e)
+                assert all(np.array_equal(w[p], ref[p]) for p in w)
+    # The same quantized weights in our engine and in llama.cpp give the same logits: llama.cpp rounds
+    # activations to 8 bits for its k-quant dot products, so they differ by ~0.1 where quantization itself
+    # moves logits by 1-2.5. A routing flip at a near-tie changes a token's output (and, through attention,
+    # the later tokens'): compare the tokens before the first token whose routing differs.
+    from engines.llamacpp_engine import capture_trace
+    from workbench.traces import capture_numpy
+    theirs = capture_trace(q, IDS)
+    ours, _ = capture_numpy(str(pack.path), IDS)
+    same = (np.sort(theirs["topk"], -1) == np.sort(ours["topk"], -1)).all(-1).all(-1)
+    t0 = len(IDS) if same.all() else int(np.argmin(same))
+    assert t0 >= len(IDS) // 2, f"routing differs from token {t0}"
+    z = teacher_logits(pack.path, IDS)
+    assert np.abs(z[:t0] - theirs["final_logits"][:t0]).max() < 0.15
+    assert np.abs(z - teacher_logits(kquant_model, IDS)).mean() > 0.05      # quantization did change the model
+
+
+@needs_llama
+def test_cli_verbs(q3, exported, tmp_path, capsys):
+    from workbench.cli import main
+
+    def run(*argv):
+        assert main(list(argv) + ["--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    out = run("export-gguf", "--model", str(q3), str(tmp_path / "e.gguf"), "--type", "q8_0")
+    assert out["architecture"] == "qwen3moe" and "Q8_0" in out["tensor_types"]
+    info = run("info", "--model", str(tmp_path / "e.gguf"))
+    assert info["kind"] == "gguf" and info["spec"]["num_experts"] == 8
+    conv = run("convert", str(tmp_path / "e.gguf"), str(tmp_path / "e.pack"))
+    assert conv["quant"] == {"experts": "raw", "rest": "raw"}
+    t = run("trace", "--engine", "llamacpp", "--model", str(exported["f16"]), "--data", "tinystories",
+            "--tokens", "48", "--out", str(tmp_path / "t.parquet"))
+    assert t["tokens"] == 48 and t["rows"] == 96
+    rep = run("replay", str(tmp_path / "t.parquet"), "--preset", "les", "--budget", "0.5")
+    assert [r["design"] for r in rep["designs"]] == ["on_demand", "history", "shuffled", "lookahead", "oracle"]
+    assert rep["router_recompute_max_abs"] < 1e-3
+    b = run("bench", "--engine", "llamacpp", "--model", str(exported["f16"]), "--tokens", "4", "--no-record")
+    assert b["engine"] == "llamacpp" and b["tok_s"] > 0 and b["peak_rss_bytes"] > 0 and b["mode"] == "cold"
+    assert b["file_resident_before_bytes"] <= b["file_size"]
+    assert main(["convert", str(q3), str(tmp_path / "x.pack"), "--experts", "raw"]) == 2
+    assert "raw" in capsys.readouterr().err

@@ -1,0 +1,405 @@
+"""Read a GGUF MoE checkpoint (llama.cpp's format) lazily, with the same interface as HFModel.
+
+    m = GGUFModel("model.gguf")
+    m.spec, m.names(), m.tensor(name), m.tensor_shape(name), m.expert(layer, e), m.path
+
+plus what the pack writer uses to keep llama.cpp's quantized blocks as they are:
+    m.tensor_kind(name) / m.expert_kinds(layer)   "f32" or "gguf:<TYPE>" (e.g. gguf:Q4_K)
+    m.tensor_raw(name) / m.expert_raw(layer, e)   the bytes exactly as they lie in the GGUF
+    m.tokenizer_json()                            a Hugging Face tokenizer.json built from the GGUF vocab
+    m.source_info()                               what the pack header records about the source
+
+Architectures: qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral), dots1. deepseek2's names are
+mapped too, but its multi-head latent attention has no place in MoESpec, so it is refused with a clear
+error, as is every other architecture.
+
+Shapes: GGUF stores ne[] fastest-first (ne0 = row length); numpy order is the reverse, so a tensor
+with ne [d, ff, E] is (E, ff, d) here, and one expert's rows are one contiguous byte range.
+llama.cpp's converter permutes the Q/K rows of `llama` models (for its interleaved RoPE); they are
+un-permuted on read (whole rows move, so quantized rows can move too). qwen*/olmoe/dots1 use NEOX
+RoPE and are stored as in Hugging Face.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from workbench.spec import MoESpec, WorkbenchError
+
+PARTS = ("gate", "up", "down")
+ARCHES = ("qwen3moe", "qwen2moe", "olmoe", "llama", "dots1")
+_FAMILY = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral", "dots1": "dots1"}
+
+# llama.cpp tensor names (gguf.TENSOR_NAMES) -> workbench canonical names; {i} is the block.
+_GLOBAL = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
+_BLOCK = {
+    "attn_norm.weight": "attn_norm", "ffn_norm.weight": "mlp_norm",
+    "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
+    "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "ffn_gate_inp.weight": "router", "exp_probs_b.bias": "router_bias",
+    "ffn_gate_shexp.weight": "shared.gate", "ffn_up_shexp.weight": "shared.up", "ffn_down_shexp.weight": "shared.down",
+    "ffn_gate_inp_shexp.weight": "shared_gate",
+    "ffn_gate.weight": "dense.gate", "ffn_up.weight": "dense.up", "ffn_down.weight": "dense.down",
+}
+_STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
+            "ffn_gate_up_exps.weight": "gate_up"}
+_BLK = re.compile(r"blk\.(\d+)\.(.+)")
+_SPLIT_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")   # old Mixtral GGUFs: one tensor per expert
+_MLA = ("attn_kv_a_mqa.weight", "attn_kv_b.weight", "attn_q_a.weight", "attn_k_b.weight")
+
+
+_QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_BYTELEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+_PRE = {  # tokenizer.ggml.pre -> the Hugging Face pre-tokenizer that splits the same way
+    "gpt-2": _BYTELEVEL, "default": _BYTELEVEL,
+    "qwen2": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": _QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+        {**_BYTELEVEL, "use_regex": False}]},
+}
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise WorkbenchError("reading GGUF needs the gguf package: pip install -e '.[llamacpp]'") from None
+    return gguf
+
+
+def _value(field):
+    if field is None:
+        return None
+    if hasattr(field, "contents"):
+        return field.contents()
+    parts = [field.parts[i] for i in field.data]
+    if len(parts) == 1 and parts[0].dtype == np.uint8:
+        return bytes(parts[0]).decode("utf-8")
+    vals = [p.tolist()[0] if p.size == 1 else bytes(p).decode("utf-8") for p in parts]
+    return vals[0] if len(vals) == 1 else vals
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple) -> np.ndarray:
+    """GGUF bytes of one tensor (any type the gguf package knows) -> float32 of `shape` (numpy order)."""
+    gguf = _gguf()
+    qt = gguf.GGMLQuantizationType[type_name]
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    if qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        out = gguf.quants.dequantize(raw, qt)
+    else:
+        out = gguf.quants.dequantize(raw.reshape(rows, -1), qt)
+    return np.asarray(out, dtype=np.float32).reshape(shape)
+
+
+def row_nbytes(type_name: str, row: int) -> int:
+    gguf = _gguf()
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    if row % block:
+        raise WorkbenchError(f"a row of {row} values does not split into {type_name} blocks of {block}")
+    return row // block * size
+
+
+def _f32(v) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(v)))
+
+
+def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes convert_hf_to_gguf's LlamaModel.permute for Q (n_head) or K (n_kv_head)."""
+    idx = np.arange(n_rows)
+    return idx.reshape(n_head, n_rows // n_head // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+class GGUFModel:
+    """A GGUF file, memory-mapped and read tensor by tensor."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise WorkbenchError(f"{self.path}: no such GGUF file")
+        gguf = _gguf()
+        try:
+            self.reader = gguf.GGUFReader(str(self.path), "r")
+        except Exception as e:  # the reader raises ValueError/struct errors on a bad or truncated file
+            raise WorkbenchError(f"{self.path}: not a readable GGUF file ({e})") from None
+        self.arch = _value(self.reader.get_field("general.architecture"))
+        self.raw = {t.name: t for t in self.reader.tensors}
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > self.path.stat().st_size:
+                raise WorkbenchError(f"{self.path}: truncated: tensor {t.name} ends past the end of the file")
+        if self.arch == "deepseek2" or any(n.endswith(_MLA) for n in self.raw):
+            raise WorkbenchError(f"{self.path}: architecture {self.arch!r} uses multi-head latent attention "
+                                 f"(attn_kv_a_mqa/attn_kv_b), which workbench.spec.MoESpec cannot express")
+        if self.arch not in ARCHES:
+            raise WorkbenchError(f"{self.path}: GGUF architecture {self.arch!r} is not a supported MoE family "
+                                 f"(qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral), dots1)")
+        self.where: dict[str, str] = {}                   # canonical -> GGUF tensor name
+        self.stacked: dict[tuple[int, str], str] = {}     # (layer, gate|up|down|gate_up) -> GGUF name
+        self.split: dict[tuple[int, int, str], str] = {}  # (layer, expert, part) -> GGUF name (old Mixtral)
+        unknown = []
+        for name in self.raw:
+            if name in _GLOBAL:
+                self.where[_GLOBAL[name]] = name
+                continue
+            m = _BLK.fullmatch(name)
+            if not m:
+                unknown.append(name)
+                continue
+            i, rest = int(m[1]), m[2]
+            if rest in _BLOCK:
+                self.where[f"layers.{i}.{_BLOCK[rest]}"] = name
+            elif rest in _STACKED:
+                self.stacked[(i, _STACKED[rest])] = name
+            elif rest == "attn_qkv.weight":
+                for p in "qkv":
+                    self.where[f"layers.{i}.{p}"] = name
+            elif ms := _SPLIT_EXPERT.fullmatch(rest):
+                self.split[(i, int(ms[2]), ms[1])] = name
+            else:
+                unknown.append(name)
+        if unknown:   # e.g. rope_freqs (rope scaling), *_exps_s scales, MTP blocks: no place in MoESpec
+            raise WorkbenchError(f"{self.path}: tensor {unknown[0]} has no place in a workbench MoE model "
+                                 f"({len(unknown)} such tensors)")
+        self.spec = self._spec()
+        self._check_complete()
+
+    # ------------------------------------------------------------ metadata
+
+    def meta(self, key: str, default=None):
+        v = _value(self.reader.get_field(key.format(arch=self.arch)))
+        return default if v is None else v
+
+    def _ne(self, name: str) -> list[int]:
+        return [int(x) for x in self.raw[name].shape]
+
+    def _spec(self) -> MoESpec:
+        a, m = self.arch, self.meta
+        n_expert = int(m("{arch}.expert_count", 0))
+        if n_expert == 0:
+            raise WorkbenchError(f"{self.path}: {a} model without experts ({a}.expert_count is 0): not an MoE")
+
+        def need(key):
+            v = m(key)
+            if v is None:
+                raise WorkbenchError(f"{self.path}: GGUF metadata lacks {key.format(arch=a)}")
+            return v[0] if isinstance(v, list) else v     # per-layer arrays: the workbench needs them uniform
+        n_layer = int(need("{arch}.block_count"))
+        d = int(need("{arch}.embedding_length"))
+        heads = int(need("{arch}.attention.head_count"))
+        kv = m("{arch}.attention.head_count_kv", heads)
+        kv = kv[0] if isinstance(kv, list) else kv
+        head_dim = int(m("{arch}.attention.key_length", d // heads))
+        moe = [i for i in range(n_layer) if f"layers.{i}.router" in self.where]
+        if not moe:
+            raise WorkbenchError(f"{self.path}: no ffn_gate_inp (router) tensors: not an MoE checkpoint")
+        ff = m("{arch}.expert_feed_forward_length")
+        if ff is None:
+            ff = self._expert_ff(moe[0])
+        ff = int(ff[0] if isinstance(ff, list) else ff)
+        if "token_embd.weight" not in self.raw:
+            raise WorkbenchError(f"{self.path}: GGUF lacks token_embd.weight")
+        vocab = self._ne("token_embd.weight")[1]
+        dense = [i for i in range(n_layer) if i not in moe]
+        dense_ff = int(m("{arch}.feed_forward_length", 0) or 0)
+        if dense:
+            dense_ff = self._ne(self.where[f"layers.{dense[0]}.dense.gate"])[1]
+        eos, bos = m("tokenizer.ggml.eos_token_id"), m("tokenizer.ggml.bos_token_id")
+        common = dict(family=_FAMILY[a], vocab_size=vocab, hidden_size=d, num_layers=n_layer, num_heads=int(heads),
+                      num_kv_heads=int(kv), head_dim=head_dim, num_experts=n_expert,
+                      top_k=int(need("{arch}.expert_used_count")), moe_intermediate_size=ff,
+                      rope_theta=_f32(m("{arch}.rope.freq_base", 10000.0)),
+                      rms_norm_eps=_f32(m("{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+                      tie_word_embeddings="output.weight" not in self.raw,
+                      max_position_embeddings=int(m("{arch}.context_length", 4096)),
+                      bos_token_id=None if bos is None else int(bos), eos_token_id=None if eos is None else int(eos),
+                      attention_bias=f"layers.{moe[0]}.q_bias" in self.where,
+                      dense_layers=dense, dense_intermediate_size=dense_ff)
+        shexp = f"layers.{moe[0]}.shared.gate" in self.where
+        if m("{arch}.rope.scaling.type", "none") not in ("none", None):
+            raise WorkbenchError(f"{self.path}: rope scaling {m('{arch}.rope.scaling.type')!r} is not supported")
+        # how llama.cpp itself runs each architecture (src/models/<arch>.cpp, build_moe_ffn arguments)
+        if a == "qwen3moe":        # norm_w true, softmax, per-head q/k norm
+            return MoESpec(**common, norm_topk_prob=True, qk_norm="head")
+        if a == "qwen2moe":        # norm_w false, a sigmoid-gated shared expert
+            sh = self._ne(self.where[f"layers.{moe[0]}.shared.gate"])[1] if shexp else 0
+            return MoESpec(**common, norm_topk_prob=False, shared_expert_size=sh,
+                           shared_expert_gate=f"layers.{moe[0]}.shared_gate" in self.where)
+        if a == "olmoe":           # norm_w false, q/k norm over all heads, optional clamp
+            clip = m("{arch}.attention.clamp_kqv")
+            return MoESpec(**common, norm_topk_prob=False, qk_norm="full", clip_qkv=float(clip) if clip else None)
+        if a == "llama":           # Mixtral: norm_w true, softmax
+            if shexp:
+                raise WorkbenchError(f"{self.path}: llama with shared experts (llama4-style) is not supported")
+            return MoESpec(**common, norm_topk_prob=True)
+        # dots1: sigmoid scores, expert groups, selection bias, shared experts
+        gating = int(m("{arch}.expert_gating_func", 2))
+        if gating != 2:
+            raise WorkbenchError(f"{self.path}: dots1 with expert_gating_func {gating} (not sigmoid) is not supported")
+        n_shared = int(m("{arch}.expert_shared_count", 0))
+        return MoESpec(**common, router="sigmoid_group", norm_topk_prob=bool(m("{arch}.expert_weights_norm", False)),
+                       n_group=int(m("{arch}.expert_group_count", 1) or 1),
+                       topk_group=int(m("{arch}.expert_group_used_count", 1) or 1),
+                       routed_scaling_factor=float(m("{arch}.expert_weights_scale", 1.0) or 1.0), qk_norm="head",
+                       shared_expert_size=n_shared * ff)
+
+    def _expert_ff(self, layer: int) -> int:
+        if (layer, "gate") in self.stacked:
+            return self._ne(self.stacked[(layer, "gate")])[1]
+        if (layer, "gate_up") in self.stacked:
+            return self._ne(self.stacked[(layer, "gate_up")])[1] // 2
+        return self._ne(self.split[(layer, 0, "gate")])[1]
+
+    def _check_complete(self):
+        s = self.spec
+        need = ["embed", "norm"] + ([] if s.tie_word_embeddings else ["lm_head"])
+        for i in range(s.num_layers):
+            need += [f"layers.{i}.{n}" for n in ("attn_norm", "q", "k", "v", "o", "mlp_norm")]
+            need += [f"layers.{i}.router"] if i in s.moe_layers else [f"layers.{i}.dense.{p}" for p in PARTS]
+        missing = [n for n in need if n not in self.where]
+        for i in s.moe_layers:
+            for p in PARTS:
+                if (i, p) not in self.stacked and not ((i, "gate_up") in self.stacked and p != "down") \
+                        and (i, 0, p) not in self.split:
+                    missing.append(f"blk.{i}.ffn_{p}_exps")
+        if missing:
+            raise WorkbenchError(f"{self.path}: GGUF lacks {len(missing)} tensors, first: {missing[0]}")
+
+    # ------------------------------------------------------------ tensors
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def _type(self, gname: str) -> str:
+        return self.raw[gname].tensor_type.name
+
+    def _bytes(self, gname: str) -> np.ndarray:
+        """The tensor's bytes as (rows, bytes per row) uint8, a view of the memory map."""
+        t = self.raw[gname]
+        ne = self._ne(gname)
+        rows = int(np.prod(ne[1:])) if len(ne) > 1 else 1
+        return np.asarray(t.data).reshape(-1).view(np.uint8).reshape(rows, -1)
+
+    def _rows(self, name: str, gname: str):
+        """(first row, row count, row order) of a canonical tensor inside its GGUF tensor."""
+        s = self.spec
+        ne = self._ne(gname)
+        rows = int(np.prod(ne[1:])) if len(ne) > 1 else 1
+        start, n = 0, rows
+        kind = name.rsplit(".", 1)[-1]
+        if gname.endswith("attn_qkv.weight"):                     # fused: q rows, then k, then v
+            q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            start, n = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[kind]
+        order = None
+        if self.arch == "llama" and kind in ("q", "k"):
+            order = _unpermute_rows(n, s.num_heads if kind == "q" else s.num_kv_heads)
+        return start, n, order
+
+    def tensor_shape(self, name: str) -> list[int]:
+        gname = self.where[name]
+        ne = self._ne(gname)
+        if name.endswith("shared_gate"):
+            return [1, ne[0]]
+        if len(ne) == 1:
+            return [ne[0]]
+        _, n, _ = self._rows(name, gname)
+        return [n, ne[0]]
+
+    def tensor_kind(self, name: str) -> str:
+        t = self._type(self.where[name])
+        return "f32" if t == "F32" else f"gguf:{t}"
+
+    def tensor_raw(self, name: str) -> np.ndarray:
+        """The tensor's GGUF bytes (rows un-permuted / split out of a fused QKV where needed)."""
+        gname = self.where[name]
+        start, n, order = self._rows(name, gname)
+        b = self._bytes(gname)[start:start + n]
+        return np.ascontiguousarray(b if order is None else b[order]).reshape(-1)
+
+    def tensor(self, name: str) -> np.ndarray:
+        gname = self.where[name]
+        return dequantize(self.tensor_raw(name), self._type(gname), tuple(self.tensor_shape(name)))
+
+    # ------------------------------------------------------------ experts
+
+    def _expert_src(self, layer: int, part: str):
+        """(GGUF name, expert-indexable?, row slice within one expert) for one projection."""
+        if (layer, part) in self.stacked:
+            return self.stacked[(layer, part)], None
+        if part != "down" and (layer, "gate_up") in self.stacked:
+            ff = self.spec.moe_intermediate_size
+            return self.stacked[(layer, "gate_up")], (0 if part == "gate" else ff, ff)
+        return None, None
+
+    def expert_kinds(self, layer: int) -> dict[str, str]:
+        out = {}
+        for p in PARTS:
+            gname, _ = self._expert_src(layer, p)
+            t = self._type(gname if gname else self.split[(layer, 0, p)])
+            out[p] = "f32" if t == "F32" else f"gguf:{t}"
+        return out
+
+    def expert_raw(self, layer: int, e: int) -> dict[str, np.ndarray]:
+        """One expert's gate/up/down exactly as the GGUF stores them (flat uint8)."""
+        s = self.spec
+        out = {}
+        for p in PARTS:
+            gname, sl = self._expert_src(layer, p)
+            if gname is None:
+                out[p] = self._bytes(self.split[(layer, e, p)]).reshape(-1)
+                continue
+            b = self._bytes(gname)
+            per = b.shape[0] // s.num_experts                 # rows of one expert
+            rows = b[e * per:(e + 1) * per]
+            if sl is not None:
+                rows = rows[sl[0]:sl[0] + sl[1]]
+            out[p] = np.ascontiguousarray(rows).reshape(-1)
+        return out
+
+    def expert_shapes(self) -> dict[str, tuple]:
+        d, ff = self.spec.hidden_size, self.spec.moe_intermediate_size
+        return {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+
+    def expert(self, layer: int, e: int) -> dict[str, np.ndarray]:
+        raw, kinds, shapes = self.expert_raw(layer, e), self.expert_kinds(layer), self.expert_shapes()
+        return {p: (raw[p].view(np.float32).reshape(shapes[p]).copy() if kinds[p] == "f32"
+                    else dequantize(raw[p], kinds[p][5:], shapes[p])) for p in PARTS}
+
+    # ------------------------------------------------------------ source and tokenizer
+
+    def source_info(self) -> dict:
+        st = self.path.stat()
+        h = hashlib.sha256()
+        with open(self.path, "rb") as f:                  # the header region: metadata and tensor table
+            h.update(f.read(min(st.st_size, int(self.reader.data_offset))))
+        return {"path": str(self.path.resolve()), "format": "gguf", "architecture": self.arch,
+                "file_size": st.st_size, "header_sha256": h.hexdigest()}
+
+    def tokenizer_json(self) -> str | None:
+        """A byte-level BPE tokenizer.json from tokenizer.ggml.* (gpt2 model only), or None."""
+        pre = self.meta("tokenizer.ggml.pre", "default")
+        if self.meta("tokenizer.ggml.model") != "gpt2" or pre not in _PRE:
+            return None
+        tokens = self.meta("tokenizer.ggml.tokens") or []
+        types = self.meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = self.meta("tokenizer.ggml.merges") or []
+        vocab, added = {}, []
+        for i, (t, ty) in enumerate(zip(tokens, types)):
+            if ty in (3, 4):      # CONTROL, USER_DEFINED
+                added.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": ty == 4, "special": ty == 3})
+            if ty != 5 or not t.startswith("[PAD"):       # UNUSED padding rows are not tokens
+                vocab[t] = i
+        tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+              "pre_tokenizer": _PRE[pre],
+              "post_processor": None,
+              "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+              "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                        "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                        "vocab": vocab, "merges": [m.split(" ", 1) for m in merges]}}
+        return json.dumps(tj, ensure_ascii=False)
