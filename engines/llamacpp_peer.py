@@ -24,19 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+from workbench.runs import atomic_write
 from workbench.spec import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _atomic_write(path: Path, text: str):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _workbench_arm(model, preset, budget, tokens, prompt) -> dict:
@@ -89,9 +80,9 @@ def run_peer(model: str = "demo", budget: str = "0.25", tokens: int = 64, rounds
            "same_text": same_text}
     res["markdown"] = markdown(res)
     if out is not None:
-        _atomic_write(Path(out) / "peer.json", json.dumps({k: v for k, v in res.items() if k != "markdown"},
+        atomic_write(Path(out) / "peer.json", json.dumps({k: v for k, v in res.items() if k != "markdown"},
                                                           indent=1, default=str) + "\n")
-        _atomic_write(Path(out) / "peer.md", res["markdown"])
+        atomic_write(Path(out) / "peer.md", res["markdown"])
     return res
 
 

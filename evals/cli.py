@@ -5,20 +5,7 @@ one JSON object on stdout (progress bars go to stderr).
 """
 from __future__ import annotations
 
-import json
-
-
-def _jsonable(o):
-    import numpy as np
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
-
-
-def _out(args, obj: dict, human: str):
-    print(json.dumps(obj, default=_jsonable) if args.json else human)
+from workbench.cli import _print as _out
 
 
 def _running(p):

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 from workbench.routing import route
+from workbench.runs import atomic_write  # noqa: F401  (the eval modules' writer)
 from workbench.spec import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,17 +112,6 @@ def record(kind: str, session, params: dict, summary: dict, layers: list[dict] |
     except Exception:   # telemetry is a bonus in an eval record
         pass
     return str(write_run(session.preset.name, cfg, summ, layers or [], []))
-
-
-def atomic_write(path: Path, text: str):
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def text_ids(tokenizer, data: str, need: int | None = None) -> list[int]:

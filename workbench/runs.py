@@ -51,6 +51,15 @@ def _write(path: Path, data: bytes):
         os.fsync(f.fileno())
 
 
+def atomic_write(path, text: str):
+    """Write text to path atomically: a temp name beside it, fsync, rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    _write(tmp, text.encode("utf-8"))
+    os.replace(tmp, path)
+
+
 def _parquet(path: Path, rows: list[dict]):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from workbench.edge0.artifacts import artifact_path, load_safetensors, model_identity, save_safetensors
+from workbench.edge0.artifacts import artifact_path, model_identity, save_safetensors
 from workbench.edge0.serve import Heads
 from workbench.edge0.train_common import (PROJ, Clock, HeadSet, LoRASet, TorchMoE, command_line, data_digest,
                                           encode_train_corpora, open_pack, sample_windows)

@@ -1,0 +1,47 @@
+"""The ablation ladders on one model, written to results/ladders.{json,md} with the command that made them.
+
+    python benchmarks/ladders.py --model demo --budget 0.25 --tokens 48 --rounds 3 [--only les,smol,cache]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from evals.common import atomic_write  # noqa: E402
+from workbench.ladder import run_ladder, table  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--budget", default="0.25")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default="les,smol,cache")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
+    a = ap.parse_args(argv)
+    command = (f"python benchmarks/ladders.py --model {a.model} --budget {a.budget} --tokens {a.tokens} "
+               f"--rounds {a.rounds} --only {a.only}")
+    out, md = {"command": command, "ladders": {}}, [f"# Ablation ladders, measured\n\n`{command}`\n"]
+    for name in a.only.split(","):
+        res = run_ladder(name, model=a.model, budget=a.budget, tokens=a.tokens, rounds=a.rounds, progress=print)
+        out["ladders"][name] = res
+        md += [f"## {name}\n", "```", table(res), "```", ""]
+        if name == "smol":
+            md += ["Bias sweep: miss rate and perplexity on held-out TinyStories (teacher-forced decode, so the "
+                   "cache and the bias evolve as in generation):\n", "| rung | held-out miss rate | held-out ppl |",
+                   "|---|---:|---:|"]
+            md += [f"| {r['rung']} | {r['heldout_miss_rate']:.3f} | {r['heldout_ppl']:.3f} |" for r in res["rungs"]
+                   if r.get("heldout_ppl")]
+            md.append("")
+    atomic_write(a.out / "ladders.json", json.dumps(out, indent=1, default=str) + "\n")
+    atomic_write(a.out / "ladders.md", "\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
