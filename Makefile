@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 PORT    ?= 8501
 
-.PHONY: demo test venv clean-packs
+.PHONY: demo test venv notebooks figures clean-packs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,17 @@ demo: $(VENV)/.runtime
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q
+
+$(VENV)/.notebooks: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[notebooks]"
+	touch $@
+
+notebooks: $(VENV)/.notebooks
+	$(BIN)/jupyter lab --allow-root notebooks/
+
+# The full setting: rewrites notebooks/figures/*.png; the stored notebooks stay without outputs.
+figures: $(VENV)/.notebooks
+	for nb in notebooks/*.ipynb; do PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=1800 --output-dir "$${TMPDIR:-/tmp}" "$$nb" || exit 1; done
 
 clean-packs:
 	rm -rf $${WORKBENCH_CACHE:-$$HOME/.cache/moe-workbench}/packs

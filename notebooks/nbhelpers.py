@@ -1,0 +1,191 @@
+"""Helpers for the ablation notebooks: parameters, labels, published numbers, alternating arms, tables, figures.
+
+No engine logic lives here: every number comes from the library (workbench.ladder, workbench.bench,
+workbench.session, workbench.io, workbench.edge0, evals.*); this module arranges, labels and draws them.
+
+    WB_NB_SMALL=1        the tests' setting (read by each notebook's first cell)
+    WB_NB_FIGURES=DIR    where figures go (default: notebooks/figures at the full setting, a temporary
+                         directory at the small one, so a test never touches the committed figures)
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+NB_DIR = Path(__file__).resolve().parent
+REPO = NB_DIR.parent
+if str(REPO) not in sys.path:          # dashboards/ (the published numbers) is not an installed package
+    sys.path.insert(0, str(REPO))
+
+PROMPT = "Once upon a time"
+
+
+# ---------------------------------------------------------------- parameters and places
+
+def small_from_env() -> bool:
+    return os.environ.get("WB_NB_SMALL", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def figures_dir(small: bool) -> Path:
+    env = os.environ.get("WB_NB_FIGURES")
+    if env:
+        d = Path(env)
+    elif small:
+        d = Path(tempfile.mkdtemp(prefix="wb-nb-figures-"))
+    else:
+        d = NB_DIR / "figures"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+# ---------------------------------------------------------------- labels: whose number, on what device
+
+def machine() -> dict:
+    from workbench.runs import environment
+    return environment()
+
+
+def ours_label(engine: str = "numpy") -> str:
+    env = machine()
+    cpu = env.get("cpu") or env.get("machine") or "this machine"
+    return f"ours: {cpu} ({env.get('cores')} cores), {engine} engine"
+
+
+# Numbers quoted in issue 8 that dashboards/published.py does not hold yet. They belong there (the
+# dashboards and the notebooks must show the same published numbers); published() prefers that module's
+# entry of the same name as soon as it has one, so moving them is a deletion here.
+PENDING_PUBLISHED = {
+    "les_cache": {
+        "paper": "LES", "model": "MiniCPM-V 4.7 LES", "device": "iPhone", "metric": "tok_s vs memory",
+        "points": [("small cache window", 3.0e9, 10.0), ("large cache", 7.8e9, 18.0)],   # (setting, bytes, tok/s)
+        "source": "issue 8: the LES paper's memory / speed trade-off of the cache window",
+    },
+}
+
+
+def published(name: str) -> dict | None:
+    """The paper's numbers for `name` from dashboards/published.py, else PENDING_PUBLISHED, else None."""
+    from dashboards import published as pub
+    found = pub.published_ladder(name) if hasattr(pub, "published_ladder") else None
+    if found is None:
+        found = getattr(pub, "LADDERS", {}).get(name)
+    return found if found is not None else PENDING_PUBLISHED.get(name)
+
+
+def paper_label(pub: dict | None) -> str:
+    if not pub:
+        return "paper: no published number recorded"
+    return f"paper: {pub['paper']}, {pub['model']} on {pub['device']}"
+
+
+# ---------------------------------------------------------------- alternating arms (A B C ... A B C ...)
+
+def bench_arm(model: str, preset, budget, tokens: int, warmup: int = 4, note: dict | None = None,
+              prompt: str = PROMPT) -> dict:
+    """One arm, one round: a fresh Session (workbench.bench.open_session), workbench.bench.measure, a run record.
+
+    Returns measure's fields plus the per-token TokenRecords (`token_rows`), the cache's slots per layer and
+    the record's path. warmup=0 measures from a cold start (the first tokens after the Session opened).
+    """
+    from workbench.bench import measure, open_session
+    from workbench.runs import write_run
+    with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens) as s:
+        res = measure(s, prompt, tokens, warmup=warmup)
+        res.update(preset=s.preset.name, budget=s.budget_text, slots_per_layer=min(s.cache.capacity.values()),
+                   item_bytes=s.item_bytes, token_rows=s.tel.token_rows())
+        cfg = {**s.config(), "notebook": (note or {}).get("notebook"), "study": (note or {}).get("study"),
+               "arm": (note or {}).get("arm"), "tokens": tokens, "prompt": prompt, "warmup": warmup}
+        res["run"] = str(write_run(s.preset.name, cfg, {k: v for k, v in res.items() if k != "token_rows"},
+                                   s.tel.per_layer("decode"), [], res["token_rows"]))
+    return res
+
+
+def alternating(arms: dict, rounds: int, run_one, progress=print) -> list[dict]:
+    """Run every arm once per round, in order (A B C ... A B C ...), `run_one(name, arm)` -> a dict with tok_s.
+
+    One row per arm: the median round's fields, tok_s its median with min-max, every round's tok_s, and
+    every round's result under `rounds_results`.
+    """
+    results = {name: [] for name in arms}
+    for r in range(rounds):
+        for name, arm in arms.items():
+            res = run_one(name, arm)
+            results[name].append(res)
+            if progress:
+                progress(f"round {r + 1}/{rounds} {name}: {res['tok_s']:.2f} tok/s")
+    rows = []
+    for name, runs in results.items():
+        tps = [x["tok_s"] for x in runs]
+        med = sorted(runs, key=lambda x: x["tok_s"])[len(runs) // 2]
+        rows.append({**med, "arm": name, "tok_s": statistics.median(tps), "tok_s_min": min(tps),
+                     "tok_s_max": max(tps), "tok_s_rounds": tps, "rounds_results": runs})
+    return rows
+
+
+# ---------------------------------------------------------------- tables
+
+TIME_PARTS = ("compute_s", "router_s", "dequant_s", "flash_wait_s", "other_s")
+
+
+def per_token_ms(row: dict) -> dict:
+    """A bench/ladder row's time split (sums over decode steps) as ms per decode step, with the wall time."""
+    n = max(1, row["decode_steps"])
+    out = {p.replace("_s", " ms"): 1e3 * row[p] / n for p in TIME_PARTS}
+    out["wall ms"] = 1e3 * row["decode_s"] / n
+    return out
+
+
+def split_adds_up(row: dict, rel: float = 1e-6) -> bool:
+    """The five parts add up to the decode wall time (other_s is wall minus the rest, clipped at zero)."""
+    total = sum(row[p] for p in TIME_PARTS)
+    return abs(total - row["decode_s"]) <= rel * max(1e-9, row["decode_s"]) + 1e-9
+
+
+def frame(rows: list[dict], columns: dict):
+    """A DataFrame of `rows` with `columns` {source key: header}, in that order."""
+    import pandas as pd
+    return pd.DataFrame([{h: r.get(k) for k, h in columns.items()} for r in rows])
+
+
+def ladder_vs_paper(res: dict, pub: dict | None, ours: str):
+    """run_ladder's rows beside the published ladder rung by rung (by position): tok/s and x first rung."""
+    import pandas as pd
+    rows = []
+    pr = (pub or {}).get("rungs", [])
+    for i, r in enumerate(res["rungs"]):
+        p = pr[i] if i < len(pr) else (None, None)
+        rows.append({"rung": r["rung"], f"tok/s ({ours})": r["tok_s"], "min": r["tok_s_min"], "max": r["tok_s_max"],
+                     "x first rung (ours)": r["speedup"], "paper rung": p[0],
+                     f"tok/s ({paper_label(pub)})": p[1],
+                     "x first rung (paper)": (p[1] / pr[0][1]) if p[1] is not None else None})
+    return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------- figures (Altair, saved as PNG by vl-convert)
+
+def save(chart, name: str, directory: Path):
+    """Write `chart` to directory/name.png and return it (so the cell also shows it)."""
+    path = Path(directory) / f"{name}.png"
+    chart.save(str(path), scale_factor=1.5)
+    return chart
+
+
+def bars_vs_paper(df, x: str, y: str, source: str, title: str, y_title: str):
+    import altair as alt
+    return alt.Chart(df, title=title).mark_bar().encode(
+        x=alt.X(f"{x}:N", sort=None, title=None, axis=alt.Axis(labelAngle=-25, labelLimit=220)),
+        xOffset=alt.XOffset(f"{source}:N"),
+        y=alt.Y(f"{y}:Q", title=y_title),
+        color=alt.Color(f"{source}:N", legend=alt.Legend(orient="bottom", title=None, columns=1, labelLimit=600)),
+        tooltip=[x, source, alt.Tooltip(f"{y}:Q", format=".3f")],
+    ).properties(width=520, height=260)
+
+
+def md(text: str):
+    """Show `text` (an f-string of computed values, indented like the cell's code) as Markdown."""
+    import textwrap
+    from IPython.display import Markdown, display
+    display(Markdown(textwrap.dedent(text).strip()))

@@ -1,0 +1,122 @@
+"""The ablation notebooks (notebooks/*.ipynb) run top to bottom at the small setting, so they cannot rot.
+
+Each notebook reads WB_NB_SMALL=1 in its first cell and shrinks tokens, rounds and text; its figures go to
+WB_NB_FIGURES (a temporary directory here, so the committed notebooks/figures are never touched) and its run
+records to the suite's temporary WORKBENCH_RUNS (conftest). The kernel is this interpreter (the project's venv):
+a kernelspec naming sys.executable is registered in a temporary JUPYTER_PATH.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parents[1]
+NB_DIR = REPO / "notebooks"
+KERNEL = "moe-workbench-tests"
+
+FIGURES = {
+    "les_ablation": {"les_ladder", "les_cache_window", "les_lookahead_recall"},
+    "edge0_prerouter": {"edge0_recall", "edge0_ab", "edge0_quality", "edge0_merge_retention"},
+    "smol_pager": {"smol_pool_size", "smol_prefetch_depth", "smol_bias_sweep", "smol_warm_start"},
+    "where_time_goes": {"time_split_designs", "time_split_tokens", "disk_profile", "floor"},
+}
+PARAMETERS = ("MODEL", "BUDGET", "TOKENS", "ROUNDS", "SMALL")
+
+
+def read(name: str):
+    return nbformat.read(NB_DIR / f"{name}.ipynb", as_version=4)
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_stored_without_outputs_and_parameterised(name):
+    nb = read(name)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    for c in code:
+        assert c.outputs == [] and c.execution_count is None, f"{name}: cell {c.get('id')} is stored with outputs"
+    first = code[0].source
+    for p in PARAMETERS:
+        assert f"\n{p} = " in f"\n{first}", f"{name}: the first code cell does not set {p}"
+    assert "WB_NB_SMALL" in first
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_small_setting_changes_only_what_it_should(name, monkeypatch):
+    """The first cell's `if SMALL:` block shrinks the run; at the full setting none of it applies."""
+    source = [c for c in read(name).cells if c.cell_type == "code"][0].source
+    tree = ast.parse(source)
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "SMALL")
+    shrunk = {t.id for s in block.body for tgt in s.targets for t in ast.walk(tgt) if isinstance(t, ast.Name)}
+    assert {"TOKENS", "ROUNDS"} <= shrunk
+    top = [t.id for s in tree.body if isinstance(s, ast.Assign) for tgt in s.targets for t in ast.walk(tgt)
+           if isinstance(t, ast.Name)]
+    assert len(top) == len(set(top)), f"{name}: a parameter is set twice outside the `if SMALL:` block"
+    runs = {}
+    for small in ("", "1"):
+        monkeypatch.setenv("WB_NB_SMALL", small)
+        ns: dict = {}
+        exec(compile(source, f"{name}: first cell", "exec"), ns)
+        runs[bool(small)] = ns
+    assert runs[True]["SMALL"] and not runs[False]["SMALL"]
+    for v in shrunk:
+        assert runs[True][v] != runs[False][v], f"{name}: {v} is the same at the full and the small setting"
+    assert runs[True]["TOKENS"] <= 4 and runs[True]["ROUNDS"] == 1
+
+
+def test_published_numbers_come_from_the_dashboard_module():
+    sys.path.insert(0, str(NB_DIR))
+    try:
+        import nbhelpers
+    finally:
+        sys.path.remove(str(NB_DIR))
+    from dashboards.published import published_ladder
+    assert nbhelpers.published("les") is published_ladder("les")
+    assert nbhelpers.published("no such ladder") is None
+    assert nbhelpers.paper_label(nbhelpers.published("les")).startswith("paper: ")
+    assert nbhelpers.ours_label().startswith("ours: ") and nbhelpers.ours_label().endswith("numpy engine")
+
+
+@pytest.fixture(scope="module")
+def venv_kernel(tmp_path_factory):
+    """A kernelspec for this interpreter, in a JUPYTER_PATH of its own."""
+    root = tmp_path_factory.mktemp("jupyter")
+    spec = root / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "moe-workbench (tests)", "language": "python"}))
+    return root
+
+
+def snapshot(d: Path) -> dict:
+    return {p.name: p.stat().st_mtime_ns for p in d.glob("*")} if d.exists() else {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_notebook_runs_at_the_small_setting(name, venv_kernel, tmp_path, monkeypatch):
+    figures = tmp_path / "figures"
+    monkeypatch.setenv("WB_NB_SMALL", "1")
+    monkeypatch.setenv("WB_NB_FIGURES", str(figures))
+    monkeypatch.setenv("JUPYTER_PATH", str(venv_kernel))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    committed = snapshot(NB_DIR / "figures")
+    nb = read(name)
+    nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
+    NotebookClient(nb, timeout=900, kernel_name=KERNEL, resources={"metadata": {"path": str(NB_DIR)}}).execute()
+
+    assert nb.cells[-1].outputs[0]["text"].strip() == sys.executable, "the kernel is not this interpreter"
+    conclusion = [o for o in nb.cells[-2].outputs if "text/markdown" in o.get("data", {})]
+    assert conclusion and "Conclusion" in conclusion[0]["data"]["text/markdown"], f"{name}: no conclusion shown"
+    assert {p.stem for p in figures.glob("*.png")} == FIGURES[name]
+    assert all(p.stat().st_size > 1000 for p in figures.glob("*.png"))
+    assert snapshot(NB_DIR / "figures") == committed, "the small setting wrote into notebooks/figures"
