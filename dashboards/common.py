@@ -1,0 +1,412 @@
+"""Shared dashboard pieces: the registry of background runs, the numbers we show, and Altair charts.
+
+A DesignRun owns one worker thread, which creates its own Session, generates, and writes the run
+record. The page only reads telemetry (under `tel.lock`), so Streamlit reruns never touch the engine.
+The registry is module level: it outlives reruns and is shared by the pages of one server.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import secrets
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import altair as alt
+import pyarrow as pa
+
+from workbench.cache import parse_budget
+from workbench.presets import PRESETS
+from workbench.registry import model_dir
+from workbench.runs import list_runs, read_run, write_run
+from workbench.session import Session
+from workbench.spec import WorkbenchError
+from workbench.telemetry import Telemetry
+
+REFRESH_S = 0.5          # live numbers redraw this often
+CHARTS_REFRESH_S = 1.0   # and the live charts this often
+RECENT = 40              # decode tokens shown in the per-token charts
+MiB = 2 ** 20
+PARTS = [("compute_s", "compute"), ("router_s", "router"), ("dequant_s", "dequant"),
+         ("flash_wait_s", "flash wait"), ("other_s", "other")]
+PART_COLORS = ["#4c78a8", "#72b7b2", "#eeca3b", "#e45756", "#bab0ac"]
+BOOTH_PROMPTS = [
+    "Once upon a time, there was a little girl named Lily.",
+    "One day, a small dog found a big red ball in the park.",
+    "Tom and his mom went to the market to buy some apples.",
+    "There was a tiny bird who wanted to fly to the moon.",
+    "In a little house by the sea lived an old fisherman.",
+]
+
+
+def edge0_ready(model: str = "demo") -> bool:
+    """The edge0 preset exists and its trained files (prerouter heads, LoRA) sit beside the model."""
+    if "edge0" not in PRESETS:
+        return False
+    try:
+        from workbench.edge0.artifacts import FILES   # numpy only
+        return all((model_dir(model) / "edge0" / f).exists() for f in FILES.values())
+    except (ImportError, WorkbenchError, OSError):
+        return False
+
+
+def default_designs(model: str = "demo") -> list[str]:
+    """on_demand, les, smol and edge0; resident (the ceiling) in edge0's place until edge0 can run."""
+    return [d for d in ("on_demand", "les", "smol", "edge0" if edge0_ready(model) else "resident") if d in PRESETS]
+
+
+def booth_round(i: int) -> tuple[str, list[str]]:
+    """Round i of booth mode: the next story opening and the next set of designs."""
+    sets = [default_designs(), [d for d in ("on_demand", "history", "oracle", "les") if d in PRESETS]]
+    return BOOTH_PROMPTS[i % len(BOOTH_PROMPTS)], sets[i % len(sets)]
+
+
+def check_inputs(model: str, designs: list[str], budget: str, prompt: str, tokens: int):
+    """What can be checked before any worker starts; the rest (a corrupt pack, a budget below
+    top-k slots) is raised by Session in the worker and shown in that design's column."""
+    model_dir(model)
+    parse_budget(budget, 1)
+    if not designs:
+        raise WorkbenchError("pick at least one design to compare")
+    if not prompt.strip():
+        raise WorkbenchError("empty prompt: type a story opening")
+    if tokens < 1:
+        raise WorkbenchError("tokens: generate at least one token")
+
+
+@dataclass
+class Snapshot:
+    tokens: list           # TokenRecord, the prefill first
+    ring: list             # the most recent LayerEvents
+    summary: dict          # Session.summary() keys (per_layer included)
+    charts: dict = field(default_factory=dict)     # chart rows, built once per snapshot
+
+
+EMPTY = Snapshot([], [], {"per_layer": []})      # a design still starting
+
+
+def _snapshot(s: Session) -> Snapshot:
+    """Copy the telemetry under its lock, then aggregate the copy with Session.summary's own code."""
+    tel = s.tel
+    with tel.lock:
+        tokens, ring, events = list(tel.tokens), list(tel.ring), list(tel.events)
+        counters = dict(prefetch_issued=tel.prefetch_issued, prefetch_used=tel.prefetch_used,
+                        prefetch_wasted=tel.prefetch_wasted, wasted_bytes=tel.wasted_bytes)
+    copy = Telemetry(tel.num_layers, events=events, tokens=tokens, **counters)
+    view = object.__new__(Session)      # the session, its telemetry swapped for the copy
+    view.__dict__.update(vars(s), tel=copy)
+    return Snapshot(tokens, ring, view.summary())
+
+
+class _Stopped(Exception):
+    pass
+
+
+class DesignRun:
+    """One design generating in a background thread; `snapshot()` is safe to call from the page."""
+
+    _init_locks: dict = {}          # one per stored form of a model: its conversion and usage profile share temp names
+
+    def __init__(self, model: str, design: str, budget: str, prompt: str, tokens: int):
+        self.id = secrets.token_hex(4)
+        self.model, self.design, self.prompt, self.tokens = model, design, prompt, int(tokens)
+        # a design whose preset keeps every expert resident ("all") is the ceiling: the budget does not apply
+        self.budget = None if PRESETS[design].budget == "all" else budget
+        self.status, self.error, self.record = "queued", None, None
+        self.text, self.generated, self.summary, self.started, self.finished = "", 0, None, time.time(), None
+        self.session: Session | None = None
+        self._final: Snapshot | None = None
+        self._last: Snapshot | None = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._work, name=f"workbench-{design}-{self.id}", daemon=True)
+
+    @property
+    def active(self) -> bool:
+        return self.status in ("queued", "starting", "running")
+
+    def start(self) -> "DesignRun":
+        self.thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+
+    def snapshot(self) -> Snapshot | None:
+        """The finished run's numbers, or a copy of the live telemetry (reused until a token lands)."""
+        if self._final is not None:
+            return self._final
+        s, last = self.session, self._last
+        if s is None:
+            return None
+        if last is None or len(s.tel.tokens) != len(last.tokens):
+            last = self._last = _snapshot(s)
+        return last
+
+    def _on_token(self, session, token_id, text):
+        self.text, self.generated = text, self.generated + 1
+        if self._stop.is_set():
+            raise _Stopped()
+
+    def _work(self):
+        s = None
+        try:
+            self.status = "starting"
+            p = PRESETS[self.design]
+            with self._init_locks.setdefault((self.model, p.layout, p.experts, p.rest), threading.Lock()):
+                if self._stop.is_set():
+                    raise _Stopped()
+                s = Session(self.model, self.design, budget=self.budget)
+            self.session, self.status = s, "running"
+            out = s.generate(self.prompt, tokens=self.tokens, on_token=self._on_token)
+            # one dict: what the page shows for a finished run is exactly what summary.json holds
+            summary = {**s.summary(), "tokens": len(out["tokens"]), "text": out["text"], "preset": s.preset.name,
+                       "budget": s.budget_text}
+            config = {**s.config(), "tokens": self.tokens, "prompt": self.prompt, "source": "dashboard"}
+            record = write_run(s.preset.name, config, summary, summary["per_layer"], s.tel.event_rows(),
+                               s.tel.token_rows())
+            self.text, self.summary = out["text"], summary
+            self._final = Snapshot(list(s.tel.tokens), list(s.tel.ring), summary)
+            self.record, self.status = record, "done"
+        except _Stopped:
+            self.status = "stopped"
+        except WorkbenchError as e:
+            self.error, self.status = str(e), "error"
+        except Exception as e:  # noqa: BLE001 - shown as one line; the traceback goes to the server log
+            if sys.is_finalizing():
+                return      # the server is exiting under a running design: its reader pool is already gone
+            traceback.print_exc(file=sys.stderr)
+            self.error, self.status = f"{self.design}: unexpected {type(e).__name__}: {e}", "error"
+        finally:
+            if s is not None:
+                if self._final is None:
+                    self._final = _snapshot(s)
+                s.close()
+            self.session, self.finished = None, time.time()
+
+
+_RUNS: dict[str, DesignRun] = {}
+_RUNS_LOCK = threading.Lock()
+KEEP = 48
+
+
+def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens: int) -> list[str]:
+    runs = [DesignRun(model, d, budget, prompt, tokens) for d in designs]
+    with _RUNS_LOCK:
+        _RUNS.update((r.id, r) for r in runs)
+        old = [k for k, r in _RUNS.items() if not r.active]
+        for k in old[: max(0, len(_RUNS) - KEEP)]:
+            del _RUNS[k]
+    for r in runs:
+        r.start()
+    return [r.id for r in runs]
+
+
+def get_runs(ids) -> list[DesignRun]:
+    return [_RUNS[i] for i in ids or [] if i in _RUNS]
+
+
+def stop_runs(ids):
+    for r in get_runs(ids):
+        r.stop()
+
+
+# ---------------------------------------------------------------- numbers shown
+
+def _fmt(s: dict, key: str, spec: str, scale: float = 1.0) -> str:
+    x = s.get(key)
+    return "—" if x is None else format(x * scale, spec)
+
+
+def display_numbers(s: dict) -> dict[str, str]:
+    """The headline numbers of one run, formatted, from a Session.summary() dict (or a summary.json)."""
+    return {
+        "tok/s": _fmt(s, "tok_s", ".2f"),
+        "hit rate": _fmt(s, "hit_rate", ".1%"),
+        "flash wait ms/tok": _fmt(s, "flash_wait_per_token_s", ".1f", 1e3),
+        "prefetch recall": _fmt(s, "prefetch_recall", ".1%"),
+        "read KiB/tok": _fmt(s, "bytes_read_per_token", ".0f", 1 / 1024),
+        "peak RSS MiB": _fmt(s, "peak_rss_bytes", ".0f", 1 / MiB),
+        "cache MiB": _fmt(s, "cache_bytes", ".1f", 1 / MiB),
+        "budget MiB": _fmt(s, "budget_bytes", ".1f", 1 / MiB),
+    }
+
+
+NUMBER_KEYS = ("decode_steps", "tok_s", "hit_rate", "flash_wait_per_token_s", "prefetch_recall",
+               "bytes_read_per_token", "cache_bytes", "budget_bytes", "peak_rss_bytes")
+
+
+# ---------------------------------------------------------------- charts
+# Each live chart is an Altair template built once (`chart_spec`) and fed fresh rows on every redraw
+# (`chart_data`): rebuilding and validating Altair objects 4x6 times a second costs more than it shows.
+
+def _decode(tokens, recent=RECENT):
+    return [t for t in tokens if t.phase == "decode"][-recent:]
+
+
+def _table(cols: dict) -> pa.Table:
+    return pa.table({k: pa.array(v, type=pa.float64()) for k, v in cols.items()})
+
+
+# the recent tokens on a quantitative axis (x..x2 per token): cheaper for the browser than an ordinal one
+RECENT_SCALE = alt.Scale(zero=False, nice=False)
+TOKEN_AXIS = alt.Axis(tickMinStep=1, format="d")
+
+
+def _tok_s_chart():
+    base = alt.Chart(title="tok/s (dots: tokens, line: mean of 8)").encode(
+        x=alt.X("token:Q", title="decode token"))
+    dots = base.mark_circle(size=18, opacity=0.5, color="#4c78a8").encode(
+        y=alt.Y("tok_s:Q", title="tok/s"), tooltip=["token:Q", alt.Tooltip("tok_s:Q", format=".2f")])
+    return dots + base.mark_line(color="#f58518").encode(y="mean8:Q")
+
+
+def _tok_s_data(snap):
+    dec = [t for t in snap.tokens if t.phase == "decode"]
+    rate = [1.0 / max(t.wall_s, 1e-9) for t in dec]
+    mean8 = [sum(rate[max(0, i - 7):i + 1]) / len(rate[max(0, i - 7):i + 1]) for i in range(len(rate))]
+    return _table({"token": [t.token for t in dec], "tok_s": rate, "mean8": mean8})
+
+
+def _heatmap_chart():
+    return alt.Chart(title="hit (green) / miss (red) by layer").mark_rect().encode(
+        x=alt.X("token:Q", title="decode token", scale=RECENT_SCALE, axis=TOKEN_AXIS), x2="token_end:Q",
+        y=alt.Y("layer:O", title="layer"),
+        color=alt.Color("hit_rate:Q", scale=alt.Scale(domain=[0, 1], scheme="redyellowgreen"), legend=None),
+        tooltip=["token:O", "layer:O", alt.Tooltip("hits:Q", title="hits"), alt.Tooltip("routed:Q", title="of")])
+
+
+def _heatmap_data(snap):
+    evs = [e for e in snap.ring if e.phase == "decode" and e.hit]
+    last = max((e.token for e in evs), default=0)
+    evs = [e for e in evs if e.token > last - RECENT]
+    return _table({"token": [e.token for e in evs], "token_end": [e.token + 1 for e in evs],
+                   "layer": [e.layer for e in evs],
+                   "hit_rate": [sum(e.hit) / len(e.hit) for e in evs], "hits": [sum(e.hit) for e in evs],
+                   "routed": [len(e.hit) for e in evs]})
+
+
+LAYER_SERIES = ["hit rate", "prefetch recall"]
+LAYER_COLORS = ["#54a24b", "#b279a2"]
+
+
+def _layers_chart():
+    return alt.Chart(title="per layer: hit rate, prefetch recall").mark_bar().encode(
+        x=alt.X("layer:O", axis=alt.Axis(labelAngle=0)), xOffset=alt.XOffset("series:N", sort=LAYER_SERIES),
+        y=alt.Y("value:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%", tickCount=3), title=None),
+        color=alt.Color("series:N", scale=alt.Scale(domain=LAYER_SERIES, range=LAYER_COLORS), legend=None),
+        tooltip=["layer:O", "series:N", alt.Tooltip("value:Q", format=".1%")])
+
+
+def _layers_data(snap):
+    rows = [(r["layer"], series, v) for r in snap.summary["per_layer"]
+            for series, v in zip(LAYER_SERIES, (r["hit_rate"], r.get("recall"))) if v is not None]
+    return _long({"layer": [r[0] for r in rows], "value": [r[2] for r in rows]}, series=[r[1] for r in rows])
+
+
+def _breakdown_chart():
+    labels = [label for _, label in PARTS]
+    return alt.Chart(title="time per token (ms)").mark_rect().encode(
+        x=alt.X("token:Q", title="decode token", scale=RECENT_SCALE, axis=TOKEN_AXIS), x2="token_end:Q",
+        y=alt.Y("ms_from:Q", title="ms"), y2="ms_to:Q",
+        color=alt.Color("part:N", scale=alt.Scale(domain=labels, range=PART_COLORS), legend=None),
+        tooltip=["token:Q", "part:N", alt.Tooltip("ms:Q", format=".2f")])
+
+
+def _breakdown_data(snap):
+    """One rect per (token, part), stacked here: compute, router, dequant, flash wait, other from the bottom."""
+    cols = {k: [] for k in ("token", "token_end", "ms", "ms_from", "ms_to")}
+    parts = []
+    for t in _decode(snap.tokens):
+        y = 0.0
+        for k, label in PARTS:
+            ms = getattr(t, k) * 1e3
+            for key, v in zip(cols, (t.token, t.token + 0.9, ms, y, y + ms)):
+                cols[key].append(v)
+            parts.append(label)
+            y += ms
+    return _long(cols, part=parts)
+
+
+def _long(numbers: dict, **labels) -> pa.Table:
+    """Rows already in long form (no fold or calculate left to the browser: those made its redraws slow)."""
+    return pa.table({**{k: pa.array(v, type=pa.float64()) for k, v in numbers.items()},
+                     **{k: pa.array(v, type=pa.string()) for k, v in labels.items()}})
+
+
+# name: (template, rows from a Snapshot, element height in px: Streamlit's height includes title and axes)
+LIVE_CHARTS = {
+    "tok/s": (_tok_s_chart, _tok_s_data, 230),
+    "heatmap": (_heatmap_chart, _heatmap_data, 260),
+    "layers": (_layers_chart, _layers_data, 200),
+    "breakdown": (_breakdown_chart, _breakdown_data, 240),
+}
+
+
+def legend_html(name: str) -> str | None:
+    """A static colour key under a chart (cheaper for the browser than a Vega legend on every redraw)."""
+    keys = {"layers": zip(LAYER_SERIES, LAYER_COLORS), "breakdown": zip([l for _, l in PARTS], PART_COLORS)}.get(name)
+    if keys is None:
+        return None
+    return " ".join(f"<span style='white-space:nowrap;font-size:0.8em'><span style='display:inline-block;width:0.8em;"
+                    f"height:0.8em;background:{c};margin:0 0.25em 0 0.6em'></span>{label}</span>" for label, c in keys)
+
+
+def _without_data(spec):
+    """Drop Altair's placeholder data so every layer reads the rows Streamlit is given."""
+    if isinstance(spec, dict):
+        return {k: _without_data(v) for k, v in spec.items() if k not in ("data", "datasets")}
+    return [_without_data(v) for v in spec] if isinstance(spec, list) else spec
+
+
+@functools.cache
+def chart_spec(name: str) -> dict:
+    return _without_data(LIVE_CHARTS[name][0]().to_dict(validate=False))
+
+
+def chart_data(name: str, snap: Snapshot) -> pa.Table:
+    if snap is EMPTY:
+        return LIVE_CHARTS[name][1](snap)
+    if name not in snap.charts:
+        snap.charts[name] = LIVE_CHARTS[name][1](snap)
+    return snap.charts[name]
+
+
+def chart(name: str, snap: Snapshot) -> alt.Chart:
+    """The same chart as one Altair object, data included (for notebooks and tests)."""
+    return LIVE_CHARTS[name][0]().properties(data=chart_data(name, snap).to_pandas())
+
+
+# ---------------------------------------------------------------- saved run records
+
+def record_configs(key: str) -> list[tuple[str, dict]]:
+    """(path, config) of the saved run records whose config has `key`, oldest first (config.json only).
+    Names start with the UTC second; within one second the file times order them."""
+    out = []
+    for p in list_runs():
+        try:
+            cfg = json.loads((p / "config.json").read_text())
+            when = (p.name.split("-", 1)[0], (p / "summary.json").stat().st_mtime_ns)
+        except (OSError, ValueError):
+            continue
+        if isinstance(cfg, dict) and key in cfg:
+            out.append((when, str(p), cfg))
+    return [(path, cfg) for _, path, cfg in sorted(out, key=lambda x: x[0])]
+
+
+@functools.lru_cache(maxsize=512)
+def read_record(path: str) -> dict:
+    """A run record (records never change once written, so caching by path is safe); events left out."""
+    rec = read_run(path)
+    rec.pop("events", None)
+    return rec
+
+
+def scalars(d: dict) -> dict:
+    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+for _name in LIVE_CHARTS:   # build the chart templates now, not in the first live redraw
+    chart_spec(_name)

@@ -1,0 +1,177 @@
+"""Live dashboard: designs side by side, experts streaming from flash, token by token.
+
+    streamlit run dashboards/live.py
+
+Booth mode, unattended: add ?booth=1 to the URL (optional: &designs=on_demand,les &tokens=48 &pause=6
+&model=demo; without designs it alternates between two comparisons).
+
+Generation runs in background threads (dashboards/common.py); this page only reads telemetry.
+"""
+import sys
+import time
+from html import escape
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import streamlit as st  # noqa: E402
+
+from dashboards import common as C  # noqa: E402
+from workbench.presets import PRESETS  # noqa: E402
+from workbench.spec import WorkbenchError  # noqa: E402
+
+st.set_page_config(page_title="moe-workbench · live", page_icon="⚡", layout="wide")
+BOOTH = st.query_params.get("booth") == "1"
+state = st.session_state
+state.setdefault("run_ids", [])
+state.setdefault("numbers", {})
+state.setdefault("records", {})
+state.setdefault("refreshes", {})
+
+
+def numbers_view(ids: list[str], live: bool):
+    """Per design: status, text, headline numbers. A fragment redrawing every REFRESH_S s while runs go on."""
+    runs = C.get_runs(ids)
+    if live and not any(r.active for r in runs):
+        st.rerun()   # all finished: redraw the page once, static, with the run records shown
+    if not runs:
+        return
+    state.refreshes["numbers"] = n = state.refreshes.get("numbers", 0) + 1
+    for col, run in zip(st.columns(len(runs)), runs):
+        with col:
+            design_numbers(run, f"view refreshed #{n} at {time.strftime('%H:%M:%S')}" + ("" if live else " · final"))
+
+
+def design_numbers(run: C.DesignRun, refreshed: str):
+    snap = run.snapshot()
+    st.subheader(run.design, help=PRESETS[run.design].description)
+    st.markdown(f"**{run.design} · tokens: {run.generated}** / {run.tokens} · {run.status}")
+    st.caption(f"{run.design} · {refreshed}")
+    if run.error:
+        st.error(run.error)
+    if snap is None:
+        if run.active:
+            st.info("starting: the pack is converted on first use, then the experts stream from flash")
+        return
+    with st.container(height=180 if BOOTH else 120, border=True):
+        st.html(f"<div style='line-height:1.4'><span style='color:#888'>{escape(run.prompt)}</span>"
+                f"<b>{escape(run.text)}</b></div>")
+    shown = C.display_numbers(snap.summary)
+    items = list(shown.items())
+    for row in range(0, len(items), 2):
+        for col, (label, value) in zip(st.columns(2), items[row:row + 2]):
+            col.metric(label, value)
+    s = snap.summary
+    st.progress(min(1.0, s["cache_bytes"] / max(1, s["budget_bytes"])),
+                text=f"expert cache {shown['cache MiB']} of {shown['budget MiB']} MiB budget · "
+                     f"process peak RSS {shown['peak RSS MiB']} MiB")
+    state.numbers[run.design] = {"run_id": run.id, "status": run.status, "shown": shown, "tokens": run.generated,
+                                 **{k: s.get(k) for k in C.NUMBER_KEYS}}
+    if run.record:
+        state.records[run.design] = str(run.record)
+        st.success(f"run record: `{run.record}`")
+    elif run.status == "stopped":
+        st.warning("stopped before the end: no run record written")
+
+
+def charts_view(ids: list[str]):
+    """Per design, the charts (a slower fragment than the numbers: they cost the browser more)."""
+    runs = C.get_runs(ids)
+    for col, run in zip(st.columns(max(1, len(runs))), runs):
+        snap = run.snapshot()
+        if snap is None and not run.active:
+            continue
+        snap = snap or C.EMPTY    # empty charts while a design starts: the browser sets them up before tokens flow
+        with col:
+            for name, (_, _, height) in C.LIVE_CHARTS.items():
+                st.vega_lite_chart(C.chart_data(name, snap), C.chart_spec(name), width="stretch", height=height,
+                                   alt=f"{run.design}: {name} chart")
+                if C.legend_html(name):
+                    st.html(C.legend_html(name))
+                if name == "layers":
+                    recall = snap.summary.get("prefetch_recall")
+                    st.caption("waiting for the first tokens" if snap is C.EMPTY else "no predictor: nothing prefetched"
+                               if recall is None else f"prefetch recall, all layers: {recall:.1%}")
+
+
+def start(model, designs, budget, prompt, tokens):
+    C.stop_runs(state.run_ids)
+    state.run_ids, state.numbers, state.records = [], {}, {}
+    try:
+        C.check_inputs(model, designs, budget, prompt, tokens)
+    except WorkbenchError as e:
+        st.error(str(e))
+        return
+    state.run_ids = C.start_runs(model, designs, budget, prompt, tokens)
+
+
+def sidebar():
+    """The controls; returns the settings when Start was pressed, else None."""
+    with st.sidebar:
+        st.header("Compare designs")
+        model = st.text_input("model", "demo", key="model",
+                              help="`demo` (data/models/demo-moe), a Hugging Face directory, or a pack")
+        designs = st.multiselect("designs to compare", list(PRESETS), default=C.default_designs(), key="designs",
+                                 help="presets from workbench/presets.py")
+        budget = st.text_input("expert budget", "0.25", key="budget",
+                               help="a fraction of all experts (0.25), a size (96MiB), or all")
+        prompt = st.text_area("prompt", "Once upon a time", key="prompt", height=80)
+        tokens = st.number_input("tokens", min_value=1, max_value=2048, value=64, step=8, key="tokens")
+        go, halt = st.columns(2)
+        pressed = go.button("Start", type="primary", key="start", width="stretch")
+        if halt.button("Stop", key="stop", width="stretch"):
+            C.stop_runs(state.run_ids)
+        st.caption("Designs whose preset keeps every expert resident (resident, teacher) ignore the budget.")
+    return (model.strip(), designs, budget.strip(), prompt, int(tokens)) if pressed else None
+
+
+def booth_settings() -> dict:
+    q = st.query_params
+    try:
+        tokens, pause = int(q.get("tokens", 48)), float(q.get("pause", 6))
+    except ValueError:
+        tokens, pause = 48, 6.0
+    designs = [d for d in q.get("designs", "").split(",") if d in PRESETS]
+    return {"model": q.get("model", "demo"), "tokens": max(1, tokens), "pause": pause, "designs": designs}
+
+
+@st.fragment(run_every=1.0)
+def booth_controller():
+    """Booth: start the next round (prompt and designs) a few seconds after the last one ends."""
+    b = state.setdefault("booth", {"round": -1, "done_at": None})
+    runs, cfg, now = C.get_runs(state.run_ids), booth_settings(), time.time()
+    st.caption(f"booth · round {b['round'] + 1} · a new round starts {cfg['pause']:g} s after every design finishes")
+    if any(r.active for r in runs):
+        return
+    if runs and b["done_at"] is None:
+        b["done_at"] = now
+    if not runs or now - b["done_at"] >= cfg["pause"]:
+        b["round"], b["done_at"] = b["round"] + 1, None
+        prompt, designs = C.booth_round(b["round"])
+        state.run_ids = C.start_runs(cfg["model"], cfg["designs"] or designs, "0.25", prompt, cfg["tokens"])
+        st.rerun()
+
+
+if BOOTH:
+    st.markdown("<style>html{font-size:22px} [data-testid=stSidebar],[data-testid=stSidebarCollapsedControl],"
+                "[data-testid=stHeader],[data-testid=stToolbar]{display:none} "
+                "[data-testid=stMetricValue]{font-size:2.4rem}</style>", unsafe_allow_html=True)
+    st.title("Experts streaming from flash, live")
+else:
+    st.title("Live: MoE experts streaming from flash")
+    settings = sidebar()
+    if settings:
+        start(*settings)
+
+runs = C.get_runs(state.run_ids)
+if not runs and not BOOTH:
+    st.info("Pick designs and a budget in the sidebar, then press **Start**. Each design generates the same "
+            "prompt in its own worker; the charts follow the tokens as they come.")
+elif runs:
+    if len({r.prompt for r in runs}) == 1 and BOOTH:
+        st.markdown(f"### “{runs[0].prompt}”")
+    ids, live = [r.id for r in runs], any(r.active for r in runs)
+    (st.fragment(run_every=C.REFRESH_S)(numbers_view) if live else numbers_view)(ids, live)
+    (st.fragment(run_every=C.CHARTS_REFRESH_S)(charts_view) if live else charts_view)(ids)
+if BOOTH:
+    booth_controller()     # last: it starts the next round once this one is over

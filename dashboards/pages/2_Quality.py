@@ -1,0 +1,84 @@
+"""Quality: each design against the teacher (KL, top-1 agreement, routing agreement) and perplexity,
+from eval run records (records whose config has an "eval" key, written by `python -m workbench eval ...`)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import altair as alt  # noqa: E402
+import pandas as pd  # noqa: E402
+import streamlit as st  # noqa: E402
+
+from dashboards import common as C  # noqa: E402
+from workbench.runs import runs_dir  # noqa: E402
+
+try:    # the eval verbs' own table (newest record per model, preset, budget and metric; change from the teacher)
+    from evals.compare import eval_runs, table
+except ImportError:
+    eval_runs = table = None
+
+COMMAND = "python -m workbench eval teacher --model demo --preset les --json"
+
+st.set_page_config(page_title="moe-workbench · quality", layout="wide")
+st.title("Quality against the teacher")
+st.caption("The teacher is the full-precision model with every expert resident and exact routing. Lower perplexity "
+           "and KL, higher top-1 and routing agreement are better.")
+
+
+def flat(summary: dict) -> dict:
+    """Scalars of a summary, with one level of nested dicts flattened as parent.key."""
+    out = C.scalars(summary)
+    for k, v in summary.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in C.scalars(v).items()})
+    return out
+
+
+records = C.record_configs("eval")
+if not records:
+    st.info(f"No eval run records in `{runs_dir()}` yet. Compare a design with the teacher with:")
+    st.code(COMMAND, language="bash")
+    st.stop()
+
+if table is not None:
+    t = table(eval_runs())
+    if t["rows"]:
+        st.subheader("Designs against the teacher")
+        head = lambda r: {"model": r["model"], "design": r["preset"], "budget": r["budget"]}
+        st.dataframe(pd.DataFrame([{**head(r), **r["metrics"]} for r in t["rows"]]), hide_index=True)
+        deltas = [{**head(r), **r["vs_teacher"]} for r in t["rows"] if r["vs_teacher"]]
+        if deltas:
+            st.caption("change from the teacher row (perplexity relative, accuracies absolute)")
+            st.dataframe(pd.DataFrame(deltas), hide_index=True, column_config={
+                c: st.column_config.NumberColumn(format="percent") for c in t["columns"] if c.startswith("ppl ")})
+        ppl = [c for c in t["columns"] if c.startswith("ppl ")]
+        long = pd.DataFrame([{"design": r["preset"], "measure": c, "perplexity": r["metrics"][c]}
+                             for r in t["rows"] for c in ppl if r["metrics"].get(c) is not None])
+        if not long.empty:
+            st.altair_chart(alt.Chart(long, title="perplexity (lower is better)").mark_bar().encode(
+                x=alt.X("design:N", sort=None, axis=alt.Axis(labelAngle=0)), xOffset="measure:N",
+                y="perplexity:Q", color=alt.Color("measure:N", legend=alt.Legend(orient="bottom", title=None)),
+                tooltip=["design", "measure", alt.Tooltip("perplexity:Q", format=".3f")]), width="stretch", height=320)
+
+st.subheader("Eval run records")
+by_eval: dict[str, list] = {}
+for path, cfg in records:
+    try:
+        rec = C.read_record(path)
+    except Exception as e:  # noqa: BLE001 - a damaged record is named, not raised
+        st.warning(f"{Path(path).name}: cannot read this run record ({e})")
+        continue
+    preset = cfg.get("preset")
+    row = {"design": preset.get("name") if isinstance(preset, dict) else preset, "budget": cfg.get("budget"),
+           "data": cfg.get("data"), "record": Path(path).name, **flat(rec["summary"])}
+    by_eval.setdefault(str(cfg["eval"]), []).append((row, rec))
+for name, items in by_eval.items():
+    st.markdown(f"**eval {name}** · {len(items)} record(s)")
+    st.dataframe(pd.DataFrame([row for row, _ in items]).dropna(axis=1, how="all"), hide_index=True)
+    for row, rec in items:
+        tables = {k: v for k, v in rec["summary"].items() if isinstance(v, list) and v and isinstance(v[0], dict)}
+        if tables:
+            with st.expander(f"{name} · {row['design']} · {row['record']}"):
+                for k, v in tables.items():
+                    st.markdown(f"**{k}**")
+                    st.dataframe(pd.DataFrame(v), hide_index=True)

@@ -1,0 +1,24 @@
+"""Published numbers the dashboard shows next to ours, each labelled with the paper's device.
+
+Source: the LES paper's ablation for MiniCPM-V 4.7 LES on an iPhone (decode tok/s, one row per added
+technique), as quoted in GitHub issue 7 of this project; check them against the paper before citing.
+Our ladder (`python -m workbench ladder les --model demo --json`) adds the same techniques in the same order.
+"""
+from __future__ import annotations
+
+LADDERS = {
+    "les": {
+        "paper": "LES",
+        "model": "MiniCPM-V 4.7 LES",
+        "device": "iPhone",
+        "metric": "tok_s",
+        "rungs": [
+            ("on-demand", 3.38),
+            ("+lookahead", 6.57),
+            ("+scheduling & layout", 11.34),
+            ("+mixed precision", 17.16),
+            ("+speculative verification", 20.51),
+        ],
+    },
+}
+

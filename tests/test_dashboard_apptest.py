@@ -1,0 +1,257 @@
+"""The dashboard as a user meets it, through Streamlit's AppTest (no browser, no server).
+
+The live page starts real runs of the demo model in background threads; the tests poll with
+at.run() the way the page's own fragments do, and read what the page shows.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dashboards import common as C  # noqa: E402  (the same module the pages import)
+from workbench.presets import PRESETS  # noqa: E402
+from workbench.runs import read_run, write_run  # noqa: E402
+
+LIVE = str(REPO / "dashboards" / "live.py")
+LADDERS = str(REPO / "dashboards" / "pages" / "1_Ladders.py")
+QUALITY = str(REPO / "dashboards" / "pages" / "2_Quality.py")
+pytestmark = pytest.mark.skipif(not (REPO / "data" / "models" / "demo-moe" / "config.json").exists(),
+                                reason="the demo model (data/models/demo-moe) is not there")
+
+
+@pytest.fixture(autouse=True)
+def runs_root(tmp_path, monkeypatch):
+    """Every test writes its run records to its own folder."""
+    root = tmp_path / "runs"
+    monkeypatch.setenv("WORKBENCH_RUNS", str(root))
+    return root
+
+
+def app(path: str, **query) -> AppTest:
+    at = AppTest.from_file(path, default_timeout=60)
+    at.query_params.update(query)
+    return at.run()
+
+
+def ok(at: AppTest) -> AppTest:
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def start(at: AppTest, designs, tokens=6, model="demo", budget="0.25") -> AppTest:
+    at.text_input(key="model").set_value(model)
+    at.multiselect(key="designs").set_value(designs)
+    at.text_input(key="budget").set_value(budget)
+    at.number_input(key="tokens").set_value(tokens)
+    return ok(at.button(key="start").click().run())
+
+
+def poll(at: AppTest, until, timeout=60.0) -> AppTest:
+    deadline = time.time() + timeout
+    while True:
+        ok(at.run())
+        if until(at):
+            return at
+        if time.time() > deadline:
+            raise AssertionError(f"timed out; errors on the page: {[e.value for e in at.error]}")
+        time.sleep(0.3)
+
+
+def finished(at: AppTest) -> bool:
+    return not any(r.active for r in C.get_runs(at.session_state["run_ids"]))
+
+
+def errors(at: AppTest) -> str:
+    return " | ".join(e.value for e in at.error)
+
+
+# ---------------------------------------------------------------- live page
+
+def test_live_page_loads_with_its_defaults():
+    at = ok(app(LIVE))
+    assert at.text_input(key="model").value == "demo"
+    # edge0 once it exists and is trained for the model, else the resident ceiling in its place
+    expected = ["on_demand", "les", "smol", "edge0" if C.edge0_ready("demo") else "resident"]
+    assert at.multiselect(key="designs").value == expected
+    assert set(at.multiselect(key="designs").options) == set(PRESETS)
+    assert at.text_input(key="budget").value == "0.25"
+    assert at.text_area(key="prompt").value.strip()
+    assert at.number_input(key="tokens").value > 0
+    assert [b.label for b in at.sidebar.button] == ["Start", "Stop"]
+    assert "Start" in at.info[0].value and not at.error
+
+
+@pytest.fixture(scope="module")
+def two_designs(tmp_path_factory):
+    """One finished run of two designs (6 tokens), shared by the tests that read it."""
+    root = tmp_path_factory.mktemp("runs")
+    old = os.environ.get("WORKBENCH_RUNS")
+    os.environ["WORKBENCH_RUNS"] = str(root)
+    try:
+        at = start(app(LIVE), ["on_demand", "les"], tokens=6)
+        poll(at, finished)
+        ok(at.run())
+        yield at
+    finally:
+        os.environ.pop("WORKBENCH_RUNS") if old is None else os.environ.__setitem__("WORKBENCH_RUNS", old)
+
+
+def test_a_run_puts_numbers_in_session_state_and_writes_records(two_designs):
+    at = two_designs
+    assert not at.error, errors(at)
+    nums = at.session_state["numbers"]
+    assert set(nums) == {"on_demand", "les"}
+    for design, n in nums.items():
+        assert n["status"] == "done" and n["tokens"] == 6 and n["tok_s"] > 0
+        assert 0.0 <= n["hit_rate"] <= 1.0 and n["budget_bytes"] > 0 and n["cache_bytes"] <= n["budget_bytes"]
+    assert nums["les"]["prefetch_recall"] is not None and nums["on_demand"]["prefetch_recall"] is None
+    records = at.session_state["records"]
+    assert set(records) == {"on_demand", "les"}
+    for design, path in records.items():
+        assert Path(path, "summary.json").exists()
+        assert any(path in s.value for s in at.success), "the run directory is shown on the page"
+    texts = " ".join(m.value for m in at.markdown)
+    assert "on_demand · tokens: 6" in texts and "les · tokens: 6" in texts
+    assert len(at.get("vega_lite_chart")) == 2 * len(C.LIVE_CHARTS)
+
+
+def test_numbers_on_the_page_equal_the_run_record(two_designs):
+    at = two_designs
+    per_design = len(C.display_numbers({}))
+    metrics = [(m.label, m.value) for m in at.metric]
+    assert len(metrics) == 2 * per_design
+    for i, design in enumerate(["on_demand", "les"]):
+        rec = read_run(at.session_state["records"][design])
+        summary = rec["summary"]
+        shown = dict(metrics[i * per_design:(i + 1) * per_design])
+        assert shown == C.display_numbers(summary)
+        assert all(v != "—" for k, v in shown.items() if k != "prefetch recall")
+        state = at.session_state["numbers"][design]
+        for k in C.NUMBER_KEYS:
+            assert state[k] == summary[k], k
+        assert summary["tokens"] == 6 and rec["config"]["preset"]["name"] == design
+        assert len(rec["tokens"]) == summary["decode_steps"] + 1       # the prefill and each decode step
+
+
+def test_unknown_model_path_shows_an_error_not_a_traceback():
+    at = start(app(LIVE), ["on_demand"], model="/nonexistent/model-dir")
+    assert "no such model" in errors(at)
+    assert not at.session_state["run_ids"]
+
+
+def test_budget_too_small_shows_an_error():
+    at = start(app(LIVE), ["on_demand", "les"], budget="1KiB", tokens=2)
+    poll(at, lambda a: len(a.error) == 2, timeout=60)
+    assert all("budget" in e.value for e in at.error), errors(at)
+
+
+def test_corrupt_pack_shows_an_error(tmp_path):
+    bad = tmp_path / "broken.pack"
+    bad.write_bytes(b"MOEPACK\0" + (1).to_bytes(4, "little") + (40).to_bytes(8, "little") + b"{not json" + b"\0" * 64)
+    at = start(app(LIVE), ["on_demand"], model=str(bad))
+    poll(at, lambda a: len(a.error) >= 1, timeout=30)
+    assert "corrupt" in errors(at) or "broken.pack" in errors(at), errors(at)
+
+
+def test_stop_ends_the_runs_without_records(runs_root):
+    at = start(app(LIVE), ["on_demand", "les"], tokens=2000)
+    poll(at, lambda a: len(a.session_state["numbers"]) == 2, timeout=60)
+    ok(at.button(key="stop").click().run())
+    poll(at, finished, timeout=30)
+    assert {n["status"] for n in at.session_state["numbers"].values()} == {"stopped"}
+    assert not at.session_state["records"] and not list(runs_root.glob("*/summary.json"))
+    assert len(at.warning) == 2 and not at.error
+
+
+def test_booth_mode_has_no_controls_and_loops_unattended():
+    at = ok(app(LIVE, booth="1", designs="on_demand,les", tokens="3", pause="0"))
+    try:
+        assert not at.sidebar.button and not at.text_input and not at.multiselect
+        first = list(at.session_state["run_ids"])
+        assert len(first) == 2
+        poll(at, lambda a: a.session_state["booth"]["round"] >= 1, timeout=60)
+        assert at.session_state["run_ids"] != first, "a new round started when the first one finished"
+    finally:
+        C.stop_runs(at.session_state["run_ids"])
+
+
+# ---------------------------------------------------------------- pages
+
+def test_ladders_page_empty_state_names_the_command():
+    at = ok(app(LADDERS))
+    assert "No ladder run records" in at.info[0].value
+    assert "python -m workbench ladder les --model demo --json" in [c.value for c in at.code]
+    assert any((df := d.value).shape[0] == 5 and 20.51 in df.iloc[:, 1].tolist() for d in at.dataframe)
+
+
+def _record(config: dict, summary: dict):
+    return write_run(config.get("preset", {}).get("name", "x"), config, summary, [], [], [])
+
+
+def test_ladders_page_groups_rungs_and_shows_published_numbers():
+    names = ["on_demand", "+lookahead", "+ready_first & contiguous"]
+    for i in (2, 0, 1):     # written out of order; rung_index orders them
+        _record({"model": "demo", "ladder": "les", "rung": names[i], "rung_index": i, "preset": {"name": names[i]},
+                 "budget": "0.25"}, {"tok_s": [10.0, 15.0, 25.0][i], "hit_rate": 0.5})
+    _record({"model": "demo", "ladder": "les", "rung": "on_demand", "rung_index": 0, "preset": {"name": "on_demand"},
+             "budget": "0.25"}, {"tok_s": 5.0})                                  # a newer record of rung 0 wins
+    _record({"model": "demo", "preset": {"name": "on_demand"}}, {"tok_s": 1.0})      # not a ladder record
+    at = ok(app(LADDERS))
+    assert not at.info
+    ours, theirs = at.dataframe[0].value, at.dataframe[1].value
+    assert ours["rung"].tolist() == names and ours["tok/s"].tolist() == [5.0, 15.0, 25.0]
+    assert ours["× first rung"].tolist() == [1.0, 3.0, 5.0]
+    assert theirs.iloc[:, 1].tolist() == [3.38, 6.57, 11.34, 17.16, 20.51]
+    assert any("iPhone" in m.value for m in at.markdown)
+    assert at.get("vega_lite_chart")
+
+
+def test_quality_page_empty_state_names_the_command():
+    at = ok(app(QUALITY))
+    assert "No eval run records" in at.info[0].value
+    assert "python -m workbench eval teacher --model demo --preset les --json" in [c.value for c in at.code]
+
+
+def test_quality_page_tables_and_perplexity():
+    common = {"model": "demo", "budget": "0.25", "data": "tinystories", "ctx": 128}
+    _record({**common, "eval": "ppl", "preset": {"name": "teacher"}}, {"ppl": 11.0})
+    for preset, ppl in [("les", 12.5), ("smol", 14.0)]:
+        _record({**common, "eval": "teacher", "preset": {"name": preset}},
+                {"kl": 0.01, "top1": 0.9, "routing_agreement_mean": 0.8, "ppl": ppl,
+                 "chunks": [{"chunk": 0, "kl": 0.01}, {"chunk": 1, "kl": 0.02}]})
+    at = ok(app(QUALITY))
+    assert not at.info
+    texts = [d.value for d in at.dataframe]
+    compare = texts[0]
+    assert compare["design"].tolist() == ["teacher", "les", "smol"]
+    assert compare["ppl tinystories/128"].tolist() == [11.0, 12.5, 14.0]
+    assert any("kl tinystories/128" in d.columns for d in texts)
+    assert at.get("vega_lite_chart") and len(at.expander) == 2
+
+
+def test_the_dashboard_imports_no_torch(tmp_path):
+    """The live page, a short run of its designs (edge0's serving path included once it is trained), and what
+    the other pages import: none of it may pull in torch or transformers."""
+    code = f"""
+import sys, time
+sys.path.insert(0, {str(REPO / "tests")!r})
+import test_dashboard_apptest as T
+designs = ["on_demand", "les"] + (["edge0"] if T.C.edge0_ready("demo") else [])
+at = T.poll(T.start(T.app(T.LIVE), designs, tokens=2), T.finished)
+assert not at.error, T.errors(at)
+import altair, pandas, evals.compare, dashboards.published
+bad = {{"torch", "transformers"}} & set(sys.modules)
+assert not bad, bad
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "WORKBENCH_RUNS": str(tmp_path / "runs")})
+    assert res.returncode == 0, res.stderr[-3000:]
