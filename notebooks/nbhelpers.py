@@ -54,25 +54,10 @@ def ours_label(engine: str = "numpy") -> str:
     return f"ours: {cpu} ({env.get('cores')} cores), {engine} engine"
 
 
-# Numbers quoted in issue 8 that dashboards/published.py does not hold yet. They belong there (the
-# dashboards and the notebooks must show the same published numbers); published() prefers that module's
-# entry of the same name as soon as it has one, so moving them is a deletion here.
-PENDING_PUBLISHED = {
-    "les_cache": {
-        "paper": "LES", "model": "MiniCPM-V 4.7 LES", "device": "iPhone", "metric": "tok_s vs memory",
-        "points": [("small cache window", 3.0e9, 10.0), ("large cache", 7.8e9, 18.0)],   # (setting, bytes, tok/s)
-        "source": "issue 8: the LES paper's memory / speed trade-off of the cache window",
-    },
-}
-
-
 def published(name: str) -> dict | None:
-    """The paper's numbers for `name` from dashboards/published.py, else PENDING_PUBLISHED, else None."""
-    from dashboards import published as pub
-    found = pub.published_ladder(name) if hasattr(pub, "published_ladder") else None
-    if found is None:
-        found = getattr(pub, "LADDERS", {}).get(name)
-    return found if found is not None else PENDING_PUBLISHED.get(name)
+    """The paper's numbers for `name` from dashboards/published.py, or None."""
+    from dashboards.published import LADDERS
+    return LADDERS.get(name)
 
 
 def paper_label(pub: dict | None) -> str:
