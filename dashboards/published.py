@@ -20,9 +20,18 @@ LADDERS = {
             ("+speculative verification", 20.51),
         ],
     },
+}
+
+# Trade-offs that are not ladders: (setting, bytes, tok/s) points.
+TRADEOFFS = {
     # The cache-window trade-off (as quoted in issue 8): a small window vs a large cache, same device.
     "les_cache": {
         "paper": "LES", "model": "MiniCPM-V 4.7 LES", "device": "iPhone", "metric": "tok_s vs memory",
-        "points": [("small cache window", 3.0e9, 10.0), ("large cache", 7.8e9, 18.0)],   # (setting, bytes, tok/s)
+        "points": [("small cache window", 3.0e9, 10.0), ("large cache", 7.8e9, 18.0)],
     },
 }
+
+
+def published(name: str) -> dict | None:
+    """The paper's numbers for a ladder or a trade-off, or None."""
+    return LADDERS.get(name) or TRADEOFFS.get(name)

@@ -56,8 +56,8 @@ def ours_label(engine: str = "numpy") -> str:
 
 def published(name: str) -> dict | None:
     """The paper's numbers for `name` from dashboards/published.py, or None."""
-    from dashboards.published import LADDERS
-    return LADDERS.get(name)
+    from dashboards.published import published as find
+    return find(name)
 
 
 def paper_label(pub: dict | None) -> str:

@@ -77,8 +77,9 @@ def test_published_numbers_come_from_the_dashboard_module():
         import nbhelpers
     finally:
         sys.path.remove(str(NB_DIR))
-    from dashboards.published import published_ladder
-    assert nbhelpers.published("les") is published_ladder("les")
+    from dashboards.published import published
+    assert nbhelpers.published("les") is published("les")
+    assert nbhelpers.published("les_cache") is published("les_cache")
     assert nbhelpers.published("no such ladder") is None
     assert nbhelpers.paper_label(nbhelpers.published("les")).startswith("paper: ")
     assert nbhelpers.ours_label().startswith("ours: ") and nbhelpers.ours_label().endswith("numpy engine")
