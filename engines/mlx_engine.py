@@ -34,12 +34,11 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from workbench.routing import route
 from workbench.schedule import ExpertStreamer
 from workbench.spec import WorkbenchError
 from workbench.store import quant
 from workbench.store.pack import PARTS, Pack
-from workbench.telemetry import LayerEvent, Telemetry
+from workbench.telemetry import Telemetry
 
 from engines.numpy_engine import rope_table
 
@@ -237,30 +236,10 @@ class MlxEngine:
         return (silu(x @ gate.T) * (x @ up.T)) @ down.T
 
     def moe(self, i: int, x, h, phase: str):
-        s, w, m, p = self.spec, self.w, self.m, f"layers.{i}."
-        ev = LayerEvent(token=self.token_index if phase == "decode" else -1, layer=i, phase=phase,
-                        routed=[], predicted=[], hit=[], t_start=time.perf_counter())
+        s, m, p = self.spec, self.m, f"layers.{i}."
         t0 = time.perf_counter()
-        x_np = np.array(x)
-        logits = np.array(x @ m(p + "router").T)
-        ctx = {"x": x_np, "h": np.array(h), "logits": logits, "phase": phase, "engine": self}
-        if self.router_hook is not None:
-            idx, weights = self.router_hook(i, logits, ctx)
-        else:
-            idx, weights = route(s, logits, w.get(p + "router_bias"))
-        ctx["routed"] = idx
-        ev.router_s = time.perf_counter() - t0
-        ev.predicted = self.streamer.predicted_for.pop((i, self.token_index), []) if phase == "decode" else []
-        if self.predictor is not None:          # name (and start reading) later layers' experts now
-            t0 = time.perf_counter()
-            for target, experts in self.predictor.predict(i, ctx).items():
-                # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
-                target = target if isinstance(target, tuple) else (target, self.token_index)
-                self.streamer.predicted_for[target] = list(map(int, experts))
-                self.streamer.prefetch(target[0], experts, protect={(i, int(e)) for e in np.unique(idx)}, token=target[1])
-            ev.router_s += time.perf_counter() - t0
-        needed = sorted(set(int(e) for e in np.unique(idx)))
-        ev.routed = needed
+        idx, weights, needed, ev = self.streamer.begin_layer(self, i, np.array(x), np.array(h),
+                                                             np.array(x @ m(p + "router").T), phase, t0)
         idx = np.asarray(idx)
         weights = np.asarray(weights, dtype=np.float32)
         stack, staged, done = self.stacks[i], [], []     # staged: in a slot, not yet computed

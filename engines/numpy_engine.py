@@ -12,11 +12,10 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from workbench.routing import route
 from workbench.schedule import ExpertStreamer
 from workbench.spec import WorkbenchError
 from workbench.store.pack import Pack
-from workbench.telemetry import LayerEvent, Telemetry
+from workbench.telemetry import Telemetry
 
 
 def rms_norm(x, w, eps):
@@ -123,28 +122,8 @@ class NumpyEngine:
 
     def moe(self, i: int, x: np.ndarray, h: np.ndarray, phase: str) -> np.ndarray:
         s, w, p = self.spec, self.w, f"layers.{i}."
-        ev = LayerEvent(token=self.token_index if phase == "decode" else -1, layer=i, phase=phase,
-                        routed=[], predicted=[], hit=[], t_start=time.perf_counter())
         t0 = time.perf_counter()
-        logits = x @ w[p + "router"].T
-        ctx = {"x": x, "h": h, "logits": logits, "phase": phase, "engine": self}
-        if self.router_hook is not None:
-            idx, weights = self.router_hook(i, logits, ctx)
-        else:
-            idx, weights = route(s, logits, w.get(p + "router_bias"))
-        ctx["routed"] = idx
-        ev.router_s = time.perf_counter() - t0
-        ev.predicted = self.streamer.predicted_for.pop((i, self.token_index), []) if phase == "decode" else []
-        if self.predictor is not None:          # name (and start reading) later layers' experts now
-            t0 = time.perf_counter()
-            for target, experts in self.predictor.predict(i, ctx).items():
-                # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
-                target = target if isinstance(target, tuple) else (target, self.token_index)
-                self.streamer.predicted_for[target] = list(map(int, experts))
-                self.streamer.prefetch(target[0], experts, protect={(i, int(e)) for e in np.unique(idx)}, token=target[1])
-            ev.router_s += time.perf_counter() - t0
-        needed = sorted(set(int(e) for e in np.unique(idx)))
-        ev.routed = needed
+        idx, weights, needed, ev = self.streamer.begin_layer(self, i, x, h, x @ w[p + "router"].T, phase, t0)
         contrib = {}
 
         def compute(e, ew):

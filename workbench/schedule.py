@@ -14,9 +14,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
+import numpy as np
+
 from workbench.cache import ExpertCache
 from workbench.io import Reader
 from workbench.store.pack import Pack
+from workbench.routing import route
 from workbench.telemetry import LayerEvent, Telemetry
 
 
@@ -96,6 +99,32 @@ class ExpertStreamer:
             self.cache.set(k, self.cache.peek(k).result())
 
     # ------------------------------------------------------------ one layer
+
+    def begin_layer(self, engine, layer: int, x, h, logits, phase: str, t0: float):
+        """Route a MoE layer (the engine's router hook, else the exact router) and start the predictor's
+        prefetches. x, h, logits: numpy; t0: when the router started. Returns (idx, weights, needed, event)."""
+        token = engine.token_index
+        ev = LayerEvent(token=token if phase == "decode" else -1, layer=layer, phase=phase,
+                        routed=[], predicted=[], hit=[], t_start=t0)
+        ctx = {"x": x, "h": h, "logits": logits, "phase": phase, "engine": engine}
+        if engine.router_hook is not None:
+            idx, weights = engine.router_hook(layer, logits, ctx)
+        else:
+            idx, weights = route(self.pack.spec, logits, engine.w.get(f"layers.{layer}.router_bias"))
+        ctx["routed"] = idx
+        ev.router_s = time.perf_counter() - t0
+        ev.predicted = self.predicted_for.pop((layer, token), []) if phase == "decode" else []
+        needed = sorted(set(int(e) for e in np.unique(idx)))
+        if engine.predictor is not None:        # name (and start reading) later layers' experts now
+            t1 = time.perf_counter()
+            for target, experts in engine.predictor.predict(layer, ctx).items():
+                # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
+                target = target if isinstance(target, tuple) else (target, token)
+                self.predicted_for[target] = list(map(int, experts))
+                self.prefetch(target[0], experts, protect={(layer, e) for e in needed}, token=target[1])
+            ev.router_s += time.perf_counter() - t1
+        ev.routed = needed
+        return idx, weights, needed, ev
 
     def run_layer(self, layer: int, needed: list[int], compute, ev: LayerEvent):
         """Call compute(e, weights) once per needed expert, bringing each into memory first."""
