@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.routing import route
+from workbench.capture import RoutingCapture  # noqa: F401  (the eval modules use it from here)
 from workbench.runs import atomic_write  # noqa: F401  (the eval modules' writer)
 from workbench.spec import WorkbenchError
 
@@ -54,38 +54,6 @@ def mean_stderr(values) -> tuple[float, float]:
     mean = float(v.mean())
     var = float((v * v).mean() - mean * mean)
     return mean, (math.sqrt(var / (n - 1)) if n > 1 and var > 0 else 0.0)
-
-
-class RoutingCapture:
-    """Records the top-k expert ids chosen at every MoE layer, per token, wrapping the session's router hook.
-
-    `take()` returns {layer: (T, k) int array} for everything captured since the last take (rows of
-    successive forwards are stacked) and empties the buffer.
-    """
-
-    def __init__(self, session):
-        self.session = session
-        self.prev = session.engine.router_hook
-        self.buf: dict[int, list[np.ndarray]] = {}
-        spec, w = session.spec, session.engine.w
-
-        def hook(layer, logits, ctx):
-            if self.prev is not None:
-                idx, weights = self.prev(layer, logits, ctx)
-            else:
-                idx, weights = route(spec, logits, w.get(f"layers.{layer}.router_bias"))
-            self.buf.setdefault(layer, []).append(np.array(idx, dtype=np.int32, copy=True))
-            return idx, weights
-
-        session.engine.router_hook = hook
-
-    def take(self) -> dict[int, np.ndarray]:
-        out = {L: np.concatenate(v, 0) for L, v in self.buf.items()}
-        self.buf = {}
-        return out
-
-    def remove(self):
-        self.session.engine.router_hook = self.prev
 
 
 def routing_overlap(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,9 @@ import numpy as np
 from evals.common import atomic_write
 from evals.ppl import perplexity
 from workbench.registry import model_dir
-from workbench.routing import route, topk_desc
+from workbench.capture import RoutingCapture
+from workbench.predict import Lookahead
+from workbench.routing import topk_desc
 from workbench.session import Session
 from workbench.textdata import heldout_ids
 
@@ -27,30 +29,20 @@ def routing_stats(session: Session, ids: list[int], ctx: int = 512) -> dict:
     """Use counts, entropy and lookahead agreement per layer over `ids` (chunks of ctx, exact routing)."""
     s, w = session.spec, session.engine.w
     moe = s.moe_layers
-    topk = {L: [] for L in moe}
-    ahead = {L: {"k": [], "2k": []} for L in moe[:-1]}
-
-    def hook(layer, logits, c):
-        idx, wts = route(s, logits, w.get(f"layers.{layer}.router_bias"))
-        topk[layer].append(idx)
-        i = moe.index(layer)
-        if i + 1 < len(moe):
-            t = moe[i + 1]
-            h = c["h"]
-            x = w[f"layers.{t}.mlp_norm"] * (h / np.sqrt((h * h).mean(-1, keepdims=True) + s.rms_norm_eps))
-            z = x @ w[f"layers.{t}.router"].T
-            ahead[layer]["k"].append(topk_desc(z, s.top_k))
-            ahead[layer]["2k"].append(topk_desc(z, 2 * s.top_k))
-        return idx, wts
-
-    session.engine.router_hook = hook
-    for b in range(0, len(ids) - ctx + 1, ctx):
-        session.engine.reset()
-        session.step(ids[b:b + ctx], "prefill")
-    session.engine.router_hook = None
+    look = Lookahead(s, w, depth=1)
+    with RoutingCapture(session, keep_h=True) as cap:
+        for b in range(0, len(ids) - ctx + 1, ctx):
+            session.engine.reset()
+            session.step(ids[b:b + ctx], "prefill")
+        records = cap.records
+    topk = {L: np.concatenate([r["idx"] for r in records if r["layer"] == L]) for L in moe}
+    ahead = {}
+    for L in moe[:-1]:            # layer L+1's router (with its own norm) on layer L's residual stream
+        z = np.concatenate([look.scores(L, r["h"], look.target(L)) for r in records if r["layer"] == L])
+        ahead[L] = {"k": topk_desc(z, s.top_k), "2k": topk_desc(z, 2 * s.top_k)}
     rows = []
     for i, L in enumerate(moe):
-        real = np.concatenate(topk[L])
+        real = topk[L]
         counts = np.bincount(real.reshape(-1), minlength=s.num_experts)
         p = counts / counts.sum()
         ent = float(-(p[p > 0] * np.log(p[p > 0])).sum() / np.log(s.num_experts))
@@ -58,9 +50,9 @@ def routing_stats(session: Session, ids: list[int], ctx: int = 512) -> dict:
                "min_share": float(p.min()), "max_share": float(p.max()), "entropy_norm": ent,
                "counts": counts.tolist()}
         if i + 1 < len(moe):
-            nxt = np.concatenate(topk[moe[i + 1]])
+            nxt = topk[moe[i + 1]]
             for width in ("k", "2k"):
-                pred = np.concatenate(ahead[L][width])
+                pred = ahead[L][width]
                 hits = [len(set(a) & set(b)) / s.top_k for a, b in zip(pred.tolist(), nxt.tolist())]
                 row[f"lookahead_recall_{width}"] = float(np.mean(hits))
         rows.append(row)

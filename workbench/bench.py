@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from workbench.floor import floor_tok_s, probe
 from workbench.presets import get_preset
-from workbench.routing import route
+from workbench.capture import RoutingCapture
 from workbench.runs import write_run
 from workbench.session import Session
 
@@ -30,16 +30,10 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
 
 def capture_trace(model: str, preset, prompt, tokens: int) -> dict:
     """The true routing {(token index, layer): experts} of greedy decoding on this preset's pack (for the oracle)."""
-    trace = {}
-    with Session(model, preset.with_(predictor=None, routing="exact"), budget="all") as s:
-        def record(layer, logits, ctx):
-            idx, w = route(s.spec, logits, s.engine.w.get(f"layers.{layer}.router_bias"))
-            if ctx["phase"] == "decode":
-                trace[(s.engine.token_index, layer)] = sorted(set(idx.reshape(-1).tolist()))
-            return idx, w
-        s.engine.router_hook = record
+    with Session(model, preset.with_(predictor=None, routing="exact"), budget="all") as s, RoutingCapture(s) as cap:
         s.generate(prompt, tokens=tokens)
-    return trace
+        return {(r["token"], r["layer"]): sorted(set(r["idx"].reshape(-1).tolist()))
+                for r in cap.records if r["phase"] == "decode"}
 
 
 def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: int = 64, **kw) -> Session:

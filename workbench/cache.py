@@ -52,6 +52,7 @@ class ExpertCache:
             self.capacity = {L: slots for L in layers}
         else:
             raise WorkbenchError(f"cache scope {scope!r}: choose global or per_layer")
+        self._distinct = list({id(p): p for p in self.pools.values()}.values())   # one global pool, or one per layer
         per_layer = min(self.capacity.values()) if layers else slots
         if per_layer < min_slots_per_layer:
             raise WorkbenchError(
@@ -67,7 +68,7 @@ class ExpertCache:
 
     @property
     def slots_used(self) -> int:
-        return sum(len(p) for p in {id(p): p for p in self.pools.values()}.values())
+        return sum(len(p) for p in self._distinct)
 
     @property
     def bytes(self) -> int:
@@ -129,5 +130,5 @@ class ExpertCache:
 
     def keys(self, layer: int | None = None):
         if layer is None:
-            return [k for p in {id(p): p for p in self.pools.values()}.values() for k in p]
+            return [k for p in self._distinct for k in p]
         return [k for k in self.pools[layer] if k[0] == layer]

@@ -60,13 +60,26 @@ def atomic_write(path, text: str):
     os.replace(tmp, path)
 
 
+def write_table(table, path) -> Path:
+    """Write a pyarrow table as Parquet atomically (temp name, fsync, rename)."""
+    import pyarrow.parquet as pq
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
 def _parquet(path: Path, rows: list[dict]):
     import pyarrow as pa
-    import pyarrow.parquet as pq
-    table = pa.Table.from_pylist(rows) if rows else pa.table({})
-    pq.write_table(table, path)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    write_table(pa.Table.from_pylist(rows) if rows else pa.table({}), path)
 
 
 def write_run(preset: str, config: dict, summary: dict, layers: list[dict], events: list[dict],

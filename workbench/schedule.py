@@ -38,19 +38,15 @@ class ExpertStreamer:
 
     def _issue(self, keys: list[tuple]) -> int:
         """Start reads for keys (slots already reserved); returns bytes requested."""
-        reqs, parts = [], {}
-        for key in keys:
-            reads = self.pack.expert_reads(*key)
-            parts[key] = [(key, i) for i in range(len(reads))]
-            reqs += [((key, i), off, n) for i, (off, n) in enumerate(reads)]
-        futs = self.reader.submit(reqs)
+        reads = {key: self.pack.expert_reads(*key) for key in keys}
+        futs = self.reader.submit([((key, i), off, n) for key in keys for i, (off, n) in enumerate(reads[key])])
         total = 0
         for key in keys:
             fut = Future()
             fut.dequant_s = 0.0
             self.cache.set(key, fut)
-            part_futs = [futs[p] for p in parts[key]]
-            total += sum(n for _, n in self.pack.expert_reads(*key))
+            part_futs = [futs[(key, i)] for i in range(len(reads[key]))]
+            total += sum(n for _, n in reads[key])
             remaining = [len(part_futs)]
 
             def done(_f, key=key, fut=fut, part_futs=part_futs, remaining=remaining):

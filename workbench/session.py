@@ -14,6 +14,7 @@ import numpy as np
 
 from engines import load_engine
 from workbench.cache import ExpertCache, parse_budget
+from workbench.capture import RoutingCapture
 from workbench.io import Reader
 from workbench.predict import make_predictor
 from workbench.presets import Preset, get_preset
@@ -197,16 +198,7 @@ class Session:
 
 def usage_profile(pack_path, ids: list[int]) -> dict:
     """Count expert use per layer over `ids` (one prefill, every expert resident, exact routing)."""
-    pack = Pack(pack_path)
-    counts = {L: [0] * pack.spec.num_experts for L in pack.spec.moe_layers}
-    with Session(str(pack_path), "resident") as s:
-        s.engine.router_hook = None
-
-        def counting(layer, logits, ctx):
-            idx, w = route(s.spec, logits, s.engine.w.get(f"layers.{layer}.router_bias"))
-            for e in idx.reshape(-1):
-                counts[layer][int(e)] += 1
-            return idx, w
-        s.engine.router_hook = counting
+    with Session(str(pack_path), "resident") as s, RoutingCapture(s) as cap:
         s.step(ids, "prefill")
-    return counts
+        return {L: np.bincount(idx.reshape(-1), minlength=s.spec.num_experts).tolist()
+                for L, idx in cap.take().items()}

@@ -21,12 +21,13 @@ layer's norm and router read from the traced model), oracle (the recorded routin
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 
+from workbench.capture import RoutingCapture
+from workbench.runs import write_table
 from workbench.spec import MoESpec, WorkbenchError
 
 META_KEY = b"workbench.trace"
@@ -38,7 +39,6 @@ DESIGNS = ("on_demand", "history", "shuffled", "lookahead", "oracle")
 def write_trace(path, trace: dict, ids: list[int], meta: dict) -> Path:
     """trace: topk (T, L, k), logits (T, L, E), router_input (T, L, d), moe_layers. Written atomically."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
     topk, logits, h = (np.asarray(trace[k]) for k in ("topk", "logits", "router_input"))
     T, NL, k = topk.shape
     layers = np.asarray(trace["moe_layers"], np.int16)
@@ -58,18 +58,7 @@ def write_trace(path, trace: dict, ids: list[int], meta: dict) -> Path:
     meta = {**meta, "n_tokens": T, "moe_layers": layers.tolist(), "top_k": k, "num_experts": E, "hidden_size": d,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        pq.write_table(table, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return write_table(table, path)
 
 
 def read_trace(path) -> dict:
@@ -101,22 +90,15 @@ def read_trace(path) -> dict:
 
 def capture_numpy(model: str, ids: list[int], preset: str = "teacher") -> tuple[dict, dict]:
     """The workbench engine's own routing on `ids` (one teacher-forced batch, every expert resident)."""
-    from workbench.routing import route
     from workbench.session import Session
-    rec = {}
-    with Session(model, preset, budget="all") as s:
-        w = s.engine.w
-
-        def record(layer, logits, ctx):
-            idx, weights = route(s.spec, logits, w.get(f"layers.{layer}.router_bias"))
-            rec[layer] = (idx.copy(), np.asarray(logits, np.float32).copy(), np.asarray(ctx["h"], np.float32).copy())
-            return idx, weights
-        s.engine.router_hook = record
+    with Session(model, preset, budget="all") as s, RoutingCapture(s, keep_logits=True, keep_h=True) as cap:
         s.engine.reset()
         s.step(ids, "prefill")
         layers = s.spec.moe_layers
-        trace = {"topk": np.stack([rec[L][0] for L in layers], 1), "logits": np.stack([rec[L][1] for L in layers], 1),
-                 "router_input": np.stack([rec[L][2] for L in layers], 1), "moe_layers": layers}
+        rec = {r["layer"]: r for r in cap.records}
+        trace = {"topk": np.stack([rec[L]["idx"] for L in layers], 1),
+                 "logits": np.stack([rec[L]["logits"] for L in layers], 1),
+                 "router_input": np.stack([rec[L]["h"] for L in layers], 1), "moe_layers": layers}
         meta = {"engine": "numpy", "model": model, "pack": str(s.pack_path), "preset": s.preset.name,
                 "spec": s.spec.to_dict()}
     return trace, meta

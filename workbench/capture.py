@@ -1,0 +1,53 @@
+"""Record the routing an engine actually executes, wrapping the session's router hook.
+
+One mechanism for everything that needs the routing: the oracle's trace, the usage profile,
+routing traces, the model card's statistics and the teacher comparison.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from workbench.routing import route
+
+
+class RoutingCapture:
+    """Per routed call: layer, phase, token index and top-k ids (and, if asked, the logits and the
+    residual stream h). `take()` returns {layer: (T, k)} for everything since the last take."""
+
+    def __init__(self, session, keep_logits: bool = False, keep_h: bool = False):
+        self.session = session
+        self.prev = session.engine.router_hook
+        self.records: list[dict] = []
+        spec, w, engine = session.spec, session.engine.w, session.engine
+
+        def hook(layer, logits, ctx):
+            if self.prev is not None:
+                idx, weights = self.prev(layer, logits, ctx)
+            else:
+                idx, weights = route(spec, logits, w.get(f"layers.{layer}.router_bias"))
+            rec = {"layer": layer, "phase": ctx["phase"], "token": engine.token_index,
+                   "idx": np.array(idx, dtype=np.int32, copy=True)}
+            if keep_logits:
+                rec["logits"] = np.array(logits, dtype=np.float32, copy=True)
+            if keep_h:
+                rec["h"] = np.array(ctx["h"], dtype=np.float32, copy=True)
+            self.records.append(rec)
+            return idx, weights
+
+        engine.router_hook = hook
+
+    def take(self, key: str = "idx") -> dict[int, np.ndarray]:
+        out = {}
+        for r in self.records:
+            out.setdefault(r["layer"], []).append(r[key])
+        self.records = []
+        return {L: np.concatenate(v, 0) for L, v in out.items()}
+
+    def remove(self):
+        self.session.engine.router_hook = self.prev
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.remove()
