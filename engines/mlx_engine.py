@@ -40,7 +40,7 @@ from workbench.store import quant
 from workbench.store.pack import PARTS, Pack
 from workbench.telemetry import Telemetry
 
-from engines.numpy_engine import rope_table
+from engines.numpy_engine import kv_shapes, latent_softmax_scale, rope_table, split_kv_b
 
 
 MLX_KINDS = ("q2", "q3", "q4", "q8", "bf16")     # expert kinds computed from their bytes as they are
@@ -58,6 +58,20 @@ def rope(x, cos, sin):
     """x: (heads, T, hd); cos, sin: (T, hd)."""
     h = x.shape[-1] // 2
     return x * cos + mx.concatenate([-x[..., h:], x[..., :h]], axis=-1) * sin
+
+
+def deinterleave(x):
+    """DeepSeek's interleaved RoPE pairs in rotate-half order (see engines.numpy_engine.deinterleave)."""
+    return x.reshape(*x.shape[:-1], -1, 2).swapaxes(-1, -2).reshape(x.shape)
+
+
+def causal_softmax(att, T):
+    S = att.shape[-1]
+    if T > 1:
+        future = np.arange(S)[None, :] > (S - T + np.arange(T))[:, None]
+        att = mx.where(mx.array(future), float("-inf"), att)
+    att = mx.exp(att - att.max(-1, keepdims=True))
+    return att / att.sum(-1, keepdims=True)
 
 
 class Slot:
@@ -139,6 +153,8 @@ class MlxEngine:
         self.w = {name: pack.tensor(name) for name in pack.tensors}
         if "lm_head" not in self.w:
             self.w["lm_head"] = self.w["embed"]
+        for i in range(self.spec.num_layers) if self.spec.attention == "mla" else ():
+            self.w[f"layers.{i}.k_b"], self.w[f"layers.{i}.v_b"] = split_kv_b(self.spec, self.w[f"layers.{i}.kv_b"])
         self._mw = {}           # id(numpy array) -> (that array, its MLX copy)
         self.max_context = max_context or self.spec.max_position_embeddings
         self._rope(256)         # grows with the context
@@ -168,14 +184,13 @@ class MlxEngine:
         return hit[1]
 
     def _rope(self, n: int):
-        self.cos, self.sin = rope_table(n, self.spec.head_dim, self.spec.rope_theta)
+        self.cos, self.sin = rope_table(n, self.spec)
         self.cos_m, self.sin_m = mx.array(self.cos), mx.array(self.sin)
 
     def reset(self):
         """An empty KV cache; its buffers grow by doubling, so a decode step copies nothing."""
-        s = self.spec
-        self.kv = [[mx.zeros((s.num_kv_heads, 64, s.head_dim)), mx.zeros((s.num_kv_heads, 64, s.head_dim))]
-                   for _ in range(s.num_layers)]
+        (hk, dk), (hv, dv) = kv_shapes(self.spec)
+        self.kv = [[mx.zeros((hk, 64, dk)), mx.zeros((hv, 64, dv))] for _ in range(self.spec.num_layers)]
         self.pos = 0
 
     def truncate(self, pos: int):
@@ -187,7 +202,7 @@ class MlxEngine:
         end = self.pos + k.shape[1]
         if end > K.shape[1]:
             grow = max(end, 2 * K.shape[1])
-            K2, V2 = (mx.zeros((K.shape[0], grow, K.shape[2])) for _ in range(2))
+            K2, V2 = (mx.zeros((a.shape[0], grow, a.shape[2])) for a in (K, V))
             K2[:, :self.pos], V2[:, :self.pos] = K[:, :self.pos], V[:, :self.pos]
             K, V = K2, V2
             self.kv[i] = [K, V]
@@ -201,6 +216,8 @@ class MlxEngine:
     # ------------------------------------------------------------ blocks
 
     def attention(self, i: int, x):
+        if self.spec.attention == "mla":
+            return self.latent_attention(i, x)
         s, m, p = self.spec, self.m, f"layers.{i}."
         T = x.shape[0]
         q, k, v = x @ m(p + "q").T, x @ m(p + "k").T, x @ m(p + "v").T
@@ -223,14 +240,28 @@ class MlxEngine:
         S, rep = K.shape[1], s.num_heads // s.num_kv_heads
         q = q.reshape(s.num_kv_heads, rep * T, s.head_dim)       # grouped query heads share their KV head
         att = (q @ K.transpose(0, 2, 1)).reshape(s.num_kv_heads, rep, T, S) * (1.0 / float(np.sqrt(s.head_dim)))
-        if T > 1:
-            future = np.arange(S)[None, :] > (S - T + np.arange(T))[:, None]
-            att = mx.where(mx.array(future), float("-inf"), att)
-        att = mx.exp(att - att.max(-1, keepdims=True))
-        att = att / att.sum(-1, keepdims=True)
+        att = causal_softmax(att, T)
         y = (att.reshape(s.num_kv_heads, rep * T, S) @ V).reshape(s.num_heads, T, s.head_dim)
         y = y.transpose(1, 0, 2).reshape(T, -1)
         return self._delta(p + "o", y, y @ m(p + "o").T)
+
+    def latent_attention(self, i: int, x):
+        """DeepSeek's MLA, absorbed form (see NumpyEngine.latent_attention)."""
+        s, m, p = self.spec, self.m, f"layers.{i}."
+        T, nope = x.shape[0], s.qk_nope_head_dim
+        q = x @ m(p + "q").T if not s.q_lora_rank else \
+            rms_norm(x @ m(p + "q_a").T, m(p + "q_a_norm"), s.rms_norm_eps) @ m(p + "q_b").T
+        q = q.reshape(T, s.num_heads, s.head_dim).transpose(1, 0, 2)
+        ckv = x @ m(p + "kv_a").T
+        c = rms_norm(ckv[:, :s.kv_lora_rank], m(p + "kv_a_norm"), s.rms_norm_eps)
+        cos, sin = self.cos_m[self.pos:self.pos + T], self.sin_m[self.pos:self.pos + T]
+        q_pe = rope(deinterleave(q[..., nope:]), cos, sin)
+        k_pe = rope(deinterleave(ckv[None, :, s.kv_lora_rank:]), cos, sin)
+        C, K_pe = self._kv_append(i, c[None], k_pe)
+        att = (q[..., :nope] @ m(p + "k_b")) @ C[0].T + q_pe @ K_pe[0].T
+        att = causal_softmax(att * latent_softmax_scale(s), T)
+        y = (att @ C[0]) @ m(p + "v_b").transpose(0, 2, 1)
+        return y.transpose(1, 0, 2).reshape(T, -1) @ m(p + "o").T
 
     def mlp(self, x, gate, up, down):
         return (silu(x @ gate.T) * (x @ up.T)) @ down.T

@@ -49,17 +49,36 @@ def _configs():
                   dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128,
                        n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
                        routed_scaling_factor=2.5, num_hidden_layers=3)),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(MLA, q_lora_rank=32,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128,
+                        n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, norm_topk_prob=True,
+                        routed_scaling_factor=2.5, num_hidden_layers=3)),
+        "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, dict(MLA, q_lora_rank=None,
+                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128,
+                        n_shared_experts=2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                        first_k_dense_replace=1, routed_scaling_factor=1.5, num_hidden_layers=3)),
     }
 
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "dots1"]
+# latent attention: every query head has its own keys, decompressed from one cached latent
+MLA = dict(num_key_value_heads=4, head_dim=8, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+
+YARN = {  # DeepSeek-V3's and V2-Lite's rope settings with a context the tiny models reach
+    "deepseek_v3": dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=8,
+                        beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    "deepseek_v2": dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=8,
+                        beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+    "qwen3_moe": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8),
+}
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "dots1", "deepseek_v3", "deepseek_v2"]
 
 
-def make_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
+def make_checkpoint(family: str, path: Path, seed: int = 0, **overrides) -> Path:
     import torch
     cfg_cls, model_cls, extra = _configs()[family]
     torch.manual_seed(seed)
-    cfg = cfg_cls(**{**TINY, **extra})
+    cfg = cfg_cls(**{**TINY, **extra, **overrides})
     model = model_cls(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

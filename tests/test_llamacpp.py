@@ -59,6 +59,13 @@ def q3(tiny_models):
 
 
 @pytest.fixture(scope="session")
+def deepseek_v2_lite(tmp_path_factory):
+    """DeepSeek-V2-Lite's shape in small: softmax routing over all experts (greedy), no query down-projection."""
+    from conftest import make_checkpoint
+    return make_checkpoint("deepseek_v2", tmp_path_factory.mktemp("dsv2") / "lite", topk_method="greedy")
+
+
+@pytest.fixture(scope="session")
 def exported(q3, tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     m = HFModel(q3)
@@ -121,8 +128,10 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_family_gguf(src: Path, arch: str, out: Path) -> Path:
-    """A GGUF of a tiny Hugging Face checkpoint as llama.cpp's converter lays it out for `arch` (all F32)."""
+def write_family_gguf(src: Path, arch: str, out: Path, legacy_kv_b: bool = False, tokenizer: bool = False) -> Path:
+    """A GGUF of a tiny Hugging Face checkpoint as llama.cpp's converter lays it out for `arch` (all F32).
+    deepseek2: latent attention as an MQA of one head, kv_b split for absorbed attention (k_b transposed per
+    head) unless `legacy_kv_b` (one attn_kv_b and no *_mla lengths, as older converters wrote it)."""
     m = HFModel(src)
     s = m.spec
     inv = {v: k for k, v in _GLOBAL.items()}
@@ -133,28 +142,59 @@ def write_family_gguf(src: Path, arch: str, out: Path) -> Path:
     w.add_embedding_length(s.hidden_size)
     w.add_feed_forward_length(s.dense_intermediate_size or s.moe_intermediate_size)
     w.add_head_count(s.num_heads)
-    w.add_head_count_kv(s.num_kv_heads)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
     w.add_rope_freq_base(s.rope_theta)
+    if s.rope_yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.rope_yarn["factor"])
+        w.add_rope_scaling_orig_ctx_len(s.rope_yarn["original_max_position_embeddings"])
+        if arch == "deepseek2":   # convert_hf_to_gguf's [TAG_DEEPSEEK2_YARN_LOG_MUL_FIX]
+            w.add_rope_scaling_yarn_log_mul(0.1 * s.rope_yarn["mscale_all_dim"])
     w.add_layer_norm_rms_eps(s.rms_norm_eps)
     w.add_expert_count(s.num_experts)
     w.add_expert_used_count(s.top_k)
     w.add_expert_feed_forward_length(s.moe_intermediate_size)
+    if s.attention == "mla":
+        w.add_head_count_kv(1)
+        w.add_q_lora_rank(s.q_lora_rank)
+        w.add_kv_lora_rank(s.kv_lora_rank)
+        w.add_rope_dimension_count(s.qk_rope_head_dim)
+        w.add_vocab_size(s.vocab_size)
+        if legacy_kv_b:
+            w.add_key_length(s.head_dim)
+            w.add_value_length(s.v_head_dim)
+        else:
+            w.add_key_length(s.kv_lora_rank + s.qk_rope_head_dim)
+            w.add_value_length(s.kv_lora_rank)
+            w.add_key_length_mla(s.head_dim)
+            w.add_value_length_mla(s.v_head_dim)
+    else:
+        w.add_head_count_kv(s.num_kv_heads)
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
     if s.bos_token_id is not None:
         w.add_bos_token_id(s.bos_token_id)
     if s.eos_token_id is not None:
         w.add_eos_token_id(s.eos_token_id)
+    if tokenizer:
+        from workbench.models.gguf_export import gguf_vocab
+        tokens, types, merges = gguf_vocab((src / "tokenizer.json").read_text(), s.vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(s.shared_expert_size)
-    if arch == "dots1":
+    if arch in ("dots1", "deepseek2"):
         w.add_leading_dense_block_count(len(s.dense_layers))
         w.add_expert_shared_count(s.shared_expert_size // s.moe_intermediate_size)
-        w.add_expert_group_count(s.n_group)
-        w.add_expert_group_used_count(s.topk_group)
+        if s.n_group > 1:
+            w.add_expert_group_count(s.n_group)
+            w.add_expert_group_used_count(s.topk_group)
         w.add_expert_weights_scale(s.routed_scaling_factor)
         w.add_expert_weights_norm(s.norm_topk_prob)
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if s.router == "sigmoid_group"
+                                 else gguf.ExpertGatingFuncType.SOFTMAX)
     for name in m.names():
         a = m.tensor(name)
         if name in inv:
@@ -164,6 +204,12 @@ def write_family_gguf(src: Path, arch: str, out: Path) -> Path:
             gname = f"blk.{i}.{inv_block[rest]}"
             if arch == "llama" and rest in ("q", "k"):
                 a = _permute(a, s.num_heads if rest == "q" else s.num_kv_heads)
+            if rest == "kv_b" and not legacy_kv_b:     # convert_hf_to_gguf's DeepseekV2Model split
+                kv_b = a.reshape(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+                w.add_tensor(f"blk.{i}.attn_k_b.weight", np.ascontiguousarray(
+                    kv_b[:, :s.qk_nope_head_dim].transpose(0, 2, 1), np.float32))
+                w.add_tensor(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, s.qk_nope_head_dim:], np.float32))
+                continue
         w.add_tensor(gname, np.ascontiguousarray(a, np.float32))
     for i in s.moe_layers:
         for p in ("gate", "up", "down"):
@@ -176,11 +222,14 @@ def write_family_gguf(src: Path, arch: str, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family,arch", [("qwen2_moe", "qwen2moe"), ("olmoe", "olmoe"), ("mixtral", "llama"),
-                                         ("dots1", "dots1")])
-def test_import_other_families(tiny_models, tmp_path, family, arch):
-    src = tiny_models[family]
-    path = write_family_gguf(src, arch, tmp_path / f"{family}.gguf")
+@pytest.mark.parametrize("family,arch,legacy", [("qwen2_moe", "qwen2moe", False), ("olmoe", "olmoe", False),
+                                                ("mixtral", "llama", False), ("dots1", "dots1", False),
+                                                ("deepseek_v3", "deepseek2", False), ("deepseek_v3", "deepseek2", True),
+                                                ("deepseek_v2_lite", "deepseek2", False)])
+def test_import_other_families(tiny_models, deepseek_v2_lite, tmp_path, family, arch, legacy):
+    src = deepseek_v2_lite if family == "deepseek_v2_lite" else tiny_models[family]
+    family = family.removesuffix("_lite")
+    path = write_family_gguf(src, arch, tmp_path / f"{family}.gguf", legacy_kv_b=legacy)
     g = GGUFModel(path)
     want = HFModel(src).spec
     assert g.spec.family == family
@@ -204,8 +253,8 @@ def test_refuses_what_moespec_cannot_express(tmp_path):
         return p
     with pytest.raises(WorkbenchError, match="not a supported MoE family"):
         GGUFModel(write("gpt2", [("token_embd.weight", (8, 4))]))
-    with pytest.raises(WorkbenchError, match="multi-head latent attention"):
-        GGUFModel(write("deepseek2", [("blk.0.attn_kv_a_mqa.weight", (8, 4))]))
+    with pytest.raises(WorkbenchError, match="no place in a workbench MoE model"):
+        GGUFModel(write("deepseek2", [("blk.0.nextn.eh_proj.weight", (8, 4))]))   # a multi-token-prediction block
     with pytest.raises(WorkbenchError, match="not an MoE|expert_count"):
         GGUFModel(write("llama", [("token_embd.weight", (8, 4))]))
     bad = tmp_path / "junk.gguf"
@@ -356,3 +405,29 @@ def test_cli_verbs(q3, exported, tmp_path, capsys):
     assert b["file_resident_before_bytes"] <= b["file_size"]
     assert main(["convert", str(q3), str(tmp_path / "x.pack"), "--experts", "raw"]) == 2
     assert "raw" in capsys.readouterr().err
+
+
+@needs_llama
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2_lite", "deepseek_v3_yarn"])
+def test_llamacpp_runs_deepseek2_like_transformers(tiny_models, deepseek_v2_lite, tmp_path, family):
+    """Stock llama.cpp runs the deepseek2 layout the importer reads (absorbed latent attention, split kv_b, YaRN
+    as DeepSeek configures it) and agrees with transformers; its routing trace agrees with ours on the import."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from conftest import YARN, make_checkpoint
+    from engines.llamacpp_engine import LlamaCpp, capture_trace
+    from workbench.traces import capture_numpy
+    src = {"deepseek_v3": tiny_models["deepseek_v3"], "deepseek_v2_lite": deepseek_v2_lite}.get(family) or \
+        make_checkpoint("deepseek_v3", tmp_path / "yarn", rope_parameters=YARN["deepseek_v3"])
+    path = write_family_gguf(src, "deepseek2", tmp_path / "ds.gguf", tokenizer=True)
+    assert GGUFModel(path).spec == HFModel(src).spec
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(torch.tensor([IDS])).logits[0].numpy()
+    with LlamaCpp(path, n_ctx=256) as llm:
+        llm.reset()
+        z = llm.forward(IDS)
+    assert np.abs(z - ref).max() < LOGIT_TOL_F16, np.abs(z - ref).max()
+    pack = convert(path, tmp_path / "ds.pack", experts="raw", rest="raw")
+    assert np.abs(teacher_logits(pack) - ref).max() < 1e-4
+    theirs, (ours, _) = capture_trace(path, IDS), capture_numpy(str(pack), IDS)
+    assert (np.sort(theirs["topk"], -1) == np.sort(ours["topk"], -1)).all()

@@ -15,7 +15,7 @@ import torch
 from safetensors.numpy import save_file
 from transformers import AutoModelForCausalLM
 
-from conftest import FAMILIES
+from conftest import FAMILIES, YARN, make_checkpoint
 from workbench.models.hf import HFModel
 from workbench.session import Session
 from workbench.store.pack import Pack
@@ -63,6 +63,17 @@ def test_bf16_pack_matches_transformers(tiny_models, family):
     ours = our_logits(tiny_models[family], "teacher", TOKENS)
     assert ours.shape == ref.shape
     np.testing.assert_allclose(ours, ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(YARN))
+def test_yarn_rope_matches_transformers(tmp_path, family):
+    """YaRN as configured by DeepSeek-V3 (mscale 1), V2-Lite (mscale 0.707) and a plain Qwen3 long-context setting,
+    prefill then decode, past the original context."""
+    src = make_checkpoint(family, tmp_path / family, rope_parameters=YARN[family])
+    ref = hf_logits(src, TOKENS)
+    np.testing.assert_allclose(our_logits(src, "teacher", TOKENS, decode_from=9), ref, atol=ATOL, rtol=0)
+    plain = hf_logits(make_checkpoint(family, tmp_path / "plain"), TOKENS)
+    assert np.abs(plain - ref).max() > 100 * ATOL          # the scaling matters at these positions
 
 
 @pytest.mark.parametrize("family", FAMILIES)

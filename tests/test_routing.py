@@ -38,6 +38,19 @@ def test_sigmoid_group_correction_bias_selects_but_does_not_weigh():
     np.testing.assert_allclose(sorted(w[0].tolist()), [0.35, 0.60], rtol=1e-5)
 
 
+def test_deepseek_v2_groups_rank_by_their_best_expert():
+    # softmax probabilities, 8 experts in 4 groups of 2 (they sum to 1, so log() gives logits that reproduce them)
+    p = np.array([0.20, 0.01,   0.12, 0.11,   0.18, 0.02,   0.17, 0.19], np.float32)
+    logits = np.log(p)[None]
+    # group_limited_greedy ranks groups by their max: 0.20, 0.12, 0.18, 0.19 -> keep groups 0 and 3;
+    # top-2 among experts 0,1,6,7: 0 and 7. Ranked by top-2 sum (0.21, 0.23, 0.20, 0.36) groups 3 and 1 win: 7, 6.
+    idx, w = softmax_topk(logits, 2, norm_topk_prob=False, n_group=4, topk_group=2, group_rank="max", scaling=1.5)
+    assert idx[0].tolist() == [0, 7]
+    np.testing.assert_allclose(w[0], [1.5 * 0.20, 1.5 * 0.19], rtol=1e-5)
+    idx, _ = softmax_topk(logits, 2, norm_topk_prob=False, n_group=4, topk_group=2, group_rank="top2_sum")
+    assert idx[0].tolist() == [7, 6]
+
+
 def test_cache_bias_changes_selection_not_weights():
     probs = np.array([[0.30, 0.28, 0.22, 0.20]], np.float32)
     bias = np.array([0, 0, 0.1, 0], np.float32)          # expert 2 is in memory

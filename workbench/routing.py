@@ -22,29 +22,39 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
-def softmax_topk(logits, k, norm_topk_prob, bias=None):
+def best_groups(choice, n_group, topk_group, rank="top2_sum"):
+    """Mask (-inf) every expert outside the topk_group best groups, groups ranked by the sum of their
+    top-2 scores (DeepSeek-V3, llama.cpp) or by their best score (DeepSeek-V2's group_limited_greedy)."""
+    T, E = choice.shape
+    groups = choice.reshape(T, n_group, E // n_group)
+    group_score = groups.max(-1) if rank == "max" else np.sort(groups, axis=-1)[..., -2:].sum(-1)
+    keep = topk_desc(group_score, topk_group)
+    mask = np.zeros((T, n_group), dtype=bool)
+    np.put_along_axis(mask, keep, True, -1)
+    return np.where(np.repeat(mask, E // n_group, axis=-1), choice, -np.inf)
+
+
+def softmax_topk(logits, k, norm_topk_prob, bias=None, n_group=1, topk_group=1, group_rank="max", scaling=1.0):
     probs = softmax(logits.astype(np.float32))
-    idx = topk_desc(probs if bias is None else probs + bias, k)
+    choice = probs if bias is None else probs + bias
+    if n_group > 1:
+        choice = best_groups(choice, n_group, topk_group, group_rank)
+    idx = topk_desc(choice, k)
     w = np.take_along_axis(probs, idx, -1)
     if norm_topk_prob:
         w = w / w.sum(-1, keepdims=True)
-    return idx, w
+    return idx, (w if scaling == 1.0 else w * np.float32(scaling))
 
 
-def sigmoid_group(logits, k, n_group, topk_group, norm_topk_prob, scaling, correction=None, bias=None):
-    """DeepSeek-V3: sigmoid scores; rank groups by the sum of their top-2 (bias-corrected) scores, keep the
-    best topk_group groups, pick top-k among their experts; weights are the uncorrected scores."""
+def sigmoid_group(logits, k, n_group, topk_group, norm_topk_prob, scaling, correction=None, bias=None, group_rank="top2_sum"):
+    """DeepSeek-V3: sigmoid scores; keep the best topk_group groups, pick top-k among their experts;
+    weights are the uncorrected scores."""
     scores = 1.0 / (1.0 + np.exp(-logits.astype(np.float32)))
     choice = scores + (0.0 if correction is None else correction)
     if bias is not None:
         choice = choice + bias
-    T, E = choice.shape
-    groups = choice.reshape(T, n_group, E // n_group)
-    group_score = np.sort(groups, axis=-1)[..., -2:].sum(-1)
-    keep = topk_desc(group_score, topk_group)
-    mask = np.zeros((T, n_group), dtype=bool)
-    np.put_along_axis(mask, keep, True, -1)
-    choice = np.where(np.repeat(mask, E // n_group, axis=-1), choice, -np.inf)
+    if n_group > 1:
+        choice = best_groups(choice, n_group, topk_group, group_rank)
     idx = topk_desc(choice, k)
     w = np.take_along_axis(scores, idx, -1)
     if norm_topk_prob:
@@ -55,5 +65,6 @@ def sigmoid_group(logits, k, n_group, topk_group, norm_topk_prob, scaling, corre
 def route(spec: MoESpec, logits: np.ndarray, correction=None, bias=None):
     if spec.router == "sigmoid_group":
         return sigmoid_group(logits, spec.top_k, spec.n_group, spec.topk_group, spec.norm_topk_prob,
-                             spec.routed_scaling_factor, correction, bias)
-    return softmax_topk(logits, spec.top_k, spec.norm_topk_prob, bias)
+                             spec.routed_scaling_factor, correction, bias, spec.group_rank)
+    return softmax_topk(logits, spec.top_k, spec.norm_topk_prob, bias, spec.n_group, spec.topk_group,
+                        spec.group_rank, spec.routed_scaling_factor)

@@ -167,9 +167,10 @@ class TorchMoE(nn.Module):
         super().__init__()
         s = self.spec = pack.spec
         if (s.router != "softmax_topk" or s.shared_expert_size or s.dense_layers or s.attention_bias
-                or s.clip_qkv is not None or s.qk_norm not in ("head", "none")):
+                or s.clip_qkv is not None or s.qk_norm not in ("head", "none") or s.attention != "gqa" or s.rope_yarn
+                or s.n_group > 1 or s.routed_scaling_factor != 1.0):
             raise WorkbenchError(f"{pack.path}: the Edge0 trainers support Qwen3-MoE-like models (softmax top-k router, "
-                                 f"no shared expert, no dense layers); this is {s.family}")
+                                 f"no shared expert, no dense layers, plain RoPE); this is {s.family}")
         self.pack = pack
         self.identity = model_identity(pack)
         w, ex = pack_weights(pack)

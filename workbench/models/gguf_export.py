@@ -105,6 +105,8 @@ def _check(spec, where):
         why = "norm_topk_prob is false: llama.cpp's qwen3moe always renormalizes the top-k weights"
     elif spec.attention_bias:
         why = "attention biases: llama.cpp's qwen3moe has none"
+    elif spec.rope_yarn:
+        why = "YaRN rope scaling is not written by this exporter"
     if why:
         raise WorkbenchError(f"{where}: cannot export to GGUF: {why}")
 

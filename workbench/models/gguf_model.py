@@ -9,9 +9,11 @@ plus what the pack writer uses to keep llama.cpp's quantized blocks as they are:
     m.tokenizer_json()                            a Hugging Face tokenizer.json built from the GGUF vocab
     m.source_info()                               what the pack header records about the source
 
-Architectures: qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral), dots1. deepseek2's names are
-mapped too, but its multi-head latent attention has no place in MoESpec, so it is refused with a clear
-error, as is every other architecture.
+Architectures: qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral), dots1, deepseek2 (DeepSeek-V2/V3:
+latent attention; softmax gating is deepseek_v2, sigmoid deepseek_v3). Every other architecture is refused
+with a clear error. deepseek2 keeps the latent up-projection either whole (attn_kv_b, legacy files) or split
+for llama.cpp's absorbed attention (attn_k_b transposed per head, attn_v_b); the split form is joined back
+into the Hugging Face kv_b layout (dequantized, so that one tensor is stored f32).
 
 Shapes: GGUF stores ne[] fastest-first (ne0 = row length); numpy order is the reverse, so a tensor
 with ne [d, ff, E] is (E, ff, d) here, and one expert's rows are one contiguous byte range.
@@ -28,11 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.spec import MoESpec, WorkbenchError
+from workbench.spec import MoESpec, WorkbenchError, yarn_mscale
 
 PARTS = ("gate", "up", "down")
-ARCHES = ("qwen3moe", "qwen2moe", "olmoe", "llama", "dots1")
+ARCHES = ("qwen3moe", "qwen2moe", "olmoe", "llama", "dots1", "deepseek2")
 _FAMILY = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral", "dots1": "dots1"}
+SOFTMAX, SIGMOID = 1, 2          # llama.cpp's expert_gating_func values
 
 # llama.cpp tensor names (gguf.TENSOR_NAMES) -> workbench canonical names; {i} is the block.
 _GLOBAL = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
@@ -41,6 +44,8 @@ _BLOCK = {
     "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
     "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
     "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "attn_q_a.weight": "q_a", "attn_q_a_norm.weight": "q_a_norm", "attn_q_b.weight": "q_b",
+    "attn_kv_a_mqa.weight": "kv_a", "attn_kv_a_norm.weight": "kv_a_norm", "attn_kv_b.weight": "kv_b",
     "ffn_gate_inp.weight": "router", "exp_probs_b.bias": "router_bias",
     "ffn_gate_shexp.weight": "shared.gate", "ffn_up_shexp.weight": "shared.up", "ffn_down_shexp.weight": "shared.down",
     "ffn_gate_inp_shexp.weight": "shared_gate",
@@ -50,7 +55,7 @@ _STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_dow
             "ffn_gate_up_exps.weight": "gate_up"}
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 _SPLIT_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")   # old Mixtral GGUFs: one tensor per expert
-_MLA = ("attn_kv_a_mqa.weight", "attn_kv_b.weight", "attn_q_a.weight", "attn_k_b.weight")
+_KV_B_SPLIT = {"attn_k_b.weight": "k_b", "attn_v_b.weight": "v_b"}
 
 
 _QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
@@ -133,15 +138,13 @@ class GGUFModel:
         for t in self.reader.tensors:
             if t.data_offset + t.n_bytes > self.path.stat().st_size:
                 raise WorkbenchError(f"{self.path}: truncated: tensor {t.name} ends past the end of the file")
-        if self.arch == "deepseek2" or any(n.endswith(_MLA) for n in self.raw):
-            raise WorkbenchError(f"{self.path}: architecture {self.arch!r} uses multi-head latent attention "
-                                 f"(attn_kv_a_mqa/attn_kv_b), which workbench.spec.MoESpec cannot express")
         if self.arch not in ARCHES:
             raise WorkbenchError(f"{self.path}: GGUF architecture {self.arch!r} is not a supported MoE family "
-                                 f"(qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral), dots1)")
+                                 f"(qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral), dots1, deepseek2)")
         self.where: dict[str, str] = {}                   # canonical -> GGUF tensor name
         self.stacked: dict[tuple[int, str], str] = {}     # (layer, gate|up|down|gate_up) -> GGUF name
         self.split: dict[tuple[int, int, str], str] = {}  # (layer, expert, part) -> GGUF name (old Mixtral)
+        self.kv_b_split: dict[int, dict[str, str]] = {}  # layer -> {k_b, v_b} -> GGUF name (deepseek2, absorbed)
         unknown = []
         for name in self.raw:
             if name in _GLOBAL:
@@ -159,6 +162,9 @@ class GGUFModel:
             elif rest == "attn_qkv.weight":
                 for p in "qkv":
                     self.where[f"layers.{i}.{p}"] = name
+            elif rest in _KV_B_SPLIT:
+                self.kv_b_split.setdefault(i, {})[_KV_B_SPLIT[rest]] = name
+                self.where[f"layers.{i}.kv_b"] = name
             elif ms := _SPLIT_EXPERT.fullmatch(rest):
                 self.split[(i, int(ms[2]), ms[1])] = name
             else:
@@ -210,7 +216,7 @@ class GGUFModel:
         if dense:
             dense_ff = self._ne(self.where[f"layers.{dense[0]}.dense.gate"])[1]
         eos, bos = m("tokenizer.ggml.eos_token_id"), m("tokenizer.ggml.bos_token_id")
-        common = dict(family=_FAMILY[a], vocab_size=vocab, hidden_size=d, num_layers=n_layer, num_heads=int(heads),
+        common = dict(family=_FAMILY.get(a, a), vocab_size=vocab, hidden_size=d, num_layers=n_layer, num_heads=int(heads),
                       num_kv_heads=int(kv), head_dim=head_dim, num_experts=n_expert,
                       top_k=int(need("{arch}.expert_used_count")), moe_intermediate_size=ff,
                       rope_theta=_f32(m("{arch}.rope.freq_base", 10000.0)),
@@ -221,9 +227,10 @@ class GGUFModel:
                       attention_bias=f"layers.{moe[0]}.q_bias" in self.where,
                       dense_layers=dense, dense_intermediate_size=dense_ff)
         shexp = f"layers.{moe[0]}.shared.gate" in self.where
-        if m("{arch}.rope.scaling.type", "none") not in ("none", None):
-            raise WorkbenchError(f"{self.path}: rope scaling {m('{arch}.rope.scaling.type')!r} is not supported")
+        common["rope_yarn"] = self._yarn()
         # how llama.cpp itself runs each architecture (src/models/<arch>.cpp, build_moe_ffn arguments)
+        if a == "deepseek2":
+            return self._deepseek2_spec(common, ff)
         if a == "qwen3moe":        # norm_w true, softmax, per-head q/k norm
             return MoESpec(**common, norm_topk_prob=True, qk_norm="head")
         if a == "qwen2moe":        # norm_w false, a sigmoid-gated shared expert
@@ -248,6 +255,59 @@ class GGUFModel:
                        routed_scaling_factor=float(m("{arch}.expert_weights_scale", 1.0) or 1.0), qk_norm="head",
                        shared_expert_size=n_shared * ff)
 
+    def _yarn(self) -> dict | None:
+        """YaRN as llama.cpp sets it up (llama_context's yarn_attn_factor; deepseek2 stores 0.1 * mscale_all_dim
+        as yarn_log_multiplier and assumes mscale = mscale_all_dim)."""
+        m = self.meta
+        kind = m("{arch}.rope.scaling.type", "none")
+        if kind in ("none", None):
+            return None
+        if kind != "yarn":
+            raise WorkbenchError(f"{self.path}: rope scaling {kind!r} is not supported (none, yarn)")
+        factor = _f32(m("{arch}.rope.scaling.factor", 1.0))
+        log_mul = _f32(m("{arch}.rope.scaling.yarn_log_multiplier", 0.0))
+        if self.arch == "deepseek2":
+            log_mul = round(log_mul / 0.1, 6)
+        if log_mul:
+            mscale = log_mul if self.arch == "deepseek2" and log_mul != 1.0 else 1.0
+            att = yarn_mscale(factor, mscale) / yarn_mscale(factor, log_mul)
+        else:
+            att = yarn_mscale(factor)
+        orig = m("{arch}.rope.scaling.original_context_length")
+        if orig is None:
+            raise WorkbenchError(f"{self.path}: YaRN rope scaling without {self.arch}.rope.scaling.original_context_length")
+        return dict(factor=factor, original_max_position_embeddings=int(orig),
+                    beta_fast=_f32(m("{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=_f32(m("{arch}.rope.scaling.yarn_beta_slow", 1.0)), truncate=True,
+                    attention_factor=att * _f32(m("{arch}.rope.scaling.attn_factor", 1.0)), mscale_all_dim=log_mul)
+
+    def _deepseek2_spec(self, common: dict, ff: int) -> MoESpec:
+        """Latent attention sizes, and the router as llama.cpp runs it: softmax unless the file says sigmoid,
+        groups (if any) ranked by their top-2 sum, weights optionally normalised and scaled."""
+        m = self.meta
+        rope = int(m("{arch}.rope.dimension_count", 0))
+        kv_lora = int(m("{arch}.attention.kv_lora_rank", 0))
+        if not rope or not kv_lora:
+            raise WorkbenchError(f"{self.path}: deepseek2 GGUF lacks rope.dimension_count or attention.kv_lora_rank")
+        k_len, v_len = m("{arch}.attention.key_length_mla"), m("{arch}.attention.value_length_mla")
+        if k_len is None:      # legacy files (one attn_kv_b): key/value_length are the decompressed head sizes
+            k_len, v_len = m("{arch}.attention.key_length"), m("{arch}.attention.value_length")
+        gating = int(m("{arch}.expert_gating_func", SOFTMAX))
+        if gating not in (SOFTMAX, SIGMOID):
+            raise WorkbenchError(f"{self.path}: deepseek2 with expert_gating_func {gating} is not supported "
+                                 f"(1 softmax, 2 sigmoid)")
+        n_group = int(m("{arch}.expert_group_count", 1) or 1)
+        family = "deepseek_v3" if gating == SIGMOID else "deepseek_v2"
+        return MoESpec(
+            **{**common, "family": family, "num_kv_heads": common["num_heads"], "head_dim": int(k_len)},
+            attention="mla", q_lora_rank=int(m("{arch}.attention.q_lora_rank", 0) or 0), kv_lora_rank=kv_lora,
+            qk_rope_head_dim=rope, v_head_dim=int(v_len),
+            router="sigmoid_group" if gating == SIGMOID else "softmax_topk",
+            norm_topk_prob=bool(m("{arch}.expert_weights_norm", False)),
+            n_group=n_group, topk_group=int(m("{arch}.expert_group_used_count", 1) or 1) if n_group > 1 else 1,
+            routed_scaling_factor=_f32(m("{arch}.expert_weights_scale", 1.0) or 1.0),
+            shared_expert_size=int(m("{arch}.expert_shared_count", 0)) * ff)
+
     def _expert_ff(self, layer: int) -> int:
         if (layer, "gate") in self.stacked:
             return self._ne(self.stacked[(layer, "gate")])[1]
@@ -259,7 +319,8 @@ class GGUFModel:
         s = self.spec
         need = ["embed", "norm"] + ([] if s.tie_word_embeddings else ["lm_head"])
         for i in range(s.num_layers):
-            need += [f"layers.{i}.{n}" for n in ("attn_norm", "q", "k", "v", "o", "mlp_norm")]
+            need += [f"layers.{i}.attn_norm", f"layers.{i}.mlp_norm"] + s.attention_names(i)
+            need += [f"blk.{i}.attn_{h}" for h in ("k_b", "v_b") if i in self.kv_b_split and h not in self.kv_b_split[i]]
             need += [f"layers.{i}.router"] if i in s.moe_layers else [f"layers.{i}.dense.{p}" for p in PARTS]
         missing = [n for n in need if n not in self.where]
         for i in s.moe_layers:
@@ -300,7 +361,16 @@ class GGUFModel:
             order = _unpermute_rows(n, s.num_heads if kind == "q" else s.num_kv_heads)
         return start, n, order
 
+    def _joined_kv_b(self, name: str) -> int | None:
+        """The layer whose kv_b is stored split (attn_k_b + attn_v_b), or None."""
+        if name.endswith(".kv_b") and (i := int(name.split(".")[1])) in self.kv_b_split:
+            return i
+        return None
+
     def tensor_shape(self, name: str) -> list[int]:
+        s = self.spec
+        if self._joined_kv_b(name) is not None:
+            return [s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank]
         gname = self.where[name]
         ne = self._ne(gname)
         if name.endswith("shared_gate"):
@@ -311,6 +381,8 @@ class GGUFModel:
         return [n, ne[0]]
 
     def tensor_kind(self, name: str) -> str:
+        if self._joined_kv_b(name) is not None:
+            return "f32"
         t = self._type(self.where[name])
         return "f32" if t == "F32" else f"gguf:{t}"
 
@@ -322,8 +394,15 @@ class GGUFModel:
         return np.ascontiguousarray(b if order is None else b[order]).reshape(-1)
 
     def tensor(self, name: str) -> np.ndarray:
+        if (i := self._joined_kv_b(name)) is not None:
+            # k_b: ne [nope, latent, heads] = numpy (heads, latent, nope), each head transposed; v_b: (heads, v, latent)
+            k_b, v_b = (self._dequantized(self.kv_b_split[i][h]) for h in ("k_b", "v_b"))
+            return np.concatenate([k_b.transpose(0, 2, 1), v_b], 1).reshape(self.tensor_shape(name))
         gname = self.where[name]
         return dequantize(self.tensor_raw(name), self._type(gname), tuple(self.tensor_shape(name)))
+
+    def _dequantized(self, gname: str) -> np.ndarray:
+        return dequantize(self._bytes(gname).reshape(-1), self._type(gname), tuple(reversed(self._ne(gname))))
 
     # ------------------------------------------------------------ experts
 

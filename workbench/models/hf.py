@@ -5,6 +5,7 @@ holds it whole in RAM. Names are mapped to the workbench's canonical names:
 
     embed, norm, lm_head
     layers.{i}.attn_norm .q .k .v .o .q_bias .k_bias .v_bias .q_norm .k_norm .mlp_norm
+    layers.{i}.q_a .q_a_norm .q_b .kv_a .kv_a_norm .kv_b      (latent attention: the HF projections as they are)
     layers.{i}.router .router_bias .shared.{gate,up,down} .shared_gate .dense.{gate,up,down}
     experts: (layer, expert) -> gate (ff, d), up (ff, d), down (d, ff)
 
@@ -34,6 +35,10 @@ _RULES = [  # (regex, canonical template)
     (_LAYER + r"self_attn\.([qkvo])_proj\.weight", "layers.{0}.{1}"),
     (_LAYER + r"self_attn\.([qkv])_proj\.bias", "layers.{0}.{1}_bias"),
     (_LAYER + r"self_attn\.([qk])_norm\.weight", "layers.{0}.{1}_norm"),
+    (_LAYER + r"self_attn\.(q_a|q_b)_proj\.weight", "layers.{0}.{1}"),           # latent attention (DeepSeek)
+    (_LAYER + r"self_attn\.(q_a|kv_a)_layernorm\.weight", "layers.{0}.{1}_norm"),
+    (_LAYER + r"self_attn\.kv_a_proj_with_mqa\.weight", "layers.{0}.kv_a"),
+    (_LAYER + r"self_attn\.kv_b_proj\.weight", "layers.{0}.kv_b"),
     (_LAYER + r"(?:mlp|block_sparse_moe)\.gate\.weight", "layers.{0}.router"),
     (_LAYER + r"mlp\.gate\.e_score_correction_bias", "layers.{0}.router_bias"),
     (_LAYER + r"mlp\.shared_experts?\.(gate|up|down)_proj\.weight", "layers.{0}.shared.{1}"),
@@ -137,7 +142,7 @@ class HFModel:
         s = self.spec
         need = ["embed", "norm"] + ([] if s.tie_word_embeddings else ["lm_head"])
         for i in range(s.num_layers):
-            need += [f"layers.{i}.{n}" for n in ("attn_norm", "q", "k", "v", "o", "mlp_norm")]
+            need += [f"layers.{i}.attn_norm", f"layers.{i}.mlp_norm"] + s.attention_names(i)
             need += [f"layers.{i}.router"] if i in s.moe_layers else [f"layers.{i}.dense.{p}" for p in ("gate", "up", "down")]
         missing = [n for n in need if n not in self.where]
         missing += [f"expert {k}" for i in s.moe_layers for e in range(s.num_experts)
