@@ -23,7 +23,7 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
     fl = floor_tok_s(session.pack, (s["compute_s"] + s["router_s"]) / n, s["bytes_read_per_token"], probe())
     res = {k: s[k] for k in SUMMARY_KEYS}
     res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
-               reader_mode=s["reader_mode"], achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
+               reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"])
     return res
 

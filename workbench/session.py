@@ -33,7 +33,7 @@ def peak_rss_bytes() -> int:
 
 class Session:
     def __init__(self, model: str = "demo", preset: str | Preset = "on_demand", budget: str | None = None,
-                 engine: str = "numpy", direct: bool = True, workers: int = 4, progress: bool = False,
+                 engine: str = "numpy", direct: bool = True, workers: int | None = None, progress: bool = False,
                  trace: dict | None = None, **overrides):
         self.preset = preset if isinstance(preset, Preset) else get_preset(preset)
         if overrides:
@@ -177,7 +177,8 @@ class Session:
     def summary(self) -> dict:
         s = self.tel.summary()
         s.update(cache_bytes=self.cache.bytes, cache_peak_bytes=self.cache.peak_bytes, budget_bytes=self.budget_bytes,
-                 peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode, per_layer=self.tel.per_layer("decode"),
+                 peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode,
+                 reader_workers=self.reader.workers, per_layer=self.tel.per_layer("decode"),
                  expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes)
         return s
 
