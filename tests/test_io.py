@@ -167,30 +167,6 @@ def test_submit_merge_gap(pack):
         assert s["merged"] == 9 and s["reads"] == 1 and s["bytes_read"] == 28 * 4096
 
 
-def test_demand_reads_overtake_queued_prefetches(pack, monkeypatch):
-    """A read the compute waits on goes before prefetches already queued (one reader thread, held busy)."""
-    import threading
-    gate, order = threading.Event(), []
-    with wio.Reader(pack[0], direct=False, workers=1) as r:
-        real = r._run_group
-
-        def held(start, end, members, futures):
-            if not order:
-                gate.wait(10)        # the only reader thread stays on its first job until everything is queued
-            order.append(members[0][0])
-            real(start, end, members, futures)
-
-        monkeypatch.setattr(r, "_run_group", held)
-        futs = {}
-        for key, off, prio in [("a", 0, wio.PREFETCH), ("b", 700_000, wio.PREFETCH), ("c", 1_400_000, wio.PREFETCH),
-                               ("d", 2_100_000, wio.DEMAND)]:
-            futs.update(r.submit([(key, off, 4096)], priority=prio))
-        gate.set()
-        for f in futs.values():
-            f.result(timeout=10)
-    assert order[-2:] == ["b", "c"] and "d" in order[:2]
-
-
 def test_submit_rejects_duplicate_keys(pack):
     path, _ = pack
     with wio.Reader(path) as r, pytest.raises(ValueError, match="duplicate"):

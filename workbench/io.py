@@ -3,10 +3,7 @@
 `Reader` reads with O_DIRECT by default, so every byte comes from the disk and
 not from the page cache; `mode` says which path was actually taken.  Reads are
 `os.preadv` calls into 4096-aligned numpy buffers; `preadv` releases the GIL,
-so reads submitted to the reader threads overlap compute in other threads. The
-threads take the most urgent request first (DEMAND before PREFETCH, then in
-submission order), so a miss the compute is blocked on never queues behind reads
-for later layers.
+so reads submitted to the thread pool overlap compute in other threads.
 
 `probe_disk` measures what the disk under a path delivers (MB/s and latency per
 read size and queue depth); `bandwidth_at` turns that into bytes/s for a size.
@@ -17,10 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
-import itertools
-import math
 import os
-import queue
 import random
 import tempfile
 import threading
@@ -30,7 +24,6 @@ import numpy as np
 
 ALIGN = 4096
 KiB, MiB = 1024, 1024 * 1024
-DEMAND, PREFETCH = 0, 1      # read priorities: the compute waits on DEMAND reads
 
 
 def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
@@ -65,9 +58,7 @@ class Reader:
             self.fd = os.open(self.path, os.O_RDONLY)
         self.mode = "o_direct" if self._direct else "page-cache"
         self._lock = threading.Lock()
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()   # (priority, sequence, job)
-        self._seq = itertools.count()
-        self._threads: list[threading.Thread] = []
+        self._pool: cf.ThreadPoolExecutor | None = None
         self.bytes_read = 0
         self.reads = 0
         self.merged = 0
@@ -136,8 +127,8 @@ class Reader:
             raise self._eof_error(offset, length, start + got)
         return buf[offset - start:offset - start + length]
 
-    def submit(self, requests, merge_gap: int = 0, priority: int = DEMAND) -> dict:
-        """Read `(key, offset, length)` requests on the reader threads.
+    def submit(self, requests, merge_gap: int = 0) -> dict:
+        """Read `(key, offset, length)` requests on the worker pool.
 
         Requests whose aligned ranges overlap or are at most `merge_gap` bytes
         apart share one preadv.  Returns {key: Future resolving to the bytes}.
@@ -161,28 +152,18 @@ class Reader:
                 groups.append([start, end, [(key, offset, length)]])
         with self._lock:
             self.merged += len(spans) - len(groups)
-            if not self._threads:
-                self._threads = [threading.Thread(target=self._work, name=f"io-reader_{i}", daemon=True)
-                                 for i in range(self.workers)]
-                for t in self._threads:
-                    t.start()
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="io-reader")
         for start, end, members in groups:
-            self._queue.put((priority, next(self._seq), (start, end, members, futures)))
+            self._pool.submit(self._run_group, start, end, members, futures)
         return futures
-
-    def _work(self):
-        while True:
-            _, _, job = self._queue.get()
-            if job is None:
-                return
-            self._run_group(*job)
 
     def _run_group(self, start, end, members, futures):
         live = [m for m in members if futures[m[0]].set_running_or_notify_cancel()]
         if not live:
             return
+        buf = aligned_empty(end - start)
         try:
-            buf = aligned_empty(end - start)
             got = self._pread(buf, start, max(off + n for _, off, n in live) - start)
         except BaseException as e:
             for key, _, _ in live:
@@ -212,12 +193,9 @@ class Reader:
             os.close(fd)
 
     def close(self) -> None:
-        """Finish every submitted read, then stop the threads."""
-        for _ in self._threads:
-            self._queue.put((math.inf, next(self._seq), None))
-        for t in self._threads:
-            t.join()
-        self._threads = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

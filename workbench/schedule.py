@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import numpy as np
 
 from workbench.cache import ExpertCache
-from workbench.io import DEMAND, PREFETCH, Reader
+from workbench.io import Reader
 from workbench.store.pack import Pack
 from workbench.routing import route
 from workbench.telemetry import LayerEvent, Telemetry
@@ -36,11 +36,10 @@ class ExpertStreamer:
 
     # ------------------------------------------------------------ reads
 
-    def _issue(self, keys: list[tuple], priority: int = DEMAND) -> int:
+    def _issue(self, keys: list[tuple]) -> int:
         """Start reads for keys (slots already reserved); returns bytes requested."""
         reads = {key: self.pack.expert_reads(*key) for key in keys}
-        futs = self.reader.submit([((key, i), off, n) for key in keys for i, (off, n) in enumerate(reads[key])],
-                                  priority=priority)
+        futs = self.reader.submit([((key, i), off, n) for key in keys for i, (off, n) in enumerate(reads[key])])
         total = 0
         for key in keys:
             fut = Future()
@@ -78,7 +77,7 @@ class ExpertStreamer:
                 break
             keys.append(key)
         if keys:
-            nbytes = self._issue(keys, PREFETCH)
+            nbytes = self._issue(keys)
             for k in keys:
                 self.prefetched[k] = (nbytes // len(keys), token)
             self.tel.prefetch_issued += len(keys)
