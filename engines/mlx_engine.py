@@ -153,8 +153,9 @@ class MlxEngine:
         self.w = {name: pack.tensor(name) for name in pack.tensors}
         if "lm_head" not in self.w:
             self.w["lm_head"] = self.w["embed"]
-        for i in range(self.spec.num_layers) if self.spec.attention == "mla" else ():
-            self.w[f"layers.{i}.k_b"], self.w[f"layers.{i}.v_b"] = split_kv_b(self.spec, self.w[f"layers.{i}.kv_b"])
+        if self.spec.attention == "mla":       # absorbed latent attention uses kv_b's two halves apart
+            for i in range(self.spec.num_layers):
+                self.w[f"layers.{i}.k_b"], self.w[f"layers.{i}.v_b"] = split_kv_b(self.spec, self.w[f"layers.{i}.kv_b"])
         self._mw = {}           # id(numpy array) -> (that array, its MLX copy)
         self.max_context = max_context or self.spec.max_position_embeddings
         self._rope(256)         # grows with the context

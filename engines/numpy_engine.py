@@ -102,8 +102,9 @@ class NumpyEngine:
         self.w = {name: pack.tensor(name) for name in pack.tensors}
         if "lm_head" not in self.w:
             self.w["lm_head"] = self.w["embed"]
-        for i in range(self.spec.num_layers) if self.spec.attention == "mla" else ():
-            self.w[f"layers.{i}.k_b"], self.w[f"layers.{i}.v_b"] = split_kv_b(self.spec, self.w[f"layers.{i}.kv_b"])
+        if self.spec.attention == "mla":       # absorbed latent attention uses kv_b's two halves apart
+            for i in range(self.spec.num_layers):
+                self.w[f"layers.{i}.k_b"], self.w[f"layers.{i}.v_b"] = split_kv_b(self.spec, self.w[f"layers.{i}.kv_b"])
         self.max_context = max_context or self.spec.max_position_embeddings
         self.cos, self.sin = rope_table(256, self.spec)  # grows with the context
         # Decode matmuls are tiny: one BLAS thread is faster, and leaves the other cores to the reader pool.
