@@ -26,7 +26,6 @@ from workbench.edge0.artifacts import model_identity, pack_weights
 from workbench.registry import resolve_pack
 from workbench.spec import WorkbenchError
 from workbench.store.pack import Pack
-from workbench.train.corpora import EOS, TRAIN, read_text
 
 PROJ = ("q", "k", "v", "o")
 
@@ -323,36 +322,6 @@ class TorchMoE(nn.Module):
             last = torch.multinomial(torch.softmax(z, -1), 1, generator=gen)[:, 0]
             seq.append(last)
         return torch.stack(seq, 1)
-
-
-# ---------------------------------------------------------------- data: the training corpora only
-
-def encode_train_corpora(tokenizer) -> dict[str, np.ndarray]:
-    """workbench.train.corpora.TRAIN, encoded as the demo model's trainer does (documents split at EOS)."""
-    eos = tokenizer.token_to_id(EOS)
-    out = {}
-    for name, path in TRAIN.items():
-        text = read_text(path)
-        parts = text.split(EOS) if EOS in text else text.split("\n\n\n")
-        ids = []
-        for enc in tokenizer.encode_batch([p.strip() for p in parts if p.strip()]):
-            ids.extend(enc.ids)
-            if eos is not None:
-                ids.append(eos)
-        out[name] = np.asarray(ids, dtype=np.int64)
-    return out
-
-
-def sample_windows(data: dict[str, np.ndarray], n: int, T: int, rng: np.random.Generator) -> np.ndarray:
-    """n windows of T tokens, corpora mixed by size (as the demo model was trained)."""
-    names = list(data)
-    sizes = np.array([len(data[k]) for k in names], dtype=np.float64)
-    rows = []
-    for c in rng.choice(len(names), size=n, p=sizes / sizes.sum()):
-        d = data[names[c]]
-        st = rng.integers(0, len(d) - T - 1)
-        rows.append(d[st:st + T])
-    return np.stack(rows)
 
 
 def data_digest(windows: np.ndarray) -> str:

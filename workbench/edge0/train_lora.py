@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from workbench.edge0.artifacts import artifact_path, model_identity, save_safetensors
 from workbench.edge0.serve import Heads
 from workbench.edge0.train_common import (PROJ, Clock, HeadSet, LoRASet, TorchMoE, command_line, data_digest,
-                                          encode_train_corpora, open_pack, sample_windows)
+                                          open_pack, sample_windows)
 from workbench.registry import REPO, tokenizer_for
 from workbench.spec import WorkbenchError
-from workbench.train.corpora import TRAIN
+from workbench.train.corpora import TRAIN, encode_train
 
 
 def kl_teacher_student(t_logits, s_logits, mask=None):
@@ -94,7 +94,7 @@ def main(argv=None):
     route = dict(heads=heads, skip_layers=skip)
 
     tok = tokenizer_for(spack)
-    corpora = encode_train_corpora(tok)
+    corpora = encode_train(tok)
     val = torch.from_numpy(sample_windows(corpora, a.val_windows, 128, rng))
 
     def val_kl():

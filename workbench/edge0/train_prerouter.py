@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from workbench.edge0.artifacts import artifact_path, model_identity, save_safetensors
-from workbench.edge0.train_common import (Clock, HeadSet, TorchMoE, command_line, data_digest, encode_train_corpora,
+from workbench.edge0.train_common import (Clock, HeadSet, TorchMoE, command_line, data_digest,
                                           onehot, open_pack, sample_windows)
 from workbench.registry import REPO, tokenizer_for
 from workbench.spec import WorkbenchError
-from workbench.train.corpora import TRAIN
+from workbench.train.corpora import TRAIN, encode_train
 
 
 def collect(teacher: TorchMoE, windows: np.ndarray, batch: int = 16, log=print):
@@ -124,7 +124,7 @@ def main(argv=None):
     tok = tokenizer_for(pack)
     if tok is None:
         raise WorkbenchError(f"{pack.path}: no tokenizer: cannot encode the training corpora")
-    data_ids = encode_train_corpora(tok)
+    data_ids = encode_train(tok)
     windows = sample_windows(data_ids, a.windows, a.ctx, rng)
     print(f"{a.windows} windows x {a.ctx} tokens from {', '.join(data_ids)}  ({clock():.0f}s)", flush=True)
     data = collect(teacher, windows, log=lambda m: print(m, flush=True))

@@ -4,6 +4,8 @@ Training never sees the held-out files (TinyStories validation, WikiText-2 test)
 """
 from pathlib import Path
 
+import numpy as np
+
 CORPORA = Path(__file__).resolve().parents[2] / "data" / "corpora"
 
 TRAIN = {
@@ -22,3 +24,19 @@ def read_text(path: Path) -> str:
     text = path.read_text(encoding="utf-8")
     # The TinyStories train sample separates stories with <|endoftext|>; keep it as the EOS token.
     return text
+
+
+def encode_train(tokenizer) -> dict[str, np.ndarray]:
+    """TRAIN, tokenized: each file's documents (split at EOS, or at blank-line runs) each followed by EOS."""
+    eos = tokenizer.token_to_id(EOS)
+    out = {}
+    for name, path in TRAIN.items():
+        text = read_text(path)
+        parts = text.split(EOS) if EOS in text else text.split("\n\n\n")
+        ids = []
+        for enc in tokenizer.encode_batch([p.strip() for p in parts if p.strip()]):
+            ids.extend(enc.ids)
+            if eos is not None:
+                ids.append(eos)
+        out[name] = np.asarray(ids, dtype=np.int64)
+    return out

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from workbench.train.corpora import EOS, TRAIN, read_text
+from workbench.train.corpora import EOS, TRAIN, encode_train
 
 
 @dataclass
@@ -57,20 +57,6 @@ def train_tokenizer(vocab_size: int, out: Path):
     tok.train([str(p) for p in TRAIN.values()], trainer)
     tok.save(str(out))
     return tok
-
-
-def encode_corpora(tok) -> dict[str, np.ndarray]:
-    eos = tok.token_to_id(EOS)
-    out = {}
-    for name, path in TRAIN.items():
-        text = read_text(path)
-        parts = text.split(EOS) if EOS in text else text.split("\n\n\n")
-        ids = []
-        for enc in tok.encode_batch([p.strip() for p in parts if p.strip()]):
-            ids.extend(enc.ids)
-            ids.append(eos)
-        out[name] = np.asarray(ids, dtype=np.int32)
-    return out
 
 
 # ---------------------------------------------------------------- model (HF Qwen3-MoE names)
@@ -248,7 +234,7 @@ def train(out: Path, steps: int, minutes: float, batch: int, T: int, lr: float, 
         tok = Tokenizer.from_file(str(tok_path))
     else:
         tok = train_tokenizer(c.vocab_size, tok_path)
-    data = encode_corpora(tok)
+    data = {k: v.astype(np.int32) for k, v in encode_train(tok).items()}
     print({n: len(d) for n, d in data.items()}, flush=True)
     model = DemoMoE(c)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
