@@ -6,15 +6,7 @@ one JSON object on stdout (progress bars go to stderr).
 from __future__ import annotations
 
 from workbench.cli import _print as _out
-
-
-def _running(p):
-    p.add_argument("--model", default="demo")
-    p.add_argument("--preset", default="on_demand")
-    p.add_argument("--budget", default=None, help="0.25 (fraction of all experts), 96MiB, or all")
-    p.add_argument("--engine", default="numpy")
-    p.add_argument("--page-cache", action="store_true", help="buffered reads instead of O_DIRECT")
-    return p
+from workbench.cli import running as _running
 
 
 def _record_flags(p):

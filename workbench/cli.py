@@ -12,6 +12,16 @@ import sys
 from workbench.spec import WorkbenchError
 
 
+def running(p):
+    """The flags of every verb that runs a model."""
+    p.add_argument("--model", default="demo")
+    p.add_argument("--preset", default="on_demand")
+    p.add_argument("--budget", default=None, help="0.25 (fraction of all experts), 96MiB, or all")
+    p.add_argument("--engine", default="numpy")
+    p.add_argument("--page-cache", action="store_true", help="buffered reads (labelled page-cache) instead of O_DIRECT")
+    return p
+
+
 def _print(args, obj: dict, human: str):
     if args.json:
         print(json.dumps(obj, default=_jsonable))
@@ -99,14 +109,6 @@ def main(argv=None):
         p = sub.add_parser(name, help=help)
         p.set_defaults(fn=fn)
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-        return p
-
-    def running(p):
-        p.add_argument("--model", default="demo")
-        p.add_argument("--preset", default="on_demand")
-        p.add_argument("--budget", default=None, help="0.25 (fraction of all experts), 96MiB, or all")
-        p.add_argument("--engine", default="numpy")
-        p.add_argument("--page-cache", action="store_true", help="buffered reads (labelled page-cache) instead of O_DIRECT")
         return p
 
     p = verb("info", cmd_info, "describe a model or pack")
