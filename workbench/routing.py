@@ -34,32 +34,32 @@ def best_groups(choice, n_group, topk_group, rank="top2_sum"):
     return np.where(np.repeat(mask, E // n_group, axis=-1), choice, -np.inf)
 
 
-def softmax_topk(logits, k, norm_topk_prob, bias=None, n_group=1, topk_group=1, group_rank="max", scaling=1.0):
-    probs = softmax(logits.astype(np.float32))
-    choice = probs if bias is None else probs + bias
-    if n_group > 1:
-        choice = best_groups(choice, n_group, topk_group, group_rank)
-    idx = topk_desc(choice, k)
-    w = np.take_along_axis(probs, idx, -1)
-    if norm_topk_prob:
-        w = w / w.sum(-1, keepdims=True)
-    return idx, (w if scaling == 1.0 else w * np.float32(scaling))
-
-
-def sigmoid_group(logits, k, n_group, topk_group, norm_topk_prob, scaling, correction=None, bias=None, group_rank="top2_sum"):
-    """DeepSeek-V3: sigmoid scores; keep the best topk_group groups, pick top-k among their experts;
-    weights are the uncorrected scores."""
-    scores = 1.0 / (1.0 + np.exp(-logits.astype(np.float32)))
-    choice = scores + (0.0 if correction is None else correction)
-    if bias is not None:
-        choice = choice + bias
+def select(scores, k, norm_topk_prob, scaling=1.0, n_group=1, topk_group=1, group_rank="top2_sum",
+           correction=None, bias=None):
+    """Top-k experts by score (plus the selection-only correction and bias), within the best groups;
+    weights are the unbiased scores of the chosen, optionally renormalised, times the routed scaling."""
+    choice = scores
+    for add in (correction, bias):
+        if add is not None:
+            choice = choice + add
     if n_group > 1:
         choice = best_groups(choice, n_group, topk_group, group_rank)
     idx = topk_desc(choice, k)
     w = np.take_along_axis(scores, idx, -1)
     if norm_topk_prob:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
-    return idx, w * scaling
+    return idx, (w if scaling == 1.0 else w * np.float32(scaling))
+
+
+def softmax_topk(logits, k, norm_topk_prob, bias=None, n_group=1, topk_group=1, group_rank="max", scaling=1.0):
+    return select(softmax(logits.astype(np.float32)), k, norm_topk_prob, scaling, n_group, topk_group, group_rank,
+                  bias=bias)
+
+
+def sigmoid_group(logits, k, n_group, topk_group, norm_topk_prob, scaling, correction=None, bias=None, group_rank="top2_sum"):
+    """DeepSeek-V3: sigmoid scores, a selection-only correction, the best groups by their top-2 sum."""
+    return select(1.0 / (1.0 + np.exp(-logits.astype(np.float32))), k, norm_topk_prob, scaling, n_group, topk_group,
+                  group_rank, correction, bias)
 
 
 def route(spec: MoESpec, logits: np.ndarray, correction=None, bias=None):
