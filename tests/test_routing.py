@@ -51,6 +51,18 @@ def test_deepseek_v2_groups_rank_by_their_best_expert():
     assert idx[0].tolist() == [7, 6]
 
 
+def test_selection_bias_applies_after_a_softmax_gate_too():
+    # a deepseek2 GGUF with softmax gating and exp_probs_b: llama.cpp adds the bias to the probabilities
+    from workbench.routing import route
+    from workbench.spec import MoESpec
+    spec = MoESpec(family="deepseek_v2", vocab_size=8, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                   head_dim=8, num_experts=4, top_k=1, moe_intermediate_size=8, norm_topk_prob=False)
+    probs = np.array([[0.4, 0.3, 0.2, 0.1]], np.float32)
+    idx, w = route(spec, np.log(probs), correction=np.array([0, 0.15, 0, 0], np.float32))
+    assert idx[0].tolist() == [1]
+    np.testing.assert_allclose(w[0], [0.3], rtol=1e-5)
+
+
 def test_cache_bias_changes_selection_not_weights():
     probs = np.array([[0.30, 0.28, 0.22, 0.20]], np.float32)
     bias = np.array([0, 0, 0.1, 0], np.float32)          # expert 2 is in memory

@@ -63,8 +63,9 @@ def sigmoid_group(logits, k, n_group, topk_group, norm_topk_prob, scaling, corre
 
 
 def route(spec: MoESpec, logits: np.ndarray, correction=None, bias=None):
-    if spec.router == "sigmoid_group":
-        return sigmoid_group(logits, spec.top_k, spec.n_group, spec.topk_group, spec.norm_topk_prob,
-                             spec.routed_scaling_factor, correction, bias, spec.group_rank)
-    return softmax_topk(logits, spec.top_k, spec.norm_topk_prob, bias, spec.n_group, spec.topk_group,
-                        spec.group_rank, spec.routed_scaling_factor)
+    """correction: the checkpoint's selection bias (DeepSeek-V3's e_score_correction_bias, GGUF exp_probs_b),
+    applied after either gate, as llama.cpp's build_moe_ffn does."""
+    logits = logits.astype(np.float32)
+    scores = 1.0 / (1.0 + np.exp(-logits)) if spec.router == "sigmoid_group" else softmax(logits)
+    return select(scores, spec.top_k, spec.norm_topk_prob, spec.routed_scaling_factor, spec.n_group,
+                  spec.topk_group, spec.group_rank, correction, bias)
