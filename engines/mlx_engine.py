@@ -156,6 +156,7 @@ class MlxEngine:
         if self.spec.attention == "mla":       # absorbed latent attention uses kv_b's two halves apart
             for i in range(self.spec.num_layers):
                 self.w[f"layers.{i}.k_b"], self.w[f"layers.{i}.v_b"] = split_kv_b(self.spec, self.w[f"layers.{i}.kv_b"])
+            self.latent_scale = latent_softmax_scale(self.spec)
         self._mw = {}           # id(numpy array) -> (that array, its MLX copy)
         self.max_context = max_context or self.spec.max_position_embeddings
         self._rope(256)         # grows with the context
@@ -260,7 +261,7 @@ class MlxEngine:
         k_pe = rope(deinterleave(ckv[None, :, s.kv_lora_rank:]), cos, sin)
         C, K_pe = self._kv_append(i, c[None], k_pe)
         att = (q[..., :nope] @ m(p + "k_b")) @ C[0].T + q_pe @ K_pe[0].T
-        att = causal_softmax(att * latent_softmax_scale(s), T)
+        att = causal_softmax(att * self.latent_scale, T)
         y = (att @ C[0]) @ m(p + "v_b").transpose(0, 2, 1)
         return y.transpose(1, 0, 2).reshape(T, -1) @ m(p + "o").T
 

@@ -105,6 +105,7 @@ class NumpyEngine:
         if self.spec.attention == "mla":       # absorbed latent attention uses kv_b's two halves apart
             for i in range(self.spec.num_layers):
                 self.w[f"layers.{i}.k_b"], self.w[f"layers.{i}.v_b"] = split_kv_b(self.spec, self.w[f"layers.{i}.kv_b"])
+            self.latent_scale = np.float32(latent_softmax_scale(self.spec))
         self.max_context = max_context or self.spec.max_position_embeddings
         self.cos, self.sin = rope_table(256, self.spec)  # grows with the context
         # Decode matmuls are tiny: one BLAS thread is faster, and leaves the other cores to the reader pool.
@@ -184,7 +185,7 @@ class NumpyEngine:
         k_pe = rope(deinterleave(ckv[None, :, s.kv_lora_rank:]), cos, sin)
         C, K_pe = self._kv_append(i, c[None], k_pe)
         att = (q[..., :nope] @ w[p + "k_b"]) @ C[0].T + q_pe @ K_pe[0].T         # (H, T, S)
-        att = causal_softmax(att * np.float32(latent_softmax_scale(s)), T)
+        att = causal_softmax(att * self.latent_scale, T)
         y = (att @ C[0]) @ w[p + "v_b"].transpose(0, 2, 1)                       # (H, T, v)
         return y.transpose(1, 0, 2).reshape(T, -1) @ w[p + "o"].T
 
