@@ -43,28 +43,32 @@ def numbers_view(ids: list[str], live: bool):
 
 
 def design_numbers(run: C.DesignRun, refreshed: str):
+    """One layout from the first redraw to the last (placeholders while the design starts): the page does not
+    reflow, and so re-lay out every chart below, when the first token lands."""
     snap = run.snapshot()
     st.subheader(run.design, help=PRESETS[run.design].description)
     st.markdown(f"**{run.design} · tokens: {run.generated}** / {run.tokens} · {run.status}")
     st.caption(f"{run.design} · {refreshed}")
     if run.error:
         st.error(run.error)
-    if snap is None:
-        if run.active:
-            st.info("starting: the pack is converted on first use, then the experts stream from flash")
+    if snap is None and not run.active:
         return
+    s = snap.summary if snap else {}
+    text = (f"<span style='color:#888'>{escape(run.prompt)}</span><b>{escape(run.text)}</b>" if snap else
+            "<i style='color:#888'>starting: the pack is converted on first use, then the experts stream from "
+            "flash</i>")
     with st.container(height=180 if BOOTH else 120, border=True):
-        st.html(f"<div style='line-height:1.4'><span style='color:#888'>{escape(run.prompt)}</span>"
-                f"<b>{escape(run.text)}</b></div>")
-    shown = C.display_numbers(snap.summary)
+        st.html(f"<div style='line-height:1.4'>{text}</div>")
+    shown = C.display_numbers(s)
     items = list(shown.items())
     for row in range(0, len(items), 2):
         for col, (label, value) in zip(st.columns(2), items[row:row + 2]):
             col.metric(label, value)
-    s = snap.summary
-    st.progress(min(1.0, s["cache_bytes"] / max(1, s["budget_bytes"])),
+    st.progress(min(1.0, s.get("cache_bytes", 0) / max(1, s.get("budget_bytes", 0))),
                 text=f"expert cache {shown['cache MiB']} of {shown['budget MiB']} MiB budget · "
                      f"process peak RSS {shown['peak RSS MiB']} MiB")
+    if snap is None:
+        return
     state.numbers[run.design] = {"run_id": run.id, "status": run.status, "shown": shown, "tokens": run.generated,
                                  **{k: s.get(k) for k in C.NUMBER_KEYS}}
     if run.record:

@@ -142,6 +142,17 @@ def test_numbers_on_the_page_equal_the_run_record(two_designs):
         assert len(rec["tokens"]) == summary["decode_steps"] + 1       # the prefill and each decode step
 
 
+def test_a_starting_design_already_has_its_running_layout(runs_root):
+    """Placeholders, not a different layout, until the first token: the page does not reflow when it lands."""
+    at = start(app(LIVE), ["on_demand", "les"], tokens=2)
+    per_design = len(C.display_numbers({}))
+    assert len(at.metric) == 2 * per_design and len(at.get("progress")) == 2
+    starting = [r for r in C.get_runs(at.session_state["run_ids"]) if r.snapshot() is None]
+    shown = [m.value for m in at.metric]
+    assert shown.count("—") >= len(starting) * per_design
+    poll(at, finished)
+
+
 def test_unknown_model_path_shows_an_error_not_a_traceback():
     at = start(app(LIVE), ["on_demand"], model="/nonexistent/model-dir")
     assert "no such model" in errors(at)
