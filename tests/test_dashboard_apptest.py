@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -151,6 +152,22 @@ def test_a_starting_design_already_has_its_running_layout(runs_root):
     shown = [m.value for m in at.metric]
     assert shown.count("—") >= len(starting) * per_design
     poll(at, finished)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are read from /proc")
+def test_designs_generate_at_a_lower_priority_than_the_page(runs_root):
+    before = set(threading.enumerate())
+    at = start(app(LIVE), ["on_demand"], tokens=2000)
+    run = C.get_runs(at.session_state["run_ids"])[0]
+    poll(at, lambda a: run.generated > 2, timeout=60)
+    readers = [t for t in set(threading.enumerate()) - before if t.name.startswith("io-reader")]
+    assert readers, "the design reads its experts through a reader pool"
+    tids = {run.thread.native_id} | {t.native_id for t in readers}
+    nice = {int(Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16]) for tid in tids}
+    ok(at.button(key="stop").click().run())
+    poll(at, finished, timeout=30)
+    assert nice == {C.WORKER_NICE}, "the worker and its reader pool yield the CPU to the page"
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0, "the page itself is not lowered"
 
 
 def test_unknown_model_path_shows_an_error_not_a_traceback():
