@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.atomic import atomic_path
 from workbench.spec import WorkbenchError
 
 TRACE_NAMES = ("ffn_moe_topk", "ffn_moe_logits", "ffn_inp")
@@ -244,20 +245,14 @@ def quantize_gguf(src, dst, qtype: str, threads: int = 1) -> Path:
     lc = _init()["lc"]
     if qtype not in KQUANTS:
         raise WorkbenchError(f"--type {qtype!r}: choose one of {', '.join(GGUF_TYPES)}")
-    dst = Path(dst)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     params = lc.llama_model_quantize_default_params()
     params.ftype = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{KQUANTS[qtype]}")
     params.nthread = threads
-    try:
+    with atomic_path(dst) as tmp:
         rc = lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0:
             raise WorkbenchError(f"{src}: llama_model_quantize to {qtype} failed ({rc})")
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return dst
+    return Path(dst)
 
 
 def resolve_gguf(model: str, qtype: str = "f16", progress: bool = False) -> Path:

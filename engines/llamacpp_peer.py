@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from workbench.runs import atomic_write
+from workbench.atomic import atomic_write
 from workbench.spec import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 
 from workbench.capture import RoutingCapture  # noqa: F401  (the eval modules use it from here)
-from workbench.runs import atomic_write  # noqa: F401  (the eval modules' writer)
 from workbench.spec import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]

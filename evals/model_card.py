@@ -13,8 +13,8 @@ import json
 
 import numpy as np
 
-from evals.common import atomic_write
 from evals.ppl import perplexity
+from workbench.atomic import atomic_write
 from workbench.registry import model_dir
 from workbench.capture import RoutingCapture
 from workbench.predict import Lookahead

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from evals.common import PRESET_ORDER, atomic_write, open_session, record as write_record, text_ids
+from evals.common import PRESET_ORDER, open_session, record as write_record, text_ids
+from workbench.atomic import atomic_write
 
 DEFAULT_TASKS = ("lambada_openai", "arc_easy", "piqa")
 

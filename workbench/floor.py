@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+from workbench.atomic import atomic_write
 from workbench.io import bandwidth_at, probe_disk
 from workbench.registry import cache_dir
 
@@ -21,10 +22,7 @@ def probe(path=None, seconds_per_point: float = 0.3, refresh: bool = False) -> d
     if saved.exists() and not refresh:
         return json.loads(saved.read_text())
     res = probe_disk(target, seconds_per_point=seconds_per_point)
-    saved.parent.mkdir(parents=True, exist_ok=True)
-    tmp = saved.with_suffix(".tmp")
-    tmp.write_text(json.dumps(res))
-    tmp.replace(saved)
+    atomic_write(saved, json.dumps(res))
     return res
 
 

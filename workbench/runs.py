@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from workbench.atomic import atomic_path
 from workbench.registry import REPO
 
 
@@ -51,30 +52,12 @@ def _write(path: Path, data: bytes):
         os.fsync(f.fileno())
 
 
-def atomic_write(path, text: str):
-    """Write text to path atomically: a temp name beside it, fsync, rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    _write(tmp, text.encode("utf-8"))
-    os.replace(tmp, path)
-
-
 def write_table(table, path) -> Path:
-    """Write a pyarrow table as Parquet atomically (temp name, fsync, rename)."""
+    """Write a pyarrow table as Parquet atomically."""
     import pyarrow.parquet as pq
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return Path(path)
 
 
 def _parquet(path: Path, rows: list[dict]):

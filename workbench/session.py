@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from engines import load_engine
+from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache, parse_budget
 from workbench.capture import RoutingCapture
 from workbench.io import Reader
@@ -96,10 +97,7 @@ class Session:
             return {int(k): v for k, v in json.loads(path.read_text()).items()}
         from workbench.textdata import heldout_ids
         counts = usage_profile(self.pack_path, heldout_ids(self.tokenizer, "tinystories", min(512, self.spec.max_position_embeddings)))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(counts))
-        tmp.replace(path)
+        atomic_write(path, json.dumps(counts))
         return counts
 
     def warm_start(self, usage: dict):

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
 
+from workbench.atomic import atomic_path
 from workbench.spec import WorkbenchError
 
 FILES = {"prerouter": "prerouter.safetensors", "lora": "lora.safetensors"}
@@ -59,14 +59,10 @@ def save_safetensors(path, tensors: dict[str, np.ndarray], kind: str, meta: dict
     header["__metadata__"] = {"kind": kind, "edge0": json.dumps(meta, sort_keys=True, default=str)}
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(hb)) + hb)
         for b in blobs:
             f.write(b)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return path
 
 

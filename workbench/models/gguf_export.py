@@ -16,12 +16,12 @@ and streamed to a temporary file that is renamed into place.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+from workbench.atomic import atomic_path
 from workbench.spec import WorkbenchError
 
 TYPES = ("f16", "q8_0")
@@ -183,58 +183,50 @@ def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = Non
     plan = _plan(model, qtype)
 
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), "qwen3moe")
-    try:
-        w.add_name(name or Path(model.path).stem)
-        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if qtype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
-        w.add_block_count(s.num_layers)
-        w.add_context_length(s.max_position_embeddings)
-        w.add_embedding_length(s.hidden_size)
-        w.add_feed_forward_length(s.dense_intermediate_size or s.moe_intermediate_size * s.top_k)
-        w.add_head_count(s.num_heads)
-        w.add_head_count_kv(s.num_kv_heads)
-        w.add_key_length(s.head_dim)
-        w.add_value_length(s.head_dim)
-        w.add_rope_freq_base(s.rope_theta)
-        w.add_layer_norm_rms_eps(s.rms_norm_eps)
-        w.add_expert_count(s.num_experts)
-        w.add_expert_used_count(s.top_k)
-        w.add_expert_feed_forward_length(s.moe_intermediate_size)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
-        if s.bos_token_id is not None:
-            w.add_bos_token_id(s.bos_token_id)
-        if s.eos_token_id is not None:
-            w.add_eos_token_id(s.eos_token_id)
-        w.add_add_bos_token(False)               # the workbench's tokenizer adds no BOS either
-        for gname, shape, t, _ in plan:
-            raw = None if t in ("F32", "F16") else gguf.GGMLQuantizationType[t]
-            dt = np.float32 if t == "F32" else np.float16
-            w.add_tensor_info(gname, shape, np.dtype(dt), _nbytes(shape, t), raw_dtype=raw)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        items = plan
-        if progress:
-            from tqdm import tqdm
-            items = tqdm(plan, desc="writing GGUF", unit="tensor")
-        for gname, shape, t, make in items:
-            buf = _encode(make(), t, gname)
-            w.write_tensor_data(buf)
-        w.close()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        if w.fout is not None:
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(str(tmp), "qwen3moe")
+        try:
+            w.add_name(name or Path(model.path).stem)
+            w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if qtype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+            w.add_block_count(s.num_layers)
+            w.add_context_length(s.max_position_embeddings)
+            w.add_embedding_length(s.hidden_size)
+            w.add_feed_forward_length(s.dense_intermediate_size or s.moe_intermediate_size * s.top_k)
+            w.add_head_count(s.num_heads)
+            w.add_head_count_kv(s.num_kv_heads)
+            w.add_key_length(s.head_dim)
+            w.add_value_length(s.head_dim)
+            w.add_rope_freq_base(s.rope_theta)
+            w.add_layer_norm_rms_eps(s.rms_norm_eps)
+            w.add_expert_count(s.num_experts)
+            w.add_expert_used_count(s.top_k)
+            w.add_expert_feed_forward_length(s.moe_intermediate_size)
+            w.add_tokenizer_model("gpt2")
+            w.add_tokenizer_pre("gpt-2")
+            w.add_token_list(tokens)
+            w.add_token_types(types)
+            w.add_token_merges(merges)
+            if s.bos_token_id is not None:
+                w.add_bos_token_id(s.bos_token_id)
+            if s.eos_token_id is not None:
+                w.add_eos_token_id(s.eos_token_id)
+            w.add_add_bos_token(False)               # the workbench's tokenizer adds no BOS either
+            for gname, shape, t, _ in plan:
+                raw = None if t in ("F32", "F16") else gguf.GGMLQuantizationType[t]
+                dt = np.float32 if t == "F32" else np.float16
+                w.add_tensor_info(gname, shape, np.dtype(dt), _nbytes(shape, t), raw_dtype=raw)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            items = plan
+            if progress:
+                from tqdm import tqdm
+                items = tqdm(plan, desc="writing GGUF", unit="tensor")
+            for gname, shape, t, make in items:
+                buf = _encode(make(), t, gname)
+                w.write_tensor_data(buf)
+        finally:
             w.close()
-        if tmp.exists():
-            tmp.unlink()
     return out
 
 

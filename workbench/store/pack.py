@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 import time
 import zlib
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.atomic import atomic_path
 from workbench.spec import MoESpec, WorkbenchError
 from workbench.store import quant
 
@@ -173,38 +173,30 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
         if need == data_start:
             break
         data_start = need
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.truncate(end)
-            for name, t in tensors.items():
-                buf = _encode(model.tensor_raw(name) if t["kind"].startswith("gguf:") else model.tensor(name), t["kind"])
-                t["crc32"] = _crc(buf)
-                f.seek(t["offset"])
+    with atomic_path(dst) as tmp, open(tmp, "wb") as f:
+        f.truncate(end)
+        for name, t in tensors.items():
+            buf = _encode(model.tensor_raw(name) if t["kind"].startswith("gguf:") else model.tensor(name), t["kind"])
+            t["crc32"] = _crc(buf)
+            f.seek(t["offset"])
+            f.write(buf)
+        layers = expert_info["layers"]
+        items = [(int(i), e) for i in layers for e in range(model.spec.num_experts)]
+        bar = _progress(items, progress, "experts")
+        for i, e in bar:
+            w = model.expert_raw(i, e) if experts == "raw" else model.expert(i, e)
+            kinds = expert_info.get("layer_kinds", {}).get(str(i), expert_info["kinds"])
+            ent = layers[str(i)][e]
+            crc = 0
+            for p in PARTS:
+                buf = w[p] if experts == "raw" else _encode(w[p], kinds[p])   # raw: the GGUF's bytes
+                crc = zlib.crc32(buf, crc)
+                f.seek(ent["parts"][p][0])
                 f.write(buf)
-            layers = expert_info["layers"]
-            items = [(int(i), e) for i in layers for e in range(model.spec.num_experts)]
-            bar = _progress(items, progress, "experts")
-            for i, e in bar:
-                w = model.expert_raw(i, e) if experts == "raw" else model.expert(i, e)
-                kinds = expert_info.get("layer_kinds", {}).get(str(i), expert_info["kinds"])
-                ent = layers[str(i)][e]
-                crc = 0
-                for p in PARTS:
-                    buf = w[p] if experts == "raw" else _encode(w[p], kinds[p])   # raw: the GGUF's bytes
-                    crc = zlib.crc32(buf, crc)
-                    f.seek(ent["parts"][p][0])
-                    f.write(buf)
-                ent["crc32"] = f"{crc & 0xFFFFFFFF:08x}"
-            hb = _header_bytes(header)
-            f.seek(0)
-            f.write(MAGIC + struct.pack("<IQ", FORMAT, len(hb)) + hb)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+            ent["crc32"] = f"{crc & 0xFFFFFFFF:08x}"
+        hb = _header_bytes(header)
+        f.seek(0)
+        f.write(MAGIC + struct.pack("<IQ", FORMAT, len(hb)) + hb)
     return dst
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from workbench.atomic import atomic_path
 from workbench.train.corpora import EOS, TRAIN, encode_train
 
 
@@ -210,12 +211,8 @@ def batches(data: dict[str, np.ndarray], rng: np.random.Generator, batch: int, T
 
 
 def atomic_torch_save(obj, path: Path):
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def lr_at(step, total, peak, warmup=100):
