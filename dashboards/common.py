@@ -119,7 +119,7 @@ def _yield_cpu_to_the_page():
 class DesignRun:
     """One design generating in a background thread; `snapshot()` is safe to call from the page."""
 
-    _init_locks: dict = {}          # one per stored form of a model: its conversion and usage profile share temp names
+    _init_locks: dict = {}          # one per stored form of a model: its conversion and usage profile are made once
 
     def __init__(self, model: str, design: str, budget: str, prompt: str, tokens: int):
         self.id = secrets.token_hex(4)

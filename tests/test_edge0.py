@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import TINY, tiny_tokenizer
+from conftest import make_checkpoint
 from workbench.edge0.artifacts import artifact_path, load_safetensors, model_identity, save_safetensors
 from workbench.edge0.serve import LoRA, attach_lora, edge0_counters
 from workbench.registry import resolve_pack
@@ -22,20 +22,7 @@ PROMPT = [5, 9, 33, 71, 2, 18, 5, 9]
 
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory):
-    import torch
-    import transformers as tf
-    path = tmp_path_factory.mktemp("edge0") / "qwen3-4l"
-    torch.manual_seed(0)
-    cfg = tf.Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 4}, num_experts=8, num_experts_per_tok=2,
-                            moe_intermediate_size=64, intermediate_size=128, norm_topk_prob=True)
-    model = tf.Qwen3MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((torch.randn_like(p) * (0.3 if "norm" in name else 0.08) + (1.0 if "norm" in name else 0.0))
-                    .to(torch.bfloat16).float())
-    model.save_pretrained(path, safe_serialization=True)
-    tiny_tokenizer(path / "tokenizer.json")
-    return path
+    return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("edge0") / "qwen3-4l", num_hidden_layers=4)
 
 
 def fresh(tiny4, tmp_path, name="m"):
