@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from workbench.atomic import atomic_path
+from workbench.io import drop_page_cache
 from workbench.spec import WorkbenchError
 
 TRACE_NAMES = ("ffn_moe_topk", "ffn_moe_logits", "ffn_inp")
@@ -285,15 +286,6 @@ def resolve_gguf(model: str, qtype: str = "f16", progress: bool = False) -> Path
 
 # ---------------------------------------------------------------- measuring from outside
 
-def drop_file_cache(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def read_whole_file(path) -> None:
     with open(path, "rb", buffering=0) as f:
         while f.read(8 << 20):
@@ -365,7 +357,7 @@ def mapping_rss(path) -> int:
 def _bench_child(path: str, tokens: int, prompt: str, mode: str, threads: int, warmup: int) -> dict:
     """Runs in a fresh process: load, prefill, greedy decode; what the OS saw."""
     if mode == "cold":
-        drop_file_cache(path)
+        drop_page_cache(path)
     elif mode == "warm":
         read_whole_file(path)
     resident_before, size = resident_bytes(path)

@@ -46,6 +46,16 @@ def default_workers() -> int:
     return max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
+def drop_page_cache(path) -> None:
+    """Evict a file from the page cache, so later buffered/mmap reads of it are cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)  # dirty pages are not evicted by DONTNEED
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 class Reader:
     """Positional reader of one file; safe to use from many threads."""
 
@@ -184,13 +194,7 @@ class Reader:
                     "reads": self.reads, "merged": self.merged, "read_s": self.read_s}
 
     def drop_cache(self) -> None:
-        """Evict the file from the page cache, so later buffered/mmap reads are cold."""
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)  # dirty pages are not evicted by DONTNEED
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_page_cache(self.path)
 
     def close(self) -> None:
         if self._pool is not None:
