@@ -24,7 +24,7 @@ from workbench.presets import PRESETS
 from workbench.registry import model_dir
 from workbench.runs import list_runs, read_run, write_run
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.telemetry import Telemetry
 
 REFRESH_S = 0.5          # live numbers redraw this often

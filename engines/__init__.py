@@ -12,7 +12,7 @@ def load_engine(name: str, pack, streamer, telemetry, **kw):
     if name == "numpy":
         from engines.numpy_engine import NumpyEngine
         return NumpyEngine(pack, streamer, telemetry, **kw)
-    from workbench.spec import WorkbenchError
+    from workbench.errors import WorkbenchError
     if name == "mlx":
         try:
             from engines.mlx_engine import MlxEngine

@@ -32,7 +32,7 @@ import numpy as np
 
 from workbench.atomic import atomic_path
 from workbench.io import drop_page_cache
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 TRACE_NAMES = ("ffn_moe_topk", "ffn_moe_logits", "ffn_inp")
 KQUANTS = {"q4_k_m": "Q4_K_M", "q4_k_s": "Q4_K_S", "q3_k_m": "Q3_K_M", "q3_k_s": "Q3_K_S", "q2_k": "Q2_K",
@@ -259,7 +259,7 @@ def quantize_gguf(src, dst, qtype: str, threads: int = 1) -> Path:
 def resolve_gguf(model: str, qtype: str = "f16", progress: bool = False) -> Path:
     """A GGUF for `model`: a .gguf path as it is; `demo`, a model directory or a pack exported once
     (cached under $WORKBENCH_CACHE/gguf, keyed by the source's fingerprint and the type)."""
-    from workbench.models.gguf_export import export_gguf, fingerprint
+    from engines.gguf_export import export_gguf, fingerprint
     from workbench.registry import cache_dir, is_pack, model_dir
     if str(model).endswith(".gguf"):
         p = Path(model)
@@ -436,7 +436,7 @@ class LlamaCppEngine:
     name = "llamacpp"
 
     def __init__(self, pack, streamer, telemetry, threads: int = 1, **kw):
-        from workbench.models.gguf_export import PackModel, export_gguf, fingerprint
+        from engines.gguf_export import PackModel, export_gguf, fingerprint
         from workbench.registry import cache_dir
         self.pack, self.spec, self.streamer, self.tel = pack, pack.spec, streamer, telemetry
         path = cache_dir() / "gguf" / f"{Path(pack.path).name}-{fingerprint(pack.path)}-f16.gguf"

@@ -34,8 +34,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from workbench.schedule import ExpertStreamer
-from workbench.spec import WorkbenchError
+from workbench.streamer import ExpertStreamer
+from workbench.errors import WorkbenchError
 from workbench.store import quant
 from workbench.store.pack import PARTS, Pack
 from workbench.telemetry import Telemetry

@@ -13,8 +13,9 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from workbench.schedule import ExpertStreamer
-from workbench.spec import WorkbenchError, yarn_mscale
+from workbench.streamer import ExpertStreamer
+from workbench.errors import WorkbenchError
+from workbench.spec import yarn_mscale
 from workbench.store.pack import Pack
 from workbench.telemetry import Telemetry
 

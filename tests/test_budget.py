@@ -6,7 +6,7 @@ import pytest
 
 from workbench.cache import ExpertCache, parse_budget
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 
 def held_bytes(cache: ExpertCache) -> int:

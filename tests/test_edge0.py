@@ -14,7 +14,7 @@ from workbench.edge0.artifacts import artifact_path, load_safetensors, model_ide
 from workbench.edge0.serve import LoRA, attach_lora, edge0_counters
 from workbench.registry import resolve_pack
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.store.pack import Pack
 
 PROMPT = [5, 9, 33, 71, 2, 18, 5, 9]
@@ -147,7 +147,7 @@ def test_unmerged_lora_equals_merged_dequantized_reference(tiny4, tmp_path):
 def test_torch_student_equals_numpy_serving(tiny4, tmp_path):
     """The trainers' torch path (int4 + prerouter + LoRA, whole sequence at once) is what the engine serves."""
     torch = pytest.importorskip("torch")
-    from workbench.edge0.train_common import HeadSet, LoRASet, TorchMoE
+    from training.edge0_common import HeadSet, LoRASet, TorchMoE
     m = fresh(tiny4, tmp_path)
     hp, lp = write_heads(m), write_lora(m)
     ids = PROMPT * 3

@@ -184,7 +184,7 @@ def test_demo_greedy_output_is_the_numpy_engines():
 def test_refuses_experts_it_cannot_compute(tiny_models):
     """A raw GGUF pack's block formats (gguf:Q4_K, ...) are not MLX's affine format: a clear error, not garbage."""
     from engines.mlx_engine import MlxEngine
-    from workbench.spec import WorkbenchError
+    from workbench.errors import WorkbenchError
     with Session(str(tiny_models["mixtral"]), "resident", budget="0.5") as s:
         s.pack.expert_kinds = {p: "gguf:Q4_K" for p in ("gate", "up", "down")}
         with pytest.raises(WorkbenchError, match="--engine mlx computes experts stored as"):

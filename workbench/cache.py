@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections import Counter, OrderedDict
 
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 _UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 
 @dataclass(frozen=True)

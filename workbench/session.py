@@ -21,8 +21,8 @@ from workbench.predict import make_predictor
 from workbench.presets import Preset, get_preset
 from workbench.registry import cache_dir, resolve_pack, tokenizer_for
 from workbench.routing import route
-from workbench.schedule import ExpertStreamer
-from workbench.spec import WorkbenchError
+from workbench.streamer import ExpertStreamer
+from workbench.errors import WorkbenchError
 from workbench.speculative import speculative_decode
 from workbench.store.pack import Pack
 from workbench.telemetry import Telemetry, TokenRecord

@@ -25,7 +25,7 @@ import numpy as np
 
 from workbench.edge0.artifacts import artifact_path, check_identity, load_safetensors
 from workbench.routing import route
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 PROJ = ("q", "k", "v", "o")
 

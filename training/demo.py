@@ -1,7 +1,7 @@
 """Train the demo MoE (Qwen3-MoE architecture) on the public corpora, in torch on the CPU.
 
-    python -m workbench.train.demo --out runs/train-demo --steps 700
-    python -m workbench.train.demo --out runs/train-demo --export data/models/demo-moe
+    python -m training.demo --out runs/train-demo --steps 700
+    python -m training.demo --out runs/train-demo --export data/models/demo-moe
 
 Seeded and resumable: a checkpoint (weights, optimizer, RNG, step) is written
 atomically every --ckpt-every steps and picked up on restart. The export is a
@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from workbench.atomic import atomic_path
-from workbench.train.corpora import EOS, TRAIN, encode_train
+from training.corpora import EOS, TRAIN, encode_train
 
 
 @dataclass

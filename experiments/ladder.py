@@ -15,11 +15,11 @@ import statistics
 
 import numpy as np
 
-from workbench.bench import measure, open_session
+from experiments.bench import measure, open_session
 from workbench.presets import get_preset
 from workbench.runs import write_run
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.textdata import heldout_ids
 
 BIAS_SWEEP = (0.005, 0.02, 0.05, 0.1, 0.25)

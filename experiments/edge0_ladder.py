@@ -28,7 +28,7 @@ from workbench.presets import get_preset
 from workbench.routing import route, topk_desc
 from workbench.runs import write_run
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.store import quant
 from workbench.textdata import heldout_ids
 
@@ -220,7 +220,7 @@ def run_edge0(model: str = "demo", budget: str = "0.25", tokens: int = 48, round
 
 
 def speed_ab(model, edge0, budget, tokens, rounds, prompt, say, record) -> dict:
-    from workbench.bench import measure
+    from experiments.bench import measure
     arms = [get_preset("on_demand"), edge0]
     res = {a.name: [] for a in arms}
     for r in range(rounds):

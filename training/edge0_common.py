@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from workbench.edge0.artifacts import model_identity, pack_weights
 from workbench.registry import resolve_pack
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.store.pack import Pack
 
 PROJ = ("q", "k", "v", "o")

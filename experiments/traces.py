@@ -28,7 +28,8 @@ import numpy as np
 
 from workbench.capture import RoutingCapture
 from workbench.runs import write_table
-from workbench.spec import MoESpec, WorkbenchError
+from workbench.errors import WorkbenchError
+from workbench.spec import MoESpec
 
 META_KEY = b"workbench.trace"
 DESIGNS = ("on_demand", "history", "shuffled", "lookahead", "oracle")
