@@ -90,16 +90,14 @@ EMPTY = Snapshot([], [], {"per_layer": []})      # a design still starting
 
 
 def _snapshot(s: Session) -> Snapshot:
-    """Copy the telemetry under its lock, then aggregate the copy with Session.summary's own code."""
+    """Copy the telemetry under its lock, then aggregate the copy with Session.summary."""
     tel = s.tel
     with tel.lock:
         tokens, ring, events = list(tel.tokens), list(tel.ring), list(tel.events)
         counters = dict(prefetch_issued=tel.prefetch_issued, prefetch_used=tel.prefetch_used,
                         prefetch_wasted=tel.prefetch_wasted, wasted_bytes=tel.wasted_bytes)
     copy = Telemetry(tel.num_layers, events=events, tokens=tokens, **counters)
-    view = object.__new__(Session)      # the session, its telemetry swapped for the copy
-    view.__dict__.update(vars(s), tel=copy)
-    return Snapshot(tokens, ring, view.summary())
+    return Snapshot(tokens, ring, s.summary(copy))
 
 
 class _Stopped(Exception):

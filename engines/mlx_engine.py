@@ -4,7 +4,7 @@ The Apple-silicon path (Edge0 was built on it); on Linux `mlx[cpu]` runs it on t
 correctness. Same families, flags, hooks, predictors and telemetry as engines/numpy_engine.py, which it
 mirrors line for line where it can.
 
-Experts are never requantized: the streamer hands over each part's encoded bytes (ExpertStreamer.raw,
+Experts are never requantized: the streamer hands over each part's encoded bytes (`raw_experts`,
 Pack.decode_expert(raw=True)), and affine q2/q3/q4/q8 parts are the codes, scales and biases of
 `mx.quantize(w, 64, bits)` byte for byte (workbench/store/quant.py), so `mx.gather_qmm` computes from
 them as they are (the float16 scales and biases are upcast, exactly, to float32 when staged). bf16 parts
@@ -40,7 +40,8 @@ from workbench.store import quant
 from workbench.store.pack import PARTS, Pack
 from workbench.telemetry import Telemetry
 
-from engines.numpy_engine import kv_shapes, latent_softmax_scale, rope_table, split_kv_b
+from engines.base import Engine, Hooks, dense_weights
+from engines.numpy_engine import kv_shapes, latent_softmax_scale, rope_table
 
 
 MLX_KINDS = ("q2", "q3", "q4", "q8", "bf16")     # expert kinds computed from their bytes as they are
@@ -135,12 +136,13 @@ class SlotStack:
                              bits=int(kind[1:]), sorted_indices=True)
 
 
-class MlxEngine:
+class MlxEngine(Engine):
     name = "mlx"
+    raw_experts = True      # the streamer hands us the pack's encoded bytes
 
-    def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, predictor=None, router_hook=None,
-                 max_context: int | None = None):
-        self.pack, self.spec, self.streamer, self.tel = pack, pack.spec, streamer, telemetry
+    def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
+                 weights: dict | None = None, max_context: int | None = None):
+        super().__init__(pack, streamer, telemetry, hooks)
         kinds = dict(pack.expert_kinds)
         layer_kinds = getattr(pack, "expert_layer_kinds", {}) or {}
         odd = sorted({k for ks in [kinds, *layer_kinds.values()] for k in ks.values()} - set(MLX_KINDS))
@@ -148,19 +150,14 @@ class MlxEngine:
             raise WorkbenchError(f"{pack.path}: --engine mlx computes experts stored as {', '.join(MLX_KINDS)} "
                                  f"(affine group-64 or bf16); this pack's experts are {', '.join(odd) or 'mixed per layer'}: "
                                  f"convert with --experts q4 (or another of those)")
-        self.predictor, self.router_hook = predictor, router_hook
-        self.deltas = {}        # projection name -> x -> delta, added to x @ W.T (an unmerged adapter), numpy in/out
-        self.w = {name: pack.tensor(name) for name in pack.tensors}
-        if "lm_head" not in self.w:
-            self.w["lm_head"] = self.w["embed"]
-        if self.spec.attention == "mla":       # absorbed latent attention uses kv_b's two halves apart
-            for i in range(self.spec.num_layers):
-                self.w[f"layers.{i}.k_b"], self.w[f"layers.{i}.v_b"] = split_kv_b(self.spec, self.w[f"layers.{i}.kv_b"])
+        if not streamer.raw:
+            raise ValueError("--engine mlx computes from the pack's encoded bytes: its streamer must be made raw")
+        self.w = dense_weights(pack) if weights is None else weights     # deltas: numpy in and out
+        if self.spec.attention == "mla":
             self.latent_scale = latent_softmax_scale(self.spec)
         self._mw = {}           # id(numpy array) -> (that array, its MLX copy)
         self.max_context = max_context or self.spec.max_position_embeddings
         self._rope(256)         # grows with the context
-        streamer.raw = True     # hand us the pack's encoded bytes
         self.cache = streamer.cache
         shapes = {p: tuple(pack.expert_shapes[p]) for p in PARTS}
         self.stacks = {}        # MoE layer -> the SlotStack of its cache pool
@@ -173,8 +170,6 @@ class MlxEngine:
                 by_pool[id(pool)] = SlotStack(n, shapes, kinds)
             self.stacks[L] = by_pool[id(pool)]
         self.wave_flushes = 0                   # staged experts computed early to free their slots (a layer in waves)
-        self.token_index = 0
-        self.dense_compute_s = 0.0              # attention, norms, dense MLPs, head: compute outside the MoE layers
         self.reset()
 
     def m(self, name: str):
@@ -194,10 +189,6 @@ class MlxEngine:
         (hk, dk), (hv, dv) = kv_shapes(self.spec)
         self.kv = [[mx.zeros((hk, 64, dk)), mx.zeros((hv, 64, dv))] for _ in range(self.spec.num_layers)]
         self.pos = 0
-
-    def truncate(self, pos: int):
-        """Forget the KV cache past `pos` (rejected speculative tokens)."""
-        self.pos = pos
 
     def _kv_append(self, i: int, k, v):
         K, V = self.kv[i]

@@ -1,9 +1,8 @@
 """The numpy reference engine: exact fp32 decoder for every supported family.
 
 Non-expert tensors are held in memory (dequantized at load); experts come through the
-ExpertStreamer, which reads them from the pack on demand or ahead of time. Hooks:
-`predictor.predict(layer, ctx)` names experts of later layers to prefetch, and
-`router_hook(layer, logits, ctx)` may replace the routing (cache-aware bias, a prerouter).
+ExpertStreamer, which reads them from the pack on demand or ahead of time. The interface and its
+hooks (predictor, router hook, projection deltas) are engines/base.py's.
 """
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from engines.base import Engine, Hooks, dense_weights
 from workbench.streamer import ExpertStreamer
 from workbench.errors import WorkbenchError
 from workbench.spec import yarn_mscale
@@ -77,12 +77,6 @@ def kv_shapes(spec):
     return (spec.num_kv_heads, spec.head_dim), (spec.num_kv_heads, spec.head_dim)
 
 
-def split_kv_b(spec, kv_b):
-    """kv_b (heads*(nope+v), latent) -> k_b (heads, nope, latent) and v_b (heads, v, latent)."""
-    kv_b = kv_b.reshape(spec.num_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
-    return kv_b[:, :spec.qk_nope_head_dim], kv_b[:, spec.qk_nope_head_dim:]
-
-
 def causal_softmax(att, T):
     """Softmax over the last axis (S keys) of T new queries, each blind to the keys after its own."""
     S = att.shape[-1]
@@ -92,27 +86,19 @@ def causal_softmax(att, T):
     return att / att.sum(-1, keepdims=True)
 
 
-class NumpyEngine:
+class NumpyEngine(Engine):
     name = "numpy"
 
-    def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, predictor=None, router_hook=None,
-                 max_context: int | None = None):
-        self.pack, self.spec, self.streamer, self.tel = pack, pack.spec, streamer, telemetry
-        self.predictor, self.router_hook = predictor, router_hook
-        self.deltas = {}        # projection name -> x -> delta, added to x @ W.T (an unmerged adapter)
-        self.w = {name: pack.tensor(name) for name in pack.tensors}
-        if "lm_head" not in self.w:
-            self.w["lm_head"] = self.w["embed"]
-        if self.spec.attention == "mla":       # absorbed latent attention uses kv_b's two halves apart
-            for i in range(self.spec.num_layers):
-                self.w[f"layers.{i}.k_b"], self.w[f"layers.{i}.v_b"] = split_kv_b(self.spec, self.w[f"layers.{i}.kv_b"])
+    def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
+                 weights: dict | None = None, max_context: int | None = None):
+        super().__init__(pack, streamer, telemetry, hooks)
+        self.w = dense_weights(pack) if weights is None else weights
+        if self.spec.attention == "mla":
             self.latent_scale = np.float32(latent_softmax_scale(self.spec))
         self.max_context = max_context or self.spec.max_position_embeddings
         self.cos, self.sin = rope_table(256, self.spec)  # grows with the context
         # Decode matmuls are tiny: one BLAS thread is faster, and leaves the other cores to the reader pool.
         threadpool_limits(limits=1, user_api="blas")
-        self.token_index = 0
-        self.dense_compute_s = 0.0              # attention, norms, dense MLPs, head: compute outside the MoE layers
         self.reset()
 
     def reset(self):
@@ -121,10 +107,6 @@ class NumpyEngine:
         self.kv = [(np.zeros((hk, 64, dk), np.float32), np.zeros((hv, 64, dv), np.float32))
                    for _ in range(self.spec.num_layers)]
         self.pos = 0
-
-    def truncate(self, pos: int):
-        """Forget the KV cache past `pos` (rejected speculative tokens)."""
-        self.pos = pos
 
     def _kv_append(self, i: int, k, v):
         K, V = self.kv[i]

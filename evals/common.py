@@ -29,7 +29,6 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def forward(session, ids) -> np.ndarray:
     """Logits (T, V) of `ids` from an empty KV cache."""
     session.engine.reset()
-    session.engine.token_index = 0
     return session.step(list(map(int, ids)), "prefill")
 
 

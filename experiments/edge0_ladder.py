@@ -73,9 +73,8 @@ def teacher_pass(model, chunks):
                 idx, w = route(s.spec, logits, s.engine.w.get(f"layers.{layer}.router_bias"))
                 cap[layer] = (ctx["x"].copy(), idx.copy())
                 return idx, w
-            s.engine.router_hook = hook
+            s.engine.swap_router_hook(hook)
             s.engine.reset()
-            s.engine.token_index = 0
             out.append((s.step(ids.tolist(), "prefill"), cap))
         return out, dict(s.engine.w), s.spec
 
@@ -122,17 +121,15 @@ def student_pass(session: Session, chunks, t_logits, agree: dict | None = None) 
                 a[0] += len(set(idx[0].tolist()) & set(real[0].tolist()))
                 a[1] += idx.shape[1]
             return idx, w
-        session.engine.router_hook = compare
+        session.engine.swap_router_hook(compare)
     parts = []
     for ids, tl in zip(chunks, t_logits):
         session.engine.reset()
-        session.engine.token_index = 0
         out = [session.step(ids[:1].tolist(), "prefill")[-1]]
         for i in range(1, len(ids)):
-            session.engine.token_index = i
             out.append(session.step([int(ids[i])], "decode")[-1])
         parts.append(quality(tl, np.stack(out), ids))
-    session.engine.router_hook = hook
+    session.engine.swap_router_hook(hook)
     return finish(parts)
 
 
@@ -194,9 +191,8 @@ def run_edge0(model: str = "demo", budget: str = "0.25", tokens: int = 48, round
         merged = p is None
         p = p or rungs[1].with_(name="merge+requantize (alternative)")
         agree = {}
-        with Session(model, p, budget="all") as s:
-            if merged:
-                s.engine.w.update(requantized_merge(lora, bf16_w, rest_kind))
+        merged_w = requantized_merge(lora, bf16_w, rest_kind) if merged else None
+        with Session(model, p, budget="all", weights=merged_w) as s:
             row = {"rung": p.name, **student_pass(s, text, t_logits, agree), **edge0_counters(s)}
             row["agreement_with_real_router"] = {L: a[0] / a[1] for L, a in sorted(agree.items())} or None
             say(f"{p.name}: ppl {row['heldout_ppl']:.3f} KL {row['kl_per_token']:.4f} top-1 {row['top1_agreement']:.3f}")

@@ -59,7 +59,6 @@ def decode_nll(session: Session, ids: list[int]) -> np.ndarray:
     for i, t in enumerate(ids[1:]):
         z = logits[-1].astype(np.float64)
         nll.append(np.log(np.exp(z - z.max()).sum()) + z.max() - z[t])
-        session.engine.token_index = i + 1
         logits = session.step([t], "decode")
     return np.asarray(nll)
 

@@ -37,13 +37,11 @@ def presets_for(name: str) -> list[str]:
 
 def logits_of(model: Path, preset: str) -> np.ndarray:
     """(len(PROMPT) + DECODE, vocab): every prefill row, then one row per greedy decode step."""
-    from workbench.bench import open_session
+    from experiments.bench import open_session
     with open_session(str(model), preset, prompt=PROMPT, tokens=DECODE + 1) as s:
         s.engine.reset()
-        s.engine.token_index = 0
         rows = [s.step(PROMPT, "prefill")]
         for i in range(DECODE):
-            s.engine.token_index = i + 1
             rows.append(s.step([int(np.argmax(rows[-1][-1]))], "decode"))
         return np.concatenate(rows, 0)
 

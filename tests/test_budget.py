@@ -27,7 +27,6 @@ def test_long_decode_at_a_small_budget_never_exceeds_it(tiny_models, preset, sco
         worst = 0
         logits = s.step(list(range(1, 40)), "prefill")         # a prefill needing more experts than fit
         for i in range(60):
-            s.engine.token_index = i + 1
             logits = s.step([int(np.argmax(logits[-1]))], "decode")
             worst = max(worst, held_bytes(s.cache))
         assert worst <= s.budget_bytes

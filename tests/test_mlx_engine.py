@@ -44,13 +44,10 @@ PER_LAYER = ("smol", {})                                       # per-layer pools
 
 def run(path, preset, engine, deltas=None, **kw):
     """Prefill then decode TOKENS; returns (logits, events, session). The session is closed."""
-    with Session(str(path), preset, engine=engine, **kw) as s:
-        if deltas:
-            s.engine.deltas.update(deltas)
+    with Session(str(path), preset, engine=engine, deltas=deltas, **kw) as s:
         s.engine.reset()
         rows = [s.step(TOKENS[:SPLIT], "prefill")]
         for i, t in enumerate(TOKENS[SPLIT:]):
-            s.engine.token_index = i + 1
             rows.append(s.step([t], "decode"))
         return np.concatenate(rows), s.tel.events, s
 
