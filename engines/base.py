@@ -88,6 +88,11 @@ class Engine(ABC):
         """Forget the KV cache past `pos` (rejected speculative tokens, a shared prefix reused)."""
         self.pos = pos
 
+    @staticmethod
+    def expert_bytes(spec) -> int:
+        """What one expert costs in the expert cache (the budget's unit): gate, up and down in f32."""
+        return 4 * 3 * spec.hidden_size * spec.moe_intermediate_size
+
     def swap_router_hook(self, hook):
         """Route with `hook` from now on (an observer wrapping the one it gets back); returns the previous hook."""
         if not self.takes_hooks:

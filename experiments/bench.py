@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from workbench.floor import floor_tok_s, probe
-from workbench.presets import get_preset
+from workbench.presets import Predictor, get_preset
 from workbench.capture import RoutingCapture
 from workbench.runs import write_run
 from workbench.session import Session
@@ -39,7 +39,7 @@ def capture_trace(model: str, preset, prompt, tokens: int) -> dict:
 def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: int = 64, **kw) -> Session:
     """A Session; the oracle's trace is captured first from the same tokens."""
     p = get_preset(preset) if isinstance(preset, str) else preset
-    trace = capture_trace(model, p, prompt, tokens) if p.predictor == "oracle" else None
+    trace = capture_trace(model, p, prompt, tokens) if p.prefetch.predictor is Predictor.ORACLE else None
     return Session(model, p, budget=budget, trace=trace, **kw)
 
 

@@ -100,7 +100,8 @@ def cmd_trace(args):
         from workbench.registry import resolve_pack, tokenizer_for
         from workbench.store.pack import Pack
         p = get_preset(args.preset)
-        tok = tokenizer_for(Pack(resolve_pack(args.model, p.layout, p.experts, p.rest)))
+        st = p.storage
+        tok = tokenizer_for(Pack(resolve_pack(args.model, st.layout.value, st.experts, st.rest)))
         if tok is None:
             raise WorkbenchError(f"{args.model}: no tokenizer")
         ids = _trace_ids(args, lambda t: tok.encode(t).ids)

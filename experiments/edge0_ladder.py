@@ -162,15 +162,19 @@ def sha(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()[:16]
 
 
+def edge0_rungs(skip_layers: int | None = None) -> list:
+    edge0 = get_preset("edge0")
+    pred = "prerouter" if skip_layers is None else f"prerouter:{skip_layers}"
+    return [edge0.with_(name="int4 exact", predictor=None, routing="exact"),
+            edge0.with_(name="+prerouter routing", predictor=pred, routing="prerouter:nolora"),
+            edge0.with_(name="+LoRA", predictor=pred, routing="prerouter")]
+
+
 def run_edge0(model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3, chunks: int = 4,
               chunk_tokens: int = 256, skip_layers: int | None = None, prompt: str = "Once upon a time",
               progress=None, record: bool = True) -> dict:
     say = progress or (lambda m: None)
-    edge0 = get_preset("edge0")
-    pred = "prerouter" if skip_layers is None else f"prerouter:{skip_layers}"
-    rungs = [edge0.with_(name="int4 exact", predictor=None, routing="exact"),
-             edge0.with_(name="+prerouter routing", predictor=pred, routing="prerouter:nolora"),
-             edge0.with_(name="+LoRA", predictor=pred, routing="prerouter")]
+    rungs = edge0_rungs(skip_layers)
     with Session(model, rungs[0], budget="all") as s0:
         text = chunks_of(s0.tokenizer, chunks, chunk_tokens)
         hpath, lpath = artifact_path(s0.pack, "prerouter"), artifact_path(s0.pack, "lora")
@@ -209,7 +213,7 @@ def run_edge0(model: str = "demo", budget: str = "0.25", tokens: int = 48, round
                  "gain_unmerged": base - unmerged, "gain_merged": base - alt,
                  "retention": (base - alt) / (base - unmerged) if base != unmerged else None,
                  **delta_survival(lora, bf16_w, int4_w, rest_kind)}
-    ab = speed_ab(model, edge0.with_(predictor=pred), budget, tokens, rounds, prompt, say, record)
+    ab = speed_ab(model, rungs[2].with_(name="edge0"), budget, tokens, rounds, prompt, say, record)
     return {"ladder": "edge0", "model": model, "teacher": teacher_row, "rungs": rows[:3], "merged_requantized": rows[3],
             "retention": retention, "recall": recall, "ab": ab, "artifacts": artifacts,
             "quality_data": f"tinystories validation, {chunks} x {chunk_tokens} tokens, teacher-forced decode"}

@@ -15,11 +15,11 @@ import numpy as np
 from engines import engine_class
 from engines.base import Hooks, dense_weights
 from workbench.atomic import atomic_write
-from workbench.cache import ExpertCache, parse_budget
+from workbench.cache import ExpertCache
 from workbench.capture import RoutingCapture
 from workbench.io import Reader
 from workbench.predict import make_predictor
-from workbench.presets import Preset, get_preset
+from workbench.presets import Budget, CacheScope, Predictor, Preset, Router, get_preset
 from workbench.registry import cache_dir, resolve_pack, tokenizer_for
 from workbench.routing import route
 from workbench.streamer import ExpertStreamer
@@ -44,32 +44,32 @@ class Session:
             self.preset = self.preset.with_(**overrides)
         p = self.preset
         self.model = model
-        self.pack_path = resolve_pack(model, p.layout, p.experts, p.rest, progress=progress)
+        self.pack_path = resolve_pack(model, p.storage.layout.value, p.storage.experts, p.storage.rest, progress=progress)
         self.pack = Pack(self.pack_path)
         self.spec = self.pack.spec
         self.tokenizer = tokenizer_for(self.pack)
         s = self.spec
-        self.item_bytes = 4 * sum(int(np.prod(v)) for v in self.pack.expert_shapes.values())  # f32 in memory
+        cls = engine_class(engine)
+        self.item_bytes = cls.expert_bytes(s)
         self.all_expert_bytes = self.item_bytes * self.pack.num_expert_total
-        self.budget_text = str(budget if budget is not None else p.budget)
-        self.budget_bytes = parse_budget(self.budget_text, self.all_expert_bytes)
-        self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache_policy,
-                                 scope=p.cache_scope, min_slots_per_layer=s.top_k)
+        self.budget_text = str(budget if budget is not None else p.cache.budget)
+        self.budget_bytes = Budget(self.budget_text).nbytes(self.item_bytes, self.pack.num_expert_total)
+        self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache.policy.value,
+                                 scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
         self.reader = Reader(self.pack_path, direct=direct, workers=workers)
         self.tel = Telemetry(s.num_layers)
-        cls = engine_class(engine)
-        self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution,
+        self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution.order.value,
                                        raw=cls.raw_experts)
         w = {**dense_weights(self.pack), **(weights or {})}
-        usage = self.usage() if (p.warm or (p.predictor or "").startswith("shuffled")) else None
-        predictor = make_predictor(p.predictor, s, w, usage=usage, trace=trace, pack=self.pack)
+        usage = self.usage() if p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED else None
+        predictor = make_predictor(p.prefetch, s, w, usage=usage, trace=trace, pack=self.pack)
         router_hook, hook_deltas = self._routing(predictor, w)
         hooks = Hooks(predictor, router_hook, {**hook_deltas, **(deltas or {})})
         self.engine = cls(self.pack, self.streamer, self.tel, hooks, weights=w)
         self.reader_bytes0 = 0
         if self.budget_bytes >= self.all_expert_bytes:
             self.streamer.load_resident([(L, e) for L in s.moe_layers for e in range(s.num_experts)])
-        elif p.warm:
+        elif p.cache.warm:
             self.warm_start(usage)
         self.reader_bytes0 = self.reader.bytes_read
 
@@ -79,11 +79,10 @@ class Session:
         """The preset's routing: (router hook or None, projection deltas)."""
         r = self.preset.routing
         self.lora = None                        # Edge0's recovery LoRA, when the routing serves it
-        if r == "exact":
+        if r.router is Router.EXACT:
             return None, {}
-        if r.startswith("cache_bias:"):
-            beta = float(r.split(":", 1)[1])
-            spec, cache = self.spec, self.cache
+        if r.router is Router.CACHE_BIAS:
+            beta, spec, cache = r.beta, self.spec, self.cache
 
             def biased(layer, logits, ctx):
                 bias = np.zeros(spec.num_experts, np.float32)
@@ -93,11 +92,9 @@ class Session:
                         bias[e] = beta
                 return route(spec, logits, w.get(f"layers.{layer}.router_bias"), bias=bias)
             return biased, {}
-        if r.split(":")[0] == "prerouter":     # Edge0: the head's prediction is the routing (+ its LoRA)
-            from workbench.edge0.serve import prerouter_routing
-            hook, self.lora = prerouter_routing(r, predictor, self.preset.predictor, self.spec, w, self.pack)
-            return hook, self.lora.deltas() if self.lora else {}
-        raise WorkbenchError(f"routing {r!r}: choose exact, cache_bias:BETA or prerouter[:nolora]")
+        from workbench.edge0.serve import prerouter_routing     # Edge0: the head's prediction is the routing
+        hook, self.lora = prerouter_routing(predictor, r.lora, self.spec, w, self.pack)
+        return hook, self.lora.deltas() if self.lora else {}
 
     def usage(self) -> dict:
         """Expert use per layer on held-out text (TinyStories validation), cached per pack."""
@@ -112,7 +109,7 @@ class Session:
     def warm_start(self, usage: dict):
         """Fill each layer's pool (or the global cache, evenly) with its most-used experts."""
         s = self.spec
-        per_layer = min(self.cache.capacity.values()) if self.preset.cache_scope == "per_layer" \
+        per_layer = min(self.cache.capacity.values()) if self.preset.cache.scope is CacheScope.PER_LAYER \
             else self.cache.capacity[s.moe_layers[0]] // len(s.moe_layers)
         keys = [(L, int(e)) for L in s.moe_layers for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per_layer]]
         self.streamer.load_resident(keys, pin=False)
@@ -155,11 +152,11 @@ class Session:
         self.engine.reset()
         logits = self.step(ids, "prefill")
         stop = self.spec.eos_token_id if stop_at_eos else None
-        if self.preset.speculative and tokens > 1:
+        if self.preset.execution.speculative and tokens > 1:
             first = int(np.argmax(logits[-1]))
             if on_token:
                 on_token(self, first, self.decode([first]))
-            out = speculative_decode(self, first, ids, tokens, self.preset.speculative, on_token, stop)
+            out = speculative_decode(self, first, ids, tokens, self.preset.execution.speculative, on_token, stop)
             return {"text": self.decode(out), "tokens": out, "prompt_tokens": len(ids),
                     "tok_s": self.tel.summary()["tok_s"]}
         out = []

@@ -153,16 +153,11 @@ class Prerouter:
         return route(self.spec, logits, self.w.get(f"layers.{layer}.router_bias"))
 
 
-def make_prerouter(name: str, spec, weights, pack=None, path=None) -> Prerouter:
-    """predictor "prerouter" or "prerouter:SKIP"; heads from <model dir>/edge0/prerouter.safetensors."""
-    args = name.split(":")[1:]
+def make_prerouter(skip_layers: int | None, spec, weights, pack=None, path=None) -> Prerouter:
+    """Predictor prerouter (skip_layers None: the heads' own); heads from <model dir>/edge0/prerouter.safetensors."""
     if pack is None and path is None:
         raise WorkbenchError("predictor prerouter: needs the model's pack to find edge0/prerouter.safetensors")
-    try:
-        skip = int(args[0]) if args and args[0] else None
-    except ValueError:
-        raise WorkbenchError(f"predictor {name!r}: expected prerouter or prerouter:SKIP_LAYERS") from None
-    return Prerouter(spec, weights, Heads.load(spec, pack, path), skip)
+    return Prerouter(spec, weights, Heads.load(spec, pack, path), skip_layers)
 
 
 # ---------------------------------------------------------------- LoRA (unmerged)
@@ -220,17 +215,11 @@ class LoRA:
         return {name: weights[name] + self.scale * (B @ A) for name, A, B in self.targets()}
 
 
-def prerouter_routing(routing: str, predictor, predictor_name, spec, weights, pack):
-    """The Session's routing "prerouter" (heads + the recovery LoRA) or "prerouter:nolora":
-    (the router hook, the LoRA or None)."""
-    opts = routing.split(":")[1:]
-    if any(o not in ("nolora", "") for o in opts):
-        raise WorkbenchError(f"routing {routing!r}: choose prerouter or prerouter:nolora")
-    if not isinstance(predictor, Prerouter):
-        raise WorkbenchError(f"routing {routing!r} needs predictor prerouter (the prediction is the routing), "
-                             f"this preset has predictor {predictor_name!r}")
+def prerouter_routing(predictor: Prerouter, lora: bool, spec, weights, pack):
+    """The Session's routing "prerouter" (heads + the recovery LoRA) or "prerouter:nolora" (the preset has
+    made sure its predictor is the prerouter): (the router hook, the LoRA or None)."""
     predictor.routing_active = True
-    return predictor.route, (None if "nolora" in opts else LoRA.load(spec, weights, pack))
+    return predictor.route, (LoRA.load(spec, weights, pack) if lora else None)
 
 
 # ---------------------------------------------------------------- counters
