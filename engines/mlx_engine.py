@@ -22,7 +22,7 @@ a slot of theirs is reused.
 
 Routing runs in numpy (workbench.routing) on a copy of the router logits; the router hook and the
 predictors see numpy `x`, `h` and `logits`, exactly as with the numpy engine. `w` is the numpy dict of
-non-expert weights (predictors read it, Edge0 updates it); the MLX copies follow it by identity.
+non-expert weights (the predictors read it); each has one MLX copy, made on first use.
 
 Numerics: fp32 throughout; MLX's kernels sum in other orders than numpy's, so the two engines agree to
 float32 rounding (the tests: within 2e-5), not bit for bit.
@@ -195,17 +195,14 @@ class MlxEngine(Decoder):
                                  f"convert with --experts q4 (or another of those)")
         if not streamer.raw:
             raise ValueError("--engine mlx computes from the pack's encoded bytes: its streamer must be made raw")
-        self._mw = {}           # id(numpy array) -> (that array, its MLX copy)
+        self._mw = {}           # weight name -> its MLX copy
         self.setup(dense_weights(pack) if weights is None else weights, max_context,
                    MlxExperts(self, pack, streamer.cache))
 
     def W(self, name: str):
-        """The MLX copy of w[name], made again when w[name] is replaced."""
-        a = self.w[name]
-        hit = self._mw.get(id(a))
-        if hit is None or hit[0] is not a:
-            hit = self._mw[id(a)] = (a, mx.array(np.ascontiguousarray(a, dtype=np.float32)))
-        return hit[1]
+        if name not in self._mw:
+            self._mw[name] = mx.array(np.ascontiguousarray(self.w[name], dtype=np.float32))
+        return self._mw[name]
 
     def to_numpy(self, a):
         return np.array(a)
