@@ -36,3 +36,13 @@ def test_demo_model_exported_is_what_the_engine_runs(tmp_path):
         engine = s.step(ids, "prefill")
     assert float(aux) > 0
     np.testing.assert_allclose(ours[0].numpy(), engine, rtol=1e-4, atol=1e-4)
+
+
+def test_the_trainers_import_and_sample_their_windows():
+    """The Edge0 trainers' command lines load (sample_windows had gone missing from their common module)."""
+    import training.edge0_lora  # noqa: F401
+    import training.edge0_prerouter  # noqa: F401
+    from training.edge0_common import sample_windows
+    data = {"a": np.arange(1000), "b": np.arange(5000, 5100)}
+    w = sample_windows(data, 6, 16, np.random.default_rng(0))
+    assert w.shape == (6, 16) and all((np.diff(r) == 1).all() for r in w)      # contiguous windows of one corpus
