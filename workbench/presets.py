@@ -105,9 +105,9 @@ class Budget:
 
 @dataclass(frozen=True)
 class Storage:
-    layout: Layout = Layout.CONTIGUOUS
-    experts: str = "q4"             # precision of the routed experts
-    rest: str = "q4"                # precision of everything else
+    layout: Layout = Layout.CONTIGUOUS      # workbench.store.pack.convert (through registry.resolve_pack)
+    experts: str = "q4"             # precision of the routed experts: convert, workbench.store.quant
+    rest: str = "q4"                # precision of everything else: likewise
 
     def __post_init__(self):
         for knob in ("experts", "rest"):
@@ -117,18 +117,18 @@ class Storage:
 
 @dataclass(frozen=True)
 class Cache:
-    budget: Budget = Budget()
-    policy: CachePolicy = CachePolicy.LRU
-    scope: CacheScope = CacheScope.GLOBAL
-    warm: bool = False              # pre-load each layer's most-used experts (measured on held-out text)
+    budget: Budget = Budget()                   # Budget.nbytes -> workbench.cache.ExpertCache (Session)
+    policy: CachePolicy = CachePolicy.LRU       # ExpertCache
+    scope: CacheScope = CacheScope.GLOBAL       # ExpertCache, Session.warm_start
+    warm: bool = False              # Session.warm_start: each layer's most-used experts (held-out text) loaded first
 
 
 @dataclass(frozen=True)
 class Prefetch:
-    predictor: Predictor | None = None
-    depth: int = 1                  # lookahead: layers ahead
+    predictor: Predictor | None = None          # workbench.predict.make_predictor
+    depth: int = 1                  # lookahead (predict.Lookahead): layers ahead
     width: int = 1                  # lookahead: experts named per layer, in multiples of top-k
-    skip_layers: int | None = None  # prerouter: MoE layers routed exactly (None: the heads' own)
+    skip_layers: int | None = None  # prerouter (edge0.serve.make_prerouter): MoE layers routed exactly (None: the heads')
 
     @classmethod
     def parse(cls, text: str | None) -> "Prefetch":
@@ -159,9 +159,9 @@ class Prefetch:
 
 @dataclass(frozen=True)
 class Routing:
-    router: Router = Router.EXACT
-    beta: float = 0.0               # cache_bias: logit bonus of experts in memory
-    lora: bool = True               # prerouter: serve the recovery LoRA (unmerged)
+    router: Router = Router.EXACT               # Session._routing
+    beta: float = 0.0               # cache_bias: logit bonus of experts in memory (workbench.routing.route's bias)
+    lora: bool = True               # prerouter: serve the recovery LoRA, unmerged (edge0.serve.prerouter_routing)
 
     @classmethod
     def parse(cls, text: str) -> "Routing":
@@ -187,8 +187,8 @@ class Routing:
 
 @dataclass(frozen=True)
 class Execution:
-    order: Order = Order.WAIT_ALL
-    speculative: int = 0            # draft tokens verified per target step (0: plain decoding)
+    order: Order = Order.WAIT_ALL               # workbench.streamer.ExpertStreamer.run_layer
+    speculative: int = 0            # Session.generate -> workbench.speculative: drafts verified per step (0: none)
 
 
 # flat knob name (run records, Session overrides) -> (concern, field, parse)
