@@ -1,0 +1,145 @@
+"""The hybrid linear-attention MoE family (Qwen3-Next, Qwen3.5-MoE, MiniCPM-V 4.7's language model) on the
+numpy engine, against transformers' own implementation of each, on tiny random checkpoints (hybrid_fixtures.py):
+three Gated DeltaNet layers then one gated full-attention layer, 16 experts top-4 and a shared expert.
+
+- a bf16 pack matches transformers' fp32 logits within 1e-4, for a prefill and for decoding token by token
+  through the recurrent state, the convolution state and the KV cache;
+- truncate restores the linear-attention state exactly (re-decoding equals a fresh run); a truncate past the
+  checkpoints it keeps is refused;
+- streaming the experts under every exact design and budget gives the logits of every expert resident.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_fixtures import HYBRID, make_hybrid
+from engines.hybrid import CHECKPOINT_WINDOW
+from workbench.errors import WorkbenchError
+from workbench.models.hf import HFModel
+from workbench.session import Session
+from workbench.store.pack import Pack
+
+TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
+SPLIT = 9
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="session")
+def hybrid_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid-models")
+    return {f: make_hybrid(f, root / f) for f in HYBRID}
+
+
+def hf_logits(path, family, ids):
+    import transformers as tf
+    cls = tf.MiniCPMV4_7ForConditionalGeneration if family == "minicpmv4_7" else tf.AutoModelForCausalLM
+    model = cls.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def ours(path, ids, decode_from=None, preset="teacher", **kw):
+    with Session(str(path), preset, **kw) as s:
+        s.engine.reset()
+        if decode_from is None:
+            return s.step(ids, "prefill")
+        rows = [s.step(ids[:decode_from], "prefill")] + [s.step([t], "decode") for t in ids[decode_from:]]
+        return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_prefill_and_decode_match_transformers(hybrid_models, family):
+    ref = hf_logits(hybrid_models[family], family, TOKENS)
+    np.testing.assert_allclose(ours(hybrid_models[family], TOKENS), ref, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(ours(hybrid_models[family], TOKENS, decode_from=SPLIT), ref, atol=ATOL, rtol=0)
+
+
+def test_spec_reads_the_hybrid_config(hybrid_models):
+    spec = HFModel(hybrid_models["qwen3_next"]).spec
+    assert spec.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert spec.rope_dim == 4 and spec.head_dim == 16            # partial_rotary_factor 0.25
+    assert spec.shared_expert_size == 48 and spec.shared_expert_gate and spec.attn_output_gate
+    assert spec.moe_layers == [0, 1, 2, 3]                      # every layer has a MoE block: lookahead crosses all
+    mini = HFModel(hybrid_models["minicpmv4_7"])
+    assert not any("vision" in hf or "merger" in hf for _, hf in mini.where.values())
+
+
+def test_zero_centred_norms_are_loaded_as_one_plus_weight(hybrid_models):
+    from safetensors.numpy import load_file
+    path = hybrid_models["qwen3_5_moe"]
+    raw = load_file(str(path / "model.safetensors"))
+    m = HFModel(path)
+    np.testing.assert_array_equal(m.tensor("layers.0.attn_norm"), raw["model.layers.0.input_layernorm.weight"] + 1)
+    np.testing.assert_array_equal(m.tensor("layers.3.q_norm"), raw["model.layers.3.self_attn.q_norm.weight"] + 1)
+    np.testing.assert_array_equal(m.tensor("layers.0.lin_norm"), raw["model.layers.0.linear_attn.norm.weight"])
+
+
+def test_truncate_then_redecode_equals_a_fresh_run(hybrid_models):
+    path = hybrid_models["qwen3_next"]
+    fresh = ours(path, TOKENS, decode_from=SPLIT)
+    with Session(str(path), "teacher") as s:
+        s.engine.reset()
+        s.step(TOKENS[:SPLIT], "prefill")
+        s.step([250, 251, 252], "decode")                         # a rejected speculative draft
+        s.engine.truncate(SPLIT)
+        rows = [s.step([t], "decode") for t in TOKENS[SPLIT:]]
+        np.testing.assert_array_equal(np.concatenate(rows), fresh[SPLIT:])
+        s.engine.truncate(SPLIT + 2)                              # back inside the decoded run
+        np.testing.assert_array_equal(np.concatenate([s.step([t], "decode") for t in TOKENS[SPLIT + 2:]]),
+                                      fresh[SPLIT + 2:])
+
+
+def test_truncate_keeps_each_prompts_end_and_refuses_older_positions(hybrid_models):
+    path = hybrid_models["qwen3_5_moe"]
+    with Session(str(path), "teacher") as s:
+        s.engine.reset()
+        s.step(TOKENS[:SPLIT], "prefill")
+        for t in range(CHECKPOINT_WINDOW + 3):
+            s.step([t % 300], "decode")
+        with pytest.raises(WorkbenchError, match="cannot truncate the linear-attention state to position 3"):
+            s.engine.truncate(3)
+        s.engine.truncate(SPLIT)                                  # the prompt's end is kept
+        np.testing.assert_array_equal(np.concatenate([s.step([t], "decode") for t in TOKENS[SPLIT:]]),
+                                      ours(path, TOKENS, decode_from=SPLIT)[SPLIT:])
+
+
+def decode(path, preset, n=10, **kw):
+    with Session(str(path), preset, **kw) as s:
+        s.engine.reset()
+        logits = [s.step(TOKENS[:6], "prefill")[-1]]
+        toks = []
+        for _ in range(n):
+            toks.append(int(np.argmax(logits[-1])))
+            logits.append(s.step([toks[-1]], "decode")[-1])
+        return toks, np.stack(logits), s.summary()
+
+
+PATHS = [dict(budget="0.25"), dict(budget="0.5", execution="ready_first"),
+         dict(budget="0.25", execution="ready_first", predictor="lookahead:1:2k"),
+         dict(budget="0.25", execution="ready_first", predictor="lookahead:2:k", cache_scope="per_layer"),
+         dict(budget="0.25", execution="ready_first", predictor="history", cache_policy="lfu")]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_every_exact_path_equals_resident(hybrid_models, family):
+    ref_toks, ref_logits, _ = decode(hybrid_models[family], "resident")
+    for path in PATHS:
+        toks, logits, summary = decode(hybrid_models[family], "on_demand", **path)
+        assert toks == ref_toks, path
+        np.testing.assert_array_equal(logits, ref_logits, err_msg=str(path))
+        assert summary["misses"] > 0, "the path streamed nothing: the comparison would be empty"
+    _, les_resident, _ = decode(hybrid_models[family], "resident", experts="q3")
+    np.testing.assert_array_equal(decode(hybrid_models[family], "les")[1], les_resident)   # les stores q3 experts
+    _, smol_resident, _ = decode(hybrid_models[family], "resident", experts="q2")
+    np.testing.assert_array_equal(decode(hybrid_models[family], "smol")[1], smol_resident)
+
+
+def test_convert_streams_the_routed_experts_and_keeps_the_shared_one_resident(hybrid_models, tmp_path):
+    from workbench.store.pack import convert
+    path = convert(hybrid_models["qwen3_next"], tmp_path / "next.pack")
+    pack = Pack(path)
+    assert pack.num_expert_total == 4 * 16
+    assert {f"layers.{i}.shared.{p}" for i in range(4) for p in ("gate", "up", "down")} <= set(pack.tensors)
+    assert "layers.0.lin_qkvz" in pack.tensors and "layers.3.q" in pack.tensors
