@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_fixtures import HYBRID, make_hybrid
+from hybrid_fixtures import HYBRID
 from engines.hybrid import CHECKPOINT_WINDOW
 from workbench.errors import WorkbenchError
 from workbench.models.hf import HFModel
@@ -24,12 +24,6 @@ from workbench.store.pack import Pack
 TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
 SPLIT = 9
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="session")
-def hybrid_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrid-models")
-    return {f: make_hybrid(f, root / f) for f in HYBRID}
 
 
 def hf_logits(path, family, ids):
@@ -143,3 +137,30 @@ def test_convert_streams_the_routed_experts_and_keeps_the_shared_one_resident(hy
     assert pack.num_expert_total == 4 * 16
     assert {f"layers.{i}.shared.{p}" for i in range(4) for p in ("gate", "up", "down")} <= set(pack.tensors)
     assert "layers.0.lin_qkvz" in pack.tensors and "layers.3.q" in pack.tensors
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Qwen3-Next's routing shape: 512 experts, top-10 and the shared expert (one DeltaNet and one full layer)."""
+    from hybrid_fixtures import make_hybrid
+    return make_hybrid("qwen3_next", tmp_path_factory.mktemp("wide") / "qwen3_next", num_hidden_layers=2,
+                       full_attention_interval=2, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=16)
+
+
+def test_warm_sets_and_cache_bias_with_512_experts_top10_and_the_shared_expert_outside_the_budget(wide):
+    runs = {}
+    for preset in ("smol", "smol_bias"):
+        with Session(str(wide), preset, budget="0.1") as s:
+            usage = s.usage()
+            assert sorted(usage) == [0, 1] and all(len(c) == 512 for c in usage.values())
+            assert len({sum(c) for c in usage.values()}) == 1 and sum(usage[0]) % 10 == 0   # 10 experts a token
+            s.engine.reset()
+            s.step(TOKENS[:6], "prefill")
+            for t in TOKENS[6:]:
+                s.step([t], "decode")
+            assert s.budget_bytes <= 0.1 * s.pack.num_expert_total * s.item_bytes + s.item_bytes
+            assert all(0 <= e < 512 for _, e in s.cache.keys())      # the cache holds routed experts only
+            assert "layers.0.shared.gate" in s.engine.w                  # the shared expert is resident, always
+            runs[preset] = s.summary()
+    # with 512 experts a 0.05 bias outweighs most softmax scores: routing leans on what is in memory
+    assert runs["smol_bias"]["hits"] > runs["smol"]["hits"]
