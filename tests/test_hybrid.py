@@ -164,3 +164,26 @@ def test_warm_sets_and_cache_bias_with_512_experts_top10_and_the_shared_expert_o
             runs[preset] = s.summary()
     # with 512 experts a 0.05 bias outweighs most softmax scores: routing leans on what is in memory
     assert runs["smol_bias"]["hits"] > runs["smol"]["hits"]
+
+
+def test_info_prints_what_the_model_needs_in_memory(hybrid_models, capsys):
+    import json
+
+    from safetensors import safe_open
+    from workbench.cli import main
+    path = hybrid_models["qwen3_next"]
+    assert main(["info", "--model", str(path), "--budget", "0.25", "--json"]) in (0, None)
+    mem = json.loads(capsys.readouterr().out)["memory"]
+    with safe_open(str(path / "model.safetensors"), "np") as f:
+        dense = sum(f.get_tensor(k).size for k in f.keys() if ".experts." not in k)
+    assert mem["resident_f32_bytes"] == 4 * dense
+    assert mem["experts"] == 64 and mem["expert_bytes"]["bf16"] == 64 * 3 * 64 * 32 * 2
+    assert mem["cache_bytes"] == 16 * 3 * 64 * 32 * 4                 # a quarter of the experts, in f32
+    with Session(str(path), "teacher") as s:
+        s.engine.reset()
+        s.step(TOKENS, "prefill")
+        state = sum(a.nbytes for conv_s in s.engine.lin.values() for a in conv_s)
+        kv = sum(K[:, :s.engine.pos].nbytes + V[:, :s.engine.pos].nbytes for i, (K, V) in enumerate(s.engine.kv)
+                 if not s.spec.is_linear(i))
+    assert mem["linear_state_bytes"] == state
+    assert mem["kv_bytes_per_token"] * len(TOKENS) == kv
