@@ -18,8 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from engines.hybrid import split_fused_projections
 from workbench.errors import WorkbenchError
+from workbench.spec_hybrid import split_fused_projections
 
 
 @dataclass(frozen=True)

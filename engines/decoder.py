@@ -158,10 +158,10 @@ class Decoder(GatedDeltaNet, Engine):
         s, W, p = self.spec, self.W, f"layers.{i}."
         T = x.shape[0]
         q, k, v = x @ W(p + "q").T, x @ W(p + "k").T, x @ W(p + "v").T
-        if s.attn_output_gate:      # each query head is followed by as many gate dims for its output
-            q, gate = (a.reshape(T, -1) for a in self.xp.split(q.reshape(T, s.num_heads, 2 * s.head_dim), 2, axis=-1))
         if self.deltas:
             q, k, v = (self.delta(p + n, x, a) for n, a in zip("qkv", (q, k, v)))
+        if s.attn_output_gate:      # each query head is followed by as many gate dims for its output
+            q, gate = (a.reshape(T, -1) for a in self.xp.split(q.reshape(T, s.num_heads, 2 * s.head_dim), 2, axis=-1))
         if s.attention_bias:
             q, k, v = q + W(p + "q_bias"), k + W(p + "k_bias"), v + W(p + "v_bias")
         if s.qk_norm == "full":

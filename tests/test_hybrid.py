@@ -187,3 +187,80 @@ def test_info_prints_what_the_model_needs_in_memory(hybrid_models, capsys):
                  if not s.spec.is_linear(i))
     assert mem["linear_state_bytes"] == state
     assert mem["kv_bytes_per_token"] * len(TOKENS) == kv
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_chat_completions_use_the_models_own_template(hybrid_models, tmp_path):
+    import http.client
+    import json
+    import shutil
+    import threading
+
+    from evals.server import make_server
+    model = shutil.copytree(hybrid_models["qwen3_5_moe"], tmp_path / "chat")
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+    with Session(str(model), "resident", direct=False) as s:
+        srv = make_server(s, "127.0.0.1", 0, model_id="tiny", quiet=True)
+        th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        th.start()
+        try:
+            c = http.client.HTTPConnection(*srv.server_address, timeout=60)
+            c.request("POST", "/v1/chat/completions", json.dumps({"model": "tiny", "messages": msgs, "max_tokens": 3,
+                                                                  "temperature": 0}), {"Content-Type": "application/json"})
+            body = json.loads(c.getresponse().read())
+        finally:
+            srv.shutdown()
+            srv.server_close()
+        want = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n"
+        assert s.pack.header["chat_template"] == CHATML
+        assert body["usage"]["prompt_tokens"] == len(s.encode(want))
+        assert len(s.encode(want)) != len(s.encode("System: Be brief.\nUser: Tell me a story.\nAssistant:"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "minicpmv4_7"])
+def test_the_trainers_torch_decoder_matches_transformers(hybrid_models, family, tmp_path):
+    """training/model.py gains the family's layers: from a bf16 pack, a full forward and token-by-token decoding
+    with its cache (conv and delta-rule state, keys and values) give transformers' logits."""
+    from training.model import MoEDecoder
+    from workbench.edge0.artifacts import pack_weights
+    from workbench.store.pack import convert
+    pack = Pack(convert(hybrid_models[family], tmp_path / "p.pack", experts="bf16", rest="bf16"))
+    model = MoEDecoder.from_pack(pack, *pack_weights(pack))
+    ref = hf_logits(hybrid_models[family], family, TOKENS)
+    with torch.no_grad():
+        full = model(torch.tensor([TOKENS]))[0][0].numpy()
+        cache = {}
+        steps = np.concatenate([model(torch.tensor([[t]]), cache=cache)[0][0].numpy() for t in TOKENS])
+    np.testing.assert_allclose(full, ref, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(steps, ref, atol=ATOL, rtol=0)
+
+
+def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
+    """Edge0 on the hybrid: the trainers' torch path (int4 + prerouter heads + a LoRA on the full-attention layer's
+    q, k, v, o) is what `--preset edge0` serves, whole sequence and token by token."""
+    import shutil
+
+    from test_edge0 import pack_of, student_logits, teacher_forced, write_heads
+    from workbench.edge0.artifacts import artifact_path, model_identity, save_safetensors
+    m = shutil.copytree(hybrid_models["qwen3_next"], tmp_path / "edge0-next")
+    pack = pack_of(m)
+    rng = np.random.default_rng(1)
+    t = {}
+    for proj in ("q", "k", "v", "o"):
+        out, inp = pack.tensors[f"layers.3.{proj}"]["shape"]
+        t |= {f"lora.3.{proj}.A": rng.normal(0, 0.2, (4, inp)), f"lora.3.{proj}.B": rng.normal(0, 0.2, (out, 4))}
+    lp = save_safetensors(artifact_path(pack, "lora"), t, "lora", {**model_identity(pack), "rank": 4, "alpha": 8.0,
+                          "scale": 2.0, "targets": ["q", "k", "v", "o"], "num_layers": 4})
+    hp = write_heads(m, pack=pack)
+    ids = TOKENS[:8] * 2
+    with Session(str(m), "edge0", budget="all") as s:
+        served = teacher_forced(s, ids)
+    with Session(str(m), "edge0", budget="all", routing="prerouter:nolora") as s:
+        assert np.abs(teacher_forced(s, ids) - served).max() > 1e-3        # the adapter on layer 3 is served
+    full, inc = student_logits(pack, ids, hp, lp)
+    np.testing.assert_allclose(full, served, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
