@@ -116,7 +116,7 @@ PATHS = [dict(budget="0.25"), dict(budget="0.5", execution="ready_first"),
          dict(budget="0.25", execution="ready_first", predictor="history", cache_policy="lfu")]
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", HYBRID)
 def test_every_exact_path_equals_resident(hybrid_models, family):
     ref_toks, ref_logits, _ = decode(hybrid_models[family], "resident")
     for path in PATHS:
@@ -264,3 +264,21 @@ def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
     full, inc = student_logits(pack, ids, hp, lp)
     np.testing.assert_allclose(full, served, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
+
+
+def test_gguf_of_the_family_is_refused_in_one_line(hybrid_models, tmp_path):
+    """llama.cpp knows qwen3next / qwen35moe, the workbench does not write or read them yet: a clear refusal."""
+    import gguf
+
+    from engines.gguf_export import export_gguf
+    from workbench.models.gguf_model import GGUFModel
+    with pytest.raises(WorkbenchError, match="cannot export to GGUF: family 'qwen3_next'"):
+        export_gguf(HFModel(hybrid_models["qwen3_next"]), tmp_path / "next.gguf")
+    assert not (tmp_path / "next.gguf").exists()
+    w = gguf.GGUFWriter(str(tmp_path / "next.gguf"), "qwen3next")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(WorkbenchError, match="qwen3next"):
+        GGUFModel(tmp_path / "next.gguf")
