@@ -302,3 +302,22 @@ def test_gguf_of_the_rest_of_the_family_is_refused_in_one_line(hybrid_models, tm
     w.close()
     with pytest.raises(WorkbenchError, match="qwen3next"):
         GGUFModel(tmp_path / "next.gguf")
+
+
+def test_mtp_heads_are_not_read_and_bad_configs_fail_in_one_line(hybrid_models, tmp_path, capsys):
+    import json
+    import shutil
+
+    from safetensors.numpy import save_file
+    from workbench.cli import main
+    m = shutil.copytree(hybrid_models["qwen3_next"], tmp_path / "with-mtp")
+    save_file({"mtp.fc.weight": np.ones((64, 128), np.float32),
+               "mtp.layers.0.mlp.experts.0.gate_proj.weight": np.ones((32, 64), np.float32)}, str(m / "mtp.safetensors"))
+    assert not [hf for _, hf in HFModel(m).where.values() if hf.startswith("mtp")]
+    assert all(not hf.startswith("mtp") for _, hf, _ in HFModel(m).experts.values())
+    cfg = json.loads((m / "config.json").read_text())
+    del cfg["linear_conv_kernel_dim"]
+    (m / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", "--model", str(m)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "config.json: missing field 'linear_conv_kernel_dim'" in err and len(err.splitlines()) == 1
