@@ -268,7 +268,8 @@ def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
 
 def test_llamacpp_runs_the_exported_qwen3next_gguf_with_our_greedy_tokens(hybrid_models, tmp_path):
     """export-gguf writes the tiny Qwen3-Next as llama.cpp's qwen3next (f16): stock llama.cpp generates our greedy
-    tokens, and its logits over the prompt and everything generated agree with ours to f16 precision. (f16 can flip
+    tokens, its logits over the prompt and everything generated agree with ours to f16 precision, and the GGUF
+    imports back as the same model. (f16 can flip
     a router choice where two experts nearly tie, and a flip lives on in the recurrent state: on this random model
     some prompts hit one, so the prompt is fixed and the agreement is checked over the whole run.)"""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")
@@ -284,10 +285,14 @@ def test_llamacpp_runs_the_exported_qwen3next_gguf_with_our_greedy_tokens(hybrid
         logits = llm.forward(prompt + mine[:-1])
     assert theirs == mine
     np.testing.assert_allclose(logits, ours(path, prompt + mine[:-1]), atol=3e-2, rtol=0)
+    # and back: the GGUF imports as the same model (f16 holds the bf16 weights exactly)
+    from workbench.models.gguf_model import GGUFModel
+    assert GGUFModel(gguf_path).spec == HFModel(path).spec
+    np.testing.assert_allclose(ours(gguf_path, prompt + mine[:-1]), ours(path, prompt + mine[:-1]), atol=ATOL, rtol=0)
 
 
 def test_gguf_of_the_rest_of_the_family_is_refused_in_one_line(hybrid_models, tmp_path):
-    """Qwen3.5-MoE does not export, and no qwen3next / qwen35moe GGUF imports yet: a clear refusal."""
+    """Qwen3.5-MoE does not export, and a qwen35moe GGUF does not import yet: a clear refusal."""
     import gguf
 
     from engines.gguf_export import export_gguf
@@ -295,13 +300,13 @@ def test_gguf_of_the_rest_of_the_family_is_refused_in_one_line(hybrid_models, tm
     with pytest.raises(WorkbenchError, match="cannot export to GGUF: family 'qwen3_5_moe"):
         export_gguf(HFModel(hybrid_models["qwen3_5_moe"]), tmp_path / "q35.gguf")
     assert not (tmp_path / "q35.gguf").exists()
-    w = gguf.GGUFWriter(str(tmp_path / "next.gguf"), "qwen3next")
+    w = gguf.GGUFWriter(str(tmp_path / "q35.gguf"), "qwen35moe")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     w.close()
-    with pytest.raises(WorkbenchError, match="qwen3next"):
-        GGUFModel(tmp_path / "next.gguf")
+    with pytest.raises(WorkbenchError, match="GGUF architecture 'qwen35moe' is not a supported MoE family"):
+        GGUFModel(tmp_path / "q35.gguf")
 
 
 def test_mtp_heads_are_not_read_and_bad_configs_fail_in_one_line(hybrid_models, tmp_path, capsys):
