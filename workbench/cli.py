@@ -140,6 +140,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
 
     from workbench.edge0.cli import register; register(sub, verb)  # ladder edge0
+    from workbench.sweep import register; register(sub, verb)  # sweep GRID.yaml on Ray
     from engines.llamacpp_cli import register; register(sub, verb)  # export-gguf, trace, replay, bench-peer; bench --engine llamacpp
     args = ap.parse_args(argv)
     try:

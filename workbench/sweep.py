@@ -1,0 +1,213 @@
+"""Sweeps: a grid of cells run as Ray tasks, locally by default, on a cluster when given one.
+
+    python -m workbench sweep benchmarks/grids/demo_budgets.yaml [--address ADDR] [--json]
+
+`ray.init()` starts Ray on this machine; `--address` (or RAY_ADDRESS) joins a running cluster, whose every node
+has the project installed (`pip install -e ".[sweep]"`). Timing groups (workbench.grid) run one per node at a
+time, each pinned to its node and asking for all of its CPUs (or the grid's timing_cpus), so no two timing
+cells share a machine; quality cells ask for one CPU each and pack, after the timing groups. A failed cell is
+retried once, then reported with its error; the others finish. Each cell's run record comes back to this
+process and is written under runs/ (atomically, its config marked with the sweep and the cell), and the
+sweep table (one row per cell: its axes, status, error, node, times and headline numbers) goes to
+runs/sweeps/<name>.parquet. Re-running a grid skips the cells whose records are already there.
+
+Ray is imported only here (the `sweep` extra).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from workbench.grid import Cell, Grid, describe, load_grid, run_quality, run_timing
+from workbench.runs import list_runs, place_run, runs_dir, write_table
+from workbench.spec import WorkbenchError
+
+METRICS = ("tok_s", "tok_s_min", "tok_s_max", "hit_rate", "prefetch_recall", "bytes_read_per_token",
+           "achieved_over_floor", "ppl", "kl", "top1", "routing_agreement_mean")
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise WorkbenchError(f"sweep needs Ray ({e}); pip install -e '.[sweep]'") from None
+    return ray
+
+
+def finished_cells(root: Path | None = None) -> dict:
+    """{cell id: record path} of the sweep cells whose run records are under runs/ (the newest wins)."""
+    out = {}
+    for p in list_runs(root):
+        try:
+            cell = json.loads((p / "config.json").read_text()).get("sweep", {}).get("cell")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if cell:
+            out[cell] = p
+    return out
+
+
+def headline(summary: dict, cell: Cell) -> dict:
+    row = {k: summary.get(k) for k in METRICS}
+    if cell.kind == "eval lm":
+        from evals.lm import primary
+        for task, m in (summary.get("results") or {}).items():
+            name, v, _ = primary({f"{k},none": x for k, x in m.items()})
+            row[f"{task.removesuffix('_local')} {name}"] = v
+    return {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
+            for k, v in row.items()}
+
+
+def bring_home(grid: Grid, cell: Cell, res: dict) -> Path:
+    """Write a cell's returned run record under this machine's runs/, its config marked with the sweep."""
+    name, files = res["record"]
+    cfg = json.loads(files["config.json"])
+    cfg["sweep"] = {"name": grid.name, "grid": grid.source, "cell": cell.id, "kind": cell.kind, "design": cell.name,
+                    "node": res["node"], "intervals": res["intervals"]}
+    return place_run(name, {**files, "config.json": (json.dumps(cfg, indent=1, default=str) + "\n").encode()})
+
+
+def _node() -> str:
+    import ray
+    return f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}"
+
+
+def _timing_task(cells):
+    return [{**r, "node": _node()} for r in run_timing(cells)]
+
+
+def _quality_task(cell):
+    return [{**run_quality(cell), "node": _node()}]
+
+
+def _failed(cells, e, node="?") -> list[dict]:
+    return [{"cell": c.id, "status": "failed", "error": describe(e), "intervals": [], "node": node} for c in cells]
+
+
+def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progress: bool = True) -> dict:
+    """Run every cell of `grid` not already finished; returns {"sweep", "table", "rows", "counts"}."""
+    from tqdm import tqdm
+    ray = require_ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    by_id = {c.id: c for c in grid.cells}
+    rows = {c.id: {**c.row(), "status": "pending", "error": None, "attempts": 0, "resumed": False, "node": None,
+                   "t_start": None, "t_end": None, "intervals": [], "run": None} for c in grid.cells}
+    bar = tqdm(total=len(grid.cells), desc=f"sweep {grid.name}", unit="cell", file=sys.stderr, disable=not progress)
+    done = finished_cells() if resume else {}
+    for cid, path in done.items():
+        if cid in rows:
+            cfg = json.loads((path / "config.json").read_text())["sweep"]
+            summary = json.loads((path / "summary.json").read_text())
+            rows[cid].update(status="ok", resumed=True, node=cfg.get("node"), run=str(path),
+                             **headline(summary, by_id[cid]))
+            bar.update(1)
+    todo = [c for c in grid.cells if c.id not in done]
+    timing = ray.remote(_timing_task)
+    quality = ray.remote(_quality_task)
+
+    def land(results, retry: list):
+        for res in results:
+            cell, row = by_id[res["cell"]], rows[res["cell"]]
+            row["attempts"] += 1
+            iv = [tuple(map(float, i)) for i in res["intervals"]]
+            row.update(node=res["node"], intervals=row["intervals"] + iv)
+            if iv:
+                row["t_start"] = row["t_start"] or iv[0][0]
+                row["t_end"] = iv[-1][1]
+            if res["status"] == "ok":
+                row.update(status="ok", error=None, run=str(bring_home(grid, cell, res)),
+                           **headline(res["summary"], cell))
+            elif row["attempts"] < 2:
+                retry.append(cell)
+                continue
+            else:
+                row.update(status="failed", error=res["error"])
+            bar.update(1)
+
+    try:
+        # timing groups: one at a time per node, pinned to it, holding its CPUs
+        nodes = [(n["NodeID"], int(n["Resources"].get("CPU", 0))) for n in ray.nodes()
+                 if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
+        if not nodes:
+            raise WorkbenchError("the Ray cluster has no node with a CPU to run cells on")
+        queue, busy = list(grid.groups(todo)), {}          # busy: {task: (node, group)}
+        while queue or busy:
+            for node_id, cpus in nodes:
+                if queue and node_id not in {n for n, _ in busy.values()}:
+                    group = queue.pop(0)
+                    ref = timing.options(num_cpus=min(grid.timing_cpus or cpus, cpus),
+                                         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+                    busy[ref.remote(group)] = (node_id, group)
+            ready, _ = ray.wait(list(busy), num_returns=1)
+            _, group = busy.pop(ready[0])
+            retry = []
+            try:
+                land(ray.get(ready[0]), retry)
+            except Exception as e:  # noqa: BLE001 - the task itself died (a worker crash, a lost node)
+                land(_failed(group, e), retry)
+            if retry:
+                queue.append(retry)
+        # quality cells pack: one CPU each, Ray places them
+        pending = {quality.options(num_cpus=1).remote(c): c for c in todo if not c.timing}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            cell = pending.pop(ready[0])
+            retry = []
+            try:
+                land(ray.get(ready[0]), retry)
+            except Exception as e:  # noqa: BLE001
+                land(_failed([cell], e), retry)
+            for c in retry:
+                pending[quality.options(num_cpus=1).remote(c)] = c
+    finally:
+        bar.close()
+        if started:
+            ray.shutdown()
+    table = write_sweep_table(grid, list(rows.values()))
+    counts = {s: sum(r["status"] == s for r in rows.values()) for s in ("ok", "failed")}
+    counts["resumed"] = sum(r["resumed"] for r in rows.values())
+    return {"sweep": grid.name, "grid": grid.source, "table": str(table), "rows": list(rows.values()), "counts": counts}
+
+
+def write_sweep_table(grid: Grid, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    cols = sorted({k for r in rows for k in r})
+    first = [k for k in next(iter(rows), {}) if k in cols]
+    order = first + [k for k in cols if k not in first]
+    table = pa.Table.from_pylist([{k: r.get(k) for k in order} for r in rows])
+    table = table.replace_schema_metadata({"sweep": grid.name, "grid": grid.source,
+                                           "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    return write_table(table, runs_dir() / "sweeps" / f"{grid.name}.parquet")
+
+
+def text(res: dict) -> str:
+    lines = [f"sweep {res['sweep']}: {res['counts']['ok']} ok ({res['counts']['resumed']} from earlier records), "
+             f"{res['counts']['failed']} failed; table {res['table']}",
+             f"{'kind':13} {'design':22} {'budget':>7} {'status':7} {'tok/s':>7} {'KL':>9} {'ppl':>8}  node"]
+    fmt = lambda v, f: "" if v is None else format(v, f)
+    for r in res["rows"]:
+        lines.append(f"{r['kind']:13} {r['design'][:22]:22} {str(r['budget']):>7} {r['status']:7} "
+                     f"{fmt(r.get('tok_s'), '7.2f'):>7} {fmt(r.get('kl'), '9.5f'):>9} {fmt(r.get('ppl'), '8.3f'):>8}  "
+                     f"{r['node'] or ''}" + (f"\n    error: {r['error']}" if r["error"] else ""))
+    return "\n".join(lines)
+
+
+def cmd_sweep(args):
+    from workbench.cli import _print
+    grid = load_grid(args.grid)
+    res = run_grid(grid, address=args.address or os.environ.get("RAY_ADDRESS"), progress=not args.quiet)
+    _print(args, res, text(res))
+
+
+def register(sub, verb):
+    p = verb("sweep", cmd_sweep, "a grid of bench and eval cells on Ray (local, or a cluster with --address)")
+    p.add_argument("grid", help="the grid file (YAML): models, cells, axes; see workbench/grid.py")
+    p.add_argument("--address", default=None, help="a Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
