@@ -15,6 +15,7 @@ from test_bad_input import assert_one_line_error, cli
 
 ray = pytest.importorskip("ray")
 MB = 2 ** 20
+PAGE = REPO / "dashboards" / "pages" / "3_Sweeps.py"
 
 
 @pytest.fixture(scope="module")
@@ -96,46 +97,6 @@ def test_bad_grid_is_one_line_naming_the_file(tmp_path, text, needle):
     assert_one_line_error(cli("sweep", str(p)), str(p), needle)
 
 
-# ---------------------------------------------------------------- on a local Ray
-
-@pytest.mark.slow
-def test_local_sweep_records_resume_and_a_failing_cell(tmp_path, tiny, monkeypatch):
-    from workbench.grid import load_grid
-    from workbench.runs import list_runs, read_run
-    from workbench.sweep import run_grid
-    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
-    grid = load_grid(grid_file(tmp_path, tiny, ["0.5", "1KiB"]))     # 1KiB holds no expert: those cells fail
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * MB, logging_level="ERROR")
-    try:
-        res = run_grid(grid, progress=False)
-        records = set(list_runs())
-        again = run_grid(grid, progress=False)
-    finally:
-        ray.shutdown()
-    rows = {(r["kind"], r["design"], r["budget"]): r for r in res["rows"]}
-    assert len(rows) == 8 and res["counts"] == {"ok": 4, "failed": 4, "resumed": 0}
-    for (kind, design, budget), r in rows.items():
-        if budget == "1KiB":
-            assert r["status"] == "failed" and r["attempts"] == 2 and "budget" in r["error"], r
-            continue
-        assert r["status"] == "ok" and r["attempts"] == 1 and r["node"]
-        rec = read_run(r["run"])                                   # the record came home, whole
-        assert rec["config"]["sweep"]["cell"] == r["cell"] and rec["config"]["preset"]["name"] == design
-        if kind == "bench":
-            assert len(rec["summary"]["tok_s_rounds"]) == 2 and len(rec["events"]) > 0
-            assert rec["summary"]["tok_s"] == r["tok_s"] > 0 and len(r["intervals"]) == 2
-        else:
-            assert rec["config"]["eval"] == "ppl" and r["ppl"] == rec["summary"]["ppl"] > 1
-    assert len(records) == 4 and not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
-    no_overlap_per_node(res["rows"])
-    table = pq.read_table(res["table"]).to_pylist()
-    assert sorted((t["cell"], t["status"]) for t in table) == sorted((r["cell"], r["status"]) for r in res["rows"])
-    # the re-run skips the finished cells (no new records) and tries the failed ones again
-    assert again["counts"] == {"ok": 4, "failed": 4, "resumed": 4}
-    assert set(list_runs()) == records
-    assert {r["run"] for r in again["rows"] if r["resumed"]} == {r["run"] for r in res["rows"] if r["run"]}
-
-
 # ---------------------------------------------------------------- on a two-node cluster, through the CLI
 
 @pytest.mark.slow
@@ -160,3 +121,99 @@ def test_cluster_sweep_from_the_command_line(tmp_path, tiny):
     by_node = no_overlap_per_node(res["rows"])
     assert len(by_node) == 2, "the two timing groups ran one on each node"
     assert "sweep c" in out.stderr                                         # the progress bar
+
+
+# ---------------------------------------------------------------- on a local Ray
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray of 2 CPUs for the tests below (a Ray start-up takes seconds here)."""
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * MB, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_local_sweep_records_resume_and_a_failing_cell(tmp_path, tiny, monkeypatch, local_ray):
+    from workbench.grid import load_grid
+    from workbench.runs import list_runs, read_run
+    from workbench.sweep import run_grid
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    grid = load_grid(grid_file(tmp_path, tiny, ["0.5", "1KiB"]))     # 1KiB holds no expert: those cells fail
+    res = run_grid(grid, progress=False)
+    records = set(list_runs())
+    again = run_grid(grid, progress=False)
+    rows = {(r["kind"], r["design"], r["budget"]): r for r in res["rows"]}
+    assert len(rows) == 8 and res["counts"] == {"ok": 4, "failed": 4, "resumed": 0}
+    for (kind, design, budget), r in rows.items():
+        if budget == "1KiB":
+            assert r["status"] == "failed" and r["attempts"] == 2 and "budget" in r["error"], r
+            continue
+        assert r["status"] == "ok" and r["attempts"] == 1 and r["node"]
+        rec = read_run(r["run"])                                   # the record came home, whole
+        assert rec["config"]["sweep"]["cell"] == r["cell"] and rec["config"]["preset"]["name"] == design
+        if kind == "bench":
+            assert len(rec["summary"]["tok_s_rounds"]) == 2 and len(rec["events"]) > 0
+            assert rec["summary"]["tok_s"] == r["tok_s"] > 0 and len(r["intervals"]) == 2
+        else:
+            assert rec["config"]["eval"] == "ppl" and r["ppl"] == rec["summary"]["ppl"] > 1
+    assert len(records) == 4 and not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
+    no_overlap_per_node(res["rows"])
+    table = pq.read_table(res["table"]).to_pylist()
+    assert sorted((t["cell"], t["status"]) for t in table) == sorted((r["cell"], r["status"]) for r in res["rows"])
+    # the re-run skips the finished cells (no new records) and tries the failed ones again
+    assert again["counts"] == {"ok": 4, "failed": 4, "resumed": 4}
+    assert set(list_runs()) == records
+    assert {r["run"] for r in again["rows"] if r["resumed"]} == {r["run"] for r in res["rows"] if r["run"]}
+
+
+
+
+@pytest.mark.slow
+def test_ladder_is_one_timing_group_of_alternating_rungs(tmp_path, tiny, monkeypatch, local_ray):
+    from workbench.ladder import les_rungs, run_ladder
+    from workbench.runs import read_run
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    res = run_ladder("les", model=str(tiny), tokens=3, rounds=2)
+    names = [p.name for p in les_rungs()]
+    assert [r["rung"] for r in res["rungs"]] == names and res["rungs"][0]["speedup"] == 1.0
+    rounds = []
+    for i, r in enumerate(res["rungs"]):
+        rec = read_run(r["run"])
+        cfg = rec["config"]
+        assert (cfg["ladder"], cfg["rung"], cfg["rung_index"], cfg["preset"]["name"]) == ("les", names[i], i, names[i])
+        assert rec["summary"]["tok_s_rounds"] == r["tok_s_rounds"] and len(r["tok_s_rounds"]) == 2
+        assert r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"]
+        rounds.append(cfg["sweep"]["intervals"])
+    flat = [tuple(iv[r]) for r in (0, 1) for iv in rounds]
+    assert flat == sorted(flat), "the rounds did not run A B C ... then A B C ..."
+    assert "speculative" in res["rungs"][-1]["rung"] and res["rungs"][-1]["tokens"] == 3
+
+
+def test_sweeps_page_empty_state_names_the_command(monkeypatch, tmp_path):
+    from streamlit.testing.v1 import AppTest
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    at = AppTest.from_file(str(PAGE), default_timeout=60).run()
+    assert not at.exception and "No sweep tables" in at.info[0].value
+    assert [c.value for c in at.code] == ["python -m workbench sweep benchmarks/grids/demo_budgets.yaml"]
+
+
+def test_sweeps_page_draws_a_sweep_table(monkeypatch, tmp_path):
+    from streamlit.testing.v1 import AppTest
+    from workbench.grid import parse_grid
+    from workbench.sweep import write_sweep_table
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    grid = parse_grid({"cells": ["bench", "eval teacher"], "axes": {"preset": ["on_demand", "les"],
+                                                                    "budget": ["0.25", "0.5"]}}, "t.yaml")
+    rows = []
+    for i, c in enumerate(grid.cells):       # the numbers are made up: this checks the drawing, not a measurement
+        failed = c.kind == "bench" and c.budget == "0.5" and c.preset == "les"
+        rows.append({**c.row(), "status": "failed" if failed else "ok", "error": "boom" if failed else None,
+                     "attempts": 2 if failed else 1, "node": "n1", "tok_s": 10.0 + i if c.timing and not failed else None,
+                     "kl": 0.01 * i if c.kind == "eval teacher" else None, "resumed": False, "run": None})
+    write_sweep_table(grid, rows)
+    at = AppTest.from_file(str(PAGE), default_timeout=60).run()
+    assert not at.exception and not at.info
+    assert "8 cells: 7 ok, 1 failed" in at.markdown[0].value
+    assert len(at.get("vega_lite_chart")) == 2 and "boom" in at.warning[0].value
+    assert at.dataframe[0].value.shape[0] == 8

@@ -30,7 +30,7 @@ import statistics
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from workbench.presets import Preset, get_preset
@@ -40,7 +40,7 @@ KINDS = ("bench", "eval ppl", "eval teacher", "eval lm")
 AXES = ("preset", "budget", "experts", "engine", "task")
 NOT_YET = {"device": "device profiles do not exist yet", "simulate": "the simulator does not exist yet"}
 SETTINGS = {   # per kind: the settings that make a cell (defaults as the verbs', but a bounded ppl/KL text)
-    "bench": {"tokens": 64, "rounds": 3, "prompt": "Once upon a time", "page_cache": False},
+    "bench": {"tokens": 64, "rounds": 3, "prompt": "Once upon a time", "page_cache": False, "heldout_tokens": 0},
     "eval ppl": {"data": "tinystories", "ctx": 512, "chunks": 4, "page_cache": False},
     "eval teacher": {"data": "tinystories", "ctx": 512, "chunks": 4, "page_cache": False},
     "eval lm": {"limit": 50, "page_cache": False},
@@ -88,13 +88,14 @@ class Cell:
                 "engine": self.engine, "task": self.task}
 
     @classmethod
-    def of(cls, kind: str, model: str, preset: Preset, base: str, budget=None, **settings) -> "Cell":
+    def of(cls, kind: str, model: str, preset: Preset, base: str, budget=None, engine: str = "numpy",
+           task: str | None = None, **settings) -> "Cell":
         """A cell running `preset`, a variant of the named preset `base` (e.g. a ladder's rung)."""
         ref = get_preset(base).to_dict()
         over = tuple(sorted((k, v) for k, v in preset.to_dict().items()
                             if k not in ("name", "description") and v != ref[k]))
-        return cls(kind, model, base, preset.name, over, None if budget is None else str(budget),
-                   settings=tuple(sorted({**SETTINGS[kind], **settings}.items())))
+        return cls(kind, model, base, preset.name, over, None if budget is None else str(budget), engine, task,
+                   tuple(sorted({**SETTINGS[kind], **settings}.items())))
 
 
 ARM_FIELDS = {"preset": ("preset", "design", "overrides"), "experts": ("design", "overrides"), "budget": ("budget",),
@@ -114,6 +115,7 @@ class Grid:
     arms: tuple = ("preset", "experts")
     timing_cpus: int | None = None
     source: str = ""
+    labels: dict = field(default_factory=dict)    # {cell id: fields added to its record's config} (a ladder's rung)
 
     def groups(self, cells=None) -> list[list[Cell]]:
         out = {}
@@ -292,6 +294,12 @@ def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
             except Exception as e:  # noqa: BLE001
                 d["error"] = describe(e)
             d["intervals"].append((t0, time.time()))
+    for c in cells:
+        if c.get("heldout_tokens") and not done[c.id]["error"]:
+            try:
+                done[c.id]["heldout"] = heldout(c)
+            except Exception as e:  # noqa: BLE001
+                done[c.id]["error"] = describe(e)
     out = []
     for c in cells:
         d = done[c.id]
@@ -301,8 +309,25 @@ def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
         tps = [t for t, _ in d["rounds"]]
         name, files = sorted(d["rounds"], key=lambda r: r[0])[len(tps) // 2][1]
         summary = json.loads(files["summary.json"])
-        summary.update(tok_s=statistics.median(tps), tok_s_min=min(tps), tok_s_max=max(tps), tok_s_rounds=tps)
+        summary.update(tok_s=statistics.median(tps), tok_s_min=min(tps), tok_s_max=max(tps), tok_s_rounds=tps,
+                       **d.get("heldout", {}))
         files = {**files, "summary.json": (json.dumps(summary, indent=1, default=str) + "\n").encode()}
         out.append({"cell": c.id, "status": "ok", "error": None, "record": (name, files), "summary": summary,
                     "intervals": d["intervals"]})
     return out
+
+
+def heldout(cell: Cell) -> dict:
+    """Held-out TinyStories decoded token by token (teacher-forced) in a fresh session, so the cache and a
+    cache-aware bias evolve as in generation: its perplexity and miss rate."""
+    import numpy as np
+
+    from workbench.bench import open_session
+    from workbench.ladder import decode_nll
+    from workbench.textdata import heldout_ids
+    with open_session(cell.model, cell.preset_obj(), budget=cell.budget, prompt=cell.get("prompt"),
+                      tokens=cell.get("tokens"), engine=cell.engine, direct=not cell.get("page_cache")) as s:
+        ids = heldout_ids(s.tokenizer, "tinystories", cell.get("heldout_tokens"))
+        s.reset_telemetry()
+        nll = decode_nll(s, ids)
+        return {"heldout_ppl": float(np.exp(nll.mean())), "heldout_miss_rate": 1.0 - s.summary()["hit_rate"]}

@@ -62,13 +62,14 @@ def headline(summary: dict, cell: Cell) -> dict:
             for k, v in row.items()}
 
 
-def bring_home(grid: Grid, cell: Cell, res: dict) -> Path:
+def bring_home(grid: Grid, cell: Cell, res: dict, root: Path) -> Path:
     """Write a cell's returned run record under this machine's runs/, its config marked with the sweep."""
     name, files = res["record"]
     cfg = json.loads(files["config.json"])
+    cfg.update(grid.labels.get(cell.id, {}))
     cfg["sweep"] = {"name": grid.name, "grid": grid.source, "cell": cell.id, "kind": cell.kind, "design": cell.name,
                     "node": res["node"], "intervals": res["intervals"]}
-    return place_run(name, {**files, "config.json": (json.dumps(cfg, indent=1, default=str) + "\n").encode()})
+    return place_run(name, {**files, "config.json": (json.dumps(cfg, indent=1, default=str) + "\n").encode()}, root)
 
 
 def _node() -> str:
@@ -88,8 +89,10 @@ def _failed(cells, e, node="?") -> list[dict]:
     return [{"cell": c.id, "status": "failed", "error": describe(e), "intervals": [], "node": node} for c in cells]
 
 
-def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progress: bool = True) -> dict:
-    """Run every cell of `grid` not already finished; returns {"sweep", "table", "rows", "counts"}."""
+def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progress: bool = True,
+             root: Path | None = None) -> dict:
+    """Run every cell of `grid` not already finished; returns {"sweep", "table", "rows", "counts"}.
+    Records and the sweep table go under `root` (default: runs/)."""
     from tqdm import tqdm
     ray = require_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -100,7 +103,8 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
     rows = {c.id: {**c.row(), "status": "pending", "error": None, "attempts": 0, "resumed": False, "node": None,
                    "t_start": None, "t_end": None, "intervals": [], "run": None} for c in grid.cells}
     bar = tqdm(total=len(grid.cells), desc=f"sweep {grid.name}", unit="cell", file=sys.stderr, disable=not progress)
-    done = finished_cells() if resume else {}
+    root = root or runs_dir()
+    done = finished_cells(root) if resume else {}
     for cid, path in done.items():
         if cid in rows:
             cfg = json.loads((path / "config.json").read_text())["sweep"]
@@ -122,7 +126,7 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
                 row["t_start"] = row["t_start"] or iv[0][0]
                 row["t_end"] = iv[-1][1]
             if res["status"] == "ok":
-                row.update(status="ok", error=None, run=str(bring_home(grid, cell, res)),
+                row.update(status="ok", error=None, run=str(bring_home(grid, cell, res, root)),
                            **headline(res["summary"], cell))
             elif row["attempts"] < 2:
                 retry.append(cell)
@@ -170,13 +174,13 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
         bar.close()
         if started:
             ray.shutdown()
-    table = write_sweep_table(grid, list(rows.values()))
+    table = write_sweep_table(grid, list(rows.values()), root)
     counts = {s: sum(r["status"] == s for r in rows.values()) for s in ("ok", "failed")}
     counts["resumed"] = sum(r["resumed"] for r in rows.values())
     return {"sweep": grid.name, "grid": grid.source, "table": str(table), "rows": list(rows.values()), "counts": counts}
 
 
-def write_sweep_table(grid: Grid, rows: list[dict]) -> Path:
+def write_sweep_table(grid: Grid, rows: list[dict], root: Path | None = None) -> Path:
     import pyarrow as pa
     cols = sorted({k for r in rows for k in r})
     first = [k for k in next(iter(rows), {}) if k in cols]
@@ -184,7 +188,7 @@ def write_sweep_table(grid: Grid, rows: list[dict]) -> Path:
     table = pa.Table.from_pylist([{k: r.get(k) for k in order} for r in rows])
     table = table.replace_schema_metadata({"sweep": grid.name, "grid": grid.source,
                                            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-    return write_table(table, runs_dir() / "sweeps" / f"{grid.name}.parquet")
+    return write_table(table, (root or runs_dir()) / "sweeps" / f"{grid.name}.parquet")
 
 
 def text(res: dict) -> str:
@@ -199,10 +203,36 @@ def text(res: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(res: dict, command: str) -> str:
+    from workbench.runs import environment
+    env = environment()
+    fmt = lambda v, f: "" if v is None else format(v, f)
+    lines = [f"# Sweep {res['sweep']}", "", f"`{command}`", "",
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit `{env['git_commit'][:10]}`, driver on "
+             f"{env['cpu']} ({env['cores']} cores). Timings were taken on a shared, loaded machine. tok/s: median over "
+             "the alternating rounds (min-max); KL(teacher ‖ design) per token and top-1 agreement on held-out text.",
+             "", f"{res['counts']['ok']} cells ok, {res['counts']['failed']} failed. Table: `{Path(res['table']).name}`.",
+             "", "| kind | design | budget | status | tok/s | min-max | hit rate | KL | top-1 | ppl | node |",
+             "|---|---|---|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        mm = f"{r['tok_s_min']:.2f}-{r['tok_s_max']:.2f}" if r.get("tok_s_min") is not None else ""
+        lines.append(f"| {r['kind']} | {r['design']} | {r['budget']} | {r['status']} | {fmt(r.get('tok_s'), '.2f')} | "
+                     f"{mm} | {fmt(r.get('hit_rate'), '.3f')} | {fmt(r.get('kl'), '.5f')} | {fmt(r.get('top1'), '.3f')} | "
+                     f"{fmt(r.get('ppl'), '.3f')} | {r['node'] or ''} |")
+    lines += [""] + [f"- {r['design']} at {r['budget']} failed: {r['error']}" for r in res["rows"] if r["error"]]
+    return "\n".join(lines) + "\n"
+
+
 def cmd_sweep(args):
+    from workbench.atomic import atomic_write
     from workbench.cli import _print
     grid = load_grid(args.grid)
     res = run_grid(grid, address=args.address or os.environ.get("RAY_ADDRESS"), progress=not args.quiet)
+    if args.out:
+        out = Path(args.out)
+        atomic_write(out.with_suffix(".parquet"), Path(res["table"]).read_bytes())
+        atomic_write(out, markdown({**res, "table": str(out.with_suffix(".parquet"))},
+                                   f"python -m workbench sweep {args.grid} --out {args.out}"))
     _print(args, res, text(res))
 
 
@@ -211,3 +241,4 @@ def register(sub, verb):
     p.add_argument("grid", help="the grid file (YAML): models, cells, axes; see workbench/grid.py")
     p.add_argument("--address", default=None, help="a Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--out", default=None, help="also write this Markdown table and the sweep table beside it (.parquet)")
