@@ -9,13 +9,14 @@
       experts: [q4, q3]              # the preset's expert precision, overridden
       engine: [numpy]
       task: [arc_easy, piqa]         # eval lm cells only
-    bench: {tokens: 32, rounds: 3, prompt: "Once upon a time", page_cache: false}
+    bench: {tokens: 32, rounds: 3, prompt: "Once upon a time", page_cache: false, heldout_tokens: 0}
     eval: {data: tinystories, ctx: 512, chunks: 4, limit: 50, page_cache: false}
     arms: [preset, experts]          # axes alternated inside one timing group (the default)
     timing_cpus: 8                   # CPUs a timing group asks for (default: the whole node's)
 
 A bench cell is a timing cell: the bench cells that differ only in their arms form one timing group, run
-on one node as a ladder is (rounds of A B C ..., each arm a fresh session warmed up before it is measured).
+on one node as a ladder is (rounds of A B C ..., each arm a fresh session warmed up before it is measured;
+heldout_tokens > 0 adds held-out perplexity and miss rate, decoded token by token as in generation).
 The other kinds are quality cells, one task each. Every cell runs the verb's own function (workbench.bench.bench,
 evals.ppl.run, evals.teacher.run, evals.lm.run) and returns the run record it wrote as files, so that the
 driver can write it under its own runs/. No Ray here: workbench.sweep schedules cells on Ray.
@@ -82,10 +83,9 @@ class Cell:
 
     def row(self) -> dict:
         """The cell's columns in the sweep table."""
-        o = dict(self.overrides)
+        p = self.preset_obj()
         return {"cell": self.id, "kind": self.kind, "model": self.model, "preset": self.preset, "design": self.name,
-                "budget": self.budget or get_preset(self.preset).budget, "experts": o.get("experts", get_preset(self.preset).experts),
-                "engine": self.engine, "task": self.task}
+                "budget": self.budget or p.budget, "experts": p.experts, "engine": self.engine, "task": self.task}
 
     @classmethod
     def of(cls, kind: str, model: str, preset: Preset, base: str, budget=None, engine: str = "numpy",

@@ -95,36 +95,32 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
     Records and the sweep table go under `root` (default: runs/)."""
     from tqdm import tqdm
     ray = require_ray()
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    root = root or runs_dir()
     by_id = {c.id: c for c in grid.cells}
     rows = {c.id: {**c.row(), "status": "pending", "error": None, "attempts": 0, "resumed": False, "node": None,
                    "t_start": None, "t_end": None, "intervals": [], "run": None} for c in grid.cells}
     bar = tqdm(total=len(grid.cells), desc=f"sweep {grid.name}", unit="cell", file=sys.stderr, disable=not progress)
-    root = root or runs_dir()
     done = finished_cells(root) if resume else {}
     for cid, path in done.items():
         if cid in rows:
             cfg = json.loads((path / "config.json").read_text())["sweep"]
             summary = json.loads((path / "summary.json").read_text())
             rows[cid].update(status="ok", resumed=True, node=cfg.get("node"), run=str(path),
-                             **headline(summary, by_id[cid]))
+                             intervals=[tuple(i) for i in cfg.get("intervals", [])], **headline(summary, by_id[cid]))
             bar.update(1)
-    todo = [c for c in grid.cells if c.id not in done]
-    timing = ray.remote(_timing_task)
-    quality = ray.remote(_quality_task)
 
-    def land(results, retry: list):
+    def land(results) -> list[Cell]:
+        """Record what came back; returns the cells to try once more."""
+        retry = []
         for res in results:
             cell, row = by_id[res["cell"]], rows[res["cell"]]
-            row["attempts"] += 1
             iv = [tuple(map(float, i)) for i in res["intervals"]]
-            row.update(node=res["node"], intervals=row["intervals"] + iv)
+            row.update(attempts=row["attempts"] + 1, node=res["node"], intervals=row["intervals"] + iv)
             if iv:
-                row["t_start"] = row["t_start"] or iv[0][0]
-                row["t_end"] = iv[-1][1]
+                row.update(t_start=row["t_start"] or iv[0][0], t_end=iv[-1][1])
             if res["status"] == "ok":
                 row.update(status="ok", error=None, run=str(bring_home(grid, cell, res, root)),
                            **headline(res["summary"], cell))
@@ -134,42 +130,12 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
             else:
                 row.update(status="failed", error=res["error"])
             bar.update(1)
+        return retry
 
+    todo = [c for c in grid.cells if c.id not in done]
     try:
-        # timing groups: one at a time per node, pinned to it, holding its CPUs
-        nodes = [(n["NodeID"], int(n["Resources"].get("CPU", 0))) for n in ray.nodes()
-                 if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
-        if not nodes:
-            raise WorkbenchError("the Ray cluster has no node with a CPU to run cells on")
-        queue, busy = list(grid.groups(todo)), {}          # busy: {task: (node, group)}
-        while queue or busy:
-            for node_id, cpus in nodes:
-                if queue and node_id not in {n for n, _ in busy.values()}:
-                    group = queue.pop(0)
-                    ref = timing.options(num_cpus=min(grid.timing_cpus or cpus, cpus),
-                                         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-                    busy[ref.remote(group)] = (node_id, group)
-            ready, _ = ray.wait(list(busy), num_returns=1)
-            _, group = busy.pop(ready[0])
-            retry = []
-            try:
-                land(ray.get(ready[0]), retry)
-            except Exception as e:  # noqa: BLE001 - the task itself died (a worker crash, a lost node)
-                land(_failed(group, e), retry)
-            if retry:
-                queue.append(retry)
-        # quality cells pack: one CPU each, Ray places them
-        pending = {quality.options(num_cpus=1).remote(c): c for c in todo if not c.timing}
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            cell = pending.pop(ready[0])
-            retry = []
-            try:
-                land(ray.get(ready[0]), retry)
-            except Exception as e:  # noqa: BLE001
-                land(_failed([cell], e), retry)
-            for c in retry:
-                pending[quality.options(num_cpus=1).remote(c)] = c
+        timing_phase(ray, grid, grid.groups(todo), land)
+        quality_phase(ray, [c for c in todo if not c.timing], land)
     finally:
         bar.close()
         if started:
@@ -178,6 +144,45 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
     counts = {s: sum(r["status"] == s for r in rows.values()) for s in ("ok", "failed")}
     counts["resumed"] = sum(r["resumed"] for r in rows.values())
     return {"sweep": grid.name, "grid": grid.source, "table": str(table), "rows": list(rows.values()), "counts": counts}
+
+
+def timing_phase(ray, grid: Grid, queue: list[list[Cell]], land):
+    """Timing groups one at a time per node, pinned to it and holding its CPUs (or the grid's timing_cpus)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    nodes = [(n["NodeID"], int(n["Resources"].get("CPU", 0))) for n in ray.nodes()
+             if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
+    if not nodes:
+        raise WorkbenchError("the Ray cluster has no node with a CPU to run cells on")
+    task, busy = ray.remote(_timing_task), {}             # busy: {task: (node, group)}
+    while queue or busy:
+        for node_id, cpus in nodes:
+            if queue and node_id not in {n for n, _ in busy.values()}:
+                group = queue.pop(0)
+                run = task.options(num_cpus=min(grid.timing_cpus or cpus, cpus),
+                                   scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+                busy[run.remote(group)] = (node_id, group)
+        ready, _ = ray.wait(list(busy), num_returns=1)
+        _, group = busy.pop(ready[0])
+        try:
+            retry = land(ray.get(ready[0]))
+        except Exception as e:  # noqa: BLE001 - the task itself died (a worker crash, a lost node)
+            retry = land(_failed(group, e))
+        if retry:
+            queue.append(retry)
+
+
+def quality_phase(ray, cells: list[Cell], land):
+    """Quality cells pack: one CPU each, placed by Ray."""
+    task = ray.remote(_quality_task).options(num_cpus=1)
+    pending = {task.remote(c): c for c in cells}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        cell = pending.pop(ready[0])
+        try:
+            retry = land(ray.get(ready[0]))
+        except Exception as e:  # noqa: BLE001
+            retry = land(_failed([cell], e))
+        pending.update({task.remote(c): c for c in retry})
 
 
 def write_sweep_table(grid: Grid, rows: list[dict], root: Path | None = None) -> Path:
