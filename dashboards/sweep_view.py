@@ -11,7 +11,7 @@ from workbench.runs import runs_dir
 
 # (metric, cell kind, axis title): what the grid view draws when the table has it
 VIEWS = [("tok_s", "bench", "decode tok/s (median over rounds)"),
-         ("kl", "eval teacher", "KL(teacher ‖ design) per token"),
+         ("kl", "eval teacher", "KL(teacher || design) per token"),
          ("ppl", "eval ppl", "perplexity")]
 
 
@@ -38,7 +38,7 @@ def read_sweep(path) -> pd.DataFrame:
     return df
 
 
-def grid_chart(df: pd.DataFrame, metric: str, kind: str, title: str) -> alt.Chart | None:
+def grid_chart(df: pd.DataFrame, metric: str, kind: str, title: str, y_title: str | None = None) -> alt.Chart | None:
     """`metric` against the budget for the finished cells of `kind`, one line per design (None when absent)."""
     if metric not in df:
         return None
@@ -48,5 +48,5 @@ def grid_chart(df: pd.DataFrame, metric: str, kind: str, title: str) -> alt.Char
     d = d[["design", "budget fraction", metric, "budget", "node"]]
     return alt.Chart(d, title=title).mark_line(point=True).encode(
         x=alt.X("budget fraction:Q", title="expert cache budget (fraction of all experts)"),
-        y=alt.Y(f"{metric}:Q", title=title), color=alt.Color("design:N", legend=alt.Legend(orient="bottom")),
+        y=alt.Y(f"{metric}:Q", title=y_title or title), color=alt.Color("design:N", legend=alt.Legend(orient="bottom")),
         tooltip=["design", "budget", alt.Tooltip(f"{metric}:Q", format=".4g"), "node"])
