@@ -90,6 +90,7 @@ def test_grid_expands_to_cells_and_timing_groups(tmp_path, tiny):
     ("cells: [bench]\naxes: {budget: [lots]}\n", "--budget 'lots'"),
     ("cells: [bench\n", "not valid YAML"),
     ("cells: [bench]\nbench: {tokenz: 3}\n", "bench: expected a mapping"),
+    ("cells: [bench]\nbench: {tokens: many}\n", "bench.tokens: 'many' is not a number"),
 ])
 def test_bad_grid_is_one_line_naming_the_file(tmp_path, text, needle):
     p = tmp_path / "bad.yaml"

@@ -194,6 +194,11 @@ def parse_grid(doc: dict, path) -> Grid:
         known = set().union(*(SETTINGS[k] for k in KINDS if SECTION[k] == sec))
         if not isinstance(s, dict) or set(s) - known:
             raise WorkbenchError(f"{path}: {sec}: expected a mapping with some of {', '.join(sorted(known))}")
+        for k, v in s.items():
+            want = next(type(SETTINGS[kind][k]) for kind in KINDS if k in SETTINGS[kind])
+            number = want is int and not isinstance(v, bool) and isinstance(v, (int, float) if k == "limit" else int)
+            if not (number and v >= 0 if want is int else isinstance(v, want)):
+                raise WorkbenchError(f"{path}: {sec}.{k}: {v!r} is not a {'number' if want is int else want.__name__}")
         sections[sec] = s
     arms = tuple(_list(path, "arms", doc.get("arms", ["preset", "experts"])))
     if set(arms) - set(AXES):
