@@ -95,9 +95,6 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
     Records and the sweep table go under `root` (default: runs/)."""
     from tqdm import tqdm
     ray = require_ray()
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     root = root or runs_dir()
     by_id = {c.id: c for c in grid.cells}
     rows = {c.id: {**c.row(), "status": "pending", "error": None, "attempts": 0, "resumed": False, "node": None,
@@ -133,9 +130,13 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
         return retry
 
     todo = [c for c in grid.cells if c.id not in done]
+    started = bool(todo) and not ray.is_initialized()
+    if started:
+        ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
-        timing_phase(ray, grid, grid.groups(todo), land)
-        quality_phase(ray, [c for c in todo if not c.timing], land)
+        if todo:
+            timing_phase(ray, grid, grid.groups(todo), land)
+            quality_phase(ray, [c for c in todo if not c.timing], land)
     finally:
         bar.close()
         if started:
