@@ -105,8 +105,10 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
         if cid in rows:
             cfg = json.loads((path / "config.json").read_text())["sweep"]
             summary = json.loads((path / "summary.json").read_text())
-            rows[cid].update(status="ok", resumed=True, node=cfg.get("node"), run=str(path),
-                             intervals=[tuple(i) for i in cfg.get("intervals", [])], **headline(summary, by_id[cid]))
+            iv = [tuple(i) for i in cfg.get("intervals", [])]
+            rows[cid].update(status="ok", resumed=True, node=cfg.get("node"), run=str(path), intervals=iv,
+                             t_start=iv[0][0] if iv else None, t_end=iv[-1][1] if iv else None,
+                             **headline(summary, by_id[cid]))
             bar.update(1)
 
     def land(results) -> list[Cell]:
