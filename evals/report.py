@@ -5,7 +5,7 @@ routing agreement, and lm-eval accuracy on lambada_openai, arc_easy and piqa (fi
 
 Writes results/quality.json and results/quality.md (each atomically: a temporary file, fsync, rename),
 and one run record per preset and evaluation (eval "teacher" and "lm") for `eval compare`. The evaluations
-are the cells of one sweep (workbench.sweep) on a local Ray: they pack onto the machine's cores.
+are the cells of one sweep (experiments.sweep) on a local Ray: they pack onto the machine's cores.
 """
 from __future__ import annotations
 
@@ -21,23 +21,25 @@ DEFAULT_TASKS = ("lambada_openai", "arc_easy", "piqa")
 def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "tinystories", n_ctx: int = 512,
           chunks: int = 8, tasks=DEFAULT_TASKS, limit: int | None = 50, record: bool = True, progress: bool = True,
           engine: str = "numpy", direct: bool = True, log=print) -> dict:
-    """Every preset's `eval teacher` and `eval lm` as the cells of one sweep (workbench.sweep, a local Ray), then
+    """Every preset's `eval teacher` and `eval lm` as the cells of one sweep (experiments.sweep, a local Ray), then
     the rows from their run records. Each teacher cell computes the teacher's side on the same tokens."""
     import json
     import tempfile
 
     from evals.lm import local_task_names, primary, require_lm_eval
-    from workbench.grid import Cell, Grid
-    from workbench.presets import get_preset
+    from evals.sweep import RUNNERS
+    from experiments.grid import Cell, Grid
+    from experiments.sweep import run_grid
+    from workbench.errors import WorkbenchError
+    from workbench.presets import budget_for, get_preset
     from workbench.runs import environment, runs_dir
-    from workbench.spec import WorkbenchError
-    from workbench.sweep import run_grid
     require_lm_eval()
     t0 = time.time()
     tasks = local_task_names(tasks)
     cells = []
     for preset in presets:
-        p, b = get_preset(preset), budget if preset != "teacher" else None
+        p = get_preset(preset)
+        b = budget_for(p, budget)
         cells.append(Cell.of("eval teacher", model, p, preset, b, engine, data=data, ctx=n_ctx, chunks=chunks,
                              page_cache=not direct))
         cells.append(Cell.of("eval lm", model, p, preset, b, engine, ",".join(tasks), limit=limit,
@@ -45,7 +47,7 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
     log(f"{len(presets)} presets: teacher comparison on {chunks} chunks of {n_ctx} tokens of {data}, lm-eval "
         f"({', '.join(tasks)}, limit {limit})")
     with tempfile.TemporaryDirectory(prefix="wb-report-") as scratch:
-        res = run_grid(Grid(f"report_{Path(model).name}", cells), resume=False, progress=progress,
+        res = run_grid(Grid(f"report_{Path(model).name}", cells), RUNNERS, resume=False, progress=progress,
                        root=runs_dir() if record else Path(scratch))
         failed = [r for r in res["rows"] if r["status"] != "ok"]
         if failed:

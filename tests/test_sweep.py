@@ -64,7 +64,7 @@ def no_overlap_per_node(rows):
 # ---------------------------------------------------------------- the grid file
 
 def test_grid_expands_to_cells_and_timing_groups(tmp_path, tiny):
-    from workbench.grid import load_grid
+    from experiments.grid import load_grid
     p = tmp_path / "g.yaml"
     p.write_text(f"models: ['{tiny}']\ncells: [bench, eval teacher, eval lm]\n"
                  "axes: {preset: [les, smol], budget: ['0.25', '0.5'], experts: [q4, q3], task: [piqa]}\n"
@@ -76,7 +76,8 @@ def test_grid_expands_to_cells_and_timing_groups(tmp_path, tiny):
     bench = [c for c in g.cells if c.kind == "bench"]
     assert {c.get("tokens") for c in bench} == {8} and {c.get("rounds") for c in bench} == {3}
     les_q4 = next(c for c in bench if c.preset == "les" and c.name == "les experts q4")
-    assert les_q4.preset_obj().experts == "q4" and les_q4.preset_obj().predictor == "lookahead:1:k"
+    p = les_q4.preset_obj()
+    assert p.storage.experts == "q4" and str(p.prefetch) == "lookahead:1:k"
     groups = g.groups()                                   # the arms (preset x experts) alternate within a budget
     assert sorted(len(x) for x in groups) == [4, 4] and all(len({c.budget for c in x}) == 1 for x in groups)
     assert {c.task for c in g.cells if c.kind == "eval lm"} == {"piqa"}
@@ -136,14 +137,15 @@ def local_ray():
 
 @pytest.mark.slow
 def test_local_sweep_records_resume_and_a_failing_cell(tmp_path, tiny, monkeypatch, local_ray):
-    from workbench.grid import load_grid
+    from experiments.grid import load_grid
     from workbench.runs import list_runs, read_run
-    from workbench.sweep import run_grid
+    from evals.sweep import RUNNERS
+    from experiments.sweep import run_grid
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
     grid = load_grid(grid_file(tmp_path, tiny, ["0.5", "1KiB"]))     # 1KiB holds no expert: those cells fail
-    res = run_grid(grid, progress=False)
+    res = run_grid(grid, RUNNERS, progress=False)
     records = set(list_runs())
-    again = run_grid(grid, progress=False)
+    again = run_grid(grid, RUNNERS, progress=False)
     rows = {(r["kind"], r["design"], r["budget"]): r for r in res["rows"]}
     assert len(rows) == 8 and res["counts"] == {"ok": 4, "failed": 4, "resumed": 0}
     for (kind, design, budget), r in rows.items():
@@ -172,7 +174,7 @@ def test_local_sweep_records_resume_and_a_failing_cell(tmp_path, tiny, monkeypat
 
 @pytest.mark.slow
 def test_ladder_is_one_timing_group_of_alternating_rungs(tmp_path, tiny, monkeypatch, local_ray):
-    from workbench.ladder import les_rungs, run_ladder
+    from experiments.ladder import les_rungs, run_ladder
     from workbench.runs import read_run
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
     res = run_ladder("les", model=str(tiny), tokens=3, rounds=2)
@@ -201,8 +203,8 @@ def test_sweeps_page_empty_state_names_the_command(monkeypatch, tmp_path):
 
 def test_sweeps_page_draws_a_sweep_table(monkeypatch, tmp_path):
     from streamlit.testing.v1 import AppTest
-    from workbench.grid import parse_grid
-    from workbench.sweep import write_sweep_table
+    from experiments.grid import parse_grid
+    from experiments.sweep import write_sweep_table
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
     grid = parse_grid({"cells": ["bench", "eval teacher"], "axes": {"preset": ["on_demand", "les"],
                                                                     "budget": ["0.25", "0.5"]}}, "t.yaml")

@@ -7,7 +7,7 @@
 
 Rounds run every rung once in order (A B C ... A B C ...), each arm a fresh `bench` (a new Session, a
 warm-up, the measured tokens); reads are O_DIRECT, so no arm inherits another's page cache. The rungs
-are one timing group of a sweep (workbench.sweep) on a local Ray. Reported per rung: the median tok/s
+are one timing group of a sweep (experiments.sweep) on a local Ray. Reported per rung: the median tok/s
 with min-max over rounds, and the other fields from the median round's bench record.
 """
 from __future__ import annotations
@@ -15,11 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 from workbench.presets import get_preset
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 BIAS_SWEEP = (0.005, 0.02, 0.05, 0.1, 0.25)
 
@@ -50,27 +48,14 @@ def cache_rungs(spec_top_k: int, item_bytes: int, layers: int, preset: str = "le
     return out
 
 
-def decode_nll(session: Session, ids: list[int]) -> np.ndarray:
-    """Teacher-forced decode, token by token, so the cache (and a cache-aware bias) evolves as in generation."""
-    session.engine.reset()
-    nll = []
-    logits = session.step(ids[:1], "prefill")
-    for i, t in enumerate(ids[1:]):
-        z = logits[-1].astype(np.float64)
-        nll.append(np.log(np.exp(z - z.max()).sum()) + z.max() - z[t])
-        session.engine.token_index = i + 1
-        logits = session.step([t], "decode")
-    return np.asarray(nll)
-
-
 def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3,
                prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None) -> dict:
     """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}.
 
-    The rungs are the arms of one timing group of a sweep (workbench.sweep, on a local Ray): one task, holding
+    The rungs are the arms of one timing group of a sweep (experiments.sweep, on a local Ray): one task, holding
     the machine's CPUs, runs them round by round, and one run record per rung comes back."""
-    from workbench.grid import AXES, Cell, Grid
-    from workbench.sweep import run_grid
+    from experiments.grid import AXES, Cell, Grid
+    from experiments.sweep import run_grid
     if name == "les":
         rungs = [(p, budget) for p in les_rungs()]
     elif name == "smol":

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from workbench.floor import floor_tok_s, probe
-from workbench.presets import get_preset
+from workbench.presets import Predictor, get_preset
 from workbench.capture import RoutingCapture
 from workbench.runs import write_run
 from workbench.session import Session
@@ -25,7 +25,7 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
     res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
                reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"])
-    if (session.preset.predictor or "").startswith("prerouter"):     # Edge0: what its prediction staged and dropped
+    if session.preset.prefetch.predictor is Predictor.PREROUTER:     # Edge0: what its prediction staged and dropped
         from workbench.edge0.serve import edge0_counters
         res.update(edge0_counters(session))
     return res
@@ -42,7 +42,7 @@ def capture_trace(model: str, preset, prompt, tokens: int) -> dict:
 def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: int = 64, **kw) -> Session:
     """A Session; the oracle's trace is captured first from the same tokens."""
     p = get_preset(preset) if isinstance(preset, str) else preset
-    trace = capture_trace(model, p, prompt, tokens) if p.predictor == "oracle" else None
+    trace = capture_trace(model, p, prompt, tokens) if p.prefetch.predictor is Predictor.ORACLE else None
     return Session(model, p, budget=budget, trace=trace, **kw)
 
 

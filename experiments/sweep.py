@@ -1,14 +1,14 @@
 """Sweeps: a grid of cells run as Ray tasks, locally by default, on a cluster when given one.
 
-    python -m workbench sweep benchmarks/grids/demo_budgets.yaml [--address ADDR] [--json]
+    python -m workbench sweep benchmarks/grids/demo_budgets.yaml [--address ADDR] [--json]   (verb: evals.sweep)
 
 `ray.init()` starts Ray on this machine; `--address` (or RAY_ADDRESS) joins a running cluster, whose every node
-has the project installed (`pip install -e ".[sweep]"`). Timing groups (workbench.grid) run one per node at a
+has the project installed (`pip install -e ".[sweep]"`). Timing groups (experiments.grid) run one per node at a
 time, each pinned to its node and asking for all of its CPUs (or the grid's timing_cpus), so no two timing
-cells share a machine; quality cells ask for one CPU each and pack, after the timing groups. A failed cell is
-retried once, then reported with its error; the others finish. Each cell's run record comes back to this
-process and is written under runs/ (atomically, its config marked with the sweep and the cell), and the
-sweep table (one row per cell: its axes, status, error, node, times and headline numbers) goes to
+cells share a machine; quality cells (each run by its kind's Runner) ask for one CPU each and pack, after the
+timing groups. A failed cell is retried once, then reported with its error; the others finish. Each cell's run
+record comes back to this process and is written under runs/ (atomically, its config marked with the sweep and
+the cell), and the sweep table (one row per cell: its axes, status, error, node, times and headline numbers) goes to
 runs/sweeps/<name>.parquet. Re-running a grid skips the cells whose records are already there.
 
 Ray is imported only here (the `sweep` extra).
@@ -16,15 +16,14 @@ Ray is imported only here (the `sweep` extra).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 import time
 from pathlib import Path
 
-from workbench.grid import Cell, Grid, describe, load_grid, run_quality, run_timing
+from experiments.grid import Cell, Grid, Runner, describe, run_quality, run_timing
+from workbench.errors import WorkbenchError
 from workbench.runs import list_runs, place_run, runs_dir, write_table
-from workbench.spec import WorkbenchError
 
 METRICS = ("tok_s", "tok_s_min", "tok_s_max", "hit_rate", "prefetch_recall", "bytes_read_per_token",
            "achieved_over_floor", "ppl", "kl", "top1", "routing_agreement_mean")
@@ -51,13 +50,10 @@ def finished_cells(root: Path | None = None) -> dict:
     return out
 
 
-def headline(summary: dict, cell: Cell) -> dict:
+def headline(summary: dict, runner: Runner | None) -> dict:
     row = {k: summary.get(k) for k in METRICS}
-    if cell.kind == "eval lm":
-        from evals.lm import primary
-        for task, m in (summary.get("results") or {}).items():
-            name, v, _ = primary({f"{k},none": x for k, x in m.items()})
-            row[f"{task.removesuffix('_local')} {name}"] = v
+    if runner and runner.columns:
+        row.update(runner.columns(summary))
     return {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
             for k, v in row.items()}
 
@@ -81,19 +77,25 @@ def _timing_task(cells):
     return [{**r, "node": _node()} for r in run_timing(cells)]
 
 
-def _quality_task(cell):
-    return [{**run_quality(cell), "node": _node()}]
+def _quality_task(cell, runner):
+    return [{**run_quality(cell, runner), "node": _node()}]
 
 
 def _failed(cells, e, node="?") -> list[dict]:
     return [{"cell": c.id, "status": "failed", "error": describe(e), "intervals": [], "node": node} for c in cells]
 
 
-def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progress: bool = True,
-             root: Path | None = None) -> dict:
+def run_grid(grid: Grid, runners: dict[str, Runner] | None = None, address: str | None = None, resume: bool = True,
+             progress: bool = True, root: Path | None = None) -> dict:
     """Run every cell of `grid` not already finished; returns {"sweep", "table", "rows", "counts"}.
+    `runners`: {kind: Runner} for the grid's quality cells (evals.sweep.RUNNERS for the eval kinds).
     Records and the sweep table go under `root` (default: runs/)."""
     from tqdm import tqdm
+    runners = runners or {}
+    missing = sorted({c.kind for c in grid.cells if not c.timing and c.kind not in runners})
+    if missing:
+        raise WorkbenchError(f"sweep {grid.name}: no runner for the cells {', '.join(missing)} "
+                             f"(the eval kinds' are evals.sweep.RUNNERS)")
     ray = require_ray()
     root = root or runs_dir()
     by_id = {c.id: c for c in grid.cells}
@@ -108,7 +110,7 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
             iv = [tuple(i) for i in cfg.get("intervals", [])]
             rows[cid].update(status="ok", resumed=True, node=cfg.get("node"), run=str(path), intervals=iv,
                              t_start=iv[0][0] if iv else None, t_end=iv[-1][1] if iv else None,
-                             **headline(summary, by_id[cid]))
+                             **headline(summary, runners.get(by_id[cid].kind)))
             bar.update(1)
 
     def land(results) -> list[Cell]:
@@ -122,7 +124,7 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
                 row.update(t_start=row["t_start"] or iv[0][0], t_end=iv[-1][1])
             if res["status"] == "ok":
                 row.update(status="ok", error=None, run=str(bring_home(grid, cell, res, root)),
-                           **headline(res["summary"], cell))
+                           **headline(res["summary"], runners.get(cell.kind)))
             elif row["attempts"] < 2:
                 retry.append(cell)
                 continue
@@ -138,7 +140,7 @@ def run_grid(grid: Grid, address: str | None = None, resume: bool = True, progre
     try:
         if todo:
             timing_phase(ray, grid, grid.groups(todo), land)
-            quality_phase(ray, [c for c in todo if not c.timing], land)
+            quality_phase(ray, [c for c in todo if not c.timing], runners, land)
     finally:
         bar.close()
         if started:
@@ -174,10 +176,10 @@ def timing_phase(ray, grid: Grid, queue: list[list[Cell]], land):
             queue.append(retry)
 
 
-def quality_phase(ray, cells: list[Cell], land):
+def quality_phase(ray, cells: list[Cell], runners: dict, land):
     """Quality cells pack: one CPU each, placed by Ray."""
     task = ray.remote(_quality_task).options(num_cpus=1)
-    pending = {task.remote(c): c for c in cells}
+    pending = {task.remote(c, runners[c.kind]): c for c in cells}
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
         cell = pending.pop(ready[0])
@@ -185,7 +187,7 @@ def quality_phase(ray, cells: list[Cell], land):
             retry = land(ray.get(ready[0]))
         except Exception as e:  # noqa: BLE001
             retry = land(_failed([cell], e))
-        pending.update({task.remote(c): c for c in retry})
+        pending.update({task.remote(c, runners[c.kind]): c for c in retry})
 
 
 def write_sweep_table(grid: Grid, rows: list[dict], root: Path | None = None) -> Path:
@@ -229,24 +231,3 @@ def markdown(res: dict, command: str) -> str:
                      f"{fmt(r.get('ppl'), '.3f')} | {r['node'] or ''} |")
     lines += [""] + [f"- {r['design']} at {r['budget']} failed: {r['error']}" for r in res["rows"] if r["error"]]
     return "\n".join(lines) + "\n"
-
-
-def cmd_sweep(args):
-    from workbench.atomic import atomic_write
-    from workbench.cli import _print
-    grid = load_grid(args.grid)
-    res = run_grid(grid, address=args.address or os.environ.get("RAY_ADDRESS"), progress=not args.quiet)
-    if args.out:
-        out = Path(args.out)
-        atomic_write(out.with_suffix(".parquet"), Path(res["table"]).read_bytes())
-        atomic_write(out, markdown({**res, "table": str(out.with_suffix(".parquet"))},
-                                   f"python -m workbench sweep {args.grid} --out {args.out}"))
-    _print(args, res, text(res))
-
-
-def register(sub, verb):
-    p = verb("sweep", cmd_sweep, "a grid of bench and eval cells on Ray (local, or a cluster with --address)")
-    p.add_argument("grid", help="the grid file (YAML): models, cells, axes; see workbench/grid.py")
-    p.add_argument("--address", default=None, help="a Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--out", default=None, help="also write this Markdown table and the sweep table beside it (.parquet)")

@@ -17,9 +17,10 @@
 A bench cell is a timing cell: the bench cells that differ only in their arms form one timing group, run
 on one node as a ladder is (rounds of A B C ..., each arm a fresh session warmed up before it is measured;
 heldout_tokens > 0 adds held-out perplexity and miss rate, decoded token by token as in generation).
-The other kinds are quality cells, one task each. Every cell runs the verb's own function (workbench.bench.bench,
-evals.ppl.run, evals.teacher.run, evals.lm.run) and returns the run record it wrote as files, so that the
-driver can write it under its own runs/. No Ray here: workbench.sweep schedules cells on Ray.
+The other kinds are quality cells, one task each. Every cell runs the verb's own function and returns the run
+record it wrote as files, so that the driver can write it under its own runs/: a bench cell experiments.bench.bench,
+a quality cell the Runner of its kind, given by the caller (the eval kinds' are evals.sweep.RUNNERS: the evals sit
+above the experiments). No Ray here: experiments.sweep schedules cells on Ray.
 """
 from __future__ import annotations
 
@@ -33,9 +34,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from workbench.presets import Preset, get_preset
-from workbench.spec import WorkbenchError
+import numpy as np
+
+from workbench.errors import WorkbenchError
+from workbench.presets import Budget, Preset, get_preset
 
 KINDS = ("bench", "eval ppl", "eval teacher", "eval lm")
 AXES = ("preset", "budget", "experts", "engine", "task")
@@ -85,7 +89,8 @@ class Cell:
         """The cell's columns in the sweep table."""
         p = self.preset_obj()
         return {"cell": self.id, "kind": self.kind, "model": self.model, "preset": self.preset, "design": self.name,
-                "budget": self.budget or p.budget, "experts": p.experts, "engine": self.engine, "task": self.task}
+                "budget": self.budget or str(p.cache.budget), "experts": p.storage.experts, "engine": self.engine,
+                "task": self.task}
 
     @classmethod
     def of(cls, kind: str, model: str, preset: Preset, base: str, budget=None, engine: str = "numpy",
@@ -147,7 +152,6 @@ def load_grid(path) -> Grid:
 
 def parse_grid(doc: dict, path) -> Grid:
     """A grid from its mapping (a parsed grid file); `path` names it in errors and in the records."""
-    from workbench.cache import parse_budget
     from workbench.registry import model_dir
     path = Path(path)
     if not isinstance(doc, dict):
@@ -182,7 +186,7 @@ def parse_grid(doc: dict, path) -> Grid:
             raise WorkbenchError(f"{path}: {e}") from None
     for b in values.get("budget", []):
         try:
-            parse_budget(b, 1)
+            Budget(b)
         except WorkbenchError as e:
             raise WorkbenchError(f"{path}: {e}") from None
     for x in values.get("experts", []):
@@ -214,7 +218,8 @@ def parse_grid(doc: dict, path) -> Grid:
         for combo in itertools.product(*(values[a] for a in names)):
             v = dict(zip(names, combo))
             preset = v.get("preset", "on_demand")
-            over = (("experts", v["experts"]),) if "experts" in v and v["experts"] != get_preset(preset).experts else ()
+            own = get_preset(preset).storage.experts
+            over = (("experts", v["experts"]),) if "experts" in v and v["experts"] != own else ()
             design = preset + (f" experts {v['experts']}" if "experts" in values else "")
             cells.append(Cell(kind, str(model), preset, design, over, v.get("budget"), v.get("engine", "numpy"),
                               v.get("task", "lambada_openai,arc_easy,piqa") if kind == "eval lm" else None, settings))
@@ -247,31 +252,27 @@ def describe(e: BaseException) -> str:
     return str(e) if isinstance(e, WorkbenchError) else f"{type(e).__name__}: {e}"
 
 
-def run_verb(cell: Cell) -> dict:
-    """The cell's verb, as the CLI runs it (run record included); returns the verb's result."""
-    direct = not cell.get("page_cache")
-    p, kw = cell.preset_obj(), dict(budget=cell.budget, engine=cell.engine, direct=direct)
-    if cell.kind == "bench":
-        from workbench.bench import bench
-        return bench(cell.model, p, tokens=cell.get("tokens"), prompt=cell.get("prompt"), **kw)
-    if cell.kind == "eval ppl":
-        from evals.ppl import run
-        return run(cell.model, p, data=cell.get("data"), n_ctx=cell.get("ctx"), chunks=cell.get("chunks"),
-                   progress=False, **kw)
-    if cell.kind == "eval teacher":
-        from evals.teacher import run
-        return run(cell.model, p, data=cell.get("data"), n_ctx=cell.get("ctx"), chunks=cell.get("chunks"),
-                   progress=False, **kw)
-    from evals.lm import run
-    return run(cell.model, p, tasks=cell.task, limit=cell.get("limit"), progress=False, **kw)
+@dataclass(frozen=True)
+class Runner:
+    """How the quality cells of one kind run: `run(cell)` calls the verb's own function, which writes its run
+    record and returns the verb's result; `columns(summary)` gives the kind's own sweep-table columns."""
+    run: Callable
+    columns: Callable | None = None
 
 
-def run_quality(cell: Cell) -> dict:
+def run_bench(cell: Cell) -> dict:
+    """A bench cell: `bench` as the CLI runs it (run record included); returns its result."""
+    from experiments.bench import bench
+    return bench(cell.model, cell.preset_obj(), budget=cell.budget, tokens=cell.get("tokens"), prompt=cell.get("prompt"),
+                 engine=cell.engine, direct=not cell.get("page_cache"))
+
+
+def run_quality(cell: Cell, runner: Runner) -> dict:
     """One quality cell: {"cell", "status", "error", "record", "summary", "intervals"}."""
     t0 = time.time()
     try:
         with captured_records() as recs:
-            run_verb(cell)
+            runner.run(cell)
     except Exception as e:  # noqa: BLE001 - a failed cell is reported, the sweep goes on
         return {"cell": cell.id, "status": "failed", "error": describe(e), "intervals": [(t0, time.time())]}
     name, files = recs[-1]
@@ -294,7 +295,7 @@ def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
             t0 = time.time()
             try:
                 with captured_records() as recs:
-                    res = run_verb(c)
+                    res = run_bench(c)
                 d["rounds"].append((res["tok_s"], recs[-1]))
             except Exception as e:  # noqa: BLE001
                 d["error"] = describe(e)
@@ -325,10 +326,7 @@ def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
 def heldout(cell: Cell) -> dict:
     """Held-out TinyStories decoded token by token (teacher-forced) in a fresh session, so the cache and a
     cache-aware bias evolve as in generation: its perplexity and miss rate."""
-    import numpy as np
-
-    from workbench.bench import open_session
-    from workbench.ladder import decode_nll
+    from experiments.bench import open_session
     from workbench.textdata import heldout_ids
     with open_session(cell.model, cell.preset_obj(), budget=cell.budget, prompt=cell.get("prompt"),
                       tokens=cell.get("tokens"), engine=cell.engine, direct=not cell.get("page_cache")) as s:
@@ -336,3 +334,15 @@ def heldout(cell: Cell) -> dict:
         s.reset_telemetry()
         nll = decode_nll(s, ids)
         return {"heldout_ppl": float(np.exp(nll.mean())), "heldout_miss_rate": 1.0 - s.summary()["hit_rate"]}
+
+
+def decode_nll(session, ids: list[int]) -> np.ndarray:
+    """Teacher-forced decode, token by token, so the cache (and a cache-aware bias) evolves as in generation."""
+    session.engine.reset()
+    nll = []
+    logits = session.step(ids[:1], "prefill")
+    for t in ids[1:]:
+        z = logits[-1].astype(np.float64)
+        nll.append(np.log(np.exp(z - z.max()).sum()) + z.max() - z[t])
+        logits = session.step([t], "decode")
+    return np.asarray(nll)
