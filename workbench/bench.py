@@ -20,11 +20,13 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
     out = session.generate(prompt, tokens=tokens)
     s = session.summary()
     n = max(1, s["decode_steps"])
-    fl = floor_tok_s(session.pack, (s["compute_s"] + s["router_s"]) / n, s["bytes_read_per_token"], probe())
+    disk = session.device.as_probe() if session.device else probe()       # emulated: the profile's flash
+    fl = floor_tok_s(session.pack, (s["compute_s"] + s["router_s"]) / n, s["bytes_read_per_token"], disk)
     res = {k: s[k] for k in SUMMARY_KEYS}
     res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
                reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
-               per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"])
+               per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
+               device=s["device"], emulated=s["emulated"])
     return res
 
 
@@ -44,8 +46,9 @@ def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: 
 
 
 def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
-          engine: str = "numpy", direct: bool = True, record: bool = True) -> dict:
-    with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct) as s:
+          engine: str = "numpy", direct: bool = True, record: bool = True, device: str | None = None) -> dict:
+    with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct,
+                      device=device) as s:
         res = measure(s, prompt, tokens)
         res.update(preset=s.preset.name, budget=s.budget_text)
         if record:

@@ -19,6 +19,7 @@ def running(p):
     p.add_argument("--budget", default=None, help="0.25 (fraction of all experts), 96MiB, or all")
     p.add_argument("--engine", default="numpy")
     p.add_argument("--page-cache", action="store_true", help="buffered reads (labelled page-cache) instead of O_DIRECT")
+    p.add_argument("--device", default=None, help="emulate a device's flash (a profile in data/devices); labelled emulated")
     return p
 
 
@@ -40,7 +41,8 @@ def _jsonable(o):
 
 def _session(args, **kw):
     from workbench.session import Session
-    return Session(args.model, args.preset, budget=args.budget, engine=args.engine, direct=not args.page_cache, **kw)
+    return Session(args.model, args.preset, budget=args.budget, engine=args.engine, direct=not args.page_cache,
+                   device=getattr(args, "device", None), **kw)
 
 
 def cmd_info(args):
@@ -74,6 +76,11 @@ def cmd_convert(args):
 def cmd_probe_disk(args):
     from workbench.floor import probe
     res = probe(args.path, seconds_per_point=args.seconds, refresh=True)
+    if args.save_device:              # this machine as a device profile (data/devices/NAME.json)
+        from workbench.atomic import atomic_write
+        from workbench.devices import DEVICES, profile_from_probe
+        prof = profile_from_probe(res, args.save_device, f"this machine ({args.save_device}), measured by probe-disk")
+        res["device_profile"] = str(atomic_write(DEVICES / f"{args.save_device}.json", json.dumps(prof, indent=1) + "\n"))
     lines = [f"{p['size'] // 1024:>6} KiB  qd {p['depth']}:  {p['mb_s']:8.1f} MB/s  p50 {p['lat_ms_p50']:.3f} ms"
              for p in res["points"]]
     _print(args, res, f"{res['path']} ({res['mode']})\n" + "\n".join(lines))
@@ -90,14 +97,14 @@ def cmd_generate(args):
 def cmd_bench(args):
     from workbench.bench import bench
     res = bench(args.model, args.preset, budget=args.budget, tokens=args.tokens, prompt=args.prompt,
-                engine=args.engine, direct=not args.page_cache, record=not args.no_record)
+                engine=args.engine, direct=not args.page_cache, record=not args.no_record, device=args.device)
     _print(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "per_layer"))
 
 
 def cmd_ladder(args):
     from workbench.ladder import run_ladder, table
     res = run_ladder(args.name, model=args.model, budget=args.budget, tokens=args.tokens, rounds=args.rounds,
-                     progress=None if args.json else print)
+                     progress=None if args.json else print, device=args.device)
     _print(args, res, table(res))
 
 
@@ -122,6 +129,7 @@ def main(argv=None):
     p = verb("probe-disk", cmd_probe_disk, "bandwidth and latency by read size and queue depth")
     p.add_argument("--path", default=None, help="a file or folder on the disk to probe (default: the pack cache)")
     p.add_argument("--seconds", type=float, default=0.3, help="per (size, depth) point")
+    p.add_argument("--save-device", default=None, metavar="NAME", help="also write the fit as data/devices/NAME.json")
     p = running(verb("generate", cmd_generate, "generate text greedily"))
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--tokens", type=int, default=60)
@@ -138,6 +146,7 @@ def main(argv=None):
     p.add_argument("--budget", default="0.25")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default=None, help="emulate a device's flash (a profile in data/devices); labelled emulated")
 
     from workbench.edge0.cli import register; register(sub, verb)  # ladder edge0
     from engines.llamacpp_cli import register; register(sub, verb)  # export-gguf, trace, replay, bench-peer; bench --engine llamacpp

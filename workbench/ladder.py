@@ -65,7 +65,7 @@ def decode_nll(session: Session, ids: list[int]) -> np.ndarray:
 
 
 def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3,
-               prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None) -> dict:
+               prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, device: str | None = None) -> dict:
     """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}."""
     if name == "les":
         rungs = [(p, budget) for p in les_rungs()]
@@ -83,7 +83,7 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     results = {i: [] for i in range(len(rungs))}
     for r in range(rounds):
         for i, (preset, b) in enumerate(rungs):
-            with open_session(model, preset, budget=b, prompt=prompt, tokens=tokens) as s:
+            with open_session(model, preset, budget=b, prompt=prompt, tokens=tokens, device=device) as s:
                 results[i].append(measure(s, prompt, tokens))
                 if progress:
                     progress(f"round {r + 1}/{rounds} {preset.name}: {results[i][-1]['tok_s']:.1f} tok/s")
@@ -111,11 +111,13 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     base = rows[0]["tok_s"]
     for row in rows:
         row["speedup"] = row["tok_s"] / base if base else None
-    return {"ladder": name, "model": model, "budget": budget, "rounds": rounds, "rungs": rows}
+    return {"ladder": name, "model": model, "budget": budget, "rounds": rounds, "rungs": rows, "device": device,
+            "emulated": bool(device)}
 
 
 def table(res: dict) -> str:
-    lines = [f"ladder {res['ladder']} on {res['model']} (budget {res['budget']}, {res['rounds']} alternating rounds)",
+    dev = f", EMULATED {res['device']}" if res.get("device") else ""
+    lines = [f"ladder {res['ladder']} on {res['model']} (budget {res['budget']}, {res['rounds']} alternating rounds{dev})",
              f"{'rung':34} {'tok/s':>7} {'min-max':>13} {'x':>5} {'hit':>5} {'recall':>6} {'wait ms/tok':>11} "
              f"{'KB read/tok':>11} {'/floor':>6}"]
     for r in res["rungs"]:

@@ -16,7 +16,7 @@ from engines import load_engine
 from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache, parse_budget
 from workbench.capture import RoutingCapture
-from workbench.io import Reader
+from workbench.devices import open_reader
 from workbench.predict import make_predictor
 from workbench.presets import Preset, get_preset
 from workbench.registry import cache_dir, resolve_pack, tokenizer_for
@@ -35,7 +35,7 @@ def peak_rss_bytes() -> int:
 class Session:
     def __init__(self, model: str = "demo", preset: str | Preset = "on_demand", budget: str | None = None,
                  engine: str = "numpy", direct: bool = True, workers: int | None = None, progress: bool = False,
-                 trace: dict | None = None, **overrides):
+                 trace: dict | None = None, device: str | None = None, **overrides):
         self.preset = preset if isinstance(preset, Preset) else get_preset(preset)
         if overrides:
             self.preset = self.preset.with_(**overrides)
@@ -52,7 +52,8 @@ class Session:
         self.budget_bytes = parse_budget(self.budget_text, self.all_expert_bytes)
         self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache_policy,
                                  scope=p.cache_scope, min_slots_per_layer=s.top_k)
-        self.reader = Reader(self.pack_path, direct=direct, workers=workers)
+        self.reader = open_reader(self.pack_path, device, direct=direct, workers=workers)   # device: emulated flash
+        self.device = getattr(self.reader, "profile", None)
         self.tel = Telemetry(s.num_layers)
         self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution)
         self.engine = load_engine(engine, self.pack, self.streamer, self.tel)
@@ -177,13 +178,20 @@ class Session:
         s.update(cache_bytes=self.cache.bytes, cache_peak_bytes=self.cache.peak_bytes, budget_bytes=self.budget_bytes,
                  peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode,
                  reader_workers=self.reader.workers, per_layer=self.tel.per_layer("decode"),
-                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes)
+                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes, **self.device_fields())
         return s
 
     def config(self) -> dict:
         return {"model": self.model, "pack": str(self.pack_path), "pack_id": self.pack.content_id(),
                 "engine": self.engine.name, "preset": self.preset.to_dict(), "budget": self.budget_text,
-                "budget_bytes": self.budget_bytes, "reader_mode": self.reader.mode, "spec": self.spec.to_dict()}
+                "budget_bytes": self.budget_bytes, "reader_mode": self.reader.mode, "spec": self.spec.to_dict(),
+                **self.device_fields()}
+
+    def device_fields(self) -> dict:
+        """Emulated flash is labelled wherever a number goes: device (the profile) and emulated: true."""
+        if self.device is None:
+            return {"device": None, "emulated": False}
+        return {"device": self.device.describe(), "emulated": True}
 
     def close(self):
         self.reader.close()
