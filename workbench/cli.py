@@ -86,6 +86,15 @@ def cmd_probe_disk(args):
     _print(args, res, f"{res['path']} ({res['mode']})\n" + "\n".join(lines))
 
 
+def cmd_make_model(args):
+    from workbench.registry import cache_dir
+    from workbench.shapes import make_model
+    out = args.out or cache_dir() / "models" / f"{args.shape}-{args.layers}L-{args.experts or 'all'}E-random"
+    path = make_model(args.shape, args.layers, out, experts=args.experts, seed=args.seed)
+    c = json.loads((path / "random_weights.json").read_text())
+    _print(args, {"path": str(path), **c}, f"wrote {path}: {c['label']}")
+
+
 def cmd_generate(args):
     with _session(args) as s:
         out = s.generate(args.prompt, tokens=args.tokens, stop_at_eos=args.stop_at_eos)
@@ -130,6 +139,13 @@ def main(argv=None):
     p.add_argument("--path", default=None, help="a file or folder on the disk to probe (default: the pack cache)")
     p.add_argument("--seconds", type=float, default=0.3, help="per (size, depth) point")
     p.add_argument("--save-device", default=None, metavar="NAME", help="also write the fit as data/devices/NAME.json")
+    p = verb("make-model", cmd_make_model, "write a random-weight checkpoint with a real model's expert shape")
+    from workbench.shapes import SHAPES
+    p.add_argument("--shape", required=True, choices=list(SHAPES))
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--experts", type=int, default=None, help="experts per layer (default: the model's)")
+    p.add_argument("--out", default=None, help="the directory to write (default: under the pack cache)")
+    p.add_argument("--seed", type=int, default=0)
     p = running(verb("generate", cmd_generate, "generate text greedily"))
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--tokens", type=int, default=60)

@@ -188,10 +188,12 @@ class Session:
                 **self.device_fields()}
 
     def device_fields(self) -> dict:
-        """Emulated flash is labelled wherever a number goes: device (the profile) and emulated: true."""
-        if self.device is None:
-            return {"device": None, "emulated": False}
-        return {"device": self.device.describe(), "emulated": True}
+        """Labels that go wherever a number goes: emulated flash (the device profile), random weights (make-model)."""
+        from pathlib import Path
+        from workbench.shapes import random_label
+        src = self.pack.header.get("source", {}).get("path")
+        return {"device": self.device.describe() if self.device else None, "emulated": self.device is not None,
+                "random_weights": random_label(Path(src)) if src else None}
 
     def close(self):
         self.reader.close()
