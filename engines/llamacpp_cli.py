@@ -87,7 +87,11 @@ def cmd_trace(args):
         meta["data"] = args.data
     else:
         raise WorkbenchError(f"--engine {args.engine!r}: trace supports llamacpp and numpy")
-    out = write_trace(args.out, tr, ids, meta)
+    from workbench.routing_trace import named_predictions
+    from workbench.spec import MoESpec
+    from workbench.traces import _weights_for
+    spec = MoESpec.from_dict(meta["spec"])
+    out = write_trace(args.out, tr, ids, meta, predictions=named_predictions(tr, spec, _weights_for(meta, None, spec)))
     obj = {"path": str(out), "engine": args.engine, "tokens": len(ids), "moe_layers": tr["moe_layers"],
            "top_k": int(tr["topk"].shape[2]), "rows": len(ids) * len(tr["moe_layers"])}
     _print(args, obj, f"wrote {out}: {len(ids)} tokens x {len(tr['moe_layers'])} layers ({args.engine})")

@@ -26,7 +26,8 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
     res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
                reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
-               device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"])
+               device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
+               routing_trace=s["routing_trace"])
     return res
 
 
@@ -41,14 +42,15 @@ def capture_trace(model: str, preset, prompt, tokens: int) -> dict:
 def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: int = 64, **kw) -> Session:
     """A Session; the oracle's trace is captured first from the same tokens."""
     p = get_preset(preset) if isinstance(preset, str) else preset
-    trace = capture_trace(model, p, prompt, tokens) if p.predictor == "oracle" else None
+    trace = capture_trace(model, p, prompt, tokens) if p.predictor == "oracle" and not kw.get("routing_trace") else None
     return Session(model, p, budget=budget, trace=trace, **kw)
 
 
 def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
-          engine: str = "numpy", direct: bool = True, record: bool = True, device: str | None = None) -> dict:
+          engine: str = "numpy", direct: bool = True, record: bool = True, device: str | None = None,
+          routing_trace: str | None = None) -> dict:
     with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct,
-                      device=device) as s:
+                      device=device, routing_trace=routing_trace) as s:
         res = measure(s, prompt, tokens)
         res.update(preset=s.preset.name, budget=s.budget_text)
         if record:

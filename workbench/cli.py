@@ -106,7 +106,8 @@ def cmd_generate(args):
 def cmd_bench(args):
     from workbench.bench import bench
     res = bench(args.model, args.preset, budget=args.budget, tokens=args.tokens, prompt=args.prompt,
-                engine=args.engine, direct=not args.page_cache, record=not args.no_record, device=args.device)
+                engine=args.engine, direct=not args.page_cache, record=not args.no_record, device=args.device,
+                routing_trace=args.routing_trace)
     _print(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "per_layer"))
 
 
@@ -154,6 +155,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--routing-trace", default=None, metavar="FILE",
+                   help="route and predict as recorded in this trace (real reads, real compute; ids mapped, see JSON)")
 
     from evals.cli import register; register(sub, verb)  # eval ppl|teacher|lm|compare|report, serve
     p = verb("ladder", cmd_ladder, "a design's ablation ladder, alternating arms, one run record per rung")

@@ -35,7 +35,7 @@ def peak_rss_bytes() -> int:
 class Session:
     def __init__(self, model: str = "demo", preset: str | Preset = "on_demand", budget: str | None = None,
                  engine: str = "numpy", direct: bool = True, workers: int | None = None, progress: bool = False,
-                 trace: dict | None = None, device: str | None = None, **overrides):
+                 trace: dict | None = None, device: str | None = None, routing_trace: str | None = None, **overrides):
         self.preset = preset if isinstance(preset, Preset) else get_preset(preset)
         if overrides:
             self.preset = self.preset.with_(**overrides)
@@ -58,9 +58,19 @@ class Session:
         self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution)
         self.engine = load_engine(engine, self.pack, self.streamer, self.tel)
         w = self.engine.w
-        usage = self.usage() if (p.warm or (p.predictor or "").startswith("shuffled")) else None
-        self.engine.predictor = make_predictor(p.predictor, s, w, usage=usage, trace=trace, pack=self.pack)
-        self.engine.router_hook = self._router_hook()
+        self.drive = None
+        if routing_trace:              # routing and predictions replayed from a trace (workbench/routing_trace.py)
+            from workbench.routing_trace import TraceDrive
+            if not p.exact or p.speculative:
+                raise WorkbenchError(f"--routing-trace: preset {p.name} changes routing or decodes speculatively; "
+                                     "a trace replays exact routing one token at a time")
+            self.drive = TraceDrive(routing_trace, s, p.predictor)
+            usage = self.drive.usage
+            self.engine.predictor, self.engine.router_hook = self.drive.predictor(), self.drive.route
+        else:
+            usage = self.usage() if (p.warm or (p.predictor or "").startswith("shuffled")) else None
+            self.engine.predictor = make_predictor(p.predictor, s, w, usage=usage, trace=trace, pack=self.pack)
+            self.engine.router_hook = self._router_hook()
         self.reader_bytes0 = 0
         if self.budget_bytes >= self.all_expert_bytes:
             self.streamer.load_resident([(L, e) for L in s.moe_layers for e in range(s.num_experts)])
@@ -193,7 +203,8 @@ class Session:
         from workbench.shapes import random_label
         src = self.pack.header.get("source", {}).get("path")
         return {"device": self.device.describe() if self.device else None, "emulated": self.device is not None,
-                "random_weights": random_label(Path(src)) if src else None}
+                "random_weights": random_label(Path(src)) if src else None,
+                "routing_trace": self.drive.source if self.drive else None}
 
     def close(self):
         self.reader.close()
