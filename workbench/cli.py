@@ -95,6 +95,16 @@ def cmd_make_model(args):
     _print(args, {"path": str(path), **c}, f"wrote {path}: {c['label']}")
 
 
+def cmd_simulate(args):
+    from workbench.simulate import load_compute, run
+    res = run(args.trace, args.preset, args.budget, args.device, shape=args.shape, tokens=args.tokens,
+              prompt=args.prompt_tokens, compute=load_compute(args.compute) if args.compute else None,
+              workers=args.workers, model=args.model, record=not args.no_record)
+    _print(args, res, f"SIMULATED {res['preset']} on {res['device']['label']} ({res['shape_note']}): "
+                      f"{res['tok_s']:.2f} tok/s, hit {res['hit_rate']:.3f}; Belady bound: hit {res['belady_hit_rate']:.3f}, "
+                      f"{res['belady_tok_s']:.2f} tok/s")
+
+
 def cmd_generate(args):
     with _session(args) as s:
         out = s.generate(args.prompt, tokens=args.tokens, stop_at_eos=args.stop_at_eos)
@@ -147,6 +157,18 @@ def main(argv=None):
     p.add_argument("--experts", type=int, default=None, help="experts per layer (default: the model's)")
     p.add_argument("--out", default=None, help="the directory to write (default: under the pack cache)")
     p.add_argument("--seed", type=int, default=0)
+    p = verb("simulate", cmd_simulate, "a design over a routing trace on a virtual clock (no model run); marked simulated")
+    p.add_argument("--trace", required=True)
+    p.add_argument("--preset", default="les")
+    p.add_argument("--budget", default=None)
+    p.add_argument("--device", default="this-machine", help="the device profile that times the reads")
+    p.add_argument("--shape", default=None, help="a real model's expert shape (make-model's shapes)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=4, help="trace rows replayed as the prompt (untimed)")
+    p.add_argument("--workers", type=int, default=None, help="reader threads (default: the profile's queue depth)")
+    p.add_argument("--model", default=None, help="measure the compute profile on this model (default: the trace's)")
+    p.add_argument("--compute", default=None, help="a compute profile JSON instead of measuring one")
+    p.add_argument("--no-record", action="store_true")
     p = running(verb("generate", cmd_generate, "generate text greedily"))
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--tokens", type=int, default=60)
