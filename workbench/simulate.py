@@ -28,6 +28,7 @@ import dataclasses
 import heapq
 import json
 import time
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,7 @@ class ComputeProfile:
     expert_s: float           # per expert computed
     dequant_s: float          # per expert read, at the pack's expert precision
     other_s: float = 0.0      # per token: what the engine spends outside the measured parts
+    issue_s: float = 0.0      # per expert read issued: the compute thread's cost of submitting it (reader pool, futures)
     source: str = ""
 
 
@@ -163,6 +165,8 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     prefetched: set = set()
 
     def issue(keys, t, counted):
+        clock.now += compute.issue_s * len(keys)
+        t = clock.now
         groups = [(g, b) for L in sorted({k[0] for k in keys})
                   for g, b in [([(L, e) for e in run], nb) for run, nb in plan.reads([k[1] for k in keys if k[0] == L])]]
         ready = pool.submit(t, groups)
@@ -317,21 +321,23 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int) 
     return {"belady_hit_rate": 1 - misses / max(1, len(seq)), "belady_misses": misses, "accesses": len(seq)}
 
 
-def run(trace_path: str, preset_name: str, budget: str | None, device: str, shape: str | None = None,
+def run(trace_path: str, preset, budget: str | None, device: str, shape: str | None = None,
         tokens: int = 64, prompt: int = 4, compute: ComputeProfile | None = None, workers: int | None = None,
-        model: str | None = None, record: bool = True) -> dict:
+        model: str | None = None, record: bool = True, spec: MoESpec | None = None) -> dict:
+    """One design over a trace. The simulated model: `spec` if given, else the traced model at `shape`'s expert
+    shape, else the traced model itself. preset: a name or a Preset (a ladder rung)."""
     from workbench import devices
     from workbench.presets import get_preset
     from workbench.routing_trace import TraceDrive
     from workbench.traces import read_trace
-    p = get_preset(preset_name)
+    p = get_preset(preset) if isinstance(preset, str) else preset
     if not p.exact or p.speculative:
         raise WorkbenchError(f"simulate: preset {p.name} changes routing or decodes speculatively; the trace replays exact routing")
     budget = str(budget if budget is not None else p.budget)
     dev = devices.load(device)
     meta = read_trace(trace_path)["meta"]
-    spec = MoESpec.from_dict(meta["spec"])
-    note = "the traced model's shape"
+    note = "the given model's shape" if spec else "the traced model's shape"
+    spec = spec or MoESpec.from_dict(meta["spec"])
     if shape:
         spec, note = shape_spec(shape, meta, spec)
     drive = TraceDrive(trace_path, spec, p.predictor)
@@ -371,8 +377,10 @@ def shape_spec(shape: str, meta: dict, traced: MoESpec) -> tuple[MoESpec, str]:
         raise WorkbenchError(f"--shape {shape}: top-{k} is not a multiple of the trace's top-{meta['top_k']} "
                              f"within {s['num_experts']} experts")
     spec = dataclasses.replace(traced, hidden_size=s["hidden_size"], moe_intermediate_size=s["moe_intermediate_size"],
-                               top_k=k, num_experts=r * meta["num_experts"])
-    return spec, (f"{shape}'s expert shape (d {s['hidden_size']}, moe ff {s['moe_intermediate_size']}, top-{k}) with "
+                               top_k=k, num_experts=r * meta["num_experts"], num_heads=s["num_attention_heads"],
+                               num_kv_heads=s["num_key_value_heads"], head_dim=s["head_dim"])
+    return spec, (f"{shape}'s expert shape (d {s['hidden_size']}, moe ff {s['moe_intermediate_size']}, top-{k}; "
+                  f"{s['num_attention_heads']}/{s['num_key_value_heads']} heads of {s['head_dim']}) with "
                   f"{r * meta['num_experts']} experts ({r} x the trace's) on the trace's {len(traced.moe_layers)} MoE layers")
 
 
@@ -390,35 +398,82 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
         dense = (sum(t.compute_s for t in dec) - sum(e.compute_s for e in evs)) / steps / nl
         router = sum(e.router_s for e in evs) / max(1, len(evs))
         other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
+        expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
+        issue = _issue_cost(s)
         measured_model = s.spec
     rng = np.random.default_rng(0)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
          "up": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
          "down": rng.standard_normal((d, ff), dtype=np.float32) * 0.02}
-    x = rng.standard_normal((1, d), dtype=np.float32)
-    mlp = NumpyEngine.mlp
+    expert = expert_measured
+    if (measured_model.hidden_size, measured_model.moe_intermediate_size) != (d, ff):
+        # another expert shape: the kernel timed at both shapes, the engine's per-expert overhead carried over
+        expert += _mlp_time(NumpyEngine.mlp, d, ff) - _mlp_time(NumpyEngine.mlp, measured_model.hidden_size,
+                                                                measured_model.moe_intermediate_size)
     reps = 20
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        mlp(None, x, w["gate"], w["up"], w["down"])
-    expert = (time.perf_counter() - t0) / reps
     from workbench.store.pack import expert_kind
     enc = {p: (quant.encode(w[p], expert_kind(w[p].shape, experts)) if expert_kind(w[p].shape, experts) != "bf16"
                else None) for p in PARTS}
     t0 = time.perf_counter()
     for _ in range(reps):
-        for p in PARTS:
+        for p in PARTS:                               # as Pack.decode_expert: the checksum, then the codec
             if enc[p] is not None:
+                zlib.crc32(enc[p])
                 quant.decode(enc[p], w[p].shape, expert_kind(w[p].shape, experts))
     deq = (time.perf_counter() - t0) / reps
-    if (measured_model.hidden_size, measured_model.moe_intermediate_size) != (d, ff):
-        scale = d / measured_model.hidden_size          # dense per layer measured on another width: scaled by d^2
-        dense, router = dense * scale * scale, router * scale
-    return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other,
+    if measured_model.to_dict() != spec.to_dict():
+        # another shape: attention projections and the router timed at both shapes, the difference added
+        dense += _dense_time(spec) - _dense_time(measured_model)
+        router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
+                                                                                  measured_model.hidden_size)
+    return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
                                  f"loaded): {model} resident for dense/router/other; expert and {experts} dequant at "
                                  f"d={d}, ff={ff} with the engine's kernels")
+
+
+def _matvec_time(rows: int, cols: int, reps: int = 20) -> float:
+    w = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32) * 0.02
+    x = np.ones((1, cols), np.float32)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        x @ w.T
+    return (time.perf_counter() - t0) / reps
+
+
+def _dense_time(spec: MoESpec) -> float:
+    """The attention projections of one layer for one token (q, k, v, o)."""
+    q, kv, d = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
+    return _matvec_time(q, d) + 2 * _matvec_time(kv, d) + _matvec_time(d, q)
+
+
+def _mlp_time(mlp, d: int, ff: int, reps: int = 20) -> float:
+    rng = np.random.default_rng(0)
+    g, u, dn = (rng.standard_normal(s, dtype=np.float32) * 0.02 for s in ((ff, d), (ff, d), (d, ff)))
+    x = rng.standard_normal((1, d), dtype=np.float32)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mlp(None, x, g, u, dn)
+    return (time.perf_counter() - t0) / reps
+
+
+def _issue_cost(session, n: int = 64) -> float:
+    """The compute thread's time to submit one expert's read to the session's reader pool (reads of experts
+    already in the page cache, so the transfer itself is small), per expert."""
+    from workbench.io import Reader
+    pack = session.pack
+    keys = [(L, e) for L in pack.spec.moe_layers for e in range(pack.spec.num_experts)][:n]
+    with Reader(session.pack_path, direct=False, workers=session.reader.workers) as r:
+        reqs = [((k, i), off, ln) for k in keys for i, (off, ln) in enumerate(pack.expert_reads(*k))]
+        for f in r.submit(reqs).values():
+            f.result()                                   # warm the page cache and the pool
+        t0 = time.perf_counter()
+        futs = r.submit(reqs)
+        issue = time.perf_counter() - t0
+        for f in futs.values():
+            f.result()
+    return issue / len(keys)
 
 
 def load_compute(path) -> ComputeProfile:

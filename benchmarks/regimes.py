@@ -1,0 +1,217 @@
+"""The papers' regime: the simulator calibrated against real runs, then the papers' ladders on their devices.
+
+    python benchmarks/regimes.py --rounds 3 --tokens 32 [--only calibrate,les,smol,ufs35b] [--out results]
+
+calibrate  on_demand, les, smol, oracle, resident on the demo model driven by the shipped demo trace, measured
+           (bench --routing-trace: real reads and compute) and simulated (simulate, same trace, prompt, tokens and
+           reader threads), on this machine and under the emulated UFS phone; alternating arms, medians, min-max
+les        LES's ladder, simulated on the iPhone profile at MiniCPM-V 4.7's expert size (its speculative rung is
+           not simulated: a trace replays one token at a time)
+smol       the pager's miss rate at about smolmaxxing's pool fraction (4 of 32 per layer vs 56 of 512), simulated on
+           the UFS phone, with the demand-only pager and Belady's bound beside it
+ufs35b     les vs on_demand under the emulated UFS phone at Qwen3.6-35B-A3B's expert size: measured on a make-model
+           checkpoint (4 layers, 64 experts, random weights, trace-driven) and simulated
+
+Writes results/regimes.json (every round) and results/regimes.md. Timings come from a shared, loaded machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench.atomic import atomic_write  # noqa: E402
+from workbench.bench import bench  # noqa: E402
+from workbench.ladder import les_rungs, smol_rungs  # noqa: E402
+from workbench.presets import get_preset  # noqa: E402
+from workbench.simulate import measure_compute, run as simulate  # noqa: E402
+from workbench.spec import MoESpec  # noqa: E402
+from workbench.traces import read_trace  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE = str(REPO / "data" / "traces" / "demo-tinystories-256.parquet")
+PROMPT = "Once upon a time"
+DESIGNS = ("on_demand", "les", "smol", "oracle", "resident")
+LES_PAPER = [("on-demand", 3.38), ("+lookahead", 6.57), ("+scheduling & layout", 11.34), ("+mixed precision", 17.16),
+             ("+speculative verification", 20.51)]
+SMOL_PAPER = {"pager": 0.134, "pager + bias": 0.099}
+
+
+def med(xs):
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
+
+
+def prompt_tokens(model="demo") -> int:
+    from workbench.registry import resolve_pack, tokenizer_for
+    from workbench.store.pack import Pack
+    return len(tokenizer_for(Pack(resolve_pack(model, "contiguous", "q4", "q4"))).encode(PROMPT).ids)
+
+
+def calibrate(rounds, tokens, device=None, log=print):
+    spec = MoESpec.from_dict(read_trace(TRACE)["meta"]["spec"])
+    P = prompt_tokens()
+    rows = {d: {"measured": [], "simulated": [], "hit_measured": [], "hit_simulated": []} for d in DESIGNS}
+    for r in range(rounds):
+        for d in DESIGNS:
+            budget = "all" if d == "resident" else "0.25"
+            m = bench("demo", d, budget=budget, tokens=tokens, prompt=PROMPT, routing_trace=TRACE, device=device)
+            cp = measure_compute("demo", spec, get_preset(d).experts)
+            s = simulate(TRACE, d, budget, device or "this-machine", tokens=tokens, prompt=P, compute=cp,
+                         workers=m["reader_workers"])
+            for k, v in (("measured", m["tok_s"]), ("simulated", s["tok_s"]), ("hit_measured", m["hit_rate"]),
+                         ("hit_simulated", s["hit_rate"])):
+                rows[d][k].append(v)
+            log(f"calibrate {device or 'this machine'} round {r + 1} {d}: measured {m['tok_s']:.1f} simulated {s['tok_s']:.1f}")
+    out = []
+    for d in DESIGNS:
+        x = rows[d]
+        mm, ss = med(x["measured"]), med(x["simulated"])
+        out.append({"design": d, "measured_tok_s": mm, "simulated_tok_s": ss, "sim_over_measured": ss["median"] / mm["median"],
+                    "hit_measured": statistics.median(x["hit_measured"]), "hit_simulated": statistics.median(x["hit_simulated"])})
+    return {"device": device or "this-machine", "emulated": bool(device), "rounds": rounds, "tokens": tokens, "rows": out}
+
+
+def les_ladder(tokens, budget="0.1"):
+    """Simulated on the iPhone profile at MiniCPM-V 4.7's expert shape; compute: this engine, measured here."""
+    spec = MoESpec.from_dict(read_trace(TRACE)["meta"]["spec"])
+    from workbench.simulate import shape_spec
+    big, _ = shape_spec("minicpm-v-4.7", read_trace(TRACE)["meta"], spec)
+    cps = {kind: measure_compute("demo", big, kind) for kind in ("q4", "q3")}     # once, shared by the rungs
+    rows = []
+    for rung in les_rungs()[:4]:
+        cp = cps[rung.experts]
+        s = simulate(TRACE, rung, budget, "iphone-les", shape="minicpm-v-4.7", tokens=tokens, compute=cp)
+        rows.append({"rung": rung.name, "tok_s": s["tok_s"], "hit_rate": s["hit_rate"], "expert_bytes": s["expert_disk_bytes"],
+                     "flash_wait_per_token_s": s["flash_wait_per_token_s"], "belady_tok_s": s["belady_tok_s"],
+                     "compute_profile": s["compute_profile"], "shape_note": s["shape_note"]})
+    base = rows[0]["tok_s"]
+    for r, (name, paper) in zip(rows, LES_PAPER):
+        r.update(speedup=r["tok_s"] / base, paper_rung=name, paper_tok_s=paper, paper_speedup=paper / LES_PAPER[0][1])
+    return {"device": "iphone-les", "shape": "minicpm-v-4.7", "budget": budget, "tokens": tokens, "rows": rows}
+
+
+def smol_misses(tokens):
+    spec = MoESpec.from_dict(read_trace(TRACE)["meta"]["spec"])
+    budget = str(4 * len(spec.moe_layers) * 4 * 3 * spec.hidden_size * spec.moe_intermediate_size)   # 4 slots a layer
+    cp = measure_compute("demo", spec, "q2")
+    rows = []
+    for rung in smol_rungs()[:2]:
+        s = simulate(TRACE, rung, budget, "ufs22-phone", tokens=tokens, compute=cp)
+        rows.append({"rung": rung.name, "miss_rate": 1 - s["hit_rate"], "belady_miss_rate": 1 - s["belady_hit_rate"],
+                     "tok_s": s["tok_s"], "pool": f"{s['cache_slots']} of {spec.num_experts} per layer"})
+    return {"device": "ufs22-phone", "pool_fraction": 4 / spec.num_experts, "paper_pool_fraction": 56 / 512,
+            "paper": SMOL_PAPER, "tokens": tokens, "rows": rows}
+
+
+def ufs35b(rounds, tokens, model_dir, log=print):
+    from workbench.models.hf import HFModel
+    spec = HFModel(model_dir).spec
+    arms = {"on_demand": {"measured": [], "simulated": []}, "les": {"measured": [], "simulated": []}}
+    for r in range(rounds):
+        for d in arms:
+            m = bench(model_dir, d, budget="0.25", tokens=tokens, prompt=[1, 2, 3, 4], routing_trace=TRACE,
+                      device="ufs22-phone")
+            cp = measure_compute("demo", spec, get_preset(d).experts)
+            s = simulate(TRACE, d, "0.25", "ufs22-phone", tokens=tokens, prompt=4, compute=cp, spec=spec,
+                         workers=m["reader_workers"])
+            arms[d]["measured"].append(m["tok_s"])
+            arms[d]["simulated"].append(s["tok_s"])
+            arms[d].setdefault("last", {k: m[k] for k in ("hit_rate", "bytes_read_per_token", "flash_wait_per_token_s",
+                                                           "dequant_s", "compute_s", "decode_steps", "random_weights")})
+            log(f"ufs35b round {r + 1} {d}: measured {m['tok_s']:.2f} simulated {s['tok_s']:.2f}")
+    res = {d: {"measured_tok_s": med(a["measured"]), "simulated_tok_s": med(a["simulated"]), "detail": a.get("last")}
+           for d, a in arms.items()}
+    res["measured_ratio"] = res["les"]["measured_tok_s"]["median"] / res["on_demand"]["measured_tok_s"]["median"]
+    res["simulated_ratio"] = res["les"]["simulated_tok_s"]["median"] / res["on_demand"]["simulated_tok_s"]["median"]
+    return {"model": str(model_dir), "device": "ufs22-phone", "rounds": rounds, "tokens": tokens, **res}
+
+
+def markdown(res: dict, cmd: str) -> str:
+    L = [f"# The papers' regime: calibration and ladders", "",
+         f"`{cmd}` ({res['when']}, load average at start {res['load']}). This machine is shared and loaded "
+         "(five engineers on 2 cores): every timing below is under that load; emulated numbers are this machine's "
+         "reads slowed to a device profile (`data/devices/`), simulated numbers come from `simulate` (no model run).", ""]
+    for cal in res.get("calibrate", []):
+        L += [f"## Calibration: simulated vs measured, {'EMULATED ' if cal['emulated'] else ''}{cal['device']}", "",
+              f"Demo model driven by the demo trace, budget 0.25 (resident: all), {cal['tokens']} tokens, "
+              f"{cal['rounds']} alternating rounds, median (min-max).", "",
+              "| design | measured tok/s | simulated tok/s | sim / measured | hit measured | hit simulated |",
+              "|---|---:|---:|---:|---:|---:|"]
+        for r in cal["rows"]:
+            m, s = r["measured_tok_s"], r["simulated_tok_s"]
+            L.append(f"| {r['design']} | {m['median']:.1f} ({m['min']:.1f}-{m['max']:.1f}) | {s['median']:.1f} "
+                     f"({s['min']:.1f}-{s['max']:.1f}) | {r['sim_over_measured']:.2f} | {r['hit_measured']:.3f} | "
+                     f"{r['hit_simulated']:.3f} |")
+        L.append("")
+    if "les" in res:
+        x = res["les"]
+        L += ["## LES's ladder, SIMULATED on the iPhone profile at MiniCPM-V 4.7's expert size", "",
+              f"{x['rows'][0]['shape_note']}; budget {x['budget']}; {x['tokens']} tokens; compute: this engine's, "
+              "measured here (not the iPhone's).", "",
+              "| rung | paper tok/s (iPhone) | paper x | simulated tok/s | simulated x | hit | Belady tok/s |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in x["rows"]:
+            L.append(f"| {r['rung']} | {r['paper_tok_s']} | {r['paper_speedup']:.2f} | {r['tok_s']:.2f} | "
+                     f"{r['speedup']:.2f} | {r['hit_rate']:.3f} | {r['belady_tok_s']:.2f} |")
+        L += [f"| +speculative verification | {LES_PAPER[4][1]} | {LES_PAPER[4][1] / LES_PAPER[0][1]:.2f} | not simulated | | | |", ""]
+    if "smol" in res:
+        x = res["smol"]
+        L += ["## smolmaxxing's pager miss rate, SIMULATED on the UFS phone", "",
+              f"Pool {x['rows'][0]['pool']} ({x['pool_fraction']:.1%}; the paper: 56 of 512, {x['paper_pool_fraction']:.1%}). "
+              f"Paper: {x['paper']['pager']:.1%} miss, {x['paper']['pager + bias']:.1%} with the cache-aware bias.", "",
+              "| rung | simulated miss rate | Belady miss rate (demand) |", "|---|---:|---:|"]
+        for r in x["rows"]:
+            L.append(f"| {r['rung']} | {r['miss_rate']:.3f} | {r['belady_miss_rate']:.3f} |")
+        L.append("")
+    if "ufs35b" in res:
+        x = res["ufs35b"]
+        L += ["## les vs on_demand, EMULATED UFS phone, Qwen3.6-35B-A3B expert size", "",
+              f"Measured: `bench --routing-trace` on {x['model']} (make-model, RANDOM weights, 4 layers, 64 experts) "
+              f"with `--device ufs22-phone`, {x['tokens']} tokens, {x['rounds']} alternating rounds; simulated: "
+              "`simulate` on the same spec, trace and device.", "",
+              "| design | measured tok/s | simulated tok/s |", "|---|---:|---:|"]
+        for d in ("on_demand", "les"):
+            m, s = x[d]["measured_tok_s"], x[d]["simulated_tok_s"]
+            L.append(f"| {d} | {m['median']:.2f} ({m['min']:.2f}-{m['max']:.2f}) | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) |")
+        L += ["", f"les / on_demand: measured {x['measured_ratio']:.2f}x, simulated {x['simulated_ratio']:.2f}x.", ""]
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--only", default="calibrate,les,smol,ufs35b")
+    ap.add_argument("--model35b", default=None, help="a make-model checkpoint (qwen3.6-35b-a3b, 4 layers, 64 experts)")
+    ap.add_argument("--out", default=str(REPO / "results"))
+    args = ap.parse_args(argv)
+    parts = args.only.split(",")
+    res = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load": os.getloadavg()[0]}
+    if "calibrate" in parts:
+        res["calibrate"] = [calibrate(args.rounds, args.tokens), calibrate(args.rounds, args.tokens, "ufs22-phone")]
+    if "les" in parts:
+        res["les"] = les_ladder(args.tokens)
+    if "smol" in parts:
+        res["smol"] = smol_misses(args.tokens)
+    if "ufs35b" in parts:
+        from workbench.registry import cache_dir
+        from workbench.shapes import make_model
+        model = args.model35b or cache_dir() / "models" / "qwen3.6-35b-a3b-4L-64E-random"
+        if not Path(model).exists():
+            make_model("qwen3.6-35b-a3b", 4, model, experts=64)
+        res["ufs35b"] = ufs35b(args.rounds, args.tokens, str(model))
+    out = Path(args.out)
+    cmd = "python benchmarks/regimes.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    atomic_write(out / "regimes.json", json.dumps(res, indent=1, default=str))
+    atomic_write(out / "regimes.md", markdown(res, cmd))
+    print(markdown(res, cmd))
+
+
+if __name__ == "__main__":
+    main()
