@@ -94,6 +94,26 @@ def test_ready_first_computes_the_hit_while_the_miss_arrives_and_a_prefetch_hide
     assert [(r["hits"], r["misses"]) for r in res["per_layer"]] == [(1, 1), (2, 0)]
 
 
+def test_a_read_that_lands_while_the_compute_thread_works_waits_for_the_gil():
+    """One layer routes [0, 1]: 0 cached, 1 read 0.5 -> 2.5 ms while the hit computes (3 ms, 0.5 -> 3.5). The read's
+    1 ms dequant needs the GIL: CPython hands it over after the 5 ms switch interval or when the work ends, here
+    at 3.5; 1 is ready at 4.5, a 1 ms wait, computed 4.5 -> 7.5. Ignoring the GIL (switch 0) the dequant preempts
+    the work at once (0.5 -> 4.5) and 1 is ready at 3.5: no wait, same 7.5 ms. With 10 ms experts the switch
+    interval passes mid-work: the dequant preempts it at 7.5 (work ends 11.5), 1 is ready at 8.5: no wait, 21.5 ms."""
+    drive = Drive([{0: [0, 2]}, {0: [0, 1]}])
+    p = get_preset("les")
+    cpu = dataclasses.replace(CPU, expert_s=3 * MS, dequant_s=1 * MS)
+    budget = str(3 * 4 * 3 * 64 * 64)
+    run = lambda c, switch: simulate_run(Drive(drive.rows), spec(), p, budget, DEV, c, tokens=2, prompt=1, workers=1,
+                                         plan=PLAN, switch_s=switch)
+    gil = run(cpu, 5 * MS)
+    assert (gil["decode_s"], gil["flash_wait_s"]) == (pytest.approx(7.5 * MS, abs=1e-12), pytest.approx(1 * MS, abs=1e-12))
+    free = run(cpu, 0.0)
+    assert (free["decode_s"], free["flash_wait_s"]) == (pytest.approx(7.5 * MS, abs=1e-12), pytest.approx(0, abs=1e-12))
+    long = run(dataclasses.replace(cpu, expert_s=10 * MS), 5 * MS)
+    assert long["decode_s"] == pytest.approx(21.5 * MS, abs=1e-12) and long["flash_wait_s"] == pytest.approx(0, abs=1e-12)
+
+
 def test_belady_is_optimal_replacement_with_foresight():
     """Accesses a b c a b d a (one per token, top-1, 2 slots). MIN: a b miss, c miss evicts b (next use 4, a's is 3)
     ... a hit, b miss evicts c (never again), d miss evicts b, a hit: 5 misses of 7 (LRU misses all 7)."""

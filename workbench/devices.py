@@ -94,6 +94,51 @@ def profile_from_probe(probe: dict, name: str, label: str) -> dict:
             "probe": probe}
 
 
+def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), reads: int = 24,
+                 direct: bool = True) -> DeviceProfile:
+    """This machine as the engine's reader sees it now: one read at a time through a Reader pool (submit, wait for
+    the future), random aligned offsets in `path`, the median time per size, fitted to latency + size / bandwidth.
+    Under a shared, loaded machine this is slower than probe-disk's tight loops (thread wake-ups, other I/O)."""
+    import os
+    import random
+    import statistics
+    size_of = os.path.getsize(path)
+    pts = []
+    with Reader(path, direct=direct, workers=workers) as r:
+        rnd = random.Random(0)
+        for size in sizes:
+            ts = []
+            for _ in range(reads):
+                off = rnd.randrange(max(1, (size_of - size) // 4096)) * 4096
+                t0 = time.perf_counter()
+                r.submit([(0, off, size)])[0].result()
+                ts.append(time.perf_counter() - t0)
+            pts.append((size, statistics.median(ts)))
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    slope, icept = (float(v) for v in __import__("numpy").polyfit(xs, ys, 1))
+    bw = 1 / slope if slope > 0 else float("inf")
+    return DeviceProfile("this-machine-in-situ", "this machine through the engine's reader, now (measured)",
+                         latency_s=max(0.0, icept), read_bw=bw, peak_bw=bw * workers, queue_depth=workers,
+                         sources={"fit": [{"size": s, "median_s": t} for s, t in pts]})
+
+
+@dataclass(frozen=True)
+class Slowest:
+    """Reads that take the longer of two profiles' times: a device emulated on this machine (real read, then the
+    remainder waited) cannot read faster than this machine does."""
+    device: DeviceProfile
+    floor: DeviceProfile
+
+    def read_s(self, size: int, depth: int = 1) -> float:
+        return max(self.device.read_s(size, depth), self.floor.read_s(size, depth))
+
+    def __getattr__(self, name):
+        return getattr(self.device, name)
+
+    def describe(self) -> dict:
+        return {**self.device.describe(), "floor": self.floor.describe()}
+
+
 class EmulatedReader(Reader):
     """A Reader whose every read takes at least the profile's time for its size and the reads in flight."""
 

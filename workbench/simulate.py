@@ -88,11 +88,16 @@ def read_plan(spec: MoESpec, layout: str, experts: str) -> ReadPlan:
 
 
 class _Read:
-    """A cache entry on the virtual clock: in flight until `ready` (ExpertCache asks done())."""
-    __slots__ = ("ready", "clock")
+    """A cache entry on the virtual clock: in flight until `ready` (ExpertCache asks done()): the read's end, then
+    (if it ended while the compute thread held the GIL) the wait for the GIL, then its place in its read's dequants."""
+    __slots__ = ("end", "offset", "clock")
 
-    def __init__(self, ready: float, clock):
-        self.ready, self.clock = ready, clock
+    def __init__(self, end: float, clock, offset: float = 0.0):
+        self.end, self.offset, self.clock = end, offset, clock
+
+    @property
+    def ready(self) -> float:
+        return self.clock.gil(self.end) + self.offset
 
     def done(self) -> bool:
         return self.ready <= self.clock.now
@@ -105,26 +110,41 @@ class _Pool:
         self.free = [0.0] * workers          # when each worker is next free (a heap)
         self.busy: list[tuple[float, float]] = []    # (start, end) of reads, for the depth a new read sees
         self.device, self.dequant_s = device, dequant_s
+        self.dequants: list[float] = []      # start times of dequants not yet charged to the compute thread
 
     def submit(self, t: float, groups) -> dict:
-        """Issue reads at time t; returns {expert: ready time}."""
+        """Issue reads at time t; returns {expert: (end of its read, dequant time until it is ready)}."""
         ready = {}
         for experts, nbytes in groups:
             start = max(t, heapq.heappop(self.free))
             depth = 1 + sum(1 for s, e in self.busy if s <= start < e)
             end = start + self.device.read_s(nbytes, depth)
             self.busy.append((start, end))
-            done = end
+            offset = 0.0
             for e in experts:                # the pool thread dequantizes each expert of the read, in order
-                done += self.dequant_s
-                ready[e] = max(ready.get(e, 0.0), done)
-            heapq.heappush(self.free, done)
+                self.dequants.append(end + offset)
+                offset += self.dequant_s
+                ready[e] = (end, offset)
+            heapq.heappush(self.free, end + offset)
         self.busy = [(s, e) for s, e in self.busy if e > t]
         return ready
 
 
 class _Clock:
-    now = 0.0
+    """The virtual clock and the compute thread's work so far: a read that ends while the compute thread works
+    waits for the GIL until the thread's next switch (CPython's switch interval) or the end of that work."""
+
+    def __init__(self, switch_s: float = 0.0):
+        self.now, self.switch_s = 0.0, switch_s
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def gil(self, t: float) -> float:
+        import bisect
+        i = bisect.bisect_right(self.starts, t) - 1
+        if self.switch_s and i >= 0 and t < self.ends[i]:
+            return min(t + self.switch_s, self.ends[i])
+        return t
 
 
 def _layer_event(layer):
@@ -132,16 +152,21 @@ def _layer_event(layer):
 
 
 def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
-                 tokens: int, prompt: int = 4, workers: int = 1, plan: ReadPlan | None = None) -> dict:
+                 tokens: int, prompt: int = 4, workers: int = 1, plan: ReadPlan | None = None,
+                 shared_cpu: bool = True, switch_s: float | None = None) -> dict:
     """Prefill `prompt` trace rows (reads only, untimed), then decode `tokens - 1` steps on the virtual clock,
-    as `bench` measures: tok_s counts decode steps only."""
+    as `bench` measures: tok_s counts decode steps only. shared_cpu: the numpy engine's dequant (reader threads)
+    and compute (its own thread) hold one GIL: a dequant that starts while the compute thread works delays that
+    work by the dequant's length (one that starts while it waits costs it nothing); and a read that ends while the
+    compute thread works waits for the GIL (switch_s: CPython's switch interval, 0 to ignore)."""
     plan = plan or read_plan(spec, preset.layout, preset.experts)
     item = 4 * 3 * spec.hidden_size * spec.moe_intermediate_size            # an expert in f32, as the Session counts
     total = item * spec.num_experts * len(spec.moe_layers)
     budget_bytes = parse_budget(budget, total)
     cache = ExpertCache(budget_bytes, item, spec.moe_layers, policy=preset.cache_policy, scope=preset.cache_scope,
                         min_slots_per_layer=spec.top_k)
-    clock = _Clock()
+    import sys
+    clock = _Clock(sys.getswitchinterval() if switch_s is None and shared_cpu else (switch_s or 0.0))
     pool = _Pool(workers, device, compute.dequant_s)
     resident = budget_bytes >= total
     landed = _Read(-1.0, clock)
@@ -164,14 +189,29 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     n = dict(bytes=0, wait=0.0, issued=0, used=0, predicted=0, demand=0)
     prefetched: set = set()
 
+    def work(seconds):
+        """The compute thread works `seconds`, plus (shared_cpu) every dequant that takes the GIL from it: one whose
+        read ended at t preempts the work at t + switch_s if the work is still going then."""
+        start, end = clock.now, clock.now + seconds
+        if shared_cpu:
+            if clock.ends and start > clock.ends[-1]:       # it waited since its last work: those ran meanwhile
+                pool.dequants = [t for t in pool.dequants if t >= start]
+            while (mine := [t for t in pool.dequants if t + clock.switch_s < end]):
+                pool.dequants = [t for t in pool.dequants if t + clock.switch_s >= end]
+                end += len(mine) * compute.dequant_s
+        if end > start:
+            clock.starts.append(start)
+            clock.ends.append(end)
+        clock.now = end
+
     def issue(keys, t, counted):
-        clock.now += compute.issue_s * len(keys)
+        work(compute.issue_s * len(keys))
         t = clock.now
         groups = [(g, b) for L in sorted({k[0] for k in keys})
                   for g, b in [([(L, e) for e in run], nb) for run, nb in plan.reads([k[1] for k in keys if k[0] == L])]]
         ready = pool.submit(t, groups)
         for k in keys:
-            cache.set(k, _Read(ready[k], clock))
+            cache.set(k, _Read(ready[k][0], clock, ready[k][1]))
         if counted:
             n["bytes"] += sum(b for _, b in groups)
         return sum(b for _, b in groups)
@@ -189,12 +229,13 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
             issue(keys, clock.now, False)
         clock.now = max([clock.now] + [cache.peek(k).ready for k in cache.keys(L) if isinstance(cache.peek(k), _Read)])
     t_decode = clock.now
+    pool.dequants = []                               # the prompt's dequants are done before decoding starts
     steps = max(0, tokens - 1)
     for step in range(1, steps + 1):
         eng.token_index = step
         for L in spec.moe_layers:
             ev = layers[L]
-            clock.now += compute.dense_s + compute.router_s
+            work(compute.dense_s + compute.router_s)
             needed = sorted(set(int(e) for e in drive.route(L, np.zeros((1, 1)), {"engine": eng})[0].reshape(-1)))
             protect = {(L, e) for e in needed}
             if predictor is not None:
@@ -227,7 +268,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     ready.append(e)
                 else:
                     ev["misses"] += 1
-                    pending[e] = ent.ready
+                    pending[e] = ent
 
             def issue_backlog():
                 keys = []
@@ -237,10 +278,10 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     n["demand"] += len(keys)
                     ev["bytes_read"] += issue(keys, clock.now, True)
                     for k in keys:
-                        pending[k[1]] = cache.peek(k).ready
+                        pending[k[1]] = cache.peek(k)
 
             def run(e):
-                clock.now += compute.expert_s
+                work(compute.expert_s)
                 ev["compute_s"] += compute.expert_s
                 protect.discard((L, e))
 
@@ -251,12 +292,13 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                 ready = []
             while pending or backlog or ready:
                 if pending and (preset.execution == "wait_all" or not ready):
-                    until = max(pending.values()) if preset.execution == "wait_all" else min(pending.values())
+                    at = [r.ready for r in pending.values()]
+                    until = max(at) if preset.execution == "wait_all" else min(at)
                     wait = max(0.0, until - clock.now)
                     clock.now += wait
                     ev["wait_s"] += wait
                     n["wait"] += wait
-                    for e in sorted((e for e, r in pending.items() if r <= clock.now), key=pending.get):
+                    for e in sorted((e for e, r in pending.items() if r.done()), key=lambda e: pending[e].ready):
                         pending.pop(e)
                         ready.append(e)
                 for e in ready:
@@ -271,7 +313,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     clock.now += wait
                     ev["wait_s"] += wait
                     n["wait"] += wait
-        clock.now += compute.other_s
+        work(compute.other_s)
     decode_s = clock.now - t_decode
     hits = sum(r["hits"] for r in layers.values())
     misses = sum(r["misses"] for r in layers.values())
@@ -334,7 +376,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     if not p.exact or p.speculative:
         raise WorkbenchError(f"simulate: preset {p.name} changes routing or decodes speculatively; the trace replays exact routing")
     budget = str(budget if budget is not None else p.budget)
-    dev = devices.load(device)
+    dev = devices.load(device) if isinstance(device, str) else device     # a name, a profile, or devices.Slowest
     meta = read_trace(trace_path)["meta"]
     note = "the given model's shape" if spec else "the traced model's shape"
     spec = spec or MoESpec.from_dict(meta["spec"])
@@ -431,6 +473,19 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
                                  f"loaded): {model} resident for dense/router/other; expert and {experts} dequant at "
                                  f"d={d}, ff={ff} with the engine's kernels")
+
+
+def compute_from_run(res: dict, spec: MoESpec, dequant_s: float) -> ComputeProfile:
+    """The compute thread's profile of one measured `bench` run (its per-layer expert compute, dense, router and
+    other time per token), with dequant per expert timed separately: simulating with it checks only the flash
+    model (reads, waits, overlap), not the compute measurement."""
+    n, nl = max(1, res["decode_steps"]), len(spec.moe_layers)
+    layers = res["per_layer"]
+    moe = sum(r["compute_s"] for r in layers)
+    return ComputeProfile(dense_s=(res["compute_s"] - moe) / n / nl, router_s=res["router_s"] / n / nl,
+                          expert_s=moe / max(1, sum(r["routed"] for r in layers)), dequant_s=dequant_s,
+                          other_s=res["other_s"] / n, issue_s=0.0,
+                          source="the measured run's own compute, router and other time (issue cost inside them)")
 
 
 def _matvec_time(rows: int, cols: int, reps: int = 20) -> float:
