@@ -125,6 +125,19 @@ def test_a_run_puts_numbers_in_session_state_and_writes_records(two_designs):
     assert len(at.get("vega_lite_chart")) == 2 * len(C.LIVE_CHARTS)
 
 
+def test_an_emulated_device_is_chosen_on_the_page_and_labelled_everywhere(runs_root):
+    at = app(LIVE)
+    assert at.selectbox(key="device").value.startswith("this machine") and "ufs22-phone" in at.selectbox(key="device").options
+    at.selectbox(key="device").set_value("ufs22-phone")
+    at = poll(start(at, ["on_demand"], tokens=3), finished)
+    ok(at.run())
+    assert not at.error, errors(at)
+    assert any("EMULATED ufs22-phone" in c.value for c in at.caption)
+    rec = read_run(at.session_state["records"]["on_demand"])
+    assert rec["summary"]["emulated"] and rec["config"]["device"]["name"] == "ufs22-phone"
+    assert "emulated:ufs22-phone" in rec["config"]["reader_mode"]
+
+
 def test_numbers_on_the_page_equal_the_run_record(two_designs):
     at = two_designs
     per_design = len(C.display_numbers({}))
