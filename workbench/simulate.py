@@ -229,6 +229,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
             issue(keys, clock.now, False)
         clock.now = max([clock.now] + [cache.peek(k).ready for k in cache.keys(L) if isinstance(cache.peek(k), _Read)])
     t_decode = clock.now
+    at_decode = list(cache.keys())                   # what any policy starts decoding with (Belady too)
     pool.dequants = []                               # the prompt's dequants are done before decoding starts
     steps = max(0, tokens - 1)
     for step in range(1, steps + 1):
@@ -324,14 +325,15 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
             "flash_wait_s": n["wait"], "flash_wait_per_token_s": n["wait"] / max(1, steps), "decode_s": decode_s,
             "decode_steps": steps, "prefetch_issued": n["issued"], "prefetch_used": n["used"],
             "experts_read": n["demand"] + n["issued"],
-            "budget_bytes": budget_bytes, "cache_slots": cache.capacity[spec.moe_layers[0]],
+            "budget_bytes": budget_bytes, "cache_slots": cache.capacity[spec.moe_layers[0]], "cache_at_decode": at_decode,
             "per_layer": [layers[L] for L in spec.moe_layers]}
 
 
-def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int) -> dict:
+def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, initial=()) -> dict:
     """Optimal replacement with perfect foresight (Belady's MIN) over the same decode accesses: the fewest experts
     any policy must read at this budget. Its hit rate bounds demand fetching; a prefetching design can show a higher
-    hit rate (a prefetch is a read that lands in time), never fewer reads."""
+    hit rate (a prefetch is a read that lands in time), never fewer reads. initial: the experts in memory when
+    decoding starts (the prompt's, a warm set), as the design had them."""
     item = 4 * 3 * spec.hidden_size * spec.moe_intermediate_size
     total = item * spec.num_experts * len(spec.moe_layers)
     slots = parse_budget(budget, total) // item
@@ -352,6 +354,13 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int) 
         last[seq[i]] = i
     cap = slots // len(spec.moe_layers) if per_layer else slots
     pools: dict = {}
+    first = {}
+    for i, k in enumerate(seq):
+        first.setdefault(k, i)
+    for k in initial:
+        pool = pools.setdefault(k[0] if per_layer else 0, {})
+        if len(pool) < cap:
+            pool[tuple(k)] = first.get(tuple(k), 2 * len(seq) + 1)
     misses = 0
     for i, k in enumerate(seq):
         pool = pools.setdefault(k[0] if per_layer else 0, {})
@@ -386,7 +395,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.experts)
     workers = workers or dev.queue_depth
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers)
-    bound = belady(drive, spec, p, budget, prompt, tokens)
+    bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"))
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)
     plan = read_plan(spec, p.layout, p.experts)
