@@ -139,3 +139,16 @@ def test_simulate_on_the_demo_trace_is_marked_simulated_and_never_beats_belady(t
     assert res["tok_s"] <= res["belady_tok_s"] + 1e-9
     rec = read_run(res["run"])
     assert rec["config"]["simulated"] and rec["summary"]["simulated"]
+
+
+def test_bad_simulate_input_is_a_one_line_error(tmp_path, capsys):
+    from workbench.cli import main
+    trace = str(REPO / "data/traces/demo-tinystories-256.parquet")
+    assert main(["simulate", "--trace", str(tmp_path / "none.parquet"), "--no-record"]) == 2
+    assert "no such trace file" in capsys.readouterr().err
+    assert main(["simulate", "--trace", trace, "--device", "toaster", "--no-record"]) == 2
+    assert "--device 'toaster'" in capsys.readouterr().err
+    assert main(["simulate", "--trace", trace, "--preset", "smol_bias", "--no-record"]) == 2
+    assert "changes routing" in capsys.readouterr().err
+    assert main(["simulate", "--trace", trace, "--shape", "qwen3-next-80b-a3b", "--no-record"]) == 2
+    assert "top-10 is not a multiple" in capsys.readouterr().err
