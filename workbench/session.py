@@ -22,6 +22,7 @@ from workbench.presets import Preset, get_preset
 from workbench.registry import cache_dir, resolve_pack, tokenizer_for
 from workbench.routing import route
 from workbench.schedule import ExpertStreamer
+from workbench.shapes import random_label
 from workbench.spec import WorkbenchError
 from workbench.speculative import speculative_decode
 from workbench.store.pack import Pack
@@ -54,6 +55,8 @@ class Session:
                                  scope=p.cache_scope, min_slots_per_layer=s.top_k)
         self.reader = open_reader(self.pack_path, device, direct=direct, workers=workers)   # device: emulated flash
         self.device = getattr(self.reader, "profile", None)
+        src = self.pack.header.get("source", {}).get("path")
+        self.random_weights = random_label(src) if src else None
         self.tel = Telemetry(s.num_layers)
         self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution)
         self.engine = load_engine(engine, self.pack, self.streamer, self.tel)
@@ -188,23 +191,20 @@ class Session:
         s.update(cache_bytes=self.cache.bytes, cache_peak_bytes=self.cache.peak_bytes, budget_bytes=self.budget_bytes,
                  peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode,
                  reader_workers=self.reader.workers, per_layer=self.tel.per_layer("decode"),
-                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes, **self.device_fields())
+                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes, **self.labels())
         return s
 
     def config(self) -> dict:
         return {"model": self.model, "pack": str(self.pack_path), "pack_id": self.pack.content_id(),
                 "engine": self.engine.name, "preset": self.preset.to_dict(), "budget": self.budget_text,
                 "budget_bytes": self.budget_bytes, "reader_mode": self.reader.mode, "spec": self.spec.to_dict(),
-                **self.device_fields()}
+                **self.labels()}
 
-    def device_fields(self) -> dict:
-        """Labels that go wherever a number goes: emulated flash (the device profile), random weights (make-model)."""
-        from pathlib import Path
-        from workbench.shapes import random_label
-        src = self.pack.header.get("source", {}).get("path")
+    def labels(self) -> dict:
+        """What goes wherever a number goes: emulated flash (the device profile), random weights (make-model), and
+        routing replayed from a trace."""
         return {"device": self.device.describe() if self.device else None, "emulated": self.device is not None,
-                "random_weights": random_label(Path(src)) if src else None,
-                "routing_trace": self.drive.source if self.drive else None}
+                "random_weights": self.random_weights, "routing_trace": self.drive.source if self.drive else None}
 
     def close(self):
         self.reader.close()
