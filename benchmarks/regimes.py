@@ -153,9 +153,11 @@ def les_ladder(tokens, budget="0.1"):
     big, _ = shape_spec("minicpm-v-4.7", read_trace(TRACE)["meta"], spec)
     cps = {kind: measure_compute("demo", big, kind) for kind in ("q4", "q3")}     # once, shared by the rungs
     rows = []
-    for rung in les_rungs()[:4]:
+    for i, rung in enumerate(les_rungs()[:4]):
         cp = cps[rung.experts]
-        s = simulate(TRACE, rung, budget, "iphone-les", shape="minicpm-v-4.7", tokens=tokens, compute=cp)
+        s = simulate(TRACE, rung, budget, "iphone-les", shape="minicpm-v-4.7", tokens=tokens, compute=cp,
+                     rung={"ladder": "les", "rung": rung.name, "rung_index": i,
+                           "model": "minicpm-v-4.7 expert shape, SIMULATED on iphone-les"})
         rows.append({"rung": rung.name, "tok_s": s["tok_s"], "hit_rate": s["hit_rate"], "expert_bytes": s["expert_disk_bytes"],
                      "flash_wait_per_token_s": s["flash_wait_per_token_s"], "belady_tok_s": s["belady_tok_s"],
                      "compute_profile": s["compute_profile"], "shape_note": s["shape_note"]})

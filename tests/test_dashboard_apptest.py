@@ -256,6 +256,19 @@ def test_ladders_page_groups_rungs_and_shows_published_numbers():
     assert at.get("vega_lite_chart")
 
 
+def test_ladders_page_shows_a_simulated_ladder_labelled_as_such():
+    from workbench.ladder import les_rungs
+    from workbench.simulate import ComputeProfile, run
+    cpu = ComputeProfile(dense_s=1e-4, router_s=1e-5, expert_s=5e-5, dequant_s=1e-4)
+    for i, rung in enumerate(les_rungs()[:2]):
+        run(str(REPO / "data/traces/demo-tinystories-256.parquet"), rung, "0.25", "iphone-les", tokens=6, compute=cpu,
+            rung={"ladder": "les", "rung": rung.name, "rung_index": i, "model": "demo, SIMULATED on iphone-les"})
+    at = ok(app(LADDERS))
+    assert any("SIMULATED on iphone-les" in h.value for h in at.subheader)
+    assert any("SIMULATED on the iphone-les profile" in m.value for m in at.markdown)
+    assert at.dataframe[0].value["rung"].tolist() == [r.name for r in les_rungs()[:2]]
+
+
 def test_quality_page_empty_state_names_the_command():
     at = ok(app(QUALITY))
     assert "No eval run records" in at.info[0].value

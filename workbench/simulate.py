@@ -374,9 +374,10 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
 
 def run(trace_path: str, preset, budget: str | None, device: str, shape: str | None = None,
         tokens: int = 64, prompt: int = 4, compute: ComputeProfile | None = None, workers: int | None = None,
-        model: str | None = None, record: bool = True, spec: MoESpec | None = None) -> dict:
+        model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None) -> dict:
     """One design over a trace. The simulated model: `spec` if given, else the traced model at `shape`'s expert
-    shape, else the traced model itself. preset: a name or a Preset (a ladder rung)."""
+    shape, else the traced model itself. preset: a name or a Preset (a ladder rung). rung: {ladder, rung,
+    rung_index, model} for the run record, so the dashboard's ladders page shows a simulated ladder beside the rest."""
     from workbench import devices
     from workbench.presets import get_preset
     from workbench.routing_trace import TraceDrive
@@ -410,7 +411,8 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     if record:
         from workbench.runs import write_run
         cfg = {"simulated": True, "trace": str(trace_path), "preset": p.to_dict(), "budget": budget, "device": device,
-               "shape": shape, "spec": spec.to_dict(), "compute_profile": dataclasses.asdict(compute), "tokens": tokens}
+               "shape": shape, "spec": spec.to_dict(), "compute_profile": dataclasses.asdict(compute), "tokens": tokens,
+               **(rung or {})}
         res["run"] = str(write_run(f"sim-{p.name}", cfg, {k: v for k, v in res.items() if k != "per_layer"},
                                    res["per_layer"], []))
     return res
