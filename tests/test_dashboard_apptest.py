@@ -138,6 +138,17 @@ def test_an_emulated_device_is_chosen_on_the_page_and_labelled_everywhere(runs_r
     assert "emulated:ufs22-phone" in rec["config"]["reader_mode"]
 
 
+def test_a_routing_trace_drives_the_designs_from_the_page(runs_root):
+    at = app(LIVE)
+    at.text_input(key="routing_trace").set_value(str(REPO / "data/traces/demo-tinystories-256.parquet"))
+    at = poll(start(at, ["les"], tokens=3), finished)
+    ok(at.run())
+    assert not at.error, errors(at)
+    assert any("Routing and prefetches replayed from" in c.value for c in at.caption)
+    rec = read_run(at.session_state["records"]["les"])
+    assert rec["config"]["routing_trace"]["mapping"].startswith("layers: model MoE layer i replays")
+
+
 def test_numbers_on_the_page_equal_the_run_record(two_designs):
     at = two_designs
     per_design = len(C.display_numbers({}))
