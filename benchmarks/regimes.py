@@ -59,9 +59,15 @@ def reading(res: dict) -> str:
   reader thread's per-expert work (read completion, checksum, dequant, future callbacks) contending with the compute
   thread for the GIL and for cores that four other engineers also load: the measured flash wait of les on the demo
   is tens of ms per token while its reads cost 0.1-0.35 ms each through the engine's own reader (in-situ lines
-  above). The simulator models the GIL only to first order (a read landing mid-work waits for the switch interval; a
-  dequant that preempts work delays it) and has no model of the OS run queue, so it is optimistic for the
-  prefetching, ready-first designs. The resident arm, which reads nothing, itself varies 2-3x between rounds
+  above). One instrumented run (timing Reader._run_group and Pack.decode_expert in a les run on the demo trace, 32
+  tokens, this loaded machine, 2026-12-01 03:29 UTC) shows where: the reader thread's service per read group (the
+  read, then the checksum and dequant of its experts) had a median of 0.36 ms but a mean of 1.4 ms, about 26 groups
+  per token on the one reader thread, so about 37 ms per token of reader work, more than the compute thread's; for
+  on_demand (wait-all: the compute thread waits, the reader runs alone) median 0.09, mean 0.33 ms. A dequant is
+  many small numpy calls, and at each one the reader may wait up to CPython's 5 ms switch interval for the GIL the
+  compute thread holds. The simulator models the GIL only to first order (a read landing mid-work waits for the
+  switch interval once; a dequant that preempts work delays it) and has no model of the OS run queue, so it is
+  optimistic for the prefetching, ready-first designs. The resident arm, which reads nothing, itself varies 2-3x between rounds
   (min-max): the load moves faster than a compute profile measured beside the run, so method A cannot meet 15% here
   whatever the model; run `benchmarks/regimes.py` on a quiet machine before trusting a simulated tok/s.""")
     if "les" in res:
