@@ -95,3 +95,11 @@ def test_a_run_driven_by_a_trace_routes_and_prefetches_exactly_as_recorded(demo_
 def test_a_predictor_the_trace_did_not_record_is_refused(demo_trace):
     with pytest.raises(WorkbenchError, match="predictor 'shuffled' is not recorded"):
         TraceDrive(DEMO_TRACE, _spec(demo_trace), "shuffled")
+
+
+def test_bench_with_a_missing_or_unmappable_trace_is_a_one_line_error(tmp_path, capsys):
+    from workbench.cli import main
+    assert main(["bench", "--routing-trace", str(tmp_path / "none.parquet"), "--no-record", "--tokens", "2"]) == 2
+    assert "no such trace file" in capsys.readouterr().err
+    assert main(["bench", "--preset", "smol_bias", "--routing-trace", str(DEMO_TRACE), "--no-record", "--tokens", "2"]) == 2
+    assert "changes routing" in capsys.readouterr().err
