@@ -132,7 +132,7 @@ def calibrate(rounds, tokens, device=None, log=print):
             s = simulate(TRACE, d, budget, stored, **kw)
             floor = devices.Slowest(stored, now) if device else now
             s2 = simulate(TRACE, d, budget, floor, **kw)
-            kw["compute"] = compute_from_run(m, spec, cps[get_preset(d).experts].dequant_s)
+            kw["compute"] = compute_from_run(m, spec, cps[get_preset(d).experts])
             s3 = simulate(TRACE, d, budget, floor, **kw)
             for k, v in (("measured", m["tok_s"]), ("simulated", s["tok_s"]), ("simulated_in_situ", s2["tok_s"]),
                          ("simulated_run_compute", s3["tok_s"]),

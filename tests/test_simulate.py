@@ -114,6 +114,20 @@ def test_a_read_that_lands_while_the_compute_thread_works_waits_for_the_gil():
     assert long["decode_s"] == pytest.approx(21.5 * MS, abs=1e-12) and long["flash_wait_s"] == pytest.approx(0, abs=1e-12)
 
 
+def test_a_read_landing_mid_compute_dequantizes_at_the_measured_contended_speed():
+    """As above, with the contended dequant time measured (dequant_busy_s): the read of 1 ends at 2.5 ms while the
+    hit computes, so its dequant takes 3 ms (not 1): ready at 5.5. The dequant's own 1 ms of CPU delays the work to
+    4.5; the compute thread waits 1 ms, computes 1 -> 8.5. A read that lands while the thread waits is unaffected."""
+    drive = Drive([{0: [0, 2]}, {0: [0, 1]}])
+    cpu = dataclasses.replace(CPU, expert_s=3 * MS, dequant_s=1 * MS, dequant_busy_s=3 * MS)
+    res = simulate_run(drive, spec(), get_preset("les"), str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1,
+                       workers=1, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(8.5 * MS, abs=1e-12) and res["flash_wait_s"] == pytest.approx(1 * MS, abs=1e-12)
+    idle = simulate_run(Drive(drive.rows), spec(), get_preset("on_demand").with_(layout="contiguous"),
+                        str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1, workers=1, plan=PLAN)
+    assert idle["decode_s"] == pytest.approx(0.5 * MS + 3 * MS + 2 * 3 * MS, abs=1e-12)   # wait_all: read 2 + dequant 1
+
+
 def test_belady_is_optimal_replacement_with_foresight():
     """Accesses a b c a b d a (one per token, top-1, 2 slots). MIN: a b miss, c miss evicts b (next use 4, a's is 3)
     ... a hit, b miss evicts c (never again), d miss evicts b, a hit: 5 misses of 7 (LRU misses all 7)."""

@@ -55,6 +55,7 @@ class ComputeProfile:
     dequant_s: float          # per expert read, at the pack's expert precision
     other_s: float = 0.0      # per token: what the engine spends outside the measured parts
     issue_s: float = 0.0      # per expert read issued: the compute thread's cost of submitting it (reader pool, futures)
+    dequant_busy_s: float = 0.0   # per expert, on a reader thread while the compute thread computes (GIL contention)
     source: str = ""
 
 
@@ -89,15 +90,17 @@ def read_plan(spec: MoESpec, layout: str, experts: str) -> ReadPlan:
 
 class _Read:
     """A cache entry on the virtual clock: in flight until `ready` (ExpertCache asks done()): the read's end, then
-    (if it ended while the compute thread held the GIL) the wait for the GIL, then its place in its read's dequants."""
-    __slots__ = ("end", "offset", "clock")
+    (if it ended while the compute thread held the GIL) the wait for the GIL, then the dequants of its read up to and
+    including its own, each at the contended speed if the compute thread was computing when the read ended."""
+    __slots__ = ("end", "k", "clock", "dq", "dq_busy")
 
-    def __init__(self, end: float, clock, offset: float = 0.0):
-        self.end, self.offset, self.clock = end, offset, clock
+    def __init__(self, end: float, clock, k: int = 0, dq: float = 0.0, dq_busy: float = 0.0):
+        self.end, self.k, self.clock, self.dq, self.dq_busy = end, k, clock, dq, dq_busy
 
     @property
     def ready(self) -> float:
-        return self.clock.gil(self.end) + self.offset
+        busy = self.dq_busy and self.clock.working(self.end)
+        return self.clock.gil(self.end) + self.k * (self.dq_busy if busy else self.dq)
 
     def done(self) -> bool:
         return self.ready <= self.clock.now
@@ -113,7 +116,7 @@ class _Pool:
         self.dequants: list[float] = []      # start times of dequants not yet charged to the compute thread
 
     def submit(self, t: float, groups) -> dict:
-        """Issue reads at time t; returns {expert: (end of its read, dequant time until it is ready)}."""
+        """Issue reads at time t; returns {expert: (end of its read, its place among the read's dequants)}."""
         ready = {}
         for experts, nbytes in groups:
             start = max(t, heapq.heappop(self.free))
@@ -121,11 +124,11 @@ class _Pool:
             end = start + self.device.read_s(nbytes, depth)
             self.busy.append((start, end))
             offset = 0.0
-            for e in experts:                # the pool thread dequantizes each expert of the read, in order
+            for k, e in enumerate(experts, 1):     # the pool thread dequantizes each expert of the read, in order
                 self.dequants.append(end + offset)
                 offset += self.dequant_s
-                ready[e] = (end, offset)
-            heapq.heappush(self.free, end + offset)
+                ready[e] = (end, k)
+            heapq.heappush(self.free, end + offset)   # (at the uncontended speed: an approximation)
         self.busy = [(s, e) for s, e in self.busy if e > t]
         return ready
 
@@ -139,12 +142,17 @@ class _Clock:
         self.starts: list[float] = []
         self.ends: list[float] = []
 
-    def gil(self, t: float) -> float:
+    def _work_at(self, t: float) -> int:
         import bisect
         i = bisect.bisect_right(self.starts, t) - 1
-        if self.switch_s and i >= 0 and t < self.ends[i]:
-            return min(t + self.switch_s, self.ends[i])
-        return t
+        return i if i >= 0 and t < self.ends[i] else -1
+
+    def working(self, t: float) -> bool:
+        return self._work_at(t) >= 0
+
+    def gil(self, t: float) -> float:
+        i = self._work_at(t)
+        return min(t + self.switch_s, self.ends[i]) if self.switch_s and i >= 0 else t
 
 
 def _layer_event(layer):
@@ -157,8 +165,9 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     """Prefill `prompt` trace rows (reads only, untimed), then decode `tokens - 1` steps on the virtual clock,
     as `bench` measures: tok_s counts decode steps only. shared_cpu: the numpy engine's dequant (reader threads)
     and compute (its own thread) hold one GIL: a dequant that starts while the compute thread works delays that
-    work by the dequant's length (one that starts while it waits costs it nothing); and a read that ends while the
-    compute thread works waits for the GIL (switch_s: CPython's switch interval, 0 to ignore)."""
+    work by the dequant's length (one that starts while it waits costs it nothing) and itself takes the contended
+    time (compute.dequant_busy_s); without a measured contended time, a read that ends while the compute thread
+    works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore)."""
     plan = plan or read_plan(spec, preset.layout, preset.experts)
     item = 4 * 3 * spec.hidden_size * spec.moe_intermediate_size            # an expert in f32, as the Session counts
     total = item * spec.num_experts * len(spec.moe_layers)
@@ -166,7 +175,12 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     cache = ExpertCache(budget_bytes, item, spec.moe_layers, policy=preset.cache_policy, scope=preset.cache_scope,
                         min_slots_per_layer=spec.top_k)
     import sys
-    clock = _Clock(sys.getswitchinterval() if switch_s is None and shared_cpu else (switch_s or 0.0))
+    # a read that lands while the compute thread computes is dequantized at the contended speed, measured (GIL waits
+    # included, so the switch-interval model is then off unless asked for)
+    busy = compute.dequant_busy_s if shared_cpu else 0.0
+    if switch_s is None:
+        switch_s = sys.getswitchinterval() if shared_cpu and not busy else 0.0
+    clock = _Clock(switch_s)
     pool = _Pool(workers, device, compute.dequant_s)
     resident = budget_bytes >= total
     landed = _Read(-1.0, clock)
@@ -211,7 +225,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                   for g, b in [([(L, e) for e in run], nb) for run, nb in plan.reads([k[1] for k in keys if k[0] == L])]]
         ready = pool.submit(t, groups)
         for k in keys:
-            cache.set(k, _Read(ready[k][0], clock, ready[k][1]))
+            cache.set(k, _Read(ready[k][0], clock, ready[k][1], compute.dequant_s, busy))
         if counted:
             n["bytes"] += sum(b for _, b in groups)
         return sum(b for _, b in groups)
@@ -470,10 +484,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
                else None) for p in PARTS}
     t0 = time.perf_counter()
     for _ in range(reps):
-        for p in PARTS:                               # as Pack.decode_expert: the checksum, then the codec
-            if enc[p] is not None:
-                zlib.crc32(enc[p])
-                quant.decode(enc[p], w[p].shape, expert_kind(w[p].shape, experts))
+        _dequant(enc, w, experts)
     deq = (time.perf_counter() - t0) / reps
     if measured_model.to_dict() != spec.to_dict():
         # another shape: attention projections and the router timed at both shapes, the difference added
@@ -481,22 +492,58 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
         router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
                                                                                   measured_model.hidden_size)
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
+                          dequant_busy_s=_contended(lambda: _dequant(enc, w, experts), lambda: NumpyEngine.mlp(
+                              None, np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
                                  f"loaded): {model} resident for dense/router/other; expert and {experts} dequant at "
                                  f"d={d}, ff={ff} with the engine's kernels")
 
 
-def compute_from_run(res: dict, spec: MoESpec, dequant_s: float) -> ComputeProfile:
+def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> ComputeProfile:
     """The compute thread's profile of one measured `bench` run (its per-layer expert compute, dense, router and
-    other time per token), with dequant per expert timed separately: simulating with it checks only the flash
+    other time per token), with dequant per expert from `measured`: simulating with it checks only the flash
     model (reads, waits, overlap), not the compute measurement."""
     n, nl = max(1, res["decode_steps"]), len(spec.moe_layers)
     layers = res["per_layer"]
     moe = sum(r["compute_s"] for r in layers)
     return ComputeProfile(dense_s=(res["compute_s"] - moe) / n / nl, router_s=res["router_s"] / n / nl,
-                          expert_s=moe / max(1, sum(r["routed"] for r in layers)), dequant_s=dequant_s,
+                          expert_s=moe / max(1, sum(r["routed"] for r in layers)), dequant_s=measured.dequant_s,
+                          dequant_busy_s=measured.dequant_busy_s,
                           other_s=res["other_s"] / n, issue_s=0.0,
                           source="the measured run's own compute, router and other time (issue cost inside them)")
+
+
+def _dequant(enc, w, experts):
+    """As Pack.decode_expert: the checksum, then the codec, for each part."""
+    from workbench.store import quant
+    from workbench.store.pack import expert_kind
+    for p in PARTS:
+        if enc[p] is not None:
+            zlib.crc32(enc[p])
+            quant.decode(enc[p], w[p].shape, expert_kind(w[p].shape, experts))
+
+
+def _contended(dequant, compute, n: int = 40) -> float:
+    """Mean time of `dequant` on a second thread while this engine's expert compute runs without pause on another:
+    what a reader thread's dequant takes in a ready-first design (GIL waits and all), measured."""
+    import threading
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            compute()
+    t = threading.Thread(target=busy, daemon=True)
+    t.start()
+    try:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            dequant()
+            times.append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        t.join()
+    return float(np.mean(times))
 
 
 def _matvec_time(rows: int, cols: int, reps: int = 20) -> float:
