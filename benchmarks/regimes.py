@@ -65,19 +65,29 @@ def reading(res: dict) -> str:
   per token on the one reader thread, so about 37 ms per token of reader work, more than the compute thread's; for
   on_demand (wait-all: the compute thread waits, the reader runs alone) median 0.09, mean 0.33 ms. A dequant is
   many small numpy calls, and at each one the reader may wait up to CPython's 5 ms switch interval for the GIL the
-  compute thread holds. The simulator models the GIL only to first order (a read landing mid-work waits for the
-  switch interval once; a dequant that preempts work delays it) and has no model of the OS run queue, so it is
-  optimistic for the prefetching, ready-first designs. The resident arm, which reads nothing, itself varies 2-3x between rounds
+  compute thread holds. The simulator now takes this from a measurement (the engine's own dequant timed on one
+  thread while its expert compute runs on another: `dequant_busy_s` in each compute profile in regimes.json) for
+  every read that lands while the compute thread computes, and charges the dequant's own CPU to that
+  thread; it still has no model of the OS run queue, of the reader's later reads delayed by a slow dequant, or of
+  the load that other engineers put on the machine between a measurement and the run it predicts. The resident arm, which reads nothing, itself varies 2-3x between rounds
   (min-max): the load moves faster than a compute profile measured beside the run, so method A cannot meet 15% here
   whatever the model; run `benchmarks/regimes.py` on a quiet machine before trusting a simulated tok/s.""")
     if "les" in res:
-        L.append("""- **LES's ladder (simulated, iPhone profile, MiniCPM-V 4.7 expert size).** Where the paper's gains
-  come from bytes and overlap the shape is reproduced: ready-first scheduling with the contiguous layout, then 3-bit
-  experts, raise tok/s step by step. The "+lookahead" rung alone (native layout, wait-all) is slower than on-demand
-  here, where the paper has 1.94x: with wait-all and a small reader pool the next layer's prefetches sit in the
-  reader queue ahead of the current layer's own misses, and wait-all waits for the slowest. The compute is this
-  engine's (numpy on this CPU), far slower than the iPhone's, so the absolute tok/s are not the paper's; the
-  speculative rung is not simulated.""")
+        rows = res["les"]["rows"]
+        steps = [(b["rung"], b["tok_s"] / a["tok_s"]) for a, b in zip(rows, rows[1:])]
+        up = [f"{r} ({x:.2f}x)" for r, x in steps if x > 1]
+        down = [f"{r} ({x:.2f}x)" for r, x in steps if x <= 1]
+        dq = {r["rung"]: r["compute_profile"] for r in rows}
+        q4, q3 = dq[rows[2]["rung"]], dq[rows[3]["rung"]]
+        L.append(f"""- **LES's ladder (simulated, iPhone profile, MiniCPM-V 4.7 expert size).** Each rung over the one
+  before: faster with {', '.join(up) or 'none'}; slower with {', '.join(down) or 'none'} (the paper: every rung
+  faster). The "+lookahead" rung alone keeps the native layout and wait-all: the next layer's prefetches sit in the
+  small reader pool's queue ahead of the current layer's own misses, and wait-all waits for the slowest. The
+  mixed-precision rung saves bytes (1.38 instead of 1.77 MB an expert) but this engine's 3-bit codec is slower than
+  its 4-bit one ({q3['dequant_s'] * 1e3:.1f} against {q4['dequant_s'] * 1e3:.1f} ms an expert quiet,
+  {q3['dequant_busy_s'] * 1e3:.1f} against {q4['dequant_busy_s'] * 1e3:.1f} ms beside the compute thread, measured
+  here), so where the iPhone gains from fewer bytes this CPU loses on dequant. The compute is this engine's, far
+  slower than the iPhone's, so the absolute tok/s are not the paper's; the speculative rung is not simulated.""")
     if "smol" in res:
         L.append("""- **smolmaxxing's miss rates.** Which pool carries over from 56 of 512 at top-10 to 32 experts at
   top-4 is a choice: at the paper's fraction of experts (4 of 32, top-k itself: every new expert evicts one) the
