@@ -99,9 +99,9 @@ def reading(res: dict) -> str:
         x = res["ufs35b"]
         L.append(f"""- **les vs on_demand at a 35B-A3B expert size under the emulated UFS phone: the 3x target is not
   reached (measured {x['measured_ratio']:.2f}x, simulated {x['simulated_ratio']:.2f}x).** Emulation slows this
-  machine's reads to the phone's but not its compute: the numpy engine dequantizes a 1.4-1.8 MB expert in
-  milliseconds on a shared core, about what the phone's flash takes to read it, so decoding is bound by dequant and
-  compute as much as by flash. And the two designs read about the same bytes per token here (on_demand keeps the same
+  machine's reads to the phone's but not its compute: the numpy engine dequantizes a 1.4-1.8 MB expert in several
+  to tens of milliseconds on this loaded machine (the ladder's compute profiles above), more than the 1.5-4 ms the
+  phone's flash takes to read it, so decoding is bound by dequant and compute, not by flash. And the two designs read about the same bytes per token here (on_demand keeps the same
   0.25 cache; les's top-k lookahead prefetches add reads its 3-bit experts save), so even a faster engine gains
   little: the hypothetical simulation with compute 10x faster gives {x['hypothetical_fast_compute_ratio']:.2f}x.
   Overlap can hide at most the smaller of compute and flash time; LES's published 5x over on-demand comes largely
