@@ -27,13 +27,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engines.base import Engine  # noqa: E402
+from experiments.bench import bench  # noqa: E402
+from experiments.ladder import les_rungs, smol_rungs  # noqa: E402
+from experiments.simulate import compute_from_run, measure_compute, run as simulate  # noqa: E402
+from experiments.traces import read_trace  # noqa: E402
 from workbench.atomic import atomic_write  # noqa: E402
-from workbench.bench import bench  # noqa: E402
-from workbench.ladder import les_rungs, smol_rungs  # noqa: E402
 from workbench.presets import get_preset  # noqa: E402
-from workbench.simulate import compute_from_run, measure_compute, run as simulate  # noqa: E402
 from workbench.spec import MoESpec  # noqa: E402
-from workbench.traces import read_trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = str(REPO / "data" / "traces" / "demo-tinystories-256.parquet")
@@ -132,17 +133,17 @@ def calibrate(rounds, tokens, device=None, log=print):
     stored = devices.load(device or "this-machine")
     insitu_fits = []
     for r in range(rounds):
-        cps = {kind: measure_compute("demo", spec, kind) for kind in {get_preset(d).experts for d in DESIGNS}}
+        cps = {kind: measure_compute("demo", spec, kind) for kind in {get_preset(d).storage.experts for d in DESIGNS}}
         now = devices.probe_reader(resolve_pack("demo", "contiguous", "q4", "q4"), workers=default_workers())
         insitu_fits.append(now.sources["fit"])
         for d in DESIGNS:
             budget = "all" if d == "resident" else "0.25"
             m = bench("demo", d, budget=budget, tokens=tokens, prompt=PROMPT, routing_trace=TRACE, device=device)
-            kw = dict(tokens=tokens, prompt=P, compute=cps[get_preset(d).experts], workers=m["reader_workers"], record=False)
+            kw = dict(tokens=tokens, prompt=P, compute=cps[get_preset(d).storage.experts], workers=m["reader_workers"], record=False)
             s = simulate(TRACE, d, budget, stored, **kw)
             floor = devices.Slowest(stored, now) if device else now
             s2 = simulate(TRACE, d, budget, floor, **kw)
-            kw["compute"] = compute_from_run(m, spec, cps[get_preset(d).experts])
+            kw["compute"] = compute_from_run(m, spec, cps[get_preset(d).storage.experts])
             s3 = simulate(TRACE, d, budget, floor, **kw)
             for k, v in (("measured", m["tok_s"]), ("simulated", s["tok_s"]), ("simulated_in_situ", s2["tok_s"]),
                          ("simulated_run_compute", s3["tok_s"]),
@@ -165,12 +166,12 @@ def calibrate(rounds, tokens, device=None, log=print):
 def les_ladder(tokens, budget="0.1"):
     """Simulated on the iPhone profile at MiniCPM-V 4.7's expert shape; compute: this engine, measured here."""
     spec = MoESpec.from_dict(read_trace(TRACE)["meta"]["spec"])
-    from workbench.simulate import shape_spec
+    from experiments.simulate import shape_spec
     big, _ = shape_spec("minicpm-v-4.7", read_trace(TRACE)["meta"], spec)
     cps = {kind: measure_compute("demo", big, kind) for kind in ("q4", "q3")}     # once, shared by the rungs
     rows = []
     for i, rung in enumerate(les_rungs()[:4]):
-        cp = cps[rung.experts]
+        cp = cps[rung.storage.experts]
         s = simulate(TRACE, rung, budget, "iphone-les", shape="minicpm-v-4.7", tokens=tokens, compute=cp,
                      rung={"ladder": "les", "rung": rung.name, "rung_index": i,
                            "model": "minicpm-v-4.7 expert shape, SIMULATED on iphone-les"})
@@ -187,7 +188,7 @@ def smol_misses(tokens):
     """The pager's pool of 56 experts of 512 at top-10 is 10.9% of a layer's experts and 5.6 times its top-k; on the
     demo's 32 experts at top-4 those are 4 (the least a layer can hold) and 22 experts: both are simulated."""
     spec = MoESpec.from_dict(read_trace(TRACE)["meta"]["spec"])
-    item = 4 * 3 * spec.hidden_size * spec.moe_intermediate_size
+    item = Engine.expert_bytes(spec)      # an expert in the cache (the budget's unit)
     cp = measure_compute("demo", spec, "q2")
     rows = []
     for pool, why in ((4, "the paper's fraction of experts (10.9%), at least top-k"), (22, "the paper's 5.6 x top-k")):
@@ -212,7 +213,7 @@ def ufs35b(rounds, tokens, model_dir, log=print):
         for d in arms:
             m = bench(model_dir, d, budget="0.25", tokens=tokens, prompt=[1, 2, 3, 4], routing_trace=TRACE,
                       device="ufs22-phone")
-            cp = measure_compute("demo", spec, get_preset(d).experts)
+            cp = measure_compute("demo", spec, get_preset(d).storage.experts)
             kw = dict(tokens=tokens, prompt=4, compute=cp, spec=spec, workers=m["reader_workers"], record=False)
             s = simulate(TRACE, d, "0.25", ufs, **kw)
             s2 = simulate(TRACE, d, "0.25", devices.Slowest(ufs, now), **kw)

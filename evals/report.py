@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from evals.common import PRESET_ORDER, open_session, record as write_record, text_ids
+from workbench.presets import budget_for, get_preset
 from workbench.atomic import atomic_write
 
 DEFAULT_TASKS = ("lambada_openai", "arc_easy", "piqa")
@@ -39,7 +40,7 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
     rows = []
     for preset in presets:
         log(f"{preset}: teacher comparison and lm-eval ({', '.join(tasks)}, limit {limit})")
-        with open_session(model, preset, budget if preset != "teacher" else None, engine, direct) as s:
+        with open_session(model, preset, budget_for(get_preset(preset), budget), engine, direct) as s:
             cmp = compare(s, trace, progress)
             cmp.update(model=model, preset=s.preset.name, budget=s.budget_text, data=data, teacher_pack=teacher_pack)
             layers = [{"layer": L, "routing_agreement": a, "routing_exact": x}
@@ -52,7 +53,7 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
                       "num_fewshot": None, "results": acc}
             run_l = write_record("lm", s, {"tasks": tasks, "limit": limit, "num_fewshot": None}, lm_out, enabled=record)
             row = {"preset": s.preset.name, "budget": s.budget_text, "description": s.preset.description,
-                   "experts": s.preset.experts, "rest": s.preset.rest, "routing": s.preset.routing,
+                   "experts": s.preset.storage.experts, "rest": s.preset.storage.rest, "routing": str(s.preset.routing),
                    "ppl": cmp["ppl"], "ppl_stderr": cmp["ppl_stderr"], "ppl_ratio": cmp["ppl_ratio"],
                    "kl": cmp["kl"], "kl_stderr": cmp["kl_stderr"], "top1": cmp["top1"], "top1_stderr": cmp["top1_stderr"],
                    "routing_agreement": cmp["routing_agreement"], "routing_agreement_mean": cmp["routing_agreement_mean"],

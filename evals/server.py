@@ -113,13 +113,10 @@ class Engine:
         return self.s.decode([int(i)])
 
     def prefill(self, ids) -> np.ndarray:
-        e = self.s.engine
-        e.reset()
-        e.token_index = 0
+        self.s.engine.reset()
         return self.s.step(list(map(int, ids)), "prefill")
 
-    def decode_step(self, tok: int, i: int) -> np.ndarray:
-        self.s.engine.token_index = i
+    def decode_step(self, tok: int) -> np.ndarray:
         return self.s.step([int(tok)], "decode")[-1]
 
     def top(self, lp_row: np.ndarray, n: int) -> dict:
@@ -202,7 +199,7 @@ def generate(eng: Engine, prompt_ids: list[int], max_tokens: int, temperature: f
                 on_text(text[sent:n])
                 sent = n
         if i < max_tokens - 1:
-            row = eng.decode_step(nxt, i + 1)
+            row = eng.decode_step(nxt)
     trim_telemetry(eng.s)
     if on_text is not None and len(text) > sent:
         on_text(text[sent:])

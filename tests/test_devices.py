@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from workbench import devices
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]
 

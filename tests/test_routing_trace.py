@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from workbench.routing_trace import PREDICTORS, TraceDrive, expert_map, named_predictions
-from workbench.spec import MoESpec, WorkbenchError
-from workbench.traces import read_trace, write_trace
+from experiments.routing_trace import PREDICTORS, TraceDrive, expert_map, named_predictions
+from experiments.traces import read_trace, write_trace
+from workbench.errors import WorkbenchError
+from workbench.spec import MoESpec
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TRACE = REPO / "data" / "traces" / "demo-tinystories-256.parquet"
@@ -41,6 +43,16 @@ def test_lookahead_names_the_next_router_on_this_layers_input(demo_trace):
     want = np.argsort(-scores, axis=-1, kind="stable")[:, :spec.top_k]
     got = demo_trace["predictions"]["lookahead:1:k"][:, 3]
     assert (np.sort(got, -1) == np.sort(want, -1)).mean() > 0.99             # float32 vs float64 near-ties only
+
+
+def test_the_predictions_computed_again_equal_the_shipped_trace(demo_trace):
+    """named_predictions (what `trace` records) from the trace's router inputs and the demo's routers."""
+    from experiments.traces import _weights_for
+    spec = MoESpec.from_dict(demo_trace["meta"]["spec"])
+    got = named_predictions(demo_trace, spec, _weights_for(demo_trace["meta"], None, spec))
+    assert set(got) == set(PREDICTORS)
+    for name in PREDICTORS:
+        np.testing.assert_array_equal(got[name], demo_trace["predictions"][name], err_msg=name)
 
 
 def test_trace_files_round_trip(tmp_path):
@@ -77,7 +89,7 @@ def test_a_trace_from_another_shape_is_mapped_by_the_stated_rule_or_refused(demo
 
 def test_a_run_driven_by_a_trace_routes_and_prefetches_exactly_as_recorded(demo_trace):
     from workbench.session import Session
-    with Session("demo", "les", budget="0.25", routing_trace=str(DEMO_TRACE)) as s:
+    with Session("demo", "les", budget="0.25", drive=partial(TraceDrive, str(DEMO_TRACE))) as s:
         prompt = [5, 6, 7]
         s.generate(prompt, tokens=6)
         cfg = s.config()

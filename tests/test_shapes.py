@@ -8,7 +8,7 @@ import pytest
 from workbench.cli import main
 from workbench.models.hf import HFModel
 from workbench.shapes import SHAPES, make_model
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 
 def test_every_shape_cites_its_source_and_keeps_the_published_expert_size():

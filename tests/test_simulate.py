@@ -9,7 +9,7 @@ import pytest
 
 from workbench.devices import DeviceProfile
 from workbench.presets import get_preset
-from workbench.simulate import ComputeProfile, ReadPlan, belady, simulate_run
+from experiments.simulate import ComputeProfile, ReadPlan, belady, simulate_run
 from workbench.spec import MoESpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ def test_belady_is_optimal_replacement_with_foresight():
 def test_simulate_on_the_demo_trace_is_marked_simulated_and_never_beats_belady(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path))
     from workbench.runs import read_run
-    from workbench.simulate import run
+    from experiments.simulate import run
     cpu = dataclasses.replace(CPU, dense_s=0.1 * MS, dequant_s=0.05 * MS)
     res = run(str(REPO / "data/traces/demo-tinystories-256.parquet"), "les", "0.25", "ufs22-phone", tokens=24,
               compute=cpu)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.io import KiB, MiB, Reader
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 DEVICES = Path(__file__).resolve().parents[1] / "data" / "devices"
 

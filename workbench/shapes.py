@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 DEMO = Path(__file__).resolve().parents[1] / "data" / "models" / "demo-moe"
 _T5 = "transformers 5.24's default config, documented as that of"

@@ -8,9 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-
-class WorkbenchError(Exception):
-    """A user-facing error: one line naming the file and the problem (CLI exit code 2)."""
+from workbench.errors import WorkbenchError
 
 
 @dataclass

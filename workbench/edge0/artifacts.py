@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from workbench.atomic import atomic_path
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 FILES = {"prerouter": "prerouter.safetensors", "lora": "lora.safetensors"}
 
@@ -70,7 +70,7 @@ def load_safetensors(path, kind: str) -> tuple[dict[str, np.ndarray], dict]:
     """(tensors, meta) of an Edge0 file; WorkbenchError naming the file for anything unreadable."""
     path = Path(path)
     if not path.exists():
-        raise WorkbenchError(f"{path}: missing (train it: python -m workbench.edge0.train_"
+        raise WorkbenchError(f"{path}: missing (train it: python -m training.edge0_"
                              f"{'prerouter' if kind == 'prerouter' else 'lora'} --model ...)")
     try:
         raw = path.read_bytes()

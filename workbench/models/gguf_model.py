@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.spec import MoESpec, WorkbenchError, yarn_mscale
+from workbench.errors import WorkbenchError
+from workbench.spec import MoESpec, yarn_mscale
 
 PARTS = ("gate", "up", "down")
 ARCHES = ("qwen3moe", "qwen2moe", "olmoe", "llama", "dots1", "deepseek2")

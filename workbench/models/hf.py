@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.spec import MoESpec, WorkbenchError, from_hf_config
+from workbench.errors import WorkbenchError
+from workbench.spec import MoESpec, from_hf_config
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32}

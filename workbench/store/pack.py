@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from workbench.atomic import atomic_path
-from workbench.spec import MoESpec, WorkbenchError
+from workbench.errors import WorkbenchError
+from workbench.spec import MoESpec
 from workbench.store import quant
 
 MAGIC = b"MOEPACK\0"

@@ -1,8 +1,11 @@
 """`bench`: one preset at one budget, warm-up first, cold reads, the floor, and a run record."""
 from __future__ import annotations
 
+from functools import partial
+
+from experiments.routing_trace import TraceDrive
 from workbench.floor import floor_tok_s, probe
-from workbench.presets import get_preset
+from workbench.presets import Predictor, get_preset
 from workbench.capture import RoutingCapture
 from workbench.runs import write_run
 from workbench.session import Session
@@ -39,10 +42,15 @@ def capture_trace(model: str, preset, prompt, tokens: int) -> dict:
                 for r in cap.records if r["phase"] == "decode"}
 
 
-def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: int = 64, **kw) -> Session:
-    """A Session; the oracle's trace is captured first from the same tokens."""
+def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: int = 64,
+                 routing_trace: str | None = None, **kw) -> Session:
+    """A Session; the oracle's trace is captured first from the same tokens, unless a routing trace (a file,
+    experiments/routing_trace.py) drives the routing and predictions."""
     p = get_preset(preset) if isinstance(preset, str) else preset
-    trace = capture_trace(model, p, prompt, tokens) if p.predictor == "oracle" and not kw.get("routing_trace") else None
+    if routing_trace:
+        kw["drive"] = partial(TraceDrive, routing_trace)
+    trace = capture_trace(model, p, prompt, tokens) if p.prefetch.predictor is Predictor.ORACLE and not routing_trace \
+        else None
     return Session(model, p, budget=budget, trace=trace, **kw)
 
 

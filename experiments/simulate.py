@@ -33,9 +33,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.cache import ExpertCache, parse_budget
+from engines.base import Engine
+from workbench.cache import ExpertCache
 from workbench.devices import DeviceProfile
-from workbench.spec import MoESpec, WorkbenchError
+from workbench.errors import WorkbenchError
+from workbench.presets import Budget, CacheScope, Order, Router
+from workbench.spec import MoESpec
 
 ALIGN = 4096
 PARTS = ("gate", "up", "down")
@@ -155,6 +158,17 @@ class _Clock:
         return min(t + self.switch_s, self.ends[i]) if self.switch_s and i >= 0 else t
 
 
+class _Position:
+    """What the trace drive reads of an engine (its token index, in the hooks' ctx), on the virtual clock."""
+
+    def __init__(self):
+        self.token_index = 0
+
+    def step(self, token_index: int, phase: str = "decode") -> dict:
+        self.token_index = token_index
+        return {"engine": self, "phase": phase}
+
+
 def _layer_event(layer):
     return dict(layer=layer, hits=0, misses=0, bytes_read=0, wait_s=0.0, compute_s=0.0)
 
@@ -168,11 +182,11 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     work by the dequant's length (one that starts while it waits costs it nothing) and itself takes the contended
     time (compute.dequant_busy_s); without a measured contended time, a read that ends while the compute thread
     works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore)."""
-    plan = plan or read_plan(spec, preset.layout, preset.experts)
-    item = 4 * 3 * spec.hidden_size * spec.moe_intermediate_size            # an expert in f32, as the Session counts
+    plan = plan or read_plan(spec, preset.storage.layout.value, preset.storage.experts)
+    item = Engine.expert_bytes(spec)             # an expert in f32, as the Session counts
     total = item * spec.num_experts * len(spec.moe_layers)
-    budget_bytes = parse_budget(budget, total)
-    cache = ExpertCache(budget_bytes, item, spec.moe_layers, policy=preset.cache_policy, scope=preset.cache_scope,
+    budget_bytes = Budget(budget).nbytes(item, spec.num_experts * len(spec.moe_layers))
+    cache = ExpertCache(budget_bytes, item, spec.moe_layers, policy=preset.cache.policy.value, scope=preset.cache.scope.value,
                         min_slots_per_layer=spec.top_k)
     import sys
     # a read that lands while the compute thread computes is dequantized at the contended speed, measured (GIL waits
@@ -188,16 +202,14 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
         for L in spec.moe_layers:
             for e in range(spec.num_experts):
                 cache.pin((L, e), landed)
-    elif preset.warm:
-        per = min(cache.capacity.values()) if preset.cache_scope == "per_layer" else \
+    elif preset.cache.warm:
+        per = min(cache.capacity.values()) if preset.cache.scope is CacheScope.PER_LAYER else \
             cache.capacity[spec.moe_layers[0]] // len(spec.moe_layers)
         for L in spec.moe_layers:
             for e in np.argsort(-np.asarray(drive.usage[L]), kind="stable")[:per]:
                 cache.reserve((L, int(e)), landed)
 
-    class _Eng:
-        token_index = 0
-    eng = _Eng()
+    pos = _Position()
     predictor = drive.predictor()
     layers = {L: _layer_event(L) for L in spec.moe_layers}
     n = dict(bytes=0, wait=0.0, issued=0, used=0, predicted=0, demand=0)
@@ -231,9 +243,9 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
         return sum(b for _, b in groups)
 
     # prefill: every routed expert of the prompt rows, read and landed before decoding starts (untimed)
-    eng.token_index = 0
+    ctx = pos.step(0, "prefill")
     for L in spec.moe_layers:
-        idx = drive.route(L, np.zeros((prompt, 1)), {"engine": eng})[0]
+        idx = drive.route(L, np.zeros((prompt, 1)), ctx)[0]
         keys = [(L, int(e)) for e in sorted(set(idx.reshape(-1).tolist())) if (L, int(e)) not in cache]
         for k in keys:
             if not cache.reserve(k, None):
@@ -247,14 +259,14 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     pool.dequants = []                               # the prompt's dequants are done before decoding starts
     steps = max(0, tokens - 1)
     for step in range(1, steps + 1):
-        eng.token_index = step
+        ctx = pos.step(step)
         for L in spec.moe_layers:
             ev = layers[L]
             work(compute.dense_s + compute.router_s)
-            needed = sorted(set(int(e) for e in drive.route(L, np.zeros((1, 1)), {"engine": eng})[0].reshape(-1)))
+            needed = sorted(set(int(e) for e in drive.route(L, np.zeros((1, 1)), ctx)[0].reshape(-1)))
             protect = {(L, e) for e in needed}
             if predictor is not None:
-                for target, experts in predictor.predict(L, {"phase": "decode", "engine": eng}).items():
+                for target, experts in predictor.predict(L, ctx).items():
                     n["predicted"] += len(experts)
                     keys = []
                     for e in experts:
@@ -301,14 +313,14 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                 protect.discard((L, e))
 
             issue_backlog()
-            if preset.execution == "ready_first":
+            if preset.execution.order is Order.READY_FIRST:
                 for e in ready:
                     run(e)
                 ready = []
             while pending or backlog or ready:
-                if pending and (preset.execution == "wait_all" or not ready):
+                if pending and (preset.execution.order is Order.WAIT_ALL or not ready):
                     at = [r.ready for r in pending.values()]
-                    until = max(at) if preset.execution == "wait_all" else min(at)
+                    until = max(at) if preset.execution.order is Order.WAIT_ALL else min(at)
                     wait = max(0.0, until - clock.now)
                     clock.now += wait
                     ev["wait_s"] += wait
@@ -348,20 +360,17 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
     any policy must read at this budget. Its hit rate bounds demand fetching; a prefetching design can show a higher
     hit rate (a prefetch is a read that lands in time), never fewer reads. initial: the experts in memory when
     decoding starts (the prompt's, a warm set), as the design had them."""
-    item = 4 * 3 * spec.hidden_size * spec.moe_intermediate_size
-    total = item * spec.num_experts * len(spec.moe_layers)
-    slots = parse_budget(budget, total) // item
-    per_layer = preset.cache_scope == "per_layer"
+    item = Engine.expert_bytes(spec)
+    slots = Budget(budget).nbytes(item, spec.num_experts * len(spec.moe_layers)) // item
+    per_layer = preset.cache.scope is CacheScope.PER_LAYER
 
-    class _Eng:
-        token_index = 0
-    eng = _Eng()
-    drive.route(spec.moe_layers[0], np.zeros((prompt, 1)), {"engine": eng})      # the prompt's rows come first
+    pos = _Position()
+    drive.route(spec.moe_layers[0], np.zeros((prompt, 1)), pos.step(0, "prefill"))      # the prompt's rows come first
     seq = []
     for step in range(1, max(0, tokens - 1) + 1):
-        eng.token_index = step
+        ctx = pos.step(step)
         for L in spec.moe_layers:
-            seq += [(L, int(e)) for e in sorted(set(drive.route(L, np.zeros((1, 1)), {"engine": eng})[0].reshape(-1)))]
+            seq += [(L, int(e)) for e in sorted(set(drive.route(L, np.zeros((1, 1)), ctx)[0].reshape(-1)))]
     nxt, last = [0] * len(seq), {}
     for i in range(len(seq) - 1, -1, -1):
         nxt[i] = last.get(seq[i], len(seq) + i)
@@ -394,26 +403,26 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     rung_index, model} for the run record, so the dashboard's ladders page shows a simulated ladder beside the rest."""
     from workbench import devices
     from workbench.presets import get_preset
-    from workbench.routing_trace import TraceDrive
-    from workbench.traces import read_trace
+    from experiments.routing_trace import TraceDrive
+    from experiments.traces import read_trace
     p = get_preset(preset) if isinstance(preset, str) else preset
-    if not p.exact or p.speculative:
+    if p.routing.router is not Router.EXACT or p.execution.speculative:
         raise WorkbenchError(f"simulate: preset {p.name} changes routing or decodes speculatively; the trace replays exact routing")
-    budget = str(budget if budget is not None else p.budget)
+    budget = str(budget if budget is not None else p.cache.budget)
     dev = devices.load(device) if isinstance(device, str) else device     # a name, a profile, or devices.Slowest
     meta = read_trace(trace_path)["meta"]
     note = "the given model's shape" if spec else "the traced model's shape"
     spec = spec or MoESpec.from_dict(meta["spec"])
     if shape:
         spec, note = shape_spec(shape, meta, spec)
-    drive = TraceDrive(trace_path, spec, p.predictor)
-    compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.experts)
+    drive = TraceDrive(trace_path, spec, str(p.prefetch) or None)
+    compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts)
     workers = workers or dev.queue_depth
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers)
     bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"))
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)
-    plan = read_plan(spec, p.layout, p.experts)
+    plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
     miss_bytes = bound["belady_misses"] * sum(plan.part_bytes)
     bound["belady_tok_s"] = res["decode_steps"] / max(compute_s, miss_bytes / dev.peak_bw)
     res.update(bound, simulated=True, emulated=False, device=dev.describe(), preset=p.name, budget=budget,
@@ -454,7 +463,6 @@ def shape_spec(shape: str, meta: dict, traced: MoESpec) -> tuple[MoESpec, str]:
 def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -> ComputeProfile:
     """This engine's compute, measured: the model resident for dense/router/other per layer and token; expert
     compute and dequant timed on this spec's expert shape with the engine's own kernels (numpy matmuls, the codec)."""
-    from engines.numpy_engine import NumpyEngine
     from workbench.session import Session
     from workbench.store import quant
     with Session(model, "resident") as s:
@@ -467,7 +475,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
         other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
         expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
         issue = _issue_cost(s)
-        measured_model = s.spec
+        measured_model, mlp = s.spec, s.engine.mlp        # the numpy engine's expert kernel
     rng = np.random.default_rng(0)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
@@ -476,8 +484,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
     expert = expert_measured
     if (measured_model.hidden_size, measured_model.moe_intermediate_size) != (d, ff):
         # another expert shape: the kernel timed at both shapes, the engine's per-expert overhead carried over
-        expert += _mlp_time(NumpyEngine.mlp, d, ff) - _mlp_time(NumpyEngine.mlp, measured_model.hidden_size,
-                                                                measured_model.moe_intermediate_size)
+        expert += _mlp_time(mlp, d, ff) - _mlp_time(mlp, measured_model.hidden_size, measured_model.moe_intermediate_size)
     reps = 20
     from workbench.store.pack import expert_kind
     enc = {p: (quant.encode(w[p], expert_kind(w[p].shape, experts)) if expert_kind(w[p].shape, experts) != "bf16"
@@ -492,8 +499,8 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
         router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
                                                                                   measured_model.hidden_size)
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
-                          dequant_busy_s=_contended(lambda: _dequant(enc, w, experts), lambda: NumpyEngine.mlp(
-                              None, np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
+                          dequant_busy_s=_contended(lambda: _dequant(enc, w, experts), lambda: mlp(
+                              np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
                                  f"loaded): {model} resident for dense/router/other; expert and {experts} dequant at "
                                  f"d={d}, ff={ff} with the engine's kernels")
@@ -567,7 +574,7 @@ def _mlp_time(mlp, d: int, ff: int, reps: int = 20) -> float:
     x = rng.standard_normal((1, d), dtype=np.float32)
     t0 = time.perf_counter()
     for _ in range(reps):
-        mlp(None, x, g, u, dn)
+        mlp(x, g, u, dn)
     return (time.perf_counter() - t0) / reps
 
 

@@ -3,7 +3,7 @@
     python -m workbench trace --engine numpy --model demo --data tinystories --tokens 256 --out t.parquet
     python -m workbench bench --model <make-model dir> --preset les --routing-trace t.parquet --device ufs22-phone
 
-A trace (workbench/traces.py) holds per token and MoE layer the experts routed; `named_predictions` adds what
+A trace (experiments/traces.py) holds per token and MoE layer the experts routed; `named_predictions` adds what
 each predictor named for that (token, layer), computed when the trace is written (from the recorded router inputs
 and the traced model's own routers for lookahead): lookahead at depth 1 and 2, width k and 2k; history (the
 previous token's experts at that layer); the oracle (the true routing). Edge0's prerouter is not recorded.
@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from workbench.errors import WorkbenchError
+from workbench.presets import Predictor, Prefetch
 from workbench.routing import topk_desc
-from workbench.spec import MoESpec, WorkbenchError
+from workbench.spec import MoESpec
 
 PREDICTORS = ("lookahead:1:k", "lookahead:1:2k", "lookahead:2:k", "lookahead:2:2k", "history", "oracle")
 
@@ -34,16 +36,18 @@ def named_predictions(trace: dict, spec: MoESpec, weights: dict) -> dict:
     topk, h, layers = trace["topk"], trace["router_input"], list(trace["moe_layers"])
     T, NL, k = topk.shape
     out = {}
-    for depth in (1, 2):
-        for width in ("k", "2k"):
-            la = Lookahead(spec, weights, depth=depth, width=width)
-            a = np.full((T, NL, la.width), -1, np.int32)
-            for j in range(depth, NL):
-                logits = la.scores(layers[j - depth], h[:, j - depth].astype(np.float32), layers[j])
-                if spec.router == "sigmoid_group":
-                    logits = logits + weights.get(f"layers.{layers[j]}.router_bias", 0.0)
-                a[:, j] = topk_desc(logits, la.width)
-            out[f"lookahead:{depth}:{width}"] = a
+    for name in PREDICTORS:
+        pf = Prefetch.parse(name)
+        if pf.predictor is not Predictor.LOOKAHEAD:
+            continue
+        la, depth = Lookahead(spec, weights, depth=pf.depth, width=pf.width), pf.depth
+        a = np.full((T, NL, la.width), -1, np.int32)
+        for j in range(depth, NL):
+            logits = la.scores(layers[j - depth], h[:, j - depth].astype(np.float32), layers[j])
+            if spec.router == "sigmoid_group":
+                logits = logits + weights.get(f"layers.{layers[j]}.router_bias", 0.0)
+            a[:, j] = topk_desc(logits, la.width)
+        out[name] = a
     hist = np.full((T, NL, k), -1, np.int32)
     hist[1:] = topk[:-1]
     out["history"] = hist
@@ -67,7 +71,7 @@ def expert_map(path, trace_spec: dict, spec: MoESpec) -> tuple[int, str]:
 
 class TraceDrive:
     def __init__(self, path, spec: MoESpec, predictor: str | None):
-        from workbench.traces import read_trace
+        from experiments.traces import read_trace
         tr = read_trace(path)
         self.path, self.spec = str(path), spec
         self.topk, self.preds = tr["topk"], tr.get("predictions", {})

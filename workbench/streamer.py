@@ -25,12 +25,12 @@ from workbench.telemetry import LayerEvent, Telemetry
 
 class ExpertStreamer:
     def __init__(self, pack: Pack, cache: ExpertCache, reader: Reader, telemetry: Telemetry,
-                 execution: str = "ready_first"):
+                 execution: str = "ready_first", raw: bool = False):
         if execution not in ("ready_first", "wait_all"):
             raise ValueError(f"execution {execution!r}: choose ready_first or wait_all")
         self.pack, self.cache, self.reader, self.tel = pack, cache, reader, telemetry
         self.execution = execution
-        self.raw = False    # True: compute gets each part's encoded bytes, not f32 (an engine that reads packed weights)
+        self.raw = raw      # True: compute gets each part's encoded bytes, not f32 (an engine's raw_experts)
         self.prefetched: dict[tuple, tuple] = {}   # key -> (bytes, token), issued by a predictor, not yet consumed
         self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
 

@@ -15,11 +15,11 @@ import statistics
 
 import numpy as np
 
-from workbench.bench import measure, open_session
+from experiments.bench import measure, open_session
 from workbench.presets import get_preset
 from workbench.runs import write_run
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.textdata import heldout_ids
 
 BIAS_SWEEP = (0.005, 0.02, 0.05, 0.1, 0.25)
@@ -59,7 +59,6 @@ def decode_nll(session: Session, ids: list[int]) -> np.ndarray:
     for i, t in enumerate(ids[1:]):
         z = logits[-1].astype(np.float64)
         nll.append(np.log(np.exp(z - z.max()).sum()) + z.max() - z[t])
-        session.engine.token_index = i + 1
         logits = session.step([t], "decode")
     return np.asarray(nll)
 

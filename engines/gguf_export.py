@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from workbench.atomic import atomic_path
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 TYPES = ("f16", "q8_0")
 PARTS = ("gate", "up", "down")
