@@ -31,6 +31,9 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
                device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
                routing_trace=s["routing_trace"])
+    if session.preset.prefetch.predictor is Predictor.PREROUTER:     # Edge0: what its prediction staged and dropped
+        from workbench.edge0.serve import edge0_counters
+        res.update(edge0_counters(session))
     return res
 
 

@@ -74,3 +74,16 @@ def test_profile_fitted_to_a_probe_reproduces_its_lone_reads():
 def test_unknown_device_is_a_one_line_error():
     with pytest.raises(WorkbenchError, match="no such profile"):
         devices.load("pager-on-a-toaster")
+
+
+def test_a_ladder_rung_runs_on_the_emulated_device_it_is_given(tmp_path, monkeypatch):
+    """ladder --device: the rung's bench cell carries the device, and its bench reads through the profile."""
+    from experiments.grid import Cell, run_bench
+    from workbench.presets import get_preset
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path))
+    cell = Cell.of("bench", "demo", get_preset("on_demand"), "on_demand", budget="0.25", tokens=2, rounds=1,
+                   device="ufs22-phone")
+    res = run_bench(cell)
+    assert res["emulated"] and res["device"]["name"] == "ufs22-phone" and "emulated:ufs22-phone" in res["reader_mode"]
+    plain = Cell.of("bench", "demo", get_preset("on_demand"), "on_demand", budget="0.25", tokens=2, rounds=1)
+    assert "device" not in dict(plain.settings)                    # a cell without one is the cell it always was
