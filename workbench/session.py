@@ -176,7 +176,7 @@ class Session:
         s = self.tel.summary()
         s.update(cache_bytes=self.cache.bytes, cache_peak_bytes=self.cache.peak_bytes, budget_bytes=self.budget_bytes,
                  peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode,
-                 reader_workers=self.reader.workers, per_layer=self.tel.per_layer("decode"),
+                 reader_workers=self.reader.workers, read_retries=self.reader.retries, per_layer=self.tel.per_layer("decode"),
                  expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes)
         return s
 
