@@ -324,6 +324,18 @@ class TorchMoE(nn.Module):
         return torch.stack(seq, 1)
 
 
+def sample_windows(data: dict[str, np.ndarray], n: int, T: int, rng: np.random.Generator) -> np.ndarray:
+    """n windows of T tokens, corpora mixed by size (as the demo model was trained)."""
+    names = list(data)
+    sizes = np.array([len(data[k]) for k in names], dtype=np.float64)
+    rows = []
+    for c in rng.choice(len(names), size=n, p=sizes / sizes.sum()):
+        d = data[names[c]]
+        st = rng.integers(0, len(d) - T - 1)
+        rows.append(d[st:st + T])
+    return np.stack(rows)
+
+
 def data_digest(windows: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(windows, np.int64).tobytes()).hexdigest()[:16]
 
