@@ -44,6 +44,7 @@ def _session(args, **kw):
 
 
 def cmd_info(args):
+    from workbench.memory import fits, model_bytes
     from workbench.registry import is_pack, model_dir
     from workbench.store.pack import Pack
     p = model_dir(args.model)
@@ -51,14 +52,19 @@ def cmd_info(args):
         pack = Pack(p)
         obj = {"path": str(p), "kind": "pack", "spec": pack.spec.to_dict(), "layout": pack.layout, "quant": pack.quant,
                "expert_nbytes": pack.expert_nbytes, "experts": pack.num_expert_total, "file_size": pack.header["file_size"]}
+        mem = fits(*model_bytes(pack.spec, [t["shape"] for t in pack.tensors.values()]))
     else:
         from workbench.models.hf import HFModel
         m = HFModel(p)
         obj = {"path": str(p), "kind": "huggingface", "spec": m.spec.to_dict(), "tensors": len(m.where),
                "expert_tensors": len(m.experts)}
+        mem = fits(*model_bytes(m.spec, [m.tensor_shape(n) for n in m.names()]))
+    obj["memory"] = mem
     s = obj["spec"]
     _print(args, obj, f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, "
-                      f"d={s['hidden_size']}")
+                      f"d={s['hidden_size']}\nmemory (numpy engine, f32): weights {mem['weights_bytes'] / 2**20:.0f} MiB, "
+                      f"all experts {mem['all_experts_bytes'] / 2**20:.0f} MiB; largest --budget that fits the "
+                      f"available memory: {mem['largest_budget']}")
 
 
 def cmd_convert(args):

@@ -17,6 +17,7 @@ from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache, parse_budget
 from workbench.capture import RoutingCapture
 from workbench.io import Reader
+from workbench.memory import check_fits, model_bytes
 from workbench.predict import make_predictor
 from workbench.presets import Preset, get_preset
 from workbench.registry import cache_dir, resolve_pack, tokenizer_for
@@ -50,6 +51,9 @@ class Session:
         self.all_expert_bytes = self.item_bytes * self.pack.num_expert_total
         self.budget_text = str(budget if budget is not None else p.budget)
         self.budget_bytes = parse_budget(self.budget_text, self.all_expert_bytes)
+        if engine == "numpy":
+            check_fits(model_bytes(s, [t["shape"] for t in self.pack.tensors.values()])[0], self.budget_bytes,
+                       self.all_expert_bytes, f"{self.pack_path} at --budget {self.budget_text}")
         self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache_policy,
                                  scope=p.cache_scope, min_slots_per_layer=s.top_k)
         self.reader = Reader(self.pack_path, direct=direct, workers=workers)

@@ -1,0 +1,69 @@
+"""The memory guard: a configuration that cannot fit in available memory is refused up front, naming what it
+needs and what is available; `info` says the largest budget that fits."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import workbench.memory as memory
+from workbench.cli import main
+from workbench.memory import fits, model_bytes
+from workbench.store.pack import Pack, convert
+
+MiB = 2 ** 20
+
+
+@pytest.fixture(scope="module")
+def pack(tiny_models, tmp_path_factory):
+    return convert(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("mem") / "tiny.pack")
+
+
+@pytest.fixture(scope="module")
+def sizes(pack):
+    p = Pack(pack)
+    return model_bytes(p.spec, [t["shape"] for t in p.tensors.values()])
+
+
+def test_available_memory_is_what_the_system_reports():
+    total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    assert 0 < memory.available_bytes() <= total
+
+
+def test_model_bytes_are_what_a_resident_session_holds(pack, sizes):
+    from workbench.session import Session
+    dense, experts = sizes
+    with Session(str(pack), "resident", budget="all") as s:
+        assert experts == s.all_expert_bytes
+        held = sum(w.nbytes for k, w in s.engine.w.items() if k != "lm_head" or "lm_head" in s.pack.tensors)
+        assert dense == held
+
+
+def test_a_budget_that_cannot_fit_is_refused_with_the_numbers(pack, sizes, monkeypatch, capsys):
+    dense, experts = sizes
+    monkeypatch.setattr(memory, "available_bytes", lambda: dense + experts // 4)
+    assert main(["generate", "--model", str(pack), "--budget", "all", "--tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    m = re.search(r"needs (\d+) MiB .* (\d+) MiB available: choose a smaller --budget \(largest that fits: (0\.\d\d)\)",
+                  err)
+    assert m, err
+    assert int(m[1]) == round((dense + experts) / MiB) and int(m[2]) == round((dense + experts // 4) / MiB)
+    assert m[3] == "0.25"
+    assert main(["generate", "--model", str(pack), "--budget", m[3], "--tokens", "2", "--json"]) == 0
+
+
+def test_what_fits():
+    assert fits(100, 1000, available=2000)["largest_budget"] == "all"
+    assert fits(100, 1000, available=430)["largest_budget"] == "0.33"
+    assert fits(100, 1000, available=50)["largest_budget"].startswith("none")
+
+
+def test_info_says_what_fits(pack, sizes, monkeypatch, capsys):
+    dense, experts = sizes
+    monkeypatch.setattr(memory, "available_bytes", lambda: dense + experts // 2)
+    assert main(["info", "--model", str(pack), "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out)["memory"]
+    assert mem == {"available_bytes": dense + experts // 2, "weights_bytes": dense, "all_experts_bytes": experts,
+                   "largest_budget": "0.50"}
