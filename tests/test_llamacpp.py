@@ -304,6 +304,13 @@ def llama_logits(path, ids, one_by_one: bool = False):
         return np.concatenate([llm.forward([i]) for i in ids]) if one_by_one else llm.forward(ids)
 
 
+def quantized_batch_and_steps(f16, dst, qtype, ids):
+    """In llama.cpp: quantize, then the logits of `ids` as one batch and one token at a time."""
+    from engines.llamacpp_engine import quantize_gguf
+    q = quantize_gguf(f16, dst, qtype)
+    return llama_logits(q, ids), llama_logits(q, ids, one_by_one=True)
+
+
 def cli_json(*argv) -> dict:
     """`python -m workbench ARGV --json` in this process: its JSON object."""
     import contextlib
@@ -416,11 +423,8 @@ def test_kquant_import_keeps_blocks(kquant_model, tmp_path, qtype, block):
 def test_kquant_batches_decode_like_single_tokens(kquant_model, tmp_path, qtype):
     """Batches of 2+ tokens go through llama.cpp's batched k-quant matmuls (the path ggml's AMX kernel takes on
     Intel CPUs with AMX); one token at a time goes through the vector path. Both give the same logits."""
-    from engines.llamacpp_engine import quantize_gguf
     f16 = export_gguf(HFModel(kquant_model), tmp_path / "f16.gguf", "f16")
-    q = in_child(quantize_gguf, f16, tmp_path / f"{qtype}.gguf", qtype)
-    batch = in_child(llama_logits, q, IDS)
-    steps = in_child(llama_logits, q, IDS, one_by_one=True)
+    batch, steps = in_child(quantized_batch_and_steps, f16, tmp_path / f"{qtype}.gguf", qtype, IDS)
     assert batch.shape == (len(IDS), 320) and np.isfinite(batch).all()
     assert np.abs(batch - steps).max() < KQ_BATCH_TOL, np.abs(batch - steps).max()
 
