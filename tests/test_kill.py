@@ -12,6 +12,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,8 +28,8 @@ trainer = pytest.mark.skipif(not os.environ.get("WORKBENCH_KILL_TRAINERS"),
                              reason="minutes on two cores: WORKBENCH_KILL_TRAINERS=1 runs it")
 
 
-def start(*argv, **env) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+def start(*argv, stderr=subprocess.PIPE, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr,
                             env={**os.environ, "PYTHONPATH": str(REPO), **env})
 
 
@@ -62,21 +63,47 @@ def temps(path: Path) -> list[Path]:
     return list(path.parent.glob(f".{path.name}.*.tmp"))
 
 
+def watched(argv, dst: Path, kill_at: float | None = None, in_write: bool = False, **env) -> tuple[bool, float, float]:
+    """Run, SIGKILL `kill_at` seconds after the start (in_write: after dst's temp file appeared). Returns (killed,
+    seconds run, seconds from the temp file's appearance to the end)."""
+    err = tempfile.TemporaryFile()
+    p = start(*argv, stderr=err, **env)
+    t0, t_temp = time.monotonic(), None
+    while p.poll() is None:
+        now = time.monotonic()
+        if t_temp is None and temps(dst):
+            t_temp = now
+        base = t_temp if in_write else t0
+        if kill_at is not None and base is not None and now - base >= kill_at:
+            p.kill()
+            p.wait()
+            return True, now - t0, now - (t_temp or now)
+        time.sleep(0.001)
+    err.seek(0)
+    assert kill_at is not None or p.returncode == 0, err.read().decode()[-2000:]
+    end = time.monotonic()
+    return False, end - t0, end - (t_temp or end)
+
+
 def kill_and_check(argv, dst: Path, old: bytes, is_new, seed: int, **env) -> list[str]:
-    """Restore the old file, kill the writer at each moment, and check what is left. Returns the outcomes."""
+    """Restore the old file, kill the writer at KILLS moments of its run and KILLS moments of its write (after its
+    temp file appears), and check what is left each time. Returns the outcomes."""
     dst.write_bytes(old)
-    duration = finish(*argv, **env)
+    _, duration, writing = watched(argv, dst, **env)
     new = dst.read_bytes()
     assert is_new(dst) and new != old
-    outcomes = []
-    for t in moments(duration, seed):
+    rng, outcomes = random.Random(seed), []
+    plan = [(rng.uniform(0.1, 1.0) * duration, False) for _ in range(KILLS)] + \
+           [(rng.uniform(0.0, 1.0) * writing, True) for _ in range(KILLS)]
+    for t, in_write in plan:
         dst.write_bytes(old)
-        killed = killed_at(t, *argv, **env)
+        killed, _, _ = watched(argv, dst, kill_at=t, in_write=in_write, **env)
         now = dst.read_bytes()
-        assert now == old or is_new(dst), f"killed at {t:.2f} s: {dst} is neither the old file nor a whole new one"
-        outcomes.append(f"{t:.2f}s:{'old' if now == old else 'new'}{'' if killed else '(finished)'}")
+        assert now == old or is_new(dst), f"killed at {t:.3f} s: {dst} is neither the old file nor a whole new one"
+        outcomes.append(f"{'write+' if in_write else ''}{t:.3f}s:{'old' if now == old else 'new'}"
+                        f"{'' if killed else '(finished)'}")
     left = temps(dst)
-    finish(*argv, **env)                         # running again succeeds, and sweeps what the killed ones left
+    assert watched(argv, dst, **env)[0] is False   # running again succeeds, and sweeps what the killed ones left
     assert is_new(dst) and not temps(dst), (left, temps(dst))
     print(f"{dst.name}: {outcomes}; temp files left by kills: {len(left)}")
     return outcomes
