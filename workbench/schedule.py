@@ -67,6 +67,8 @@ class ExpertStreamer:
                     fut.set_result(w)
                 except BaseException as e:  # surfaced in the compute thread by fut.result()
                     fut.set_exception(e)
+                finally:        # a read future holds this callback, which holds the futures: a cycle that kept
+                    part_futs.clear()   # each read's buffer alive until a full GC (RSS climbed for ~700 requests)
 
             for f in part_futs:
                 f.add_done_callback(done)
