@@ -67,3 +67,25 @@ def test_info_says_what_fits(pack, sizes, monkeypatch, capsys):
     mem = json.loads(capsys.readouterr().out)["memory"]
     assert mem == {"available_bytes": dense + experts // 2, "weights_bytes": dense, "all_experts_bytes": experts,
                    "largest_budget": "0.50"}
+
+
+def test_expert_reads_leave_no_cyclic_garbage(pack):
+    """Streamed experts are freed when the cache lets them go, not at the next full GC: a long-running server's
+    RSS stays flat (the cycle read future -> callback -> futures once kept every read buffer alive)."""
+    import gc
+    from concurrent.futures import Future
+    from workbench.session import Session
+    with Session(str(pack), "on_demand", budget="0.25") as s:
+        s.generate("Once upon a time", tokens=2)
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            s.generate("Once upon a time", tokens=6)
+            gc.collect()
+            futures = [o for o in gc.garbage if isinstance(o, Future)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert futures == []
