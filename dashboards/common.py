@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 import altair as alt
 import pyarrow as pa
 
-from workbench.cache import parse_budget
-from workbench.presets import PRESETS
+from workbench.presets import PRESETS, Budget, budget_for
 from workbench.registry import model_dir
 from workbench.runs import list_runs, read_run, write_run
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.telemetry import Telemetry
 
 REFRESH_S = 0.5          # live numbers redraw this often
@@ -69,7 +68,7 @@ def check_inputs(model: str, designs: list[str], budget: str, prompt: str, token
     """What can be checked before any worker starts; the rest (a corrupt pack, a budget below
     top-k slots) is raised by Session in the worker and shown in that design's column."""
     model_dir(model)
-    parse_budget(budget, 1)
+    Budget(str(budget))
     if not designs:
         raise WorkbenchError("pick at least one design to compare")
     if not prompt.strip():
@@ -90,16 +89,14 @@ EMPTY = Snapshot([], [], {"per_layer": []})      # a design still starting
 
 
 def _snapshot(s: Session) -> Snapshot:
-    """Copy the telemetry under its lock, then aggregate the copy with Session.summary's own code."""
+    """Copy the telemetry under its lock, then aggregate the copy with Session.summary."""
     tel = s.tel
     with tel.lock:
         tokens, ring, events = list(tel.tokens), list(tel.ring), list(tel.events)
         counters = dict(prefetch_issued=tel.prefetch_issued, prefetch_used=tel.prefetch_used,
                         prefetch_wasted=tel.prefetch_wasted, wasted_bytes=tel.wasted_bytes)
     copy = Telemetry(tel.num_layers, events=events, tokens=tokens, **counters)
-    view = object.__new__(Session)      # the session, its telemetry swapped for the copy
-    view.__dict__.update(vars(s), tel=copy)
-    return Snapshot(tokens, ring, view.summary())
+    return Snapshot(tokens, ring, s.summary(copy))
 
 
 class _Stopped(Exception):
@@ -125,7 +122,7 @@ class DesignRun:
         self.id = secrets.token_hex(4)
         self.model, self.design, self.prompt, self.tokens = model, design, prompt, int(tokens)
         # a design whose preset keeps every expert resident ("all") is the ceiling: the budget does not apply
-        self.budget = None if PRESETS[design].budget == "all" else budget
+        self.budget = budget_for(PRESETS[design], budget)
         self.status, self.error, self.record = "queued", None, None
         self.text, self.generated, self.summary, self.started, self.finished = "", 0, None, time.time(), None
         self.session: Session | None = None
@@ -167,7 +164,7 @@ class DesignRun:
         try:
             self.status = "starting"
             p = PRESETS[self.design]
-            with self._init_locks.setdefault((self.model, p.layout, p.experts, p.rest), threading.Lock()):
+            with self._init_locks.setdefault((self.model, p.storage), threading.Lock()):
                 if self._stop.is_set():
                     raise _Stopped()
                 s = Session(self.model, self.design, budget=self.budget)

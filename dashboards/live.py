@@ -18,7 +18,7 @@ import streamlit as st  # noqa: E402
 
 from dashboards import common as C  # noqa: E402
 from workbench.presets import PRESETS  # noqa: E402
-from workbench.spec import WorkbenchError  # noqa: E402
+from workbench.errors import WorkbenchError  # noqa: E402
 
 st.set_page_config(page_title="moe-workbench · live", page_icon="⚡", layout="wide")
 BOOTH = st.query_params.get("booth") == "1"

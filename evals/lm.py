@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 LOCAL = ("lambada_openai", "hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "boolq")

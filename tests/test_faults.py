@@ -85,7 +85,7 @@ def test_a_failed_bench_is_recorded_as_failed(pack, first_expert, tmp_path, caps
     def plan(call, pos, n, reader):
         return "eio" if state["armed"] and pos >= first_expert else None
 
-    import workbench.bench as wb
+    import experiments.bench as wb
     real_measure = wb.measure
 
     def measure(session, prompt, tokens, warmup=4):

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from workbench.models.hf import HFModel                     # noqa: E402
 from workbench.registry import tokenizer_for                 # noqa: E402
-from workbench.spec import WorkbenchError                    # noqa: E402
+from workbench.errors import WorkbenchError                  # noqa: E402
 from workbench.store.pack import MAGIC, Pack, convert        # noqa: E402
 
 EXAMPLES = int(os.environ.get("WORKBENCH_FUZZ_EXAMPLES", 100))
@@ -270,7 +270,7 @@ def test_config_json_fields(checkpoint, tmp_path):
 @pytest.fixture(scope="module")
 def gguf_file(checkpoint, tmp_path_factory):
     pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[llamacpp]')")
-    from workbench.models.gguf_export import export_gguf
+    from engines.gguf_export import export_gguf
     return export_gguf(HFModel(checkpoint), tmp_path_factory.mktemp("fuzz-gguf") / "tiny.gguf", "f16")
 
 

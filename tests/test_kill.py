@@ -157,7 +157,7 @@ def test_bench_run_records(tiny_models, tmp_path):
 def test_edge0_prerouter_training(tiny_models, tmp_path):
     from workbench.edge0.artifacts import load_safetensors
     dst = tmp_path / "prerouter.safetensors"
-    argv = ["-m", "workbench.edge0.train_prerouter", "--model", str(tiny_models["qwen3_moe"]), "--windows", "4",
+    argv = ["-m", "training.edge0_prerouter", "--model", str(tiny_models["qwen3_moe"]), "--windows", "4",
             "--ctx", "32", "--batch", "32", "--out", str(dst)]
     finish(*argv, "--steps", "5", "--seed", "1")
     old = dst.read_bytes()
@@ -175,7 +175,7 @@ def test_demo_trainer_checkpoint(tmp_path):
     restart resumes from it to the end."""
     import torch
     out = tmp_path / "train"
-    argv = ["-m", "workbench.train.demo", "--out", str(out), "--batch", "1", "--ctx", "16", "--ckpt-every", "1",
+    argv = ["-m", "training.demo", "--out", str(out), "--batch", "1", "--ctx", "16", "--ckpt-every", "1",
             "--threads", "1"]
     ck = out / "ckpt.pt"
     finish(*argv, "--steps", "1")

@@ -9,7 +9,8 @@ import pytest
 
 import workbench.memory as memory
 from workbench.cli import main
-from workbench.memory import fits, model_bytes
+from workbench.memory import largest_budget, memory_needs
+from workbench.presets import Budget
 from workbench.store.pack import Pack, convert
 
 MiB = 2 ** 20
@@ -23,7 +24,8 @@ def pack(tiny_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sizes(pack):
     p = Pack(pack)
-    return model_bytes(p.spec, [t["shape"] for t in p.tensors.values()])
+    m = memory_needs(p.spec, {n: t["shape"] for n, t in p.tensors.items()}, Budget("all"))
+    return m["resident_f32_bytes"], m["all_experts_f32_bytes"]
 
 
 def test_available_memory_is_what_the_system_reports():
@@ -55,18 +57,34 @@ def test_a_budget_that_cannot_fit_is_refused_with_the_numbers(pack, sizes, monke
 
 
 def test_what_fits():
-    assert fits(100, 1000, available=2000)["largest_budget"] == "all"
-    assert fits(100, 1000, available=430)["largest_budget"] == "0.33"
-    assert fits(100, 1000, available=50)["largest_budget"].startswith("none")
+    assert largest_budget(100, 1000, available=2000) == "all"
+    assert largest_budget(100, 1000, available=430) == "0.33"
+    assert largest_budget(100, 1000, available=50).startswith("none")
 
 
 def test_info_says_what_fits(pack, sizes, monkeypatch, capsys):
     dense, experts = sizes
     monkeypatch.setattr(memory, "available_bytes", lambda: dense + experts // 2)
-    assert main(["info", "--model", str(pack), "--json"]) == 0
+    assert main(["info", "--model", str(pack), "--budget", "all", "--json"]) == 0
     mem = json.loads(capsys.readouterr().out)["memory"]
-    assert mem == {"available_bytes": dense + experts // 2, "weights_bytes": dense, "all_experts_bytes": experts,
-                   "largest_budget": "0.50"}
+    assert {k: mem[k] for k in ("available_bytes", "resident_f32_bytes", "all_experts_f32_bytes", "needed_bytes",
+                                "largest_budget")} == {
+        "available_bytes": dense + experts // 2, "resident_f32_bytes": dense, "all_experts_f32_bytes": experts,
+        "needed_bytes": dense + experts, "largest_budget": "0.50"}
+    assert main(["info", "--model", str(pack), "--budget", "0.25", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["needed_bytes"] == dense + experts // 4
+
+
+def test_info_and_the_guard_use_the_same_numbers(pack, monkeypatch, capsys):
+    """The budget info says fits is accepted; one that info says needs more than is available is refused."""
+    assert main(["info", "--model", str(pack), "--budget", "0.5", "--json"]) == 0
+    need = json.loads(capsys.readouterr().out)["memory"]["needed_bytes"]
+    monkeypatch.setattr(memory, "available_bytes", lambda: need)
+    assert main(["generate", "--model", str(pack), "--budget", "0.5", "--tokens", "1", "--json"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(memory, "available_bytes", lambda: need - 1)
+    assert main(["generate", "--model", str(pack), "--budget", "0.5", "--tokens", "1"]) == 2
+    assert f"needs {round(need / MiB)} MiB" in capsys.readouterr().err
 
 
 def test_expert_reads_leave_no_cyclic_garbage(pack):

@@ -1,16 +1,26 @@
-"""The memory guard: what a model and a cache budget need in memory, what the machine (or its cgroup) has
-available, and a refusal with both numbers before anything is loaded, instead of the OOM killer mid-run.
+"""What a configuration needs in memory, from the spec and the non-expert tensors' shapes alone (nothing is
+loaded), and the guard that refuses one that cannot fit before anything is loaded, instead of the OOM killer
+mid-run. `python -m workbench info --model DIR --budget B` prints the same numbers the guard refuses with.
 
-Needed: the non-expert weights as the engine holds them (f32) plus the expert cache, at most every expert (f32).
-Available: /proc/meminfo's MemAvailable, capped by the cgroup's memory.max less its memory.current (Linux).
+- resident: the non-expert weights (attention, norms, routers, shared experts, embeddings, head), always in
+  memory: as the numpy engine holds them (f32) and in bf16;
+- experts: every routed expert, on disk, in each precision a pack can store them in;
+- cache: the expert cache at the budget, in the numpy engine's unit (experts dequantized to f32);
+- context: KV cache bytes per token (full-attention layers), and the fixed recurrent state of the
+  linear-attention layers (Gated DeltaNet: conv and delta-rule state, whatever the context length);
+- needed: resident (f32) + the cache, at most every expert; available: /proc/meminfo's MemAvailable, capped by
+  the cgroup's memory.max less its memory.current (Linux).
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
+from workbench.store import quant
+from workbench.store.pack import expert_kind
 
+PRECISIONS = ("bf16", "q8", "q4", "q3", "q2")
 MiB = 2 ** 20
 
 
@@ -31,34 +41,68 @@ def available_bytes() -> int | None:
     return max(0, avail)
 
 
-def model_bytes(spec, tensor_shapes) -> tuple[int, int]:
-    """(non-expert weights, every expert), f32, as the numpy engine holds them in memory."""
-    return (4 * sum(math.prod(s) for s in tensor_shapes),
-            4 * 3 * spec.hidden_size * spec.moe_intermediate_size * spec.num_experts * len(spec.moe_layers))
-
-
-def check_fits(dense: int, cache: int, all_experts: int, where: str, available: int | None = None):
-    """Refuse a configuration that cannot fit, naming what it needs and what is available."""
-    available = available_bytes() if available is None else available
-    need = dense + min(cache, all_experts)
-    if available is not None and need > available:
-        raise WorkbenchError(f"{where}: needs {need / MiB:.0f} MiB of memory ({dense / MiB:.0f} MiB of weights + "
-                             f"{min(cache, all_experts) / MiB:.0f} MiB of expert cache), {available / MiB:.0f} MiB "
-                             f"available: choose a smaller --budget (largest that fits: "
-                             f"{fits(dense, all_experts, available)['largest_budget']})")
-
-
-def fits(dense: int, all_experts: int, available: int | None = None) -> dict:
-    """What fits: the largest expert budget (a fraction of all experts, or "all") beside the weights."""
-    available = available_bytes() if available is None else available
-    out = {"available_bytes": available, "weights_bytes": dense, "all_experts_bytes": all_experts}
+def largest_budget(resident: int, all_experts: int, available: int | None) -> str:
+    """The largest expert budget (a fraction of all experts, or "all") that fits beside the resident weights."""
     if available is None:
-        return {**out, "largest_budget": "unknown"}
-    room = available - dense
+        return "unknown"
+    room = available - resident
     if room >= all_experts:
-        largest = "all"
-    elif room <= 0:
-        largest = "none (the weights alone do not fit)"
-    else:
-        largest = f"{math.floor(100 * room / all_experts) / 100:.2f}"
-    return {**out, "largest_budget": largest}
+        return "all"
+    if room <= 0:
+        return "none (the weights alone do not fit)"
+    return f"{math.floor(100 * room / all_experts) / 100:.2f}"
+
+
+def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int | None = None) -> dict:
+    """expert_bytes: what one expert costs in the cache (the engine's Engine.expert_bytes; f32 by default)."""
+    d, ff = spec.hidden_size, spec.moe_intermediate_size
+    elements = sum(math.prod(s) for s in tensor_shapes.values())
+    n_experts = len(spec.moe_layers) * spec.num_experts
+    per_expert = {k: sum(quant.encoded_nbytes(shape, expert_kind(shape, k)) for shape in ((ff, d), (ff, d), (d, ff)))
+                  for k in PRECISIONS}
+    item = expert_bytes or 4 * 3 * d * ff
+    full = [i for i in range(spec.num_layers) if not spec.is_linear(i)]
+    kv_heads, kv_dim = (1, spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.attention == "mla" else \
+        (spec.num_kv_heads, 2 * spec.head_dim)
+    linear_state = 0
+    if spec.linear:
+        L = spec.linear
+        channels = 2 * L["num_key_heads"] * L["key_head_dim"] + L["num_value_heads"] * L["value_head_dim"]
+        linear_state = 4 * (spec.num_layers - len(full)) * (
+            (L["conv_kernel"] - 1) * channels + L["num_value_heads"] * L["key_head_dim"] * L["value_head_dim"])
+    resident, all_experts = 4 * elements, item * n_experts
+    cache = budget.nbytes(item, n_experts)
+    available = available_bytes()
+    return {
+        "resident_f32_bytes": resident, "resident_bf16_bytes": 2 * elements,
+        "shared_expert_bytes_f32": 4 * 3 * d * spec.shared_expert_size * len(spec.moe_layers),
+        "experts": n_experts, "expert_bytes": {k: v * n_experts for k, v in per_expert.items()},
+        "cache_bytes": cache, "cache_budget": budget.text, "all_experts_f32_bytes": all_experts,
+        "kv_bytes_per_token": 4 * len(full) * kv_heads * kv_dim,
+        "linear_state_bytes": linear_state,
+        "needed_bytes": resident + min(cache, all_experts), "available_bytes": available,
+        "largest_budget": largest_budget(resident, all_experts, available),
+    }
+
+
+def check_fits(m: dict, where: str):
+    """Refuse a configuration (memory_needs) that cannot fit, naming what it needs and what is available."""
+    if m["available_bytes"] is not None and m["needed_bytes"] > m["available_bytes"]:
+        cache = m["needed_bytes"] - m["resident_f32_bytes"]
+        raise WorkbenchError(f"{where}: needs {m['needed_bytes'] / MiB:.0f} MiB of memory "
+                             f"({m['resident_f32_bytes'] / MiB:.0f} MiB of weights + {cache / MiB:.0f} MiB of expert "
+                             f"cache), {m['available_bytes'] / MiB:.0f} MiB available: choose a smaller --budget "
+                             f"(largest that fits: {m['largest_budget']})")
+
+
+def describe(m: dict) -> str:
+    def gib(n):
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    ex = ", ".join(f"{k} {gib(v)}" for k, v in m["expert_bytes"].items())
+    avail = "unknown" if m["available_bytes"] is None else gib(m["available_bytes"])
+    return (f"memory: resident non-expert weights {gib(m['resident_f32_bytes'])} f32 ({gib(m['resident_bf16_bytes'])} bf16, "
+            f"shared experts included); {m['experts']} experts on disk: {ex}; expert cache at budget "
+            f"{m['cache_budget']}: {gib(m['cache_bytes'])} (f32); KV cache {m['kv_bytes_per_token']} bytes per token "
+            f"of context; linear-attention state {gib(m['linear_state_bytes'])} (fixed)\n"
+            f"needs {gib(m['needed_bytes'])} (numpy engine), {avail} available; largest --budget that fits: "
+            f"{m['largest_budget']}")

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from workbench.floor import floor_tok_s, probe
-from workbench.presets import get_preset
+from workbench.presets import Predictor, get_preset
 from workbench.capture import RoutingCapture
 from workbench.runs import write_run
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 SUMMARY_KEYS = ("tok_s", "prefill_tok_s", "hit_rate", "bytes_read", "bytes_read_per_token", "flash_wait_s",
                 "flash_wait_per_token_s", "dequant_s", "compute_s", "router_s", "other_s", "decode_s",
@@ -27,6 +27,9 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
                reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], read_retries=s["read_retries"],
                achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"])
+    if session.preset.prefetch.predictor is Predictor.PREROUTER:     # Edge0: what its prediction staged and dropped
+        from workbench.edge0.serve import edge0_counters
+        res.update(edge0_counters(session))
     return res
 
 
@@ -41,7 +44,7 @@ def capture_trace(model: str, preset, prompt, tokens: int) -> dict:
 def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: int = 64, **kw) -> Session:
     """A Session; the oracle's trace is captured first from the same tokens."""
     p = get_preset(preset) if isinstance(preset, str) else preset
-    trace = capture_trace(model, p, prompt, tokens) if p.predictor == "oracle" else None
+    trace = capture_trace(model, p, prompt, tokens) if p.prefetch.predictor is Predictor.ORACLE else None
     return Session(model, p, budget=budget, trace=trace, **kw)
 
 

@@ -1,6 +1,6 @@
 """Train Edge0's recovery LoRA on the student path, then save it beside the model (never merged).
 
-    python -m workbench.edge0.train_lora --model demo
+    python -m training.edge0_lora --model demo
 
 Student: the int4 pack (experts and rest dequantized), routed by the trained prerouter heads (frozen) exactly
 as the numpy engine serves it, plus rank-16 adapters on attention q, k, v, o (the demo model, Qwen3-MoE, has
@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 from workbench.edge0.artifacts import artifact_path, model_identity, save_safetensors
 from workbench.edge0.serve import Heads
-from workbench.edge0.train_common import (PROJ, Clock, HeadSet, LoRASet, TorchMoE, command_line, data_digest,
+from training.edge0_common import (PROJ, Clock, HeadSet, LoRASet, TorchMoE, command_line, data_digest,
                                           open_pack, sample_windows)
 from workbench.registry import REPO, tokenizer_for
-from workbench.spec import WorkbenchError
-from workbench.train.corpora import TRAIN, encode_train
+from workbench.errors import WorkbenchError
+from training.corpora import TRAIN, encode_train
 
 
 def kl_teacher_student(t_logits, s_logits, mask=None):

@@ -1,8 +1,8 @@
 """Train Edge0's prerouter heads on the teacher, from the training corpora only (never the held-out files).
 
-    python -m workbench.edge0.train_prerouter --model demo
+    python -m training.edge0_prerouter --model demo
 
-Data: windows of the training corpora (workbench.train.corpora.TRAIN) through the teacher (the bf16 pack,
+Data: windows of the training corpora (workbench.textdata.TRAIN) through the teacher (the bf16 pack,
 exact routing). For every token t and owner layer L the feature is
     concat[x_L(t) (the router input, after the post-attention norm), one-hot top-k of L at t, at t-1]
 and the target is layer L+1's router logits at token t+1.
@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from workbench.edge0.artifacts import artifact_path, model_identity, save_safetensors
-from workbench.edge0.train_common import (Clock, HeadSet, TorchMoE, command_line, data_digest,
+from training.edge0_common import (Clock, HeadSet, TorchMoE, command_line, data_digest,
                                           onehot, open_pack, sample_windows)
 from workbench.registry import REPO, tokenizer_for
-from workbench.spec import WorkbenchError
-from workbench.train.corpora import TRAIN, encode_train
+from workbench.errors import WorkbenchError
+from training.corpora import TRAIN, encode_train
 
 
 def collect(teacher: TorchMoE, windows: np.ndarray, batch: int = 16, log=print):

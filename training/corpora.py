@@ -1,22 +1,12 @@
-"""The demo model's corpora: which files train it, which are held out.
-
-Training never sees the held-out files (TinyStories validation, WikiText-2 test).
+"""The training corpora, tokenized. Which files train the demo model and which are held out is
+workbench.textdata's TRAIN and HELDOUT; training never sees the held-out files.
 """
 from pathlib import Path
 
 import numpy as np
 
-CORPORA = Path(__file__).resolve().parents[2] / "data" / "corpora"
+from workbench.textdata import TRAIN
 
-TRAIN = {
-    "tinystories": CORPORA / "tinystories" / "tinystories_train_sample_2MiB.txt",
-    "shakespeare": CORPORA / "tinyshakespeare" / "input.txt",
-    "wikitext": CORPORA / "wikitext-2-raw" / "wiki.valid.raw",
-}
-HELDOUT = {
-    "tinystories": CORPORA / "tinystories" / "tinystories_val_head.txt",
-    "wikitext": CORPORA / "wikitext-2-raw" / "wiki.test.raw",
-}
 EOS = "<|endoftext|>"
 
 

@@ -18,10 +18,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import numpy as np
 
 from workbench.cache import ExpertCache
+from workbench.errors import WorkbenchError
 from workbench.io import Reader
 from workbench.store.pack import Pack
 from workbench.routing import route
-from workbench.spec import WorkbenchError
 from workbench.telemetry import LayerEvent, Telemetry
 
 # A read of an expert not back after this many seconds fails the run (a stalled disk; set WORKBENCH_READ_TIMEOUT)
@@ -30,13 +30,13 @@ READ_TIMEOUT_S = 60.0
 
 class ExpertStreamer:
     def __init__(self, pack: Pack, cache: ExpertCache, reader: Reader, telemetry: Telemetry,
-                 execution: str = "ready_first"):
+                 execution: str = "ready_first", raw: bool = False):
         if execution not in ("ready_first", "wait_all"):
             raise ValueError(f"execution {execution!r}: choose ready_first or wait_all")
         self.pack, self.cache, self.reader, self.tel = pack, cache, reader, telemetry
         self.execution = execution
         self.read_timeout = float(os.environ.get("WORKBENCH_READ_TIMEOUT", READ_TIMEOUT_S))
-        self.raw = False    # True: compute gets each part's encoded bytes, not f32 (an engine that reads packed weights)
+        self.raw = raw      # True: compute gets each part's encoded bytes, not f32 (an engine's raw_experts)
         self.prefetched: dict[tuple, tuple] = {}   # key -> (bytes, token), issued by a predictor, not yet consumed
         self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
 

@@ -27,8 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from workbench.capture import RoutingCapture
+from workbench.errors import WorkbenchError
+from workbench.presets import Budget, CacheScope, Predictor, Prefetch
 from workbench.runs import write_table
-from workbench.spec import MoESpec, WorkbenchError
+from workbench.spec import MoESpec
 
 META_KEY = b"workbench.trace"
 DESIGNS = ("on_demand", "history", "shuffled", "lookahead", "oracle")
@@ -144,8 +146,9 @@ def _predictor(design: str, preset, spec, weights, trace: dict, usage: dict):
         layers, topk = trace["moe_layers"], trace["topk"]
         table = {(t, L): sorted(set(topk[t, j].tolist())) for t in range(topk.shape[0]) for j, L in enumerate(layers)}
         return Oracle(spec, table)
-    pred = preset.predictor if (preset.predictor or "").startswith("lookahead") else "lookahead:1:2k"
-    p = make_predictor(pred, spec, weights)
+    look = preset.prefetch if preset.prefetch.predictor is Predictor.LOOKAHEAD else \
+        Prefetch(Predictor.LOOKAHEAD, depth=1, width=2)
+    p = make_predictor(look, spec, weights)
     assert isinstance(p, Lookahead)
     return p
 
@@ -153,16 +156,17 @@ def _predictor(design: str, preset, spec, weights, trace: dict, usage: dict):
 def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weights: dict, usage: dict,
              skip: int = 0) -> dict:
     """One design over the whole trace; counts from token `skip` on (earlier tokens only warm the cache)."""
-    from workbench.cache import ExpertCache, parse_budget
+    from engines import engine_class
+    from workbench.cache import ExpertCache
     layers, topk, h = trace["moe_layers"], trace["topk"], trace["router_input"]
     T = topk.shape[0]
-    item = 4 * 3 * spec.hidden_size * spec.moe_intermediate_size          # one expert in f32, as the Session counts
-    total = item * spec.num_experts * len(layers)
-    budget_bytes = parse_budget(budget, total)
-    cache = ExpertCache(budget_bytes, item, layers, policy=preset.cache_policy, scope=preset.cache_scope,
+    item = engine_class("numpy").expert_bytes(spec)      # one expert in the cache, as bench's engine counts it
+    budget_bytes = Budget(budget).nbytes(item, spec.num_experts * len(layers))
+    cache = ExpertCache(budget_bytes, item, layers, policy=preset.cache.policy.value, scope=preset.cache.scope.value,
                         min_slots_per_layer=spec.top_k)
-    if preset.warm:                                       # the most-used experts of each layer (this trace's counts)
-        per = min(cache.capacity.values()) if preset.cache_scope == "per_layer" else cache.capacity[layers[0]] // len(layers)
+    if preset.cache.warm:                                 # the most-used experts of each layer (this trace's counts)
+        per = min(cache.capacity.values()) if preset.cache.scope is CacheScope.PER_LAYER \
+            else cache.capacity[layers[0]] // len(layers)
         for L in layers:
             for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per]:
                 cache.reserve((L, int(e)), True)
@@ -242,7 +246,7 @@ def replay(path, preset: str = "les", budget: str | None = None, model: str | No
     if list(spec.moe_layers) != list(tr["moe_layers"]):
         raise WorkbenchError(f"{path}: the trace's layers {tr['moe_layers']} are not the spec's MoE layers")
     p = get_preset(preset)
-    budget = str(budget if budget is not None else p.budget)
+    budget = str(budget if budget is not None else p.cache.budget)
     usage = {L: np.bincount(tr["topk"][:, j].reshape(-1), minlength=spec.num_experts).tolist()
              for j, L in enumerate(tr["moe_layers"])}
     weights = {}
@@ -258,7 +262,7 @@ def replay(path, preset: str = "les", budget: str | None = None, model: str | No
     rows = [simulate(d, tr, spec, p, budget, weights, usage, skip=skip) for d in designs]
     return {"trace": str(path), "engine": meta.get("engine"), "model": meta.get("gguf") or meta.get("model"),
             "tokens": len(tr["ids"]), "skip": skip, "preset": p.name, "budget": budget,
-            "cache_policy": p.cache_policy, "cache_scope": p.cache_scope, "warm": p.warm,
+            "cache_policy": p.cache.policy.value, "cache_scope": p.cache.scope.value, "warm": p.cache.warm,
             "router_recompute_max_abs": check, "routing_check": near_ties(tr["logits"], tr["topk"], spec.top_k),
             "designs": rows}
 

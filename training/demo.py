@@ -1,7 +1,7 @@
 """Train the demo MoE (Qwen3-MoE architecture) on the public corpora, in torch on the CPU.
 
-    python -m workbench.train.demo --out runs/train-demo --steps 700
-    python -m workbench.train.demo --out runs/train-demo --export data/models/demo-moe
+    python -m training.demo --out runs/train-demo --steps 700
+    python -m training.demo --out runs/train-demo --export data/models/demo-moe
 
 Seeded and resumable: a checkpoint (weights, optimizer, RNG, step) is written
 atomically every --ckpt-every steps and picked up on restart. The export is a
@@ -22,8 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from training.corpora import EOS, TRAIN, encode_train
+from training.model import MoEDecoder
 from workbench.atomic import atomic_path, replace_dir
-from workbench.train.corpora import EOS, TRAIN, encode_train
 
 
 @dataclass
@@ -59,138 +60,17 @@ def train_tokenizer(vocab_size: int, out: Path):
     return tok
 
 
-# ---------------------------------------------------------------- model (HF Qwen3-MoE names)
+# ---------------------------------------------------------------- model (HF Qwen3-MoE names: training/model.py)
 
-class RMSNorm(nn.Module):
-    def __init__(self, d, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-class Attention(nn.Module):
+class DemoMoE(MoEDecoder):
     def __init__(self, c: DemoConfig):
-        super().__init__()
-        self.c = c
-        hd = c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * hd, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * hd, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * hd, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(hd, c.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, c.rms_norm_eps)
-
-    def forward(self, x, cos, sin):
-        B, T, _ = x.shape
-        c, hd = self.c, self.c.head_dim
-        q = self.q_norm(self.q_proj(x).view(B, T, c.num_attention_heads, hd)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, c.num_key_value_heads, hd)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, c.num_key_value_heads, hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class Expert(nn.Module):
-    def __init__(self, d, ff):
-        super().__init__()
-        self.gate_proj = nn.Linear(d, ff, bias=False)
-        self.up_proj = nn.Linear(d, ff, bias=False)
-        self.down_proj = nn.Linear(ff, d, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class SparseMoE(nn.Module):
-    def __init__(self, c: DemoConfig):
-        super().__init__()
-        self.k = c.num_experts_per_tok
-        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts))
-
-    def forward(self, x):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        logits = self.gate(x)
-        probs = logits.float().softmax(-1)
-        w, idx = probs.topk(self.k, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)  # norm_topk_prob
-        out = torch.zeros_like(x)
-        flat = idx.reshape(-1)
-        order = flat.argsort()
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        rows = order // self.k
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                r = rows[start:start + n]
-                y = self.experts[e](x[r]) * w.reshape(-1)[order[start:start + n]].unsqueeze(-1)
-                out.index_add_(0, r, y)
-            start += n
-        # Switch-style load balancing: fraction routed x mean probability, per expert.
-        frac = torch.bincount(flat, minlength=len(self.experts)).float() / flat.numel()
-        aux = len(self.experts) * (frac * probs.mean(0)).sum()
-        return out.reshape(shape), aux
-
-
-class Layer(nn.Module):
-    def __init__(self, c: DemoConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SparseMoE(c)
-
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        y, aux = self.mlp(self.post_attention_layernorm(x))
-        return x + y, aux
-
-
-class Inner(nn.Module):
-    def __init__(self, c: DemoConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
-class DemoMoE(nn.Module):
-    def __init__(self, c: DemoConfig):
-        super().__init__()
-        self.c = c
-        self.model = Inner(c)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        super().__init__(c)
         self.apply(self._init)
 
     @staticmethod
     def _init(m):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-
-    def forward(self, ids):
-        T = ids.shape[1]
-        f = torch.outer(torch.arange(T, dtype=torch.float32), self.inv_freq)
-        emb = torch.cat((f, f), dim=-1)
-        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
-        x = self.model.embed_tokens(ids)
-        aux = 0.0
-        for layer in self.model.layers:
-            x, a = layer(x, cos, sin)
-            aux = aux + a
-        return self.lm_head(self.model.norm(x)), aux / len(self.model.layers)
 
 
 # ---------------------------------------------------------------- training

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from workbench.atomic import atomic_write
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,7 +1,7 @@
-"""Torch pieces shared by the Edge0 trainers (the `train` extra): the numpy engine's forward in torch.
+"""Torch pieces shared by the Edge0 trainers (the `train` extra): heads, adapters, and the model (training/model.py).
 
-TorchMoE runs a pack's own dequantized weights (the teacher: the bf16 pack; the student: the int4 pack)
-with the numpy engine's math in fp32, over whole sequences at once:
+TorchMoE runs a pack's own dequantized weights (the teacher: the bf16 pack; the student: the int4 pack) in the
+shared torch decoder (the numpy engine's math) in fp32, over whole sequences at once:
   exact routing                           the real router at every layer
   prerouter routing (heads, skip_layers)  a streamed layer L+1 at position t takes routing from the head of
                                           owner L on position t-1's features (position 0 routes exactly, as
@@ -22,9 +22,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from training.model import MoEDecoder
 from workbench.edge0.artifacts import model_identity, pack_weights
 from workbench.registry import resolve_pack
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.store.pack import Pack
 
 PROJ = ("q", "k", "v", "o")
@@ -38,15 +39,6 @@ def open_pack(model: str, precision: str) -> Pack:
 def command_line() -> str:
     return " ".join(["python -m " + sys.modules["__main__"].__spec__.name if getattr(
         sys.modules["__main__"], "__spec__", None) else sys.argv[0]] + sys.argv[1:])
-
-
-def rms(x, w, eps):
-    return w * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps))
-
-
-def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
 
 
 def onehot(idx, E: int):
@@ -160,109 +152,45 @@ class LoRASet(nn.Module):
 
 
 class TorchMoE(nn.Module):
-    """A pack's model in torch, fp32, frozen; routing and adapters are arguments of forward."""
+    """A pack's model in torch (training/model.py's MoEDecoder, fp32, frozen); the prerouter routing and the
+    adapters are arguments of forward and step."""
 
     def __init__(self, pack: Pack):
         super().__init__()
         s = self.spec = pack.spec
-        if (s.router != "softmax_topk" or s.shared_expert_size or s.dense_layers or s.attention_bias
+        if (s.router != "softmax_topk" or (s.shared_expert_size and not s.layer_types) or s.dense_layers or s.attention_bias
                 or s.clip_qkv is not None or s.qk_norm not in ("head", "none") or s.attention != "gqa" or s.rope_yarn
                 or s.n_group > 1 or s.routed_scaling_factor != 1.0):
             raise WorkbenchError(f"{pack.path}: the Edge0 trainers support Qwen3-MoE-like models (softmax top-k router, "
-                                 f"no shared expert, no dense layers, plain RoPE); this is {s.family}")
+                                 f"no shared expert, no dense layers, plain RoPE) and the hybrid family; this is {s.family}")
         self.pack = pack
         self.identity = model_identity(pack)
         w, ex = pack_weights(pack)
         self.np_w = w
-        self.w = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in w.items()}
-        self.ex = {L: {p: torch.from_numpy(np.array(a, np.float32)) for p, a in d.items()}
-                   for L, d in ex.items()}
-        hd = s.head_dim
-        self.inv = torch.from_numpy((1.0 / (s.rope_theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd)))
-                                    .astype(np.float32))
+        self.model = MoEDecoder.from_pack(pack, w, ex)
 
     def proj_shapes(self, projs=PROJ) -> dict:
-        return {f"layers.{i}.{p}": tuple(self.w[f"layers.{i}.{p}"].shape) for i in range(self.spec.num_layers)
-                for p in projs}
-
-    def _proj(self, name, x, lora):
-        y = x @ self.w[name].T
-        if lora is not None:
-            d = lora.delta(name, x)
-            if d is not None:
-                y = y + d
-        return y
-
-    def attention(self, i, x, cos, sin, lora):
-        s, p = self.spec, f"layers.{i}."
-        B, T, _ = x.shape
-        q = self._proj(p + "q", x, lora).view(B, T, s.num_heads, s.head_dim)
-        k = self._proj(p + "k", x, lora).view(B, T, s.num_kv_heads, s.head_dim)
-        v = self._proj(p + "v", x, lora).view(B, T, s.num_kv_heads, s.head_dim)
-        if s.qk_norm == "head":
-            q, k = rms(q, self.w[p + "q_norm"], s.rms_norm_eps), rms(k, self.w[p + "k_norm"], s.rms_norm_eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.num_heads != s.num_kv_heads)
-        return self._proj(p + "o", y.transpose(1, 2).reshape(B, T, -1), lora)
-
-    def moe(self, i, xn, idx, wts):
-        B, T, d = xn.shape
-        k = idx.shape[-1]
-        xf = xn.reshape(-1, d)
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
-        rows, wf = order // k, wts.reshape(-1)
-        out = torch.zeros_like(xf)
-        G, U, D = self.ex[i]["gate"], self.ex[i]["up"], self.ex[i]["down"]
-        s = 0
-        for e, n in enumerate(counts):
-            if n:
-                sel = order[s:s + n]
-                r = rows[s:s + n]
-                xe = xf[r]
-                y = (F.silu(xe @ G[e].T) * (xe @ U[e].T)) @ D[e].T
-                out = out.index_add(0, r, y * wf[sel].unsqueeze(-1))
-                s += n
-        return out.view(B, T, d)
-
-    def route(self, logits):
-        probs = torch.softmax(logits.float(), -1)
-        w, idx = probs.topk(self.spec.top_k, dim=-1)
-        if self.spec.norm_topk_prob:
-            w = w / w.sum(-1, keepdim=True)
-        return idx, w
+        return {f"layers.{i}.{p}": tuple(self.np_w[f"layers.{i}.{p}"].shape) for i in range(self.spec.num_layers)
+                for p in projs if not self.spec.is_linear(i)}          # attention layers only (no q, k, v, o in DeltaNet)
 
     def forward(self, ids, heads: HeadSet | None = None, skip_layers: int = 1, lora: LoRASet | None = None,
                 collect: bool = False):
         """ids (B, T) -> logits (B, T, V); collect: also {layer: (router input, executed ids, real router logits)}."""
-        s = self.spec
-        B, T = ids.shape
-        f = torch.outer(torch.arange(T, dtype=torch.float32), self.inv)
-        emb = torch.cat([f, f], -1)
-        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
-        x = self.w["embed"][ids]
-        moe = s.moe_layers
+        moe = self.spec.moe_layers
         streamed = set(moe[skip_layers:]) if heads is not None else set()
         feats, got = {}, {}
-        for i in range(s.num_layers):
-            p = f"layers.{i}."
-            x = x + self.attention(i, rms(x, self.w[p + "attn_norm"], s.rms_norm_eps), cos, sin, lora)
-            xn = rms(x, self.w[p + "mlp_norm"], s.rms_norm_eps)
-            logits = xn @ self.w[p + "router"].T
+
+        def router(i, xn, logits):
             used = logits
-            if i in streamed:
+            if i in streamed:               # position t routes from the owner's head at t-1 (t=0: exactly)
                 owner = moe[moe.index(i) - 1]
-                pred = heads(owner, feats.pop(owner))
-                used = torch.cat([logits[:, :1], pred[:, :-1]], 1)
-            idx, wts = self.route(used)
+                used = torch.cat([logits[:, :1], heads(owner, feats.pop(owner))[:, :-1]], 1)
+            idx, wts = self.model.route(i, used)
             if heads is not None and i in moe[:-1] and moe[moe.index(i) + 1] in streamed:
-                feats[i] = head_features(xn, idx, s.num_experts)
-            if collect:
-                got[i] = (xn.detach(), idx, logits.detach())
-            x = x + self.moe(i, xn, idx, wts)
-        out = rms(x, self.w["norm"], s.rms_norm_eps) @ self.w["lm_head"].T
+                feats[i] = head_features(xn, idx, self.spec.num_experts)
+            return idx, wts
+
+        out, _ = self.model(ids, router, lora.delta if lora is not None else None, collect=got if collect else None)
         return (out, got) if collect else out
 
     # ------------------------------------------------------------ incremental decoding (sampling)
@@ -270,44 +198,24 @@ class TorchMoE(nn.Module):
     @torch.no_grad()
     def step(self, tok, cache: dict, heads: HeadSet | None = None, skip_layers: int = 1, lora: LoRASet | None = None):
         """One token per row (tok: (B,)) with a KV cache; the same routing as forward() gives at that position."""
-        s, moe = self.spec, self.spec.moe_layers
-        pos = cache.setdefault("pos", 0)
-        kv, staged, prev = cache.setdefault("kv", {}), cache.setdefault("staged", {}), cache.setdefault("prev", {})
+        moe = self.spec.moe_layers
+        pos = cache.get("pos", 0)
+        staged, prev = cache.setdefault("staged", {}), cache.setdefault("prev", {})
         streamed = set(moe[skip_layers:]) if heads is not None else set()
-        f = torch.outer(torch.tensor([float(pos)]), self.inv)
-        emb = torch.cat([f, f], -1)
-        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
-        x = self.w["embed"][tok][:, None]
-        B = x.shape[0]
         nxt = {}                                    # staged for the next token (not this one)
-        for i in range(s.num_layers):
-            p = f"layers.{i}."
-            a = rms(x, self.w[p + "attn_norm"], s.rms_norm_eps)
-            q = self._proj(p + "q", a, lora).view(B, 1, s.num_heads, s.head_dim)
-            k = self._proj(p + "k", a, lora).view(B, 1, s.num_kv_heads, s.head_dim)
-            v = self._proj(p + "v", a, lora).view(B, 1, s.num_kv_heads, s.head_dim)
-            if s.qk_norm == "head":
-                q, k = rms(q, self.w[p + "q_norm"], s.rms_norm_eps), rms(k, self.w[p + "k_norm"], s.rms_norm_eps)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            if i in kv:
-                k, v = torch.cat([kv[i][0], k], 2), torch.cat([kv[i][1], v], 2)
-            kv[i] = (k, v)
-            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=s.num_heads != s.num_kv_heads)
-            x = x + self._proj(p + "o", y.transpose(1, 2).reshape(B, 1, -1), lora)
-            xn = rms(x, self.w[p + "mlp_norm"], s.rms_norm_eps)
-            logits = xn @ self.w[p + "router"].T
-            used = staged.pop(i) if (i in streamed and pos > 0) else logits
-            idx, wts = self.route(used)
+
+        def router(i, xn, logits):
+            idx, wts = self.model.route(i, staged.pop(i) if (i in streamed and pos > 0) else logits)
             j = moe.index(i)
             if heads is not None and j + 1 < len(moe) and moe[j + 1] in streamed:
-                oh = onehot(idx, s.num_experts)
+                oh = onehot(idx, self.spec.num_experts)
                 nxt[moe[j + 1]] = heads(i, torch.cat([xn, oh, prev.get(i, torch.zeros_like(oh))], -1))
                 prev[i] = oh
-            x = x + self.moe(i, xn, idx, wts)
-        cache["pos"] = pos + 1
+            return idx, wts
+
+        out, _ = self.model(tok[:, None], router, lora.delta if lora is not None else None, cache=cache)
         cache["staged"] = nxt
-        return (rms(x, self.w["norm"], s.rms_norm_eps) @ self.w["lm_head"].T)[:, 0]
+        return out[:, 0]
 
     @torch.no_grad()
     def sample(self, prompts, new_tokens: int, gen: torch.Generator, temperature: float = 1.0, **route_kw):

@@ -12,13 +12,15 @@ Per rung: held-out perplexity, mean KL(teacher || student) per token, top-1 agre
 Per layer: recall of the head's top-k against the real router's top-k at t+1 (teacher states, held-out
 text), with two references (the previous token's experts; the next router applied to this state), and the
 agreement of the executed (predicted) routing with the real router on the student's own states.
-Speed: edge0 vs on_demand at one budget, alternating arms (A B A B ...), each a fresh Session, warm-up first.
+Speed: edge0 vs on_demand at one budget, alternating arms (A B A B ...), each a fresh bench, warm-up first: one
+timing group of a sweep (experiments.sweep) on a local Ray.
 One run record per rung and per A/B arm (config: {"ladder": "edge0", "rung": name}).
 """
 from __future__ import annotations
 
 import hashlib
-import statistics
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -28,7 +30,7 @@ from workbench.presets import get_preset
 from workbench.routing import route, topk_desc
 from workbench.runs import write_run
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.store import quant
 from workbench.textdata import heldout_ids
 
@@ -73,9 +75,8 @@ def teacher_pass(model, chunks):
                 idx, w = route(s.spec, logits, s.engine.w.get(f"layers.{layer}.router_bias"))
                 cap[layer] = (ctx["x"].copy(), idx.copy())
                 return idx, w
-            s.engine.router_hook = hook
+            s.engine.swap_router_hook(hook)
             s.engine.reset()
-            s.engine.token_index = 0
             out.append((s.step(ids.tolist(), "prefill"), cap))
         return out, dict(s.engine.w), s.spec
 
@@ -122,17 +123,15 @@ def student_pass(session: Session, chunks, t_logits, agree: dict | None = None) 
                 a[0] += len(set(idx[0].tolist()) & set(real[0].tolist()))
                 a[1] += idx.shape[1]
             return idx, w
-        session.engine.router_hook = compare
+        session.engine.swap_router_hook(compare)
     parts = []
     for ids, tl in zip(chunks, t_logits):
         session.engine.reset()
-        session.engine.token_index = 0
         out = [session.step(ids[:1].tolist(), "prefill")[-1]]
         for i in range(1, len(ids)):
-            session.engine.token_index = i
             out.append(session.step([int(ids[i])], "decode")[-1])
         parts.append(quality(tl, np.stack(out), ids))
-    session.engine.router_hook = hook
+    session.engine.swap_router_hook(hook)
     return finish(parts)
 
 
@@ -165,15 +164,19 @@ def sha(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()[:16]
 
 
+def edge0_rungs(skip_layers: int | None = None) -> list:
+    edge0 = get_preset("edge0")
+    pred = "prerouter" if skip_layers is None else f"prerouter:{skip_layers}"
+    return [edge0.with_(name="int4 exact", predictor=None, routing="exact"),
+            edge0.with_(name="+prerouter routing", predictor=pred, routing="prerouter:nolora"),
+            edge0.with_(name="+LoRA", predictor=pred, routing="prerouter")]
+
+
 def run_edge0(model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3, chunks: int = 4,
               chunk_tokens: int = 256, skip_layers: int | None = None, prompt: str = "Once upon a time",
               progress=None, record: bool = True) -> dict:
     say = progress or (lambda m: None)
-    edge0 = get_preset("edge0")
-    pred = "prerouter" if skip_layers is None else f"prerouter:{skip_layers}"
-    rungs = [edge0.with_(name="int4 exact", predictor=None, routing="exact"),
-             edge0.with_(name="+prerouter routing", predictor=pred, routing="prerouter:nolora"),
-             edge0.with_(name="+LoRA", predictor=pred, routing="prerouter")]
+    rungs = edge0_rungs(skip_layers)
     with Session(model, rungs[0], budget="all") as s0:
         text = chunks_of(s0.tokenizer, chunks, chunk_tokens)
         hpath, lpath = artifact_path(s0.pack, "prerouter"), artifact_path(s0.pack, "lora")
@@ -194,9 +197,8 @@ def run_edge0(model: str = "demo", budget: str = "0.25", tokens: int = 48, round
         merged = p is None
         p = p or rungs[1].with_(name="merge+requantize (alternative)")
         agree = {}
-        with Session(model, p, budget="all") as s:
-            if merged:
-                s.engine.w.update(requantized_merge(lora, bf16_w, rest_kind))
+        merged_w = requantized_merge(lora, bf16_w, rest_kind) if merged else None
+        with Session(model, p, budget="all", weights=merged_w) as s:
             row = {"rung": p.name, **student_pass(s, text, t_logits, agree), **edge0_counters(s)}
             row["agreement_with_real_router"] = {L: a[0] / a[1] for L, a in sorted(agree.items())} or None
             say(f"{p.name}: ppl {row['heldout_ppl']:.3f} KL {row['kl_per_token']:.4f} top-1 {row['top1_agreement']:.3f}")
@@ -213,38 +215,40 @@ def run_edge0(model: str = "demo", budget: str = "0.25", tokens: int = 48, round
                  "gain_unmerged": base - unmerged, "gain_merged": base - alt,
                  "retention": (base - alt) / (base - unmerged) if base != unmerged else None,
                  **delta_survival(lora, bf16_w, int4_w, rest_kind)}
-    ab = speed_ab(model, edge0.with_(predictor=pred), budget, tokens, rounds, prompt, say, record)
+    ab = speed_ab(model, rungs[2].with_(name="edge0"), budget, tokens, rounds, prompt, say, record)
     return {"ladder": "edge0", "model": model, "teacher": teacher_row, "rungs": rows[:3], "merged_requantized": rows[3],
             "retention": retention, "recall": recall, "ab": ab, "artifacts": artifacts,
             "quality_data": f"tinystories validation, {chunks} x {chunk_tokens} tokens, teacher-forced decode"}
 
 
 def speed_ab(model, edge0, budget, tokens, rounds, prompt, say, record) -> dict:
-    from workbench.bench import measure
+    """on_demand vs edge0 at one budget: the two arms of one timing group of a sweep (experiments.sweep, a local
+    Ray), A B per round, each a fresh bench (warm-up first); Edge0's counters are those of its median round."""
+    import tempfile
+
+    from experiments.grid import AXES, Cell, Grid
+    from workbench.runs import runs_dir
+    from experiments.sweep import run_grid
     arms = [get_preset("on_demand"), edge0]
-    res = {a.name: [] for a in arms}
-    for r in range(rounds):
-        for p in arms:
-            with Session(model, p, budget=budget) as s:
-                m = measure(s, prompt, tokens)
-                m.update(edge0_counters(s) if p.name == "edge0" else {})
-                m["_config"] = s.config()
-                res[p.name].append(m)
-                say(f"A/B round {r + 1}/{rounds} {p.name}: {m['tok_s']:.1f} tok/s, hit {m['hit_rate']:.2f}")
+    cells = [Cell.of("bench", model, p, p.name, budget, tokens=tokens, rounds=rounds, prompt=prompt) for p in arms]
+    labels = {c.id: {"ladder": "edge0", "rung": f"A/B {p.name}", "rounds": rounds, "tokens": tokens, "prompt": prompt}
+              for c, p in zip(cells, arms)}
     out = {"budget": budget, "tokens": tokens, "rounds": rounds, "order": "A B per round, on_demand first", "arms": {}}
-    for name, runs in res.items():
-        tps = [x["tok_s"] for x in runs]
-        med = sorted(runs, key=lambda x: x["tok_s"])[len(runs) // 2]
-        row = {k: v for k, v in med.items() if not k.startswith("_") and k != "per_layer"}
-        row.update(tok_s=statistics.median(tps), tok_s_min=min(tps), tok_s_max=max(tps), tok_s_rounds=tps)
-        if name == "edge0":
-            row.update({k: sum(x[k] for x in runs) for k in ("consumed", "edge0_routed", "dropped", "staged_in_memory")},
-                       counters="summed over the rounds")
-        if record:
-            cfg = {**runs[-1]["_config"], "ladder": "edge0", "rung": f"A/B {name}", "rounds": rounds, "tokens": tokens,
-                   "prompt": prompt}
-            row["run"] = str(write_run(f"edge0-ab-{name}", cfg, row, med["per_layer"], []))
-        out["arms"][name] = row
+    with tempfile.TemporaryDirectory(prefix="wb-edge0-ab-") as scratch:
+        res = run_grid(Grid("ladder_edge0_ab", cells, arms=AXES, labels=labels), resume=False, progress=False,
+                       root=runs_dir() if record else Path(scratch))
+        for p, r in zip(arms, res["rows"]):
+            if r["status"] != "ok":
+                raise WorkbenchError(f"ladder edge0, A/B arm {p.name}: {r['error']}")
+            row = {k: v for k, v in json.loads((Path(r["run"]) / "summary.json").read_text()).items()
+                   if k != "per_layer"}
+            if p.name == "edge0":
+                row["counters"] = "of the median round"
+            if record:
+                row["run"] = r["run"]
+            say(f"A/B {p.name}: {row['tok_s']:.1f} tok/s ({row['tok_s_min']:.1f}-{row['tok_s_max']:.1f}), "
+                f"hit {row['hit_rate']:.2f}")
+            out["arms"][p.name] = row
     a, b = out["arms"]["on_demand"]["tok_s"], out["arms"]["edge0"]["tok_s"]
     out["speedup"] = b / a if a else None
     return out
