@@ -10,6 +10,7 @@ import importlib
 from workbench.errors import WorkbenchError
 
 ENGINES = {"numpy": "engines.numpy_engine:NumpyEngine",
+           "packed": "engines.packed_engine:PackedEngine",   # experts computed from their packed bytes, in slots
            "mlx": "engines.mlx_engine:MlxEngine",
            "llamacpp": "engines.llamacpp_engine:LlamaCppEngine"}   # stock llama.cpp on a GGUF export of the pack
 
@@ -37,5 +38,5 @@ def available() -> list[str]:
     try:
         import mlx.core  # noqa: F401
     except Exception:
-        return ["numpy"]
-    return ["numpy", "mlx"]
+        return ["numpy", "packed"]
+    return ["numpy", "packed", "mlx"]

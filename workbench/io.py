@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
+import heapq
+import itertools
 import os
 import random
 import tempfile
@@ -69,6 +71,10 @@ class Reader:
         self.mode = "o_direct" if self._direct else "page-cache"
         self._lock = threading.Lock()
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._heap: list = []                   # submit_into's queue: (priority, seq, group), demand reads first
+        self._ready = threading.Condition(self._lock)
+        self._seq = itertools.count()
+        self._threads: list[threading.Thread] = []
         self.bytes_read = 0
         self.reads = 0
         self.merged = 0
@@ -168,6 +174,81 @@ class Reader:
             self._pool.submit(self._run_group, start, end, members, futures)
         return futures
 
+    def submit_into(self, requests, priority: int = 0, verify=None) -> dict:
+        """Read `(key, [(offset, buf), ...])` requests straight into their buffers (offsets, lengths and buffer
+        addresses 4096-aligned): ranges that touch in the file share one preadv, scattered into their buffers.
+        Lower `priority` is read first (demand 0 before prefetch 1; FIFO within one). A key's future resolves to
+        its buffers once all have landed and `verify(key, buffers)` (run on the reader thread) passed."""
+        futures, ranges = {}, []
+        for key, parts in requests:
+            fut = futures[key] = cf.Future()
+            fut.bufs, fut.left = [b for _, b in parts], len(parts)
+            ranges += [(off, buf, key) for off, buf in parts]
+        ranges.sort(key=lambda r: r[0])
+        groups = []
+        for off, buf, key in ranges:
+            if groups and off == groups[-1][1]:
+                groups[-1][1] += buf.nbytes
+                groups[-1][2].append((buf, key))
+            else:
+                groups.append([off, off + buf.nbytes, [(buf, key)]])
+        with self._lock:
+            self.merged += len(ranges) - len(groups)
+            while len(self._threads) < self.workers:
+                t = threading.Thread(target=self._serve, name="io-slot-reader", daemon=True)
+                t.start()
+                self._threads.append(t)
+            for g in groups:
+                heapq.heappush(self._heap, (priority, next(self._seq), g, futures, verify))
+            self._ready.notify(len(groups))
+        return futures
+
+    def _serve(self):
+        while True:
+            with self._lock:
+                while not self._heap:
+                    self._ready.wait()
+                _, _, group, futures, verify = heapq.heappop(self._heap)
+            if group is None:
+                return
+            start, end, members = group
+            keys = {key for _, key in members}
+            try:
+                got, t0 = 0, time.perf_counter()
+                while got < end - start:      # a short read resumes in the buffer where it stopped
+                    views, skip = [], got
+                    for buf, _ in members:
+                        if skip >= buf.nbytes:
+                            skip -= buf.nbytes
+                        else:
+                            views.append(memoryview(buf)[skip:])
+                            skip = 0
+                    n = os.preadv(self.fd, views, start + got)
+                    if n == 0:
+                        raise self._eof_error(start, end - start, start + got)
+                    got += n
+                with self._lock:
+                    self.reads += 1
+                    self.bytes_read += got
+                    self.read_s += time.perf_counter() - t0
+            except BaseException as e:
+                for key in keys:
+                    if not futures[key].done():
+                        futures[key].set_exception(e)
+                continue
+            for key in keys:
+                fut = futures[key]
+                with self._lock:
+                    fut.left -= sum(1 for _, k in members if k == key)
+                    last = fut.left == 0
+                if last:
+                    try:
+                        if verify is not None:
+                            verify(key, fut.bufs)
+                        fut.set_result(fut.bufs)
+                    except BaseException as e:
+                        fut.set_exception(e)
+
     def _run_group(self, start, end, members, futures):
         live = [m for m in members if futures[m[0]].set_running_or_notify_cancel()]
         if not live:
@@ -197,6 +278,13 @@ class Reader:
         drop_page_cache(self.path)
 
     def close(self) -> None:
+        with self._lock:
+            for _ in self._threads:
+                heapq.heappush(self._heap, (float("inf"), next(self._seq), None, None, None))
+            self._ready.notify_all()
+        for t in self._threads:
+            t.join()
+        self._threads = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -14,6 +14,7 @@ import numpy as np
 
 from engines import engine_class
 from engines.base import Hooks, dense_weights
+from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache
 from workbench.capture import RoutingCapture
@@ -50,7 +51,7 @@ class Session:
         self.tokenizer = tokenizer_for(self.pack)
         s = self.spec
         cls = engine_class(engine)
-        self.item_bytes = cls.expert_bytes(s)
+        self.item_bytes = cls.expert_bytes(self.pack)
         self.all_expert_bytes = self.item_bytes * self.pack.num_expert_total
         self.budget_text = str(budget if budget is not None else p.cache.budget)
         self.budget_bytes = Budget(self.budget_text).nbytes(self.item_bytes, self.pack.num_expert_total)
@@ -58,8 +59,9 @@ class Session:
                                  scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
         self.reader = Reader(self.pack_path, direct=direct, workers=workers)
         self.tel = Telemetry(s.num_layers)
+        self.arena = SlotArena(self.pack, self.cache) if cls.slot_arena else None
         self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution.order.value,
-                                       raw=cls.raw_experts)
+                                       raw=cls.raw_experts, arena=self.arena)
         w = {**dense_weights(self.pack), **(weights or {})}
         usage = self.usage() if p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED else None
         predictor = make_predictor(p.prefetch, s, w, usage=usage, trace=trace, pack=self.pack)
