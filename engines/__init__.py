@@ -1,6 +1,7 @@
 """Engines by name behind one interface (engines/base.py): `engine_class(name)`, `load_engine(name, ...)`.
 
-numpy is the reference engine. Backends that need another compute framework are imported only when asked
+packed is the default (experts computed from their packed bytes, results/targets.md); numpy is the reference
+engine, the correctness oracle. Backends that need another compute framework are imported only when asked
 for, so the workbench runs without them.
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ import importlib
 
 from workbench.errors import WorkbenchError
 
+DEFAULT = "packed"
 ENGINES = {"numpy": "engines.numpy_engine:NumpyEngine",
            "packed": "engines.packed_engine:PackedEngine",   # experts computed from their packed bytes, in slots
            "mlx": "engines.mlx_engine:MlxEngine",

@@ -1,6 +1,7 @@
 """`bench`: one preset at one budget, warm-up first, cold reads, the floor, and a run record."""
 from __future__ import annotations
 
+from engines import DEFAULT as DEFAULT_ENGINE
 from workbench.floor import floor_tok_s, probe
 from workbench.presets import Predictor, get_preset
 from workbench.capture import RoutingCapture
@@ -20,7 +21,8 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
     out = session.generate(prompt, tokens=tokens)
     s = session.summary()
     n = max(1, s["decode_steps"])
-    fl = floor_tok_s(session.pack, (s["compute_s"] + s["router_s"]) / n, s["bytes_read_per_token"], probe())
+    fl = floor_tok_s(session.pack, (s["compute_s"] + s["router_s"]) / n, s["bytes_read_per_token"], probe(),
+                     depth=s["reader_workers"])
     res = {k: s[k] for k in SUMMARY_KEYS}
     res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
                reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
@@ -44,7 +46,7 @@ def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: 
 
 
 def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
-          engine: str = "numpy", direct: bool = True, record: bool = True) -> dict:
+          engine: str = DEFAULT_ENGINE, direct: bool = True, record: bool = True) -> dict:
     with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct) as s:
         res = measure(s, prompt, tokens)
         res.update(preset=s.preset.name, budget=s.budget_text)

@@ -64,8 +64,9 @@ def decode_nll(session: Session, ids: list[int]) -> np.ndarray:
 
 
 def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3,
-               prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None) -> dict:
-    """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}."""
+               prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, also_on: dict | None = None) -> dict:
+    """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}.
+    also_on: {engine: [preset names]}: those rungs again on another engine (rung "<preset> [<engine>]")."""
     if name == "les":
         rungs = [(p, budget) for p in les_rungs()]
     elif name == "smol":
@@ -79,13 +80,16 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
             rungs = cache_rungs(s.spec.top_k, s.item_bytes, len(s.spec.moe_layers))
     else:
         raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache or designs (edge0 has its own verb)")
+    rungs = [(p, b, None) for p, b in rungs] + [(p, b, engine) for engine, names in (also_on or {}).items()
+                                                 for p, b in rungs if p.name in names]
     results = {i: [] for i in range(len(rungs))}
     for r in range(rounds):
-        for i, (preset, b) in enumerate(rungs):
-            with open_session(model, preset, budget=b, prompt=prompt, tokens=tokens) as s:
+        for i, (preset, b, engine) in enumerate(rungs):
+            with open_session(model, preset, budget=b, prompt=prompt, tokens=tokens,
+                              **({"engine": engine} if engine else {})) as s:
                 results[i].append(measure(s, prompt, tokens))
                 if progress:
-                    progress(f"round {r + 1}/{rounds} {preset.name}: {results[i][-1]['tok_s']:.1f} tok/s")
+                    progress(f"round {r + 1}/{rounds} {preset.name} [{s.engine.name}]: {results[i][-1]['tok_s']:.1f} tok/s")
                 if r == rounds - 1 and quality_tokens:
                     ids = heldout_ids(s.tokenizer, "tinystories", quality_tokens)
                     s.reset_telemetry()
@@ -95,12 +99,12 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
                 if r == rounds - 1:
                     results[i][-1]["_config"] = s.config()
     rows = []
-    for i, (preset, b) in enumerate(rungs):
+    for i, (preset, b, engine) in enumerate(rungs):
         runs = results[i]
         tps = [x["tok_s"] for x in runs]
         med = sorted(runs, key=lambda x: x["tok_s"])[len(runs) // 2]
         row = {k: v for k, v in med.items() if not k.startswith("_")}
-        row.update(rung=preset.name, budget=b, tok_s=statistics.median(tps), tok_s_min=min(tps), tok_s_max=max(tps),
+        row.update(rung=preset.name + (f" [{engine}]" if engine else ""), budget=b, tok_s=statistics.median(tps), tok_s_min=min(tps), tok_s_max=max(tps),
                    tok_s_rounds=tps, heldout_ppl=runs[-1].get("heldout_ppl"),
                    heldout_miss_rate=runs[-1].get("heldout_miss_rate"))
         cfg = {**runs[-1]["_config"], "ladder": name, "rung": preset.name, "rung_index": i, "rounds": rounds,

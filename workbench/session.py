@@ -12,13 +12,13 @@ import time
 
 import numpy as np
 
-from engines import engine_class
+from engines import DEFAULT as DEFAULT_ENGINE, engine_class
 from engines.base import Hooks, dense_weights
 from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache
 from workbench.capture import RoutingCapture
-from workbench.io import Reader
+from workbench.io import Reader, slot_readers
 from workbench.predict import make_predictor
 from workbench.presets import Budget, CacheScope, Predictor, Preset, Router, get_preset
 from workbench.registry import cache_dir, resolve_pack, tokenizer_for
@@ -36,7 +36,7 @@ def peak_rss_bytes() -> int:
 
 class Session:
     def __init__(self, model: str = "demo", preset: str | Preset = "on_demand", budget: str | None = None,
-                 engine: str = "numpy", direct: bool = True, workers: int | None = None, progress: bool = False,
+                 engine: str = DEFAULT_ENGINE, direct: bool = True, workers: int | None = None, progress: bool = False,
                  trace: dict | None = None, weights: dict | None = None, deltas: dict | None = None, **overrides):
         """weights: replacements for some of the pack's non-expert weights (a merged adapter); deltas: projection
         deltas added to the preset's (an unmerged adapter). Both for experiments on adapters (Edge0's ladder)."""
@@ -57,7 +57,7 @@ class Session:
         self.budget_bytes = Budget(self.budget_text).nbytes(self.item_bytes, self.pack.num_expert_total)
         self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache.policy.value,
                                  scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
-        self.reader = Reader(self.pack_path, direct=direct, workers=workers)
+        self.reader = Reader(self.pack_path, direct=direct, workers=workers or (slot_readers() if cls.slot_arena else None))
         self.tel = Telemetry(s.num_layers)
         self.arena = SlotArena(self.pack, self.cache) if cls.slot_arena else None
         self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution.order.value,
