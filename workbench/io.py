@@ -202,7 +202,7 @@ class Reader:
         with self._lock:
             self.merged += len(ranges) - len(groups)
             while len(self._threads) < self.workers:
-                t = threading.Thread(target=self._serve, name="io-slot-reader", daemon=True)
+                t = threading.Thread(target=self._serve, name="io-reader-slots", daemon=True)
                 t.start()
                 self._threads.append(t)
             for g in groups:
