@@ -30,6 +30,11 @@ def engine_class(name: str):
                              f"(mlx on macOS, mlx[cpu] on Linux)") from None
 
 
+def default_engine(pack) -> str:
+    """The packed engine, or the numpy engine for a pack whose experts it cannot compute (a GGUF's own blocks)."""
+    return DEFAULT if engine_class(DEFAULT).computes(pack) else "numpy"
+
+
 def load_engine(name: str, pack, streamer, telemetry, hooks=None, **kw):
     from engines.base import Hooks
     return engine_class(name)(pack, streamer, telemetry, hooks or Hooks(), **kw)

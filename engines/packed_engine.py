@@ -67,13 +67,19 @@ class PackedEngine(Decoder):
     def expert_bytes(cls, pack) -> int:
         return slot_bytes(pack)
 
+    @staticmethod
+    def computes(pack) -> bool:
+        """Whether the kernels read this pack's experts: one affine or bf16 kind per part, the same in every layer."""
+        return not pack.expert_layer_kinds and all(pack.expert_kinds.get(p) in K.BITS for p in PARTS)
+
     def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
                  weights: dict | None = None, max_context: int | None = None):
         super().__init__(pack, streamer, telemetry, hooks)
-        odd = sorted({pack.expert_kinds.get(p, "raw") for p in PARTS} - set(K.BITS))
-        if odd:
+        if not self.computes(pack):
+            odd = sorted({pack.expert_kinds.get(p, "raw") for p in PARTS} - set(K.BITS)) or ["mixed per layer"]
             raise WorkbenchError(f"{pack.path}: --engine packed computes experts stored as {', '.join(K.BITS)}; "
-                                 f"this pack's are {', '.join(odd)}: convert with --experts q4 (or another of those)")
+                                 f"this pack's are {', '.join(odd)}: convert with --experts q4 (or another of those), "
+                                 f"or run it with --engine numpy")
         if streamer.arena is None:
             raise ValueError("--engine packed computes from slots: its streamer must be given the cache's slot arena")
         threadpool_limits(limits=1, user_api="blas")

@@ -1,7 +1,6 @@
 """`bench`: one preset at one budget, warm-up first, cold reads, the floor, and a run record."""
 from __future__ import annotations
 
-from engines import DEFAULT as DEFAULT_ENGINE
 from workbench.floor import floor_tok_s, probe
 from workbench.presets import Predictor, get_preset
 from workbench.capture import RoutingCapture
@@ -46,7 +45,7 @@ def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: 
 
 
 def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
-          engine: str = DEFAULT_ENGINE, direct: bool = True, record: bool = True) -> dict:
+          engine: str | None = None, direct: bool = True, record: bool = True) -> dict:
     with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct) as s:
         res = measure(s, prompt, tokens)
         res.update(preset=s.preset.name, budget=s.budget_text)

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from engines import DEFAULT as DEFAULT_ENGINE, engine_class
+from engines import default_engine, engine_class
 from engines.base import Hooks, dense_weights
 from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
@@ -36,10 +36,11 @@ def peak_rss_bytes() -> int:
 
 class Session:
     def __init__(self, model: str = "demo", preset: str | Preset = "on_demand", budget: str | None = None,
-                 engine: str = DEFAULT_ENGINE, direct: bool = True, workers: int | None = None, progress: bool = False,
+                 engine: str | None = None, direct: bool = True, workers: int | None = None, progress: bool = False,
                  trace: dict | None = None, weights: dict | None = None, deltas: dict | None = None, **overrides):
-        """weights: replacements for some of the pack's non-expert weights (a merged adapter); deltas: projection
-        deltas added to the preset's (an unmerged adapter). Both for experiments on adapters (Edge0's ladder)."""
+        """engine: None is the default engine for this pack (engines.default_engine). weights: replacements for some of
+        the pack's non-expert weights (a merged adapter); deltas: projection deltas added to the preset's (an
+        unmerged adapter). Both for experiments on adapters (Edge0's ladder)."""
         self.preset = preset if isinstance(preset, Preset) else get_preset(preset)
         if overrides:
             self.preset = self.preset.with_(**overrides)
@@ -50,7 +51,7 @@ class Session:
         self.spec = self.pack.spec
         self.tokenizer = tokenizer_for(self.pack)
         s = self.spec
-        cls = engine_class(engine)
+        cls = engine_class(engine or default_engine(self.pack))
         self.item_bytes = cls.expert_bytes(self.pack)
         self.all_expert_bytes = self.item_bytes * self.pack.num_expert_total
         self.budget_text = str(budget if budget is not None else p.cache.budget)
