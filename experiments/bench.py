@@ -26,6 +26,9 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
     res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
                reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"])
+    if session.preset.prefetch.predictor is Predictor.PREROUTER:     # Edge0: what its prediction staged and dropped
+        from workbench.edge0.serve import edge0_counters
+        res.update(edge0_counters(session))
     return res
 
 

@@ -12,13 +12,15 @@ Per rung: held-out perplexity, mean KL(teacher || student) per token, top-1 agre
 Per layer: recall of the head's top-k against the real router's top-k at t+1 (teacher states, held-out
 text), with two references (the previous token's experts; the next router applied to this state), and the
 agreement of the executed (predicted) routing with the real router on the student's own states.
-Speed: edge0 vs on_demand at one budget, alternating arms (A B A B ...), each a fresh Session, warm-up first.
+Speed: edge0 vs on_demand at one budget, alternating arms (A B A B ...), each a fresh bench, warm-up first: one
+timing group of a sweep (experiments.sweep) on a local Ray.
 One run record per rung and per A/B arm (config: {"ladder": "edge0", "rung": name}).
 """
 from __future__ import annotations
 
 import hashlib
-import statistics
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -220,31 +222,33 @@ def run_edge0(model: str = "demo", budget: str = "0.25", tokens: int = 48, round
 
 
 def speed_ab(model, edge0, budget, tokens, rounds, prompt, say, record) -> dict:
-    from experiments.bench import measure
+    """on_demand vs edge0 at one budget: the two arms of one timing group of a sweep (experiments.sweep, a local
+    Ray), A B per round, each a fresh bench (warm-up first); Edge0's counters are those of its median round."""
+    import tempfile
+
+    from experiments.grid import AXES, Cell, Grid
+    from workbench.runs import runs_dir
+    from experiments.sweep import run_grid
     arms = [get_preset("on_demand"), edge0]
-    res = {a.name: [] for a in arms}
-    for r in range(rounds):
-        for p in arms:
-            with Session(model, p, budget=budget) as s:
-                m = measure(s, prompt, tokens)
-                m.update(edge0_counters(s) if p.name == "edge0" else {})
-                m["_config"] = s.config()
-                res[p.name].append(m)
-                say(f"A/B round {r + 1}/{rounds} {p.name}: {m['tok_s']:.1f} tok/s, hit {m['hit_rate']:.2f}")
+    cells = [Cell.of("bench", model, p, p.name, budget, tokens=tokens, rounds=rounds, prompt=prompt) for p in arms]
+    labels = {c.id: {"ladder": "edge0", "rung": f"A/B {p.name}", "rounds": rounds, "tokens": tokens, "prompt": prompt}
+              for c, p in zip(cells, arms)}
     out = {"budget": budget, "tokens": tokens, "rounds": rounds, "order": "A B per round, on_demand first", "arms": {}}
-    for name, runs in res.items():
-        tps = [x["tok_s"] for x in runs]
-        med = sorted(runs, key=lambda x: x["tok_s"])[len(runs) // 2]
-        row = {k: v for k, v in med.items() if not k.startswith("_") and k != "per_layer"}
-        row.update(tok_s=statistics.median(tps), tok_s_min=min(tps), tok_s_max=max(tps), tok_s_rounds=tps)
-        if name == "edge0":
-            row.update({k: sum(x[k] for x in runs) for k in ("consumed", "edge0_routed", "dropped", "staged_in_memory")},
-                       counters="summed over the rounds")
-        if record:
-            cfg = {**runs[-1]["_config"], "ladder": "edge0", "rung": f"A/B {name}", "rounds": rounds, "tokens": tokens,
-                   "prompt": prompt}
-            row["run"] = str(write_run(f"edge0-ab-{name}", cfg, row, med["per_layer"], []))
-        out["arms"][name] = row
+    with tempfile.TemporaryDirectory(prefix="wb-edge0-ab-") as scratch:
+        res = run_grid(Grid("ladder_edge0_ab", cells, arms=AXES, labels=labels), resume=False, progress=False,
+                       root=runs_dir() if record else Path(scratch))
+        for p, r in zip(arms, res["rows"]):
+            if r["status"] != "ok":
+                raise WorkbenchError(f"ladder edge0, A/B arm {p.name}: {r['error']}")
+            row = {k: v for k, v in json.loads((Path(r["run"]) / "summary.json").read_text()).items()
+                   if k != "per_layer"}
+            if p.name == "edge0":
+                row["counters"] = "of the median round"
+            if record:
+                row["run"] = r["run"]
+            say(f"A/B {p.name}: {row['tok_s']:.1f} tok/s ({row['tok_s_min']:.1f}-{row['tok_s_max']:.1f}), "
+                f"hit {row['hit_rate']:.2f}")
+            out["arms"][p.name] = row
     a, b = out["arms"]["on_demand"]["tok_s"], out["arms"]["edge0"]["tok_s"]
     out["speedup"] = b / a if a else None
     return out

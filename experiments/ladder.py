@@ -5,22 +5,20 @@
     python -m workbench ladder cache --model demo --json
     python -m workbench ladder designs --model demo --json    (every design side by side at one budget)
 
-Rounds run every rung once in order (A B C ... A B C ...), each arm a fresh Session after a
-warm-up; reads are O_DIRECT, so no arm inherits another's page cache. Reported per rung: the
-median tok/s with min-max over rounds, and the other fields from the median round.
+Rounds run every rung once in order (A B C ... A B C ...), each arm a fresh `bench` (a new Session, a
+warm-up, the measured tokens); reads are O_DIRECT, so no arm inherits another's page cache. The rungs
+are one timing group of a sweep (experiments.sweep) on a local Ray. Reported per rung: the median tok/s
+with min-max over rounds, and the other fields from the median round's bench record.
 """
 from __future__ import annotations
 
-import statistics
+import json
+from pathlib import Path
 
-import numpy as np
-
-from experiments.bench import measure, open_session
+from engines import DEFAULT
 from workbench.presets import get_preset
-from workbench.runs import write_run
 from workbench.session import Session
 from workbench.errors import WorkbenchError
-from workbench.textdata import heldout_ids
 
 BIAS_SWEEP = (0.005, 0.02, 0.05, 0.1, 0.25)
 
@@ -51,22 +49,16 @@ def cache_rungs(spec_top_k: int, item_bytes: int, layers: int, preset: str = "le
     return out
 
 
-def decode_nll(session: Session, ids: list[int]) -> np.ndarray:
-    """Teacher-forced decode, token by token, so the cache (and a cache-aware bias) evolves as in generation."""
-    session.engine.reset()
-    nll = []
-    logits = session.step(ids[:1], "prefill")
-    for i, t in enumerate(ids[1:]):
-        z = logits[-1].astype(np.float64)
-        nll.append(np.log(np.exp(z - z.max()).sum()) + z.max() - z[t])
-        logits = session.step([t], "decode")
-    return np.asarray(nll)
-
-
 def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3,
-               prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, also_on: dict | None = None) -> dict:
+               prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, engine: str = DEFAULT,
+               also_on: dict | None = None) -> dict:
     """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}.
-    also_on: {engine: [preset names]}: those rungs again on another engine (rung "<preset> [<engine>]")."""
+    also_on: {engine: [preset names]}: those rungs again on another engine (rung "<preset> [<engine>]").
+
+    The rungs are the arms of one timing group of a sweep (experiments.sweep, on a local Ray): one task, holding
+    the machine's CPUs, runs them round by round, and one run record per rung comes back."""
+    from experiments.grid import AXES, Cell, Grid
+    from experiments.sweep import run_grid
     if name == "les":
         rungs = [(p, budget) for p in les_rungs()]
     elif name == "smol":
@@ -80,36 +72,25 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
             rungs = cache_rungs(s.spec.top_k, s.item_bytes, len(s.spec.moe_layers))
     else:
         raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache or designs (edge0 has its own verb)")
-    rungs = [(p, b, None) for p, b in rungs] + [(p, b, engine) for engine, names in (also_on or {}).items()
-                                                 for p, b in rungs if p.name in names]
-    results = {i: [] for i in range(len(rungs))}
-    for r in range(rounds):
-        for i, (preset, b, engine) in enumerate(rungs):
-            with open_session(model, preset, budget=b, prompt=prompt, tokens=tokens,
-                              **({"engine": engine} if engine else {})) as s:
-                results[i].append(measure(s, prompt, tokens))
-                if progress:
-                    progress(f"round {r + 1}/{rounds} {preset.name} [{s.engine.name}]: {results[i][-1]['tok_s']:.1f} tok/s")
-                if r == rounds - 1 and quality_tokens:
-                    ids = heldout_ids(s.tokenizer, "tinystories", quality_tokens)
-                    s.reset_telemetry()
-                    nll = decode_nll(s, ids)
-                    results[i][-1]["heldout_ppl"] = float(np.exp(nll.mean()))
-                    results[i][-1]["heldout_miss_rate"] = 1.0 - s.summary()["hit_rate"]
-                if r == rounds - 1:
-                    results[i][-1]["_config"] = s.config()
+    base = {"les": "on_demand", "smol": "smol", "cache": "les"}.get(name)
+    rungs = [(p, b, engine) for p, b in rungs] + [(p, b, e) for e, names in (also_on or {}).items()
+                                                   for p, b in rungs if p.name in names]
+    rung_name = {i: preset.name + (f" [{e}]" if e != engine else "") for i, (preset, _, e) in enumerate(rungs)}
+    cells, labels = [], {}
+    for i, (preset, b, e) in enumerate(rungs):
+        c = Cell.of("bench", model, preset, base or preset.name, budget=b, engine=e, tokens=tokens, rounds=rounds,
+                    prompt=prompt, heldout_tokens=quality_tokens)
+        cells.append(c)
+        labels[c.id] = {"ladder": name, "rung": rung_name[i], "rung_index": i, "rounds": rounds, "tokens": tokens,
+                        "prompt": prompt}
+    res = run_grid(Grid(f"ladder_{name}", cells, arms=AXES, labels=labels), resume=False, progress=bool(progress))
     rows = []
-    for i, (preset, b, engine) in enumerate(rungs):
-        runs = results[i]
-        tps = [x["tok_s"] for x in runs]
-        med = sorted(runs, key=lambda x: x["tok_s"])[len(runs) // 2]
-        row = {k: v for k, v in med.items() if not k.startswith("_")}
-        row.update(rung=preset.name + (f" [{engine}]" if engine else ""), budget=b, tok_s=statistics.median(tps), tok_s_min=min(tps), tok_s_max=max(tps),
-                   tok_s_rounds=tps, heldout_ppl=runs[-1].get("heldout_ppl"),
-                   heldout_miss_rate=runs[-1].get("heldout_miss_rate"))
-        cfg = {**runs[-1]["_config"], "ladder": name, "rung": preset.name, "rung_index": i, "rounds": rounds,
-               "tokens": tokens, "prompt": prompt}
-        row["run"] = str(write_run(preset.name, cfg, row, row["per_layer"], []))
+    for i, ((preset, b, _), r) in enumerate(zip(rungs, res["rows"])):
+        if r["status"] != "ok":
+            raise WorkbenchError(f"ladder {name}, rung {rung_name[i]!r}: {r['error']}")
+        row = json.loads((Path(r["run"]) / "summary.json").read_text())
+        row.update(rung=rung_name[i], budget=b, heldout_ppl=row.get("heldout_ppl"),
+                   heldout_miss_rate=row.get("heldout_miss_rate"), run=r["run"])
         rows.append(row)
     base = rows[0]["tok_s"]
     for row in rows:

@@ -18,7 +18,8 @@ def test_every_verb_is_declared_where_it_lives():
         "generate": "workbench.verbs", "bench": "experiments.cli", "ladder": "experiments.cli",
         "trace": "experiments.cli", "replay": "experiments.cli", "bench-peer": "experiments.cli",
         "eval ppl": "evals.cli", "eval teacher": "evals.cli", "eval lm": "evals.cli", "eval compare": "evals.cli",
-        "eval report": "evals.cli", "serve": "evals.cli", "export-gguf": "engines.llamacpp_cli"}
+        "eval report": "evals.cli", "serve": "evals.cli", "sweep": "evals.sweep",
+        "export-gguf": "engines.llamacpp_cli"}
     args = parser().parse_args(["ladder", "edge0", "--chunks", "2"])     # one ladder verb, every ladder's flags
     assert (args.name, args.chunks, args.fn) == ("edge0", 2, COMMANDS["ladder"].run)
 

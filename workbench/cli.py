@@ -10,6 +10,7 @@ import sys
 import workbench.verbs  # noqa: F401  info, convert, probe-disk, generate
 import experiments.cli  # noqa: F401  bench, ladder, trace, replay, bench-peer
 import evals.cli  # noqa: F401  eval ppl|teacher|lm|compare|report, serve
+import evals.sweep  # noqa: F401  sweep GRID.yaml on Ray
 import engines.llamacpp_cli  # noqa: F401  export-gguf
 from workbench.commands import main
 
