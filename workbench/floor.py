@@ -31,9 +31,8 @@ def read_size(pack) -> int:
     return max(n for _, n in pack.expert_reads(pack.spec.moe_layers[0], 0))
 
 
-def floor_tok_s(pack, compute_s_per_token: float, bytes_per_token: float, disk: dict, depth: int | None = None) -> dict:
-    """depth: the queue depth the reads actually had (the reader's threads); None takes the disk's best."""
-    bw = bandwidth_at(disk, read_size(pack), depth)
+def floor_tok_s(pack, compute_s_per_token: float, bytes_per_token: float, disk: dict) -> dict:
+    bw = bandwidth_at(disk, read_size(pack))
     read_s = bytes_per_token / bw
     floor = max(compute_s_per_token, read_s)
     return {"floor_tok_s": 1.0 / floor if floor > 0 else float("inf"), "floor_read_s_per_token": read_s,

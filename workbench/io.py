@@ -384,15 +384,10 @@ def probe_disk(path, sizes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB), de
             "best_mb_s": max((p["mb_s"] for p in points), default=0.0)}
 
 
-def bandwidth_at(probe: dict, size: int, depth: int | None = None) -> float:
-    """Bytes/s for reads of `size` at queue `depth` (None: the best depth), at the probed size and depth
-    nearest (in log scale)."""
+def bandwidth_at(probe: dict, size: int) -> float:
+    """Bytes/s for reads of `size`: best depth at the probed size nearest (in log scale)."""
     points = probe["points"]
     if not points:
         raise ValueError("probe has no points")
     nearest = min({p["size"] for p in points}, key=lambda s: abs(np.log(s / size)))
-    points = [p for p in points if p["size"] == nearest]
-    if depth is not None:
-        d = min({p["depth"] for p in points}, key=lambda q: abs(np.log(q / depth)))
-        points = [p for p in points if p["depth"] == d]
-    return max(p["mb_s"] for p in points) * 1e6
+    return max(p["mb_s"] for p in points if p["size"] == nearest) * 1e6
