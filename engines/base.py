@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from workbench.errors import WorkbenchError
+from workbench.spec_hybrid import split_fused_projections
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ def dense_weights(pack) -> dict[str, np.ndarray]:
     if pack.spec.attention == "mla":
         for i in range(pack.spec.num_layers):
             w[f"layers.{i}.k_b"], w[f"layers.{i}.v_b"] = split_kv_b(pack.spec, w[f"layers.{i}.kv_b"])
+    if pack.spec.family == "qwen3_next":
+        split_fused_projections(pack.spec, w)
     return w
 
 

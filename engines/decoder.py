@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from engines.base import Engine
+from engines.hybrid import GatedDeltaNet
 from workbench.errors import WorkbenchError
 from workbench.spec import yarn_mscale
 
@@ -64,7 +65,7 @@ def kv_shapes(spec):
     return (spec.num_kv_heads, spec.head_dim), (spec.num_kv_heads, spec.head_dim)
 
 
-class Decoder(Engine):
+class Decoder(GatedDeltaNet, Engine):
     xp = np                     # the array module
 
     def W(self, name: str):
@@ -106,6 +107,7 @@ class Decoder(Engine):
         self.kv = [[xp.zeros((hk, 64, dk), dtype=xp.float32), xp.zeros((hv, 64, dv), dtype=xp.float32)]
                    for _ in range(self.spec.num_layers)]
         self.pos = 0
+        self.reset_linear()
 
     def kv_append(self, i: int, k, v):
         K, V = self.kv[i]
@@ -129,7 +131,9 @@ class Decoder(Engine):
         return x / (1.0 + self.xp.exp(-x))
 
     def rope(self, x, cos, sin):
-        """x: (heads, T, hd); cos, sin: (T, hd)."""
+        """x: (heads, T, hd); cos, sin: (T, rope_dim): a partial rotary passes the rest of each head through."""
+        if cos.shape[-1] < x.shape[-1]:
+            return self.xp.concatenate([self.rope(x[..., :cos.shape[-1]], cos, sin), x[..., cos.shape[-1]:]], axis=-1)
         h = x.shape[-1] // 2
         return x * cos + self.xp.concatenate([-x[..., h:], x[..., :h]], axis=-1) * sin
 
@@ -149,11 +153,15 @@ class Decoder(Engine):
     def attention(self, i: int, x):
         if self.spec.attention == "mla":
             return self.latent_attention(i, x)
+        if self.spec.is_linear(i):
+            return self.gated_delta_net(i, x)
         s, W, p = self.spec, self.W, f"layers.{i}."
         T = x.shape[0]
         q, k, v = x @ W(p + "q").T, x @ W(p + "k").T, x @ W(p + "v").T
         if self.deltas:
             q, k, v = (self.delta(p + n, x, a) for n, a in zip("qkv", (q, k, v)))
+        if s.attn_output_gate:      # each query head is followed by as many gate dims for its output
+            q, gate = (a.reshape(T, -1) for a in self.xp.split(q.reshape(T, s.num_heads, 2 * s.head_dim), 2, axis=-1))
         if s.attention_bias:
             q, k, v = q + W(p + "q_bias"), k + W(p + "k_bias"), v + W(p + "v_bias")
         if s.qk_norm == "full":
@@ -174,6 +182,8 @@ class Decoder(Engine):
         att = self.causal_softmax(att, T)
         y = (att.reshape(s.num_kv_heads, rep * T, S) @ V).reshape(s.num_heads, T, s.head_dim)
         y = y.transpose(1, 0, 2).reshape(T, -1)
+        if s.attn_output_gate:
+            y = y / (1.0 + self.xp.exp(-gate))
         return self.delta(p + "o", y, y @ W(p + "o").T)
 
     def latent_attention(self, i: int, x):

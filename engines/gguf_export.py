@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engines.gguf_export_hybrid import hybrid_metadata, hybrid_plan
 from workbench.atomic import atomic_path
 from workbench.errors import WorkbenchError
 
@@ -97,8 +98,8 @@ def gguf_vocab(tokenizer_json: str, vocab_size: int, where: str = "tokenizer.jso
 
 def _check(spec, where):
     why = None
-    if spec.family != "qwen3_moe":
-        why = f"family {spec.family!r}: only qwen3_moe exports (as llama.cpp's qwen3moe)"
+    if spec.family not in ("qwen3_moe", "qwen3_next"):
+        why = f"family {spec.family!r}: only qwen3_moe and qwen3_next export (as llama.cpp's qwen3moe, qwen3next)"
     elif spec.dense_layers:
         why = "dense MLP layers (mlp_only_layers / decoder_sparse_step): llama.cpp's qwen3moe has experts in every layer"
     elif not spec.norm_topk_prob:
@@ -127,6 +128,11 @@ def _plan(model, qtype: str):
         t = "F32" if f32 or len(shape) == 1 else mat_type(shape)
         plan.append((gname, shape, t, lambda: model.tensor(canon)))
 
+    if s.layer_types:
+        hybrid_plan(model, add, lambda *row: plan.append(row), mat_type)
+        if "lm_head" in names and not s.tie_word_embeddings:
+            add("output.weight", "lm_head")
+        return plan
     add("token_embd.weight", "embed")
     for i in range(s.num_layers):
         p, b = f"layers.{i}.", f"blk.{i}."
@@ -184,7 +190,7 @@ def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = Non
 
     out = Path(out)
     with atomic_path(out) as tmp:
-        w = gguf.GGUFWriter(str(tmp), "qwen3moe")
+        w = gguf.GGUFWriter(str(tmp), "qwen3next" if s.layer_types else "qwen3moe")
         try:
             w.add_name(name or Path(model.path).stem)
             w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if qtype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
@@ -201,6 +207,8 @@ def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = Non
             w.add_expert_count(s.num_experts)
             w.add_expert_used_count(s.top_k)
             w.add_expert_feed_forward_length(s.moe_intermediate_size)
+            if s.layer_types:
+                hybrid_metadata(w, s)
             w.add_tokenizer_model("gpt2")
             w.add_tokenizer_pre("gpt-2")
             w.add_token_list(tokens)

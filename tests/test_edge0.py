@@ -144,24 +144,30 @@ def test_unmerged_lora_equals_merged_dequantized_reference(tiny4, tmp_path):
 
 def test_torch_student_equals_numpy_serving(tiny4, tmp_path):
     """The trainers' torch path (int4 + prerouter + LoRA, whole sequence at once) is what the engine serves."""
-    torch = pytest.importorskip("torch")
-    from training.edge0_common import HeadSet, LoRASet, TorchMoE
+    pytest.importorskip("torch")
     m = fresh(tiny4, tmp_path)
     hp, lp = write_heads(m), write_lora(m)
     ids = PROMPT * 3
     with Session(str(m), "edge0", budget="all") as s:
         served = teacher_forced(s, ids)
-    pack = pack_of(m)
-    heads = HeadSet.from_numpy(*load_safetensors(hp, "prerouter"))
-    lora = LoRASet.from_numpy(*load_safetensors(lp, "lora"))
+    full, inc = student_logits(pack_of(m), ids, hp, lp)
+    np.testing.assert_allclose(full, served, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
+
+
+def student_logits(pack, ids, heads_path, lora_path):
+    """The trainers' torch student on `ids`: (whole sequence at once, token by token with its cache)."""
+    import torch
+    from training.edge0_common import HeadSet, LoRASet, TorchMoE
+    heads = HeadSet.from_numpy(*load_safetensors(heads_path, "prerouter"))
+    lora = LoRASet.from_numpy(*load_safetensors(lora_path, "lora"))
     student = TorchMoE(pack)
     with torch.no_grad():
         full = student(torch.tensor([ids]), heads=heads, skip_layers=1, lora=lora)[0].numpy()
         cache = {}
         inc = np.stack([student.step(torch.tensor([t]), cache, heads=heads, skip_layers=1, lora=lora)[0].numpy()
                         for t in ids])
-    np.testing.assert_allclose(full, served, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
+    return full, inc
 
 
 # ---------------------------------------------------------------- files that don't match the model

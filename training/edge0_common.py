@@ -158,11 +158,11 @@ class TorchMoE(nn.Module):
     def __init__(self, pack: Pack):
         super().__init__()
         s = self.spec = pack.spec
-        if (s.router != "softmax_topk" or s.shared_expert_size or s.dense_layers or s.attention_bias
+        if (s.router != "softmax_topk" or (s.shared_expert_size and not s.layer_types) or s.dense_layers or s.attention_bias
                 or s.clip_qkv is not None or s.qk_norm not in ("head", "none") or s.attention != "gqa" or s.rope_yarn
                 or s.n_group > 1 or s.routed_scaling_factor != 1.0):
             raise WorkbenchError(f"{pack.path}: the Edge0 trainers support Qwen3-MoE-like models (softmax top-k router, "
-                                 f"no shared expert, no dense layers, plain RoPE); this is {s.family}")
+                                 f"no shared expert, no dense layers, plain RoPE) and the hybrid family; this is {s.family}")
         self.pack = pack
         self.identity = model_identity(pack)
         w, ex = pack_weights(pack)
@@ -171,7 +171,7 @@ class TorchMoE(nn.Module):
 
     def proj_shapes(self, projs=PROJ) -> dict:
         return {f"layers.{i}.{p}": tuple(self.np_w[f"layers.{i}.{p}"].shape) for i in range(self.spec.num_layers)
-                for p in projs}
+                for p in projs if not self.spec.is_linear(i)}          # attention layers only (no q, k, v, o in DeltaNet)
 
     def forward(self, ids, heads: HeadSet | None = None, skip_layers: int = 1, lora: LoRASet | None = None,
                 collect: bool = False):

@@ -21,6 +21,7 @@ import numpy as np
 
 from workbench.atomic import atomic_path
 from workbench.errors import WorkbenchError
+from workbench.spec_hybrid import split_fused_projections
 
 FILES = {"prerouter": "prerouter.safetensors", "lora": "lora.safetensors"}
 
@@ -109,6 +110,8 @@ def pack_weights(pack) -> tuple[dict[str, np.ndarray], dict[int, dict[str, np.nd
     w = {name: pack.tensor(name) for name in pack.tensors}
     if "lm_head" not in w:
         w["lm_head"] = w["embed"]
+    if pack.spec.family == "qwen3_next":
+        split_fused_projections(pack.spec, w)
     experts = {}
     with open(pack.path, "rb") as f:
         for L in pack.spec.moe_layers:
