@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import altair as alt
 import pyarrow as pa
 
+from experiments.routing_trace import TraceDrive
 from workbench.presets import PRESETS, Budget, budget_for
 from workbench.registry import model_dir
 from workbench.runs import list_runs, read_run, write_run
@@ -118,8 +119,11 @@ class DesignRun:
 
     _init_locks: dict = {}          # one per stored form of a model: its conversion and usage profile are made once
 
-    def __init__(self, model: str, design: str, budget: str, prompt: str, tokens: int):
+    def __init__(self, model: str, design: str, budget: str, prompt: str, tokens: int, device: str | None = None,
+                 routing_trace: str | None = None):
         self.id = secrets.token_hex(4)
+        self.device = device            # an emulated device's profile name (data/devices), or None: this machine
+        self.routing_trace = routing_trace   # routing replayed from a trace (a make-model checkpoint's real shape)
         self.model, self.design, self.prompt, self.tokens = model, design, prompt, int(tokens)
         # a design whose preset keeps every expert resident ("all") is the ceiling: the budget does not apply
         self.budget = budget_for(PRESETS[design], budget)
@@ -167,7 +171,8 @@ class DesignRun:
             with self._init_locks.setdefault((self.model, p.storage), threading.Lock()):
                 if self._stop.is_set():
                     raise _Stopped()
-                s = Session(self.model, self.design, budget=self.budget)
+                drive = functools.partial(TraceDrive, self.routing_trace) if self.routing_trace else None
+                s = Session(self.model, self.design, budget=self.budget, device=self.device, drive=drive)
             self.session, self.status = s, "running"
             out = s.generate(self.prompt, tokens=self.tokens, on_token=self._on_token)
             # one dict: what the page shows for a finished run is exactly what summary.json holds
@@ -201,8 +206,9 @@ _RUNS_LOCK = threading.Lock()
 KEEP = 48
 
 
-def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens: int) -> list[str]:
-    runs = [DesignRun(model, d, budget, prompt, tokens) for d in designs]
+def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens: int, device: str | None = None,
+               routing_trace: str | None = None) -> list[str]:
+    runs = [DesignRun(model, d, budget, prompt, tokens, device, routing_trace) for d in designs]
     with _RUNS_LOCK:
         _RUNS.update((r.id, r) for r in runs)
         old = [k for k, r in _RUNS.items() if not r.active]

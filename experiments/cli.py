@@ -1,4 +1,4 @@
-"""The experiments' verbs: bench, ladder, trace, replay, bench-peer (registered in workbench.commands).
+"""The experiments' verbs: bench, ladder, trace, replay, simulate, bench-peer (registered in workbench.commands).
 
 `bench --engine llamacpp` measures stock llama.cpp from outside (engines/llamacpp_cli.py); every other engine
 is measured here, in process.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workbench.commands import command, emit, running
+from workbench.commands import command, emit, flash, running
 from workbench.errors import WorkbenchError
 
 
@@ -16,18 +16,24 @@ def _bench_flags(p):
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--routing-trace", default=None, metavar="FILE",
+                   help="route and predict as recorded in this trace (real reads, real compute; ids mapped, see JSON)")
     bench_flags(p)
 
 
-@command("bench", "measure decode speed, hits and flash wait; writes a run record", running, _bench_flags)
+@command("bench", "measure decode speed, hits and flash wait; writes a run record", running, flash, _bench_flags)
 def cmd_bench(args):
     if args.engine == "llamacpp":
+        if args.device or args.routing_trace:
+            raise WorkbenchError("--engine llamacpp reads through llama.cpp's own mmap: --device and --routing-trace "
+                                 "need an engine the workbench streams (numpy, mlx)")
         from engines.llamacpp_cli import bench_llamacpp
         res = bench_llamacpp(args)
         return emit(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "token_ids"))
     from experiments.bench import bench
     res = bench(args.model, args.preset, budget=args.budget, tokens=args.tokens, prompt=args.prompt,
-                engine=args.engine, direct=not args.page_cache, record=not args.no_record)
+                engine=args.engine, direct=not args.page_cache, record=not args.no_record, device=args.device,
+                routing_trace=args.routing_trace)
     emit(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "per_layer"))
 
 
@@ -43,17 +49,19 @@ def _ladder_flags(p):
 
 
 @command("ladder", "a design's ablation ladder, alternating arms, one run record per rung "
-                   "(edge0: quality rungs, recall, speed A/B)", _ladder_flags)
+                   "(edge0: quality rungs, recall, speed A/B)", _ladder_flags, flash)
 def cmd_ladder(args):
     progress = None if args.json else print
     if args.name == "edge0":
+        if args.device:
+            raise WorkbenchError("ladder edge0 runs on this machine's flash: --device is for les, smol, cache, designs")
         from experiments.edge0_ladder import run_edge0, table
         res = run_edge0(args.model, budget=args.budget, tokens=args.tokens, rounds=args.rounds, chunks=args.chunks,
                         chunk_tokens=args.chunk_tokens, skip_layers=args.skip_layers, progress=progress)
     else:
         from experiments.ladder import run_ladder, table
         res = run_ladder(args.name, model=args.model, budget=args.budget, tokens=args.tokens, rounds=args.rounds,
-                         progress=progress)
+                         progress=progress, device=args.device)
     emit(args, res, table(res))
 
 
@@ -107,7 +115,11 @@ def cmd_trace(args):
         ids = _trace_ids(args, lambda t: tok.encode(t).ids)
         tr, meta = capture_numpy(args.model, ids, args.preset)
         meta["data"] = args.data
-    out = write_trace(args.out, tr, ids, meta)
+    from experiments.routing_trace import named_predictions
+    from experiments.traces import _weights_for
+    from workbench.spec import MoESpec
+    spec = MoESpec.from_dict(meta["spec"])
+    out = write_trace(args.out, tr, ids, meta, predictions=named_predictions(tr, spec, _weights_for(meta, None, spec)))
     obj = {"path": str(out), "engine": args.engine, "tokens": len(ids), "moe_layers": tr["moe_layers"],
            "top_k": int(tr["topk"].shape[2]), "rows": len(ids) * len(tr["moe_layers"])}
     emit(args, obj, f"wrote {out}: {len(ids)} tokens x {len(tr['moe_layers'])} layers ({args.engine})")
@@ -131,6 +143,31 @@ def cmd_replay(args):
         raise WorkbenchError(f"--designs {bad[0]!r}: choose from {', '.join(DESIGNS)}")
     res = replay(args.trace, args.preset, args.budget, model=args.model, designs=designs, skip=args.skip)
     emit(args, res, table(res))
+
+
+def _simulate_flags(p):
+    p.add_argument("--trace", required=True)
+    p.add_argument("--preset", default="les")
+    p.add_argument("--budget", default=None)
+    p.add_argument("--device", default="this-machine", help="the device profile that times the reads")
+    p.add_argument("--shape", default=None, help="a real model's expert shape (make-model's shapes)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=4, help="trace rows replayed as the prompt (untimed)")
+    p.add_argument("--workers", type=int, default=None, help="reader threads (default: the profile's queue depth)")
+    p.add_argument("--model", default=None, help="measure the compute profile on this model (default: the trace's)")
+    p.add_argument("--compute", default=None, help="a compute profile JSON instead of measuring one")
+    p.add_argument("--no-record", action="store_true")
+
+
+@command("simulate", "a design over a routing trace on a virtual clock (no model run); marked simulated", _simulate_flags)
+def cmd_simulate(args):
+    from experiments.simulate import load_compute, run
+    res = run(args.trace, args.preset, args.budget, args.device, shape=args.shape, tokens=args.tokens,
+              prompt=args.prompt_tokens, compute=load_compute(args.compute) if args.compute else None,
+              workers=args.workers, model=args.model, record=not args.no_record)
+    emit(args, res, f"SIMULATED {res['preset']} on {res['device']['label']} ({res['shape_note']}): "
+                    f"{res['tok_s']:.2f} tok/s, hit {res['hit_rate']:.3f}; Belady bound: hit {res['belady_hit_rate']:.3f}, "
+                    f"{res['belady_tok_s']:.2f} tok/s")
 
 
 def _peer_flags(p):

@@ -43,7 +43,8 @@ from workbench.presets import Budget, Preset, get_preset
 
 KINDS = ("bench", "eval ppl", "eval teacher", "eval lm")
 AXES = ("preset", "budget", "experts", "engine", "task")
-NOT_YET = {"device": "device profiles do not exist yet", "simulate": "the simulator does not exist yet"}
+NOT_YET = {"device": "a grid has no device axis yet (ladder --device, bench --device emulate one)",
+           "simulate": "the simulator is not a sweep cell yet (python -m workbench simulate runs it)"}
 SETTINGS = {   # per kind: the settings that make a cell (defaults as the verbs', but a bounded ppl/KL text)
     "bench": {"tokens": 64, "rounds": 3, "prompt": "Once upon a time", "page_cache": False, "heldout_tokens": 0},
     "eval ppl": {"data": "tinystories", "ctx": 512, "chunks": 4, "page_cache": False},
@@ -264,7 +265,7 @@ def run_bench(cell: Cell) -> dict:
     """A bench cell: `bench` as the CLI runs it (run record included); returns its result."""
     from experiments.bench import bench
     return bench(cell.model, cell.preset_obj(), budget=cell.budget, tokens=cell.get("tokens"), prompt=cell.get("prompt"),
-                 engine=cell.engine, direct=not cell.get("page_cache"))
+                 engine=cell.engine, direct=not cell.get("page_cache"), device=dict(cell.settings).get("device"))
 
 
 def run_quality(cell: Cell, runner: Runner) -> dict:

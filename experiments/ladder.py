@@ -50,9 +50,10 @@ def cache_rungs(spec_top_k: int, item_bytes: int, layers: int, preset: str = "le
 
 
 def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3,
-               prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, engine: str = DEFAULT,
-               also_on: dict | None = None) -> dict:
-    """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}.
+               prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, device: str | None = None,
+               engine: str = DEFAULT, also_on: dict | None = None) -> dict:
+    """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}. device: a
+    device profile whose flash every rung's reads emulate (workbench.devices).
     also_on: {engine: [preset names]}: those rungs again on another engine (rung "<preset> [<engine>]").
 
     The rungs are the arms of one timing group of a sweep (experiments.sweep, on a local Ray): one task, holding
@@ -79,7 +80,7 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     cells, labels = [], {}
     for i, (preset, b, e) in enumerate(rungs):
         c = Cell.of("bench", model, preset, base or preset.name, budget=b, engine=e, tokens=tokens, rounds=rounds,
-                    prompt=prompt, heldout_tokens=quality_tokens)
+                    prompt=prompt, heldout_tokens=quality_tokens, **({"device": device} if device else {}))
         cells.append(c)
         labels[c.id] = {"ladder": name, "rung": rung_name[i], "rung_index": i, "rounds": rounds, "tokens": tokens,
                         "prompt": prompt}
@@ -95,11 +96,13 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     base = rows[0]["tok_s"]
     for row in rows:
         row["speedup"] = row["tok_s"] / base if base else None
-    return {"ladder": name, "model": model, "budget": budget, "rounds": rounds, "rungs": rows}
+    return {"ladder": name, "model": model, "budget": budget, "rounds": rounds, "rungs": rows, "device": device,
+            "emulated": bool(device)}
 
 
 def table(res: dict) -> str:
-    lines = [f"ladder {res['ladder']} on {res['model']} (budget {res['budget']}, {res['rounds']} alternating rounds)",
+    dev = f", EMULATED {res['device']}" if res.get("device") else ""
+    lines = [f"ladder {res['ladder']} on {res['model']} (budget {res['budget']}, {res['rounds']} alternating rounds{dev})",
              f"{'rung':34} {'tok/s':>7} {'min-max':>13} {'x':>5} {'hit':>5} {'recall':>6} {'wait ms/tok':>11} "
              f"{'KB read/tok':>11} {'/floor':>6}"]
     for r in res["rungs"]:

@@ -38,8 +38,9 @@ DESIGNS = ("on_demand", "history", "shuffled", "lookahead", "oracle")
 
 # ---------------------------------------------------------------- file format
 
-def write_trace(path, trace: dict, ids: list[int], meta: dict) -> Path:
-    """trace: topk (T, L, k), logits (T, L, E), router_input (T, L, d), moe_layers. Written atomically."""
+def write_trace(path, trace: dict, ids: list[int], meta: dict, predictions: dict | None = None) -> Path:
+    """trace: topk (T, L, k), logits (T, L, E), router_input (T, L, d), moe_layers. Written atomically.
+    predictions: {predictor: (T, L, width) expert ids, -1 = none} (experiments/routing_trace.py), one column each."""
     import pyarrow as pa
     topk, logits, h = (np.asarray(trace[k]) for k in ("topk", "logits", "router_input"))
     T, NL, k = topk.shape
@@ -56,8 +57,10 @@ def write_trace(path, trace: dict, ids: list[int], meta: dict) -> Path:
         "topk": fixed(topk.astype(np.int32), k, pa.int32()),
         "logits": fixed(logits.astype(np.float32), E, pa.float32()),
         "router_input": fixed(h.astype(np.float32), d, pa.float32()),
+        **{f"pred:{name}": fixed(np.asarray(a, np.int32), a.shape[2], pa.int32()) for name, a in (predictions or {}).items()},
     })
     meta = {**meta, "n_tokens": T, "moe_layers": layers.tolist(), "top_k": k, "num_experts": E, "hidden_size": d,
+            "predictions": sorted(predictions or {}),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
     return write_table(table, path)
@@ -85,7 +88,9 @@ def read_trace(path) -> dict:
 
     return {"meta": meta, "moe_layers": layers, "ids": np.asarray(table.column("token_id"))[::NL].tolist(),
             "topk": col("topk", meta["top_k"]), "logits": col("logits", meta["num_experts"]),
-            "router_input": col("router_input", meta["hidden_size"])}
+            "router_input": col("router_input", meta["hidden_size"]),
+            "predictions": {n: col(f"pred:{n}", table.schema.field(f"pred:{n}").type.list_size)
+                            for n in meta.get("predictions", [])}}
 
 
 # ---------------------------------------------------------------- capture with the numpy engine

@@ -15,8 +15,9 @@ def test_every_verb_is_declared_where_it_lives():
     where = {name: c.run.__module__ for name, c in COMMANDS.items()}
     assert where == {
         "info": "workbench.verbs", "convert": "workbench.verbs", "probe-disk": "workbench.verbs",
-        "generate": "workbench.verbs", "bench": "experiments.cli", "ladder": "experiments.cli",
-        "trace": "experiments.cli", "replay": "experiments.cli", "bench-peer": "experiments.cli",
+        "make-model": "workbench.verbs", "generate": "workbench.verbs", "bench": "experiments.cli",
+        "ladder": "experiments.cli", "trace": "experiments.cli", "replay": "experiments.cli",
+        "simulate": "experiments.cli", "bench-peer": "experiments.cli",
         "eval ppl": "evals.cli", "eval teacher": "evals.cli", "eval lm": "evals.cli", "eval compare": "evals.cli",
         "eval report": "evals.cli", "serve": "evals.cli", "sweep": "evals.sweep",
         "export-gguf": "engines.llamacpp_cli"}

@@ -85,8 +85,8 @@ def test_grid_expands_to_cells_and_timing_groups(tmp_path, tiny):
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("cells: [bench]\naxes: {device: [iphone]}\n", "device profiles do not exist yet"),
-    ("cells: [simulate]\n", "the simulator does not exist yet"),
+    ("cells: [bench]\naxes: {device: [iphone]}\n", "a grid has no device axis yet"),
+    ("cells: [simulate]\n", "the simulator is not a sweep cell yet"),
     ("cells: [bench]\naxes: {preset: [nope]}\n", "'nope': unknown"),
     ("cells: [bench]\naxes: {budget: [lots]}\n", "--budget 'lots'"),
     ("cells: [bench\n", "not valid YAML"),

@@ -54,6 +54,12 @@ def running(p):
     return p
 
 
+def flash(p):
+    """The flag of the verbs whose reads may emulate a device's flash (workbench.devices)."""
+    p.add_argument("--device", default=None, help="emulate a device's flash (a profile in data/devices); labelled emulated")
+    return p
+
+
 def emit(args, obj: dict, human: str):
     """The verb's result: one JSON object with --json, else the human-readable text."""
     print(json.dumps(obj, default=jsonable) if args.json else human)

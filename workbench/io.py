@@ -108,16 +108,24 @@ class Reader:
 
     # -- reading ---------------------------------------------------------------
 
-    def _pread(self, buf: np.ndarray, pos: int, need: int) -> int:
-        """Fill `buf` from file offset `pos` until at least `need` bytes arrived.
+    def _pread(self, buf, pos: int, need: int) -> int:
+        """Fill `buf` (an array, or a list of arrays filled in file order by one scattered preadv) from file offset
+        `pos` until at least `need` bytes arrived.
 
         Returns the byte count, which is below `need` only at end of file.
         """
-        mv = memoryview(buf)
+        bufs = buf if isinstance(buf, list) else [buf]
         got = calls = 0
         t0 = time.perf_counter()
         while got < need:
-            n = os.preadv(self.fd, [mv[got:]], pos + got)
+            views, skip = [], got       # a short read resumes in the buffer where it stopped
+            for b in bufs:
+                if skip >= b.nbytes:
+                    skip -= b.nbytes
+                else:
+                    views.append(memoryview(b)[skip:])
+                    skip = 0
+            n = os.preadv(self.fd, views, pos + got)
             calls += 1
             if n == 0:
                 break
@@ -221,23 +229,9 @@ class Reader:
             start, end, members = group
             keys = {key for _, key in members}
             try:
-                got, t0 = 0, time.perf_counter()
-                while got < end - start:      # a short read resumes in the buffer where it stopped
-                    views, skip = [], got
-                    for buf, _ in members:
-                        if skip >= buf.nbytes:
-                            skip -= buf.nbytes
-                        else:
-                            views.append(memoryview(buf)[skip:])
-                            skip = 0
-                    n = os.preadv(self.fd, views, start + got)
-                    if n == 0:
-                        raise self._eof_error(start, end - start, start + got)
-                    got += n
-                with self._lock:
-                    self.reads += 1
-                    self.bytes_read += got
-                    self.read_s += time.perf_counter() - t0
+                got = self._pread([buf for buf, _ in members], start, end - start)
+                if got < end - start:
+                    raise self._eof_error(start, end - start, start + got)
             except BaseException as e:
                 for key in keys:
                     if not futures[key].done():

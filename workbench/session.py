@@ -18,11 +18,13 @@ from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache
 from workbench.capture import RoutingCapture
-from workbench.io import Reader, slot_readers
+from workbench.io import slot_readers
+from workbench.devices import open_reader
 from workbench.predict import make_predictor
 from workbench.presets import Budget, CacheScope, Predictor, Preset, Router, get_preset
 from workbench.registry import cache_dir, resolve_pack, tokenizer_for
 from workbench.routing import route
+from workbench.shapes import random_label
 from workbench.streamer import ExpertStreamer
 from workbench.errors import WorkbenchError
 from workbench.speculative import speculative_decode
@@ -37,10 +39,14 @@ def peak_rss_bytes() -> int:
 class Session:
     def __init__(self, model: str = "demo", preset: str | Preset = "on_demand", budget: str | None = None,
                  engine: str | None = None, direct: bool = True, workers: int | None = None, progress: bool = False,
-                 trace: dict | None = None, weights: dict | None = None, deltas: dict | None = None, **overrides):
+                 trace: dict | None = None, weights: dict | None = None, deltas: dict | None = None,
+                 device: str | None = None, drive=None, **overrides):
         """engine: None is the default engine for this pack (engines.default_engine). weights: replacements for some of
         the pack's non-expert weights (a merged adapter); deltas: projection deltas added to the preset's (an
-        unmerged adapter). Both for experiments on adapters (Edge0's ladder)."""
+        unmerged adapter). Both for experiments on adapters (Edge0's ladder).
+        device: a device profile (data/devices) whose flash the reads emulate. drive: routing and predictions
+        replayed from outside, drive(spec, predictor text) -> route, predictor(), usage, source (a routing trace:
+        experiments.routing_trace.TraceDrive)."""
         self.preset = preset if isinstance(preset, Preset) else get_preset(preset)
         if overrides:
             self.preset = self.preset.with_(**overrides)
@@ -58,15 +64,28 @@ class Session:
         self.budget_bytes = Budget(self.budget_text).nbytes(self.item_bytes, self.pack.num_expert_total)
         self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache.policy.value,
                                  scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
-        self.reader = Reader(self.pack_path, direct=direct, workers=workers or (slot_readers() if cls.slot_arena else None))
+        self.reader = open_reader(self.pack_path, device, direct=direct, # device: emulated flash
+                                  workers=workers or (slot_readers() if cls.slot_arena and not device else None))
+        self.device = getattr(self.reader, "profile", None)
+        src = self.pack.header.get("source", {}).get("path")
+        self.random_weights = random_label(src) if src else None
         self.tel = Telemetry(s.num_layers)
         self.arena = SlotArena(self.pack, self.cache) if cls.slot_arena else None
         self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution.order.value,
                                        raw=cls.raw_experts, arena=self.arena)
         w = {**dense_weights(self.pack), **(weights or {})}
-        usage = self.usage() if p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED else None
-        predictor = make_predictor(p.prefetch, s, w, usage=usage, trace=trace, pack=self.pack)
-        router_hook, hook_deltas = self._routing(predictor, w)
+        self.drive = None
+        if drive:
+            if p.routing.router is not Router.EXACT or p.execution.speculative:
+                raise WorkbenchError(f"--routing-trace: preset {p.name} changes routing or decodes speculatively; "
+                                     "a trace replays exact routing one token at a time")
+            self.drive, self.lora = drive(s, str(p.prefetch) or None), None
+            usage = self.drive.usage
+            predictor, router_hook, hook_deltas = self.drive.predictor(), self.drive.route, {}
+        else:
+            usage = self.usage() if p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED else None
+            predictor = make_predictor(p.prefetch, s, w, usage=usage, trace=trace, pack=self.pack)
+            router_hook, hook_deltas = self._routing(predictor, w)
         hooks = Hooks(predictor, router_hook, {**hook_deltas, **(deltas or {})})
         self.engine = cls(self.pack, self.streamer, self.tel, hooks, weights=w)
         self.reader_bytes0 = 0
@@ -185,13 +204,20 @@ class Session:
         s.update(cache_bytes=self.cache.bytes, cache_peak_bytes=self.cache.peak_bytes, budget_bytes=self.budget_bytes,
                  peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode,
                  reader_workers=self.reader.workers, per_layer=tel.per_layer("decode"),
-                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes)
+                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes, **self.labels())
         return s
 
     def config(self) -> dict:
         return {"model": self.model, "pack": str(self.pack_path), "pack_id": self.pack.content_id(),
                 "engine": self.engine.name, "preset": self.preset.to_dict(), "budget": self.budget_text,
-                "budget_bytes": self.budget_bytes, "reader_mode": self.reader.mode, "spec": self.spec.to_dict()}
+                "budget_bytes": self.budget_bytes, "reader_mode": self.reader.mode, "spec": self.spec.to_dict(),
+                **self.labels()}
+
+    def labels(self) -> dict:
+        """What goes wherever a number goes: emulated flash (the device profile), random weights (make-model), and
+        routing replayed from a trace."""
+        return {"device": self.device.describe() if self.device else None, "emulated": self.device is not None,
+                "random_weights": self.random_weights, "routing_trace": self.drive.source if self.drive else None}
 
     def close(self):
         self.reader.close()

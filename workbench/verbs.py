@@ -1,16 +1,19 @@
-"""The runtime's verbs: info, convert, probe-disk, generate (registered in workbench.commands).
+"""The runtime's verbs: info, convert, probe-disk, make-model, generate (registered in workbench.commands).
 
 `info` and `convert` dispatch on the model's kind: a pack, a Hugging Face directory or a GGUF file.
 """
 from __future__ import annotations
 
-from workbench.commands import command, emit, running
+import json
+
+from workbench.commands import command, emit, flash, running
 from workbench.errors import WorkbenchError
 
 
 def session(args, **kw):
     from workbench.session import Session
-    return Session(args.model, args.preset, budget=args.budget, engine=args.engine, direct=not args.page_cache, **kw)
+    return Session(args.model, args.preset, budget=args.budget, engine=args.engine, direct=not args.page_cache,
+                   device=args.device, **kw)
 
 
 def _info_flags(p):
@@ -85,15 +88,40 @@ def cmd_convert(args):
 def _probe_flags(p):
     p.add_argument("--path", default=None, help="a file or folder on the disk to probe (default: the pack cache)")
     p.add_argument("--seconds", type=float, default=0.3, help="per (size, depth) point")
+    p.add_argument("--save-device", default=None, metavar="NAME", help="also write the fit as data/devices/NAME.json")
 
 
 @command("probe-disk", "bandwidth and latency by read size and queue depth", _probe_flags)
 def cmd_probe_disk(args):
     from workbench.floor import probe
     res = probe(args.path, seconds_per_point=args.seconds, refresh=True)
+    if args.save_device:              # this machine as a device profile (data/devices/NAME.json)
+        from workbench.atomic import atomic_write
+        from workbench.devices import DEVICES, profile_from_probe
+        prof = profile_from_probe(res, args.save_device, f"this machine ({args.save_device}), measured by probe-disk")
+        res["device_profile"] = str(atomic_write(DEVICES / f"{args.save_device}.json", json.dumps(prof, indent=1) + "\n"))
     lines = [f"{p['size'] // 1024:>6} KiB  qd {p['depth']}:  {p['mb_s']:8.1f} MB/s  p50 {p['lat_ms_p50']:.3f} ms"
              for p in res["points"]]
     emit(args, res, f"{res['path']} ({res['mode']})\n" + "\n".join(lines))
+
+
+def _make_model_flags(p):
+    from workbench.shapes import SHAPES
+    p.add_argument("--shape", required=True, choices=list(SHAPES))
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--experts", type=int, default=None, help="experts per layer (default: the model's)")
+    p.add_argument("--out", default=None, help="the directory to write (default: under the pack cache)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+@command("make-model", "write a random-weight checkpoint with a real model's expert shape", _make_model_flags)
+def cmd_make_model(args):
+    from workbench.registry import cache_dir
+    from workbench.shapes import make_model
+    out = args.out or cache_dir() / "models" / f"{args.shape}-{args.layers}L-{args.experts or 'all'}E-random"
+    path = make_model(args.shape, args.layers, out, experts=args.experts, seed=args.seed)
+    c = json.loads((path / "random_weights.json").read_text())
+    emit(args, {"path": str(path), **c}, f"wrote {path}: {c['label']}")
 
 
 def _generate_flags(p):
@@ -102,7 +130,7 @@ def _generate_flags(p):
     p.add_argument("--stop-at-eos", action="store_true")
 
 
-@command("generate", "generate text greedily", running, _generate_flags)
+@command("generate", "generate text greedily", running, flash, _generate_flags)
 def cmd_generate(args):
     with session(args) as s:
         out = s.generate(args.prompt, tokens=args.tokens, stop_at_eos=args.stop_at_eos)
