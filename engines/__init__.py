@@ -1,6 +1,7 @@
 """Engines by name behind one interface (engines/base.py): `engine_class(name)`, `load_engine(name, ...)`.
 
-numpy is the reference engine. Backends that need another compute framework are imported only when asked
+packed is the default (experts computed from their packed bytes, results/targets.md); numpy is the reference
+engine, the correctness oracle. Backends that need another compute framework are imported only when asked
 for, so the workbench runs without them.
 """
 from __future__ import annotations
@@ -9,7 +10,9 @@ import importlib
 
 from workbench.errors import WorkbenchError
 
+DEFAULT = "packed"
 ENGINES = {"numpy": "engines.numpy_engine:NumpyEngine",
+           "packed": "engines.packed_engine:PackedEngine",   # experts computed from their packed bytes, in slots
            "mlx": "engines.mlx_engine:MlxEngine",
            "llamacpp": "engines.llamacpp_engine:LlamaCppEngine"}   # stock llama.cpp on a GGUF export of the pack
 
@@ -27,6 +30,11 @@ def engine_class(name: str):
                              f"(mlx on macOS, mlx[cpu] on Linux)") from None
 
 
+def default_engine(pack) -> str:
+    """The packed engine, or the numpy engine for a pack whose experts it cannot compute (a GGUF's own blocks)."""
+    return DEFAULT if engine_class(DEFAULT).computes(pack) else "numpy"
+
+
 def load_engine(name: str, pack, streamer, telemetry, hooks=None, **kw):
     from engines.base import Hooks
     return engine_class(name)(pack, streamer, telemetry, hooks or Hooks(), **kw)
@@ -37,5 +45,5 @@ def available() -> list[str]:
     try:
         import mlx.core  # noqa: F401
     except Exception:
-        return ["numpy"]
-    return ["numpy", "mlx"]
+        return ["numpy", "packed"]
+    return ["numpy", "packed", "mlx"]

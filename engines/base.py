@@ -8,7 +8,8 @@ at construction and never set from outside:
   router_hook  router_hook(layer, logits, ctx) -> (ids, weights), in place of the exact router
   deltas       {projection name: x -> delta} added to x @ W.T (an unmerged adapter: Edge0's LoRA)
 An engine declares what it can do: `takes_hooks` (False: it is refused hooks, not handed ones it ignores)
-and `raw_experts` (the streamer hands it each expert part's encoded bytes instead of f32 arrays).
+`raw_experts` (the streamer hands it each expert part's encoded bytes instead of f32 arrays) and
+`slot_arena` (the cache's memory is a slot arena, workbench/arena.py, that reads land in).
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class Engine(ABC):
     name: str
     takes_hooks = True
     raw_experts = False
+    slot_arena = False
 
     def __init__(self, pack, streamer, telemetry, hooks: Hooks = Hooks()):
         if hooks and not self.takes_hooks:
@@ -91,9 +93,11 @@ class Engine(ABC):
         """Forget the KV cache past `pos` (rejected speculative tokens, a shared prefix reused)."""
         self.pos = pos
 
-    @staticmethod
-    def expert_bytes(spec) -> int:
-        """What one expert costs in the expert cache (the budget's unit): gate, up and down in f32."""
+    @classmethod
+    def expert_bytes(cls, pack) -> int:
+        """What one expert of `pack` (or of a spec) costs in the expert cache (the budget's unit): gate, up and
+        down in f32."""
+        spec = getattr(pack, "spec", pack)
         return 4 * 3 * spec.hidden_size * spec.moe_intermediate_size
 
     def swap_router_hook(self, hook):

@@ -124,7 +124,7 @@ class MlxExperts:
         self.wave_flushes = 0   # staged experts computed early to free their slots (a layer in waves)
 
     def begin(self, i: int, x, idx, weights):
-        """compute(e, encoded parts) for the streamer: stage each arriving expert in a slot."""
+        """compute(experts, encoded parts) for the streamer: stage each arriving expert in a slot."""
         s, silu = self.decoder.spec, self.decoder.silu
         idx = np.asarray(idx)
         weights = np.asarray(weights, dtype=np.float32)
@@ -148,7 +148,7 @@ class MlxExperts:
             staged.clear()
         self.flush = flush
 
-        def compute(e, ew):
+        def stage(e, ew):
             key = (i, e)
             slot = stack.where.get(key)
             if slot is None and isinstance(ew, Slot):
@@ -168,6 +168,10 @@ class MlxExperts:
                 stack.write(slot, key, ew)
             self.cache.set(key, Slot(slot))   # the cache entry is the slot now; the read buffer goes
             staged.append(e)
+
+        def compute(es, ews):
+            for e, ew in zip(es, ews):
+                stage(e, ew)
         return compute
 
     def combine(self, needed):

@@ -20,13 +20,14 @@ class NumpyExperts:
         self.decoder = decoder
 
     def begin(self, layer: int, x, idx, weights):
-        """compute(e, expert weights) for the streamer, one call per needed expert as it arrives."""
+        """compute(experts, their f32 weights) for the streamer, called on each batch as it arrives."""
         self.x, self.contrib = x, {}
 
-        def compute(e, ew):
-            rows, slot = np.nonzero(idx == e)
-            self.contrib[e] = (rows, self.decoder.mlp(x[rows], ew["gate"], ew["up"], ew["down"])
-                               * weights[rows, slot][:, None])
+        def compute(es, ews):
+            for e, ew in zip(es, ews):
+                rows, slot = np.nonzero(idx == e)
+                self.contrib[e] = (rows, self.decoder.mlp(x[rows], ew["gate"], ew["up"], ew["down"])
+                                   * weights[rows, slot][:, None])
         return compute
 
     def combine(self, needed):

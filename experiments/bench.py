@@ -60,7 +60,7 @@ def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: 
 
 
 def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
-          engine: str = "numpy", direct: bool = True, record: bool = True, device: str | None = None,
+          engine: str | None = None, direct: bool = True, record: bool = True, device: str | None = None,
           routing_trace: str | None = None) -> dict:
     with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct,
                       device=device, routing_trace=routing_trace) as s:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from engines import DEFAULT
 from workbench.presets import get_preset
 from workbench.session import Session
 from workbench.errors import WorkbenchError
@@ -49,9 +50,11 @@ def cache_rungs(spec_top_k: int, item_bytes: int, layers: int, preset: str = "le
 
 
 def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3,
-               prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, device: str | None = None) -> dict:
+               prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, device: str | None = None,
+               engine: str = DEFAULT, also_on: dict | None = None) -> dict:
     """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}. device: a
     device profile whose flash every rung's reads emulate (workbench.devices).
+    also_on: {engine: [preset names]}: those rungs again on another engine (rung "<preset> [<engine>]").
 
     The rungs are the arms of one timing group of a sweep (experiments.sweep, on a local Ray): one task, holding
     the machine's CPUs, runs them round by round, and one run record per rung comes back."""
@@ -71,20 +74,23 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     else:
         raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache or designs (edge0 has its own verb)")
     base = {"les": "on_demand", "smol": "smol", "cache": "les"}.get(name)
+    rungs = [(p, b, engine) for p, b in rungs] + [(p, b, e) for e, names in (also_on or {}).items()
+                                                   for p, b in rungs if p.name in names]
+    rung_name = {i: preset.name + (f" [{e}]" if e != engine else "") for i, (preset, _, e) in enumerate(rungs)}
     cells, labels = [], {}
-    for i, (preset, b) in enumerate(rungs):
-        c = Cell.of("bench", model, preset, base or preset.name, budget=b, tokens=tokens, rounds=rounds, prompt=prompt,
-                    heldout_tokens=quality_tokens, **({"device": device} if device else {}))
+    for i, (preset, b, e) in enumerate(rungs):
+        c = Cell.of("bench", model, preset, base or preset.name, budget=b, engine=e, tokens=tokens, rounds=rounds,
+                    prompt=prompt, heldout_tokens=quality_tokens, **({"device": device} if device else {}))
         cells.append(c)
-        labels[c.id] = {"ladder": name, "rung": preset.name, "rung_index": i, "rounds": rounds, "tokens": tokens,
+        labels[c.id] = {"ladder": name, "rung": rung_name[i], "rung_index": i, "rounds": rounds, "tokens": tokens,
                         "prompt": prompt}
     res = run_grid(Grid(f"ladder_{name}", cells, arms=AXES, labels=labels), resume=False, progress=bool(progress))
     rows = []
-    for (preset, b), r in zip(rungs, res["rows"]):
+    for i, ((preset, b, _), r) in enumerate(zip(rungs, res["rows"])):
         if r["status"] != "ok":
-            raise WorkbenchError(f"ladder {name}, rung {preset.name!r}: {r['error']}")
+            raise WorkbenchError(f"ladder {name}, rung {rung_name[i]!r}: {r['error']}")
         row = json.loads((Path(r["run"]) / "summary.json").read_text())
-        row.update(rung=preset.name, budget=b, heldout_ppl=row.get("heldout_ppl"),
+        row.update(rung=rung_name[i], budget=b, heldout_ppl=row.get("heldout_ppl"),
                    heldout_miss_rate=row.get("heldout_miss_rate"), run=r["run"])
         rows.append(row)
     base = rows[0]["tok_s"]

@@ -20,18 +20,18 @@ STALL_S = 3.0
 class FaultyReader(Reader):
     plan = staticmethod(lambda call, pos, n, reader: None)
 
-    def _preadv(self, mv, pos: int) -> int:
+    def _preadv(self, views, pos: int) -> int:
         with self._lock:
             self.calls = getattr(self, "calls", 0) + 1
             call = self.calls
-        what = type(self).plan(call, pos, len(mv), self)
+        what = type(self).plan(call, pos, sum(len(v) for v in views), self)
         if what == "eio":
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         if what == "short":            # one block: the reader must ask again for the rest
-            mv = mv[:ALIGN]
+            views = [views[0][:ALIGN]]
         if what == "stall":
             time.sleep(STALL_S)
-        return super()._preadv(mv, pos)
+        return super()._preadv(views, pos)
 
 
 @contextmanager

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 
 import pytest
@@ -173,8 +174,10 @@ def test_a_pack_replaced_mid_run(pack, first_expert, tmp_path, monkeypatch):
     shutil.copy(pack, victim)
     clean, _ = generate(victim)
 
+    once = threading.Lock()         # two reader threads may ask at once: one of them replaces the file
+
     def plan(call, pos, n, reader):
-        if pos >= first_expert and not other.exists() and victim.stat().st_size:
+        if pos >= first_expert and once.acquire(blocking=False):
             other.write_bytes(b"\0" * 4096)
             os.replace(other, victim)
 

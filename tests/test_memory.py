@@ -36,7 +36,7 @@ def test_available_memory_is_what_the_system_reports():
 def test_model_bytes_are_what_a_resident_session_holds(pack, sizes):
     from workbench.session import Session
     dense, experts = sizes
-    with Session(str(pack), "resident", budget="all") as s:
+    with Session(str(pack), "resident", budget="all", engine="numpy") as s:      # sizes counts f32 experts
         assert experts == s.all_expert_bytes
         held = sum(w.nbytes for k, w in s.engine.w.items() if k != "lm_head" or "lm_head" in s.pack.tensors)
         assert dense == held
@@ -45,7 +45,7 @@ def test_model_bytes_are_what_a_resident_session_holds(pack, sizes):
 def test_a_budget_that_cannot_fit_is_refused_with_the_numbers(pack, sizes, monkeypatch, capsys):
     dense, experts = sizes
     monkeypatch.setattr(memory, "available_bytes", lambda: dense + experts // 4)
-    assert main(["generate", "--model", str(pack), "--budget", "all", "--tokens", "2"]) == 2
+    assert main(["generate", "--model", str(pack), "--engine", "numpy", "--budget", "all", "--tokens", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     m = re.search(r"needs (\d+) MiB .* (\d+) MiB available: choose a smaller --budget \(largest that fits: (0\.\d\d)\)",
@@ -53,7 +53,7 @@ def test_a_budget_that_cannot_fit_is_refused_with_the_numbers(pack, sizes, monke
     assert m, err
     assert int(m[1]) == round((dense + experts) / MiB) and int(m[2]) == round((dense + experts // 4) / MiB)
     assert m[3] == "0.25"
-    assert main(["generate", "--model", str(pack), "--budget", m[3], "--tokens", "2", "--json"]) == 0
+    assert main(["generate", "--model", str(pack), "--engine", "numpy", "--budget", m[3], "--tokens", "2", "--json"]) == 0
 
 
 def test_what_fits():
@@ -65,13 +65,13 @@ def test_what_fits():
 def test_info_says_what_fits(pack, sizes, monkeypatch, capsys):
     dense, experts = sizes
     monkeypatch.setattr(memory, "available_bytes", lambda: dense + experts // 2)
-    assert main(["info", "--model", str(pack), "--budget", "all", "--json"]) == 0
+    assert main(["info", "--model", str(pack), "--engine", "numpy", "--budget", "all", "--json"]) == 0
     mem = json.loads(capsys.readouterr().out)["memory"]
     assert {k: mem[k] for k in ("available_bytes", "resident_f32_bytes", "all_experts_f32_bytes", "needed_bytes",
                                 "largest_budget")} == {
         "available_bytes": dense + experts // 2, "resident_f32_bytes": dense, "all_experts_f32_bytes": experts,
         "needed_bytes": dense + experts, "largest_budget": "0.50"}
-    assert main(["info", "--model", str(pack), "--budget", "0.25", "--json"]) == 0
+    assert main(["info", "--model", str(pack), "--engine", "numpy", "--budget", "0.25", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["memory"]["needed_bytes"] == dense + experts // 4
 
 

@@ -49,7 +49,7 @@ def running(p):
     p.add_argument("--model", default="demo")
     p.add_argument("--preset", default="on_demand")
     p.add_argument("--budget", default=None, help="0.25 (fraction of all experts), 96MiB, or all")
-    p.add_argument("--engine", default="numpy")
+    p.add_argument("--engine", default=None)   # None: packed, or numpy for packs it cannot compute (engines.default_engine)
     p.add_argument("--page-cache", action="store_true", help="buffered reads (labelled page-cache) instead of O_DIRECT")
     return p
 

@@ -152,6 +152,7 @@ class EmulatedReader(Reader):
         self.log: list[tuple[int, int, float, float]] | None = None   # (bytes, depth, start, end) when a test asks
 
     def _pread(self, buf, pos: int, need: int) -> int:
+        size = sum(b.nbytes for b in buf) if isinstance(buf, list) else len(buf)     # a list: one scattered read
         with self._flight:
             self.in_flight += 1
             depth = self.in_flight
@@ -159,7 +160,7 @@ class EmulatedReader(Reader):
         try:
             got = super()._pread(buf, pos, need)
             real = time.perf_counter()
-            deadline = t0 + self.profile.read_s(len(buf), depth)
+            deadline = t0 + self.profile.read_s(size, depth)
             while (left := deadline - time.perf_counter()) > 0:
                 time.sleep(left)
             t1 = time.perf_counter()
@@ -169,7 +170,7 @@ class EmulatedReader(Reader):
         with self._lock:
             self.emulated_wait_s += max(0.0, t1 - real)          # the remainder waited after the real read
             if self.log is not None:
-                self.log.append((len(buf), depth, t0, t1))
+                self.log.append((size, depth, t0, t1))
         return got
 
     def stats(self) -> dict:

@@ -12,11 +12,13 @@ import time
 
 import numpy as np
 
-from engines import engine_class
+from engines import default_engine, engine_class
 from engines.base import Hooks, dense_weights
+from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache
 from workbench.capture import RoutingCapture
+from workbench.io import slot_readers
 from workbench.devices import open_reader
 from workbench.memory import check_fits, memory_needs
 from workbench.predict import make_predictor
@@ -37,11 +39,12 @@ def peak_rss_bytes() -> int:
 
 class Session:
     def __init__(self, model: str = "demo", preset: str | Preset = "on_demand", budget: str | None = None,
-                 engine: str = "numpy", direct: bool = True, workers: int | None = None, progress: bool = False,
+                 engine: str | None = None, direct: bool = True, workers: int | None = None, progress: bool = False,
                  trace: dict | None = None, weights: dict | None = None, deltas: dict | None = None,
                  device: str | None = None, drive=None, **overrides):
-        """weights: replacements for some of the pack's non-expert weights (a merged adapter); deltas: projection
-        deltas added to the preset's (an unmerged adapter). Both for experiments on adapters (Edge0's ladder).
+        """engine: None is the default engine for this pack (engines.default_engine). weights: replacements for some of
+        the pack's non-expert weights (a merged adapter); deltas: projection deltas added to the preset's (an
+        unmerged adapter). Both for experiments on adapters (Edge0's ladder).
         device: a device profile (data/devices) whose flash the reads emulate. drive: routing and predictions
         replayed from outside, drive(spec, predictor text) -> route, predictor(), usage, source (a routing trace:
         experiments.routing_trace.TraceDrive)."""
@@ -55,24 +58,26 @@ class Session:
         self.spec = self.pack.spec
         self.tokenizer = tokenizer_for(self.pack)
         s = self.spec
-        cls = engine_class(engine)
-        self.item_bytes = cls.expert_bytes(s)
+        cls = engine_class(engine or default_engine(self.pack))
+        self.item_bytes = cls.expert_bytes(self.pack)
         self.all_expert_bytes = self.item_bytes * self.pack.num_expert_total
         self.budget_text = str(budget if budget is not None else p.cache.budget)
         budget = Budget(self.budget_text)
         self.budget_bytes = budget.nbytes(self.item_bytes, self.pack.num_expert_total)
-        if cls.name == "numpy":     # the guard's numbers are the numpy engine's (f32 weights and experts), as info's
+        if cls.name in ("numpy", "packed"):     # f32 dense weights beside the engine's experts, as info counts them
             check_fits(memory_needs(s, {n: t["shape"] for n, t in self.pack.tensors.items()}, budget, self.item_bytes),
                        f"{self.pack_path} at --budget {self.budget_text}")
         self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache.policy.value,
                                  scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
-        self.reader = open_reader(self.pack_path, device, direct=direct, workers=workers)   # device: emulated flash
+        self.reader = open_reader(self.pack_path, device, direct=direct, # device: emulated flash
+                                  workers=workers or (slot_readers() if cls.slot_arena and not device else None))
         self.device = getattr(self.reader, "profile", None)
         src = self.pack.header.get("source", {}).get("path")
         self.random_weights = random_label(src) if src else None
         self.tel = Telemetry(s.num_layers)
+        self.arena = SlotArena(self.pack, self.cache) if cls.slot_arena else None
         self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution.order.value,
-                                       raw=cls.raw_experts)
+                                       raw=cls.raw_experts, arena=self.arena)
         w = {**dense_weights(self.pack), **(weights or {})}
         self.drive = None
         if drive:

@@ -2,7 +2,8 @@
 
 Reads go to the reader pool as one batch (adjacent experts merge); each expert is checked
 and dequantized on the pool thread that completes its read, so reads and dequant overlap
-compute. The budget is a hard bound: when the experts a layer needs do not all fit, they
+compute. With a slot arena (workbench/arena.py) reads land in the expert's slot instead and the
+reader only checks them; demand reads are read before prefetches. The budget is a hard bound: when the experts a layer needs do not all fit, they
 are streamed through the cache in waves (compute, release, read the next).
 
 ready_first: compute the experts already in memory, then each arriving expert in arrival
@@ -30,21 +31,24 @@ READ_TIMEOUT_S = 60.0
 
 class ExpertStreamer:
     def __init__(self, pack: Pack, cache: ExpertCache, reader: Reader, telemetry: Telemetry,
-                 execution: str = "ready_first", raw: bool = False):
+                 execution: str = "ready_first", raw: bool = False, arena=None):
         if execution not in ("ready_first", "wait_all"):
             raise ValueError(f"execution {execution!r}: choose ready_first or wait_all")
         self.pack, self.cache, self.reader, self.tel = pack, cache, reader, telemetry
         self.execution = execution
         self.read_timeout = float(os.environ.get("WORKBENCH_READ_TIMEOUT", READ_TIMEOUT_S))
         self.raw = raw      # True: compute gets each part's encoded bytes, not f32 (an engine's raw_experts)
+        self.arena = arena  # a SlotArena: reads land in slots, and an entry is its slot's offset
         self.prefetched: dict[tuple, tuple] = {}   # key -> (bytes, token), issued by a predictor, not yet consumed
         self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
 
     # ------------------------------------------------------------ reads
 
-    def _issue(self, keys: list[tuple]) -> int:
-        """Start reads for keys (slots already reserved); returns bytes requested."""
+    def _issue(self, keys: list[tuple], priority: int = 0) -> int:
+        """Start reads for keys (slots already reserved); returns bytes requested. priority: 0 demand, 1 prefetch."""
         reads = {key: self.pack.expert_reads(*key) for key in keys}
+        if self.arena is not None:
+            return self._issue_into_slots(keys, reads, priority)
         futs = self.reader.submit([((key, i), off, n) for key in keys for i, (off, n) in enumerate(reads[key])])
         total = 0
         for key in keys:
@@ -93,6 +97,20 @@ class ExpertStreamer:
                                  f"({n} bytes) did not complete within {self.read_timeout:g} s (stalled disk?)")
         return done
 
+    def _issue_into_slots(self, keys, reads, priority) -> int:
+        def verify(key, bufs):          # the crc, on the reader thread; nothing is decoded
+            self.pack.decode_expert(key[0], key[1], [b[:n] for b, (_, n) in zip(bufs, reads[key])], raw=True)
+
+        requests = [(key, [(off, buf) for (off, _), buf in zip(reads[key], self.arena.claim(key))]) for key in keys]
+        for key, fut in self.reader.submit_into(requests, priority, verify).items():
+            self.cache.set(key, fut)
+        return sum(n for key in keys for _, n in reads[key])
+
+    def _landed(self, key, fut):
+        """What the cache holds once a read has landed: the arena's slot offset, or the decoded expert."""
+        w = self._bytes_of(key, fut, self.pack.expert_reads(*key)[0])   # a failed read or checksum raises here
+        return self.arena.where[key] if self.arena is not None else w
+
     def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0) -> list[int]:
         """Predicted experts of `layer` at `token`: start reads for those not in memory. Never evicts `protect`."""
         keys = []
@@ -104,7 +122,7 @@ class ExpertStreamer:
                 break
             keys.append(key)
         if keys:
-            nbytes = self._issue(keys)
+            nbytes = self._issue(keys, priority=1)
             for k in keys:
                 self.prefetched[k] = (nbytes // len(keys), token)
             self.tel.prefetch_issued += len(keys)
@@ -120,7 +138,7 @@ class ExpertStreamer:
         self._issue(keys)
         for k in keys:
             self._wait([self.cache.peek(k)], k)
-            self.cache.set(k, self.cache.peek(k).result())
+            self.cache.set(k, self._landed(k, self.cache.peek(k)))
 
     # ------------------------------------------------------------ one layer
 
@@ -151,7 +169,8 @@ class ExpertStreamer:
         return idx, weights, needed, ev
 
     def run_layer(self, layer: int, needed: list[int], compute, ev: LayerEvent):
-        """Call compute(e, weights) once per needed expert, bringing each into memory first."""
+        """Bring every needed expert into memory and call compute(experts, their cache entries) on each batch
+        that is in memory together (ready_first: what is there, then each arrival; wait_all: one batch)."""
         protect = {(layer, e) for e in needed}
         ready, pending, backlog = [], {}, []
         for e in needed:
@@ -166,7 +185,7 @@ class ExpertStreamer:
             elif isinstance(ent, Future):
                 if ent.done() and ent.exception() is None:   # a prefetch that landed in time: in memory
                     ev.hit.append(True)
-                    self.cache.set(key, ent.result())
+                    self.cache.set(key, self._landed(key, ent))
                     ready.append(e)
                 else:
                     ev.hit.append(False)                      # a late prefetch: still in flight
@@ -191,17 +210,17 @@ class ExpertStreamer:
                 for k in keys:
                     pending[k[1]] = self.cache.peek(k)
 
-        def run(e):
-            key = (layer, e)
+        def run(es):
+            if not es:
+                return
             t0 = time.perf_counter()
-            compute(e, self.cache.peek(key))
+            compute(es, [self.cache.peek((layer, e)) for e in es])
             ev.compute_s += time.perf_counter() - t0
-            protect.discard(key)           # done with it: it may be evicted for the next wave
+            protect.difference_update((layer, e) for e in es)   # done with them: evictable for the next wave
 
         issue_backlog()
         if self.execution == "ready_first":
-            for e in ready:
-                run(e)
+            run(ready)
             ready = []
         while pending or backlog or ready:
             if pending and (self.execution == "wait_all" or not ready):
@@ -209,14 +228,13 @@ class ExpertStreamer:
                 done = self._wait(list(pending.values()), (layer, min(pending)),
                                   FIRST_COMPLETED if self.execution == "ready_first" else "ALL_COMPLETED")
                 waited = time.perf_counter() - t0
-                dq = sum(f.dequant_s for f in done)
+                dq = sum(getattr(f, "dequant_s", 0.0) for f in done)
                 ev.dequant_s += min(waited, dq)
                 ev.wait_s += waited - min(waited, dq)
                 for e in [e for e, f in pending.items() if f in done]:
-                    self.cache.set((layer, e), pending.pop(e).result())
+                    self.cache.set((layer, e), self._landed((layer, e), pending.pop(e)))
                     ready.append(e)
-            for e in ready:
-                run(e)
+            run(sorted(ready))
             ready = []
             issue_backlog()
             if backlog and not pending:

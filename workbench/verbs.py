@@ -19,6 +19,7 @@ def session(args, **kw):
 def _info_flags(p):
     p.add_argument("--model", default="demo")
     p.add_argument("--budget", default="0.25", help="the expert cache to size the memory needs at")
+    p.add_argument("--engine", default=None, help="whose expert cost sizes the cache (a pack's default engine if not given)")
 
 
 @command("info", "describe a model, pack or GGUF", _info_flags)
@@ -33,15 +34,19 @@ def cmd_info(args):
         obj = {"path": str(p), "kind": "pack", "spec": pack.spec.to_dict(), "layout": pack.layout, "quant": pack.quant,
                "expert_nbytes": pack.expert_nbytes, "experts": pack.num_expert_total, "file_size": pack.header["file_size"]}
         spec, shapes = pack.spec, {n: t["shape"] for n, t in pack.tensors.items()}
+        from engines import default_engine, engine_class
+        obj["engine"] = args.engine or default_engine(pack)
+        expert_bytes = engine_class(obj["engine"]).expert_bytes(pack)     # what a Session of that engine counts
     else:
         from workbench.models.hf import HFModel
         m = HFModel(p)
         obj = {"path": str(p), "kind": "huggingface", "spec": m.spec.to_dict(), "tensors": len(m.where),
                "expert_tensors": len(m.experts)}
         spec, shapes = m.spec, {n: m.tensor_shape(n) for n in m.where}
+        expert_bytes = None         # not converted yet: experts counted in f32
     from workbench.memory import describe, memory_needs
     from workbench.presets import Budget
-    obj["memory"] = memory_needs(spec, shapes, Budget(args.budget))
+    obj["memory"] = memory_needs(spec, shapes, Budget(args.budget), expert_bytes)
     s = obj["spec"]
     emit(args, obj, f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, "
                     f"d={s['hidden_size']}\n{describe(obj['memory'])}")

@@ -1,0 +1,87 @@
+"""The packed engine: the decoder (engines/decoder.py) in numpy, routed experts computed straight from the bytes
+read, in the slots of the cache's slot arena (workbench/arena.py), by compiled kernels (engines/packed_kernels.py).
+
+Nothing is dequantized on load: a read lands in its expert's slot, the reader thread checks its crc, and the
+cache entry is the slot's offset. Each batch of a layer's experts that is in memory together (ready_first: the
+cached ones, then each arrival; wait_all: all of them) goes through one kernel call, gathered from the slots.
+Each (token, expert) result goes to its own row and the rows are summed in top-k order, so the arrival order
+never changes the numbers: every exact design gives the same logits at every budget.
+
+The budget counts packed bytes: an expert costs its slot (the pack's bytes for it, 4 KiB aligned), so
+`--budget 0.25` is a quarter of the packed experts and a q3 pack holds more experts than a q4 pack in the
+same bytes.
+
+Numerics: the kernels compute scale * (codes . x) + bias * sum(x) per group of 64 in float32, where the
+numpy reference dequantizes first and multiplies in BLAS: the two agree to float32 rounding (the tests state
+the tolerance). Non-expert weights are computed as the numpy engine computes them (f32, dequantized at load).
+"""
+from __future__ import annotations
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from engines import packed_kernels as K
+from engines.base import Hooks, dense_weights
+from engines.decoder import Decoder
+from workbench.arena import slot_bytes
+from workbench.errors import WorkbenchError
+from workbench.store.pack import PARTS, Pack
+from workbench.streamer import ExpertStreamer
+from workbench.telemetry import Telemetry
+
+
+class PackedExperts:
+    def __init__(self, decoder: Decoder, pack: Pack, arena):
+        self.decoder, self.arena, s = decoder, arena, decoder.spec
+        self.parts, _ = K.expert_parts(pack.expert_shapes, pack.expert_kinds, arena.parts)
+        self.d, self.ff = s.hidden_size, s.moe_intermediate_size
+        self.slot_of = np.zeros(s.num_experts, np.int64)     # this layer's experts -> their slot offsets
+        self.in_batch = np.zeros(s.num_experts, bool)
+
+    def begin(self, i: int, x, idx, weights):
+        """compute(experts, slot offsets) for the streamer: one kernel call per batch."""
+        T, k = idx.shape
+        flat, w = idx.reshape(-1), np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
+        X = np.ascontiguousarray(x, dtype=np.float32)
+        self.Y = Y = np.empty((T * k, self.d), np.float32)
+        block = self.arena.blocks[i]
+
+        def compute(es, offsets):
+            self.slot_of[es] = offsets
+            self.in_batch[:] = False
+            self.in_batch[es] = True
+            pairs = np.flatnonzero(self.in_batch[flat])
+            K.moe_layer(block, self.slot_of[flat[pairs]], pairs // k, pairs, w[pairs], X, Y, self.parts,
+                        self.d, self.ff, K.F16, K.BF16)
+        return compute
+
+    def combine(self, needed):
+        return self.Y.reshape(-1, self.decoder.spec.top_k, self.d).sum(1)
+
+
+class PackedEngine(Decoder):
+    name = "packed"
+    slot_arena = True       # the session gives the cache a slot arena; the streamer reads into it
+
+    @classmethod
+    def expert_bytes(cls, pack) -> int:
+        return slot_bytes(pack)
+
+    @staticmethod
+    def computes(pack) -> bool:
+        """Whether the kernels read this pack's experts: one affine or bf16 kind per part, the same in every layer."""
+        return not pack.expert_layer_kinds and all(pack.expert_kinds.get(p) in K.BITS for p in PARTS)
+
+    def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
+                 weights: dict | None = None, max_context: int | None = None):
+        super().__init__(pack, streamer, telemetry, hooks)
+        if not self.computes(pack):
+            odd = sorted({pack.expert_kinds.get(p, "raw") for p in PARTS} - set(K.BITS)) or ["mixed per layer"]
+            raise WorkbenchError(f"{pack.path}: --engine packed computes experts stored as {', '.join(K.BITS)}; "
+                                 f"this pack's are {', '.join(odd)}: convert with --experts q4 (or another of those), "
+                                 f"or run it with --engine numpy")
+        if streamer.arena is None:
+            raise ValueError("--engine packed computes from slots: its streamer must be given the cache's slot arena")
+        threadpool_limits(limits=1, user_api="blas")
+        self.setup(dense_weights(pack) if weights is None else weights, max_context,
+                   PackedExperts(self, pack, streamer.arena))

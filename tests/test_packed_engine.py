@@ -1,0 +1,166 @@
+"""The packed engine (engines/packed_engine.py): experts computed from their packed bytes in the slots of the
+cache's slot arena, against the numpy reference engine, and exact paths against all-resident.
+
+Tolerance: logits within ATOL = 2e-5 absolute of the numpy engine's (the tiny models' logits are below ~4;
+observed differences ~1e-6). The kernels sum scale * (codes . x) + bias * sum(x) per group of 64 in float32
+where the reference dequantizes and multiplies in BLAS, so the two agree to float32 rounding, not bit for bit.
+Against itself the packed engine is exact: every budget, layout, cache and execution path gives the logits
+of every expert resident, bit for bit.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import FAMILIES
+from engines import packed_kernels as K
+from workbench.arena import slot_bytes
+from workbench.errors import WorkbenchError
+from workbench.io import ALIGN, Reader, aligned_empty
+from workbench.session import Session
+from workbench.store import quant
+
+TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
+SPLIT = 9          # prefill TOKENS[:SPLIT], then decode one token at a time
+ATOL = 2e-5
+
+
+def run(path, preset, engine="packed", **kw):
+    """Prefill then decode TOKENS; logits (len(TOKENS), vocab) and the closed session."""
+    with Session(str(path), preset, engine=engine, **kw) as s:
+        s.engine.reset()
+        rows = [s.step(TOKENS[:SPLIT], "prefill")]
+        rows += [s.step([t], "decode") for t in TOKENS[SPLIT:]]
+        return np.concatenate(rows), s
+
+
+@pytest.mark.parametrize("kind", ["q2", "q3", "q4", "q8", "bf16"])
+def test_kernel_is_the_dequantized_matrix_times_x(kind):
+    rng = np.random.default_rng(1)
+    for shape in [(64, 64), (128, 256), (256, 128), (96, 192)]:
+        w, x = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape[1]).astype(np.float32)
+        buf = quant.encode(w, kind)
+        ref = quant.decode(buf, shape, kind).astype(np.float64) @ x
+        np.testing.assert_allclose(K.matvec(buf, shape, kind, x), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_matches_numpy(tiny_models, family):
+    """Resident and streaming at a quarter of the experts (waves at prefill)."""
+    for preset, kw in [("resident", {}), ("on_demand", dict(budget="0.25"))]:
+        ref, _ = run(tiny_models[family], preset, "numpy", **kw)
+        out, _ = run(tiny_models[family], preset, **kw)
+        np.testing.assert_allclose(out, ref, atol=ATOL, rtol=0, err_msg=f"{family} {preset}")
+
+
+@pytest.mark.parametrize("experts,rest,layout", [("q2", "q4", "contiguous"), ("q3", "q4", "native"),
+                                                 ("q4", "q8", "native"), ("q8", "q4", "contiguous"),
+                                                 ("bf16", "bf16", "contiguous")])
+def test_every_expert_precision_matches_numpy(tiny_models, experts, rest, layout):
+    kw = dict(budget="0.5", experts=experts, rest=rest, layout=layout)
+    ref, _ = run(tiny_models["qwen3_moe"], "on_demand", "numpy", **kw)
+    out, _ = run(tiny_models["qwen3_moe"], "on_demand", **kw)
+    np.testing.assert_allclose(out, ref, atol=ATOL, rtol=0, err_msg=str(kw))
+
+
+STORAGE = [("contiguous", "q4"), ("native", "q4"), ("contiguous", "q3"), ("contiguous", "q2"), ("native", "bf16")]
+PATHS = [dict(budget="0.25"), dict(budget="0.5", execution="ready_first"),
+         dict(budget="0.25", execution="ready_first", predictor="lookahead:1:2k"),
+         dict(budget="0.25", execution="ready_first", predictor="lookahead:2:k", cache_scope="per_layer"),
+         dict(budget="0.25", execution="ready_first", predictor="history", cache_policy="lfu")]
+
+
+@pytest.mark.parametrize("layout,experts", STORAGE)
+def test_every_exact_path_equals_resident(tiny_models, layout, experts):
+    model = tiny_models["qwen3_moe"]
+    ref, _ = run(model, "resident", layout=layout, experts=experts)
+    for path in PATHS:
+        out, s = run(model, "on_demand", layout=layout, experts=experts, **path)
+        np.testing.assert_array_equal(out, ref, err_msg=str(path))
+        assert s.summary()["misses"] > 0, "the path streamed nothing: the comparison would be empty"
+
+
+def test_demo_greedy_output_is_all_residents():
+    """The demo model: greedy tokens of every exact streaming design equal all-resident's, at each budget."""
+    ref = {}
+    for experts in ("q4", "q3"):
+        with Session("demo", "resident", engine="packed", experts=experts) as s:
+            ref[experts] = s.generate("Once upon a time", tokens=12)["tokens"]
+    for preset, experts in [("on_demand", "q4"), ("les", "q3"), ("smol", "q4")]:
+        for budget in ("0.125", "0.25", "0.5"):
+            with Session("demo", preset, budget=budget, engine="packed", experts=experts) as s:
+                assert s.generate("Once upon a time", tokens=12)["tokens"] == ref[experts], (preset, budget)
+                assert s.summary()["misses"] > 0
+
+
+def test_budget_counts_packed_bytes(tiny_models):
+    """0.25 keeps a quarter of the experts at their packed size; the arena is the cache's memory; a byte budget
+    holds more q3 experts than q4 experts. (Contiguous layout: one aligned span per expert; the native layout's
+    three parts take an aligned region each.)"""
+    with Session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.25", engine="packed", layout="contiguous") as s:
+        n = s.pack.num_expert_total
+        assert s.item_bytes == slot_bytes(s.pack) < s.pack.expert_nbytes + ALIGN
+        assert sum(s.cache.capacity[L] for L in s.spec.moe_layers[:1]) == n // 4
+        assert s.arena.nbytes == n // 4 * s.item_bytes <= s.budget_bytes
+        s.generate(TOKENS, tokens=4)
+        assert s.summary()["cache_bytes"] <= s.arena.nbytes
+    slots = {}                  # the demo's experts: 14 pages at q4, 11 at q3
+    for experts in ("q4", "q3"):
+        with Session("demo", "on_demand", budget="24MiB", engine="packed", experts=experts, layout="contiguous") as s:
+            slots[experts] = s.cache.capacity[s.spec.moe_layers[0]]
+    assert slots["q3"] >= 1.25 * slots["q4"]
+
+
+def test_reads_land_in_their_buffers_and_demand_goes_first(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 256 * ALIGN, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    with Reader(path, workers=1) as r:
+        bufs = [aligned_empty(ALIGN) for _ in range(3)]       # adjacent ranges: one preadv, scattered
+        got = r.submit_into([("a", [(0, bufs[0]), (ALIGN, bufs[1])]), ("b", [(2 * ALIGN, bufs[2])])])
+        assert got["a"].result() == bufs[:2] and got["b"].result() == bufs[2:]
+        np.testing.assert_array_equal(np.concatenate(bufs), data[:3 * ALIGN])
+        assert r.merged >= 2
+        order = []
+        prefetch = r.submit_into([(i, [(2 * i * ALIGN, aligned_empty(ALIGN))]) for i in range(100)], priority=1,
+                                 verify=lambda k, b: order.append(k))
+        demand = r.submit_into([("d", [(ALIGN, aligned_empty(ALIGN))])], priority=0, verify=lambda k, b: order.append(k))
+        demand["d"].result()
+        [f.result() for f in prefetch.values()]
+        assert order.index("d") < len(order) - 1, "the demand read waited behind every prefetch"
+        bad = r.submit_into([("x", [(0, aligned_empty(ALIGN))])], verify=lambda k, b: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            bad["x"].result()
+
+
+def test_a_corrupt_expert_is_an_error_not_garbage(tiny_models, tmp_path):
+    import shutil
+    with Session(str(tiny_models["olmoe"]), "resident", engine="packed") as s:
+        src, (off, _) = s.pack_path, s.pack.expert_reads(s.spec.moe_layers[0], 3)[0]
+    bad = tmp_path / "bad.pack"
+    shutil.copy(src, bad)
+    with open(bad, "r+b") as f:
+        f.seek(off + 10)
+        b = f.read(1)
+        f.seek(off + 10)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(WorkbenchError, match="checksum mismatch in expert 3"):
+        Session(str(bad), "resident", engine="packed")
+
+
+def test_refuses_experts_it_cannot_compute(tiny_models):
+    from engines.packed_engine import PackedEngine
+    with Session(str(tiny_models["mixtral"]), "resident", budget="0.5", engine="packed") as s:
+        s.pack.expert_kinds = {p: "gguf:Q4_K" for p in ("gate", "up", "down")}
+        with pytest.raises(WorkbenchError, match="--engine packed computes experts stored as"):
+            PackedEngine(s.pack, s.streamer, s.tel)
+
+
+@pytest.mark.parametrize("preset", ["on_demand", "les"])
+def test_measured_speed_never_beats_the_floor(tiny_models, preset):
+    """floor_tok_s = 1 / max(compute + router per token, bytes read per token / the disk's best bandwidth at the
+    read size): a run faster than that by more than noise (20%) mis-counts its time or its bytes."""
+    from experiments.bench import bench
+    r = bench(str(tiny_models["qwen3_moe"]), preset, budget="0.25", tokens=16, engine="packed", record=False)
+    assert r["bytes_read_per_token"] > 0 and r["floor_read_s_per_token"] > 0
+    assert r["tok_s"] <= 1.2 * r["floor_tok_s"], r

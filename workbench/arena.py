@@ -1,0 +1,89 @@
+"""The slot arena: the expert cache's memory, preallocated, one slot per cached expert (Edge0's staged slots,
+BigMoeOnEdge's byte-budget slots).
+
+A slot holds one expert as the pack stores it (its encoded bytes, never dequantized), laid out as its reads
+land: the contiguous layout's one 4 KiB-aligned span, or the native layout's three parts, each in its own
+4 KiB-aligned region. Reads go straight into a slot (O_DIRECT preadv into the slot's memory): nothing is
+allocated per read. One arena block per cache pool (one for a global cache, one per layer for a per-layer
+cache), as many slots as the pool holds experts; the arena's bytes are the cache's bytes.
+
+A slot is free when the cache no longer holds its expert: the cache decides what stays (its policy, pins,
+protection and in-flight reads), the arena only finds the memory a newly reserved expert lands in.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from workbench.errors import WorkbenchError
+from workbench.io import ALIGN, aligned_empty
+from workbench.store.pack import PARTS
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def slot_layout(pack) -> tuple[list[tuple[int, int]], dict[str, int]]:
+    """Where one expert's reads and parts sit in a slot: ([(region offset, region bytes)] per read,
+    {part: byte offset of its encoded bytes}). The same for every expert of a pack with one kind per part."""
+    if pack.expert_layer_kinds:
+        raise WorkbenchError(f"{pack.path}: experts kept in their GGUF blocks (kinds vary per layer) have no "
+                             f"fixed slot layout: convert with --experts q4 (or q2, q3, q8, bf16)")
+    L = pack.spec.moe_layers[0]
+    ent = pack.expert_layers[L][0]
+    regions, off = [], 0
+    for _, n in pack.expert_reads(L, 0):
+        regions.append((off, _aligned(n)))
+        off += _aligned(n)
+    if "span" in ent:
+        parts = {p: ent["parts"][p][0] - ent["span"][0] for p in PARTS}
+    else:
+        parts = {p: regions[i][0] for i, p in enumerate(PARTS)}
+    return regions, parts
+
+
+def slot_bytes(pack) -> int:
+    """What one expert costs in the arena: its reads' 4 KiB-aligned bytes."""
+    return sum(n for _, n in slot_layout(pack)[0])
+
+
+class SlotArena:
+    def __init__(self, pack, cache):
+        self.regions, self.parts = slot_layout(pack)
+        self.slot_bytes = sum(n for _, n in self.regions)
+        self.blocks: dict[int, np.ndarray] = {}     # MoE layer -> its pool's block (n slots * slot_bytes)
+        self._keys: dict[int, list] = {}            # id(block) -> the expert each slot was last given
+        self._fresh: dict[int, list] = {}           # id(block) -> slots never used
+        self.where: dict = {}                       # expert key -> byte offset of its slot in its layer's block
+        by_pool = {}
+        for L in pack.spec.moe_layers:
+            pool = cache.pools[L]
+            if id(pool) not in by_pool:
+                layers = [M for M in pack.spec.moe_layers if cache.pools[M] is pool]
+                n = min(cache.capacity[L], pack.spec.num_experts * len(layers))
+                block = aligned_empty(n * self.slot_bytes)
+                block[::ALIGN] = 0                  # touch every page now: the arena is resident from the start
+                by_pool[id(pool)] = block
+                self._keys[id(block)] = [None] * n
+                self._fresh[id(block)] = list(range(n - 1, -1, -1))
+            self.blocks[L] = by_pool[id(pool)]
+        self.cache = cache
+        self.nbytes = sum(b.nbytes for b in {id(b): b for b in self.blocks.values()}.values())
+
+    def claim(self, key) -> list[np.ndarray]:
+        """A slot for `key` (just reserved in the cache): the buffers its reads land in, one per read."""
+        block = self.blocks[key[0]]
+        keys, fresh = self._keys[id(block)], self._fresh[id(block)]
+        if key in self.where:                   # evicted, now read again: its old slot is stale, and free
+            i = self.where[key] // self.slot_bytes
+        elif fresh:
+            i = fresh.pop()
+        else:
+            i = next((j for j, k in enumerate(keys) if k not in self.cache), None)
+            if i is None:
+                raise RuntimeError(f"expert {key}: every slot holds an expert the cache still has")
+            self.where.pop(keys[i], None)
+        keys[i] = key
+        base = i * self.slot_bytes
+        self.where[key] = base
+        return [block[base + off:base + off + n] for off, n in self.regions]
