@@ -16,6 +16,7 @@ Ray is imported only here (the `sweep` extra).
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -136,6 +137,7 @@ def run_grid(grid: Grid, runners: dict[str, Runner] | None = None, address: str 
     todo = [c for c in grid.cells if c.id not in done]
     started = bool(todo) and not ray.is_initialized()
     if started:
+        address = address or os.environ.get("RAY_ADDRESS") or "local"   # never an instance some other run left behind
         ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         if todo:
