@@ -122,8 +122,8 @@ def register(sub, verb):
     p.add_argument("--data", default="tinystories", help="held-out text for ppl/KL (tinystories, wikitext2, a file)")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=8)
-    p.add_argument("--tasks", default="lambada_openai,arc_easy,piqa")
-    p.add_argument("--limit", type=int, default=50, help="first N items per lm-eval task")
+    p.add_argument("--tasks", default="tinystories_ending,tinystories_cloze")
+    p.add_argument("--limit", type=int, default=None, help="first N items per lm-eval task (default: all)")
     p.set_defaults(fn=cmd_report)
 
     p = _running(verb("serve", cmd_serve, "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"))

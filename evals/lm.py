@@ -48,7 +48,7 @@ def task_manager():
 
 
 def primary(metrics: dict) -> tuple[str, float | None, float | None]:
-    for m in ("acc", "acc_norm", "exact_match"):
+    for m in ("acc_mutual_info", "acc", "acc_norm", "exact_match"):
         if f"{m},none" in metrics:
             return m, metrics[f"{m},none"], metrics.get(f"{m}_stderr,none")
     return "", None, None

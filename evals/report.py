@@ -1,5 +1,6 @@
 """The quality report: teacher vs each preset on held-out perplexity, KL and top-1 against the teacher,
-routing agreement, and lm-eval accuracy on lambada_openai, arc_easy and piqa (first --limit items).
+routing agreement, and lm-eval accuracy on the TinyStories ending and cloze tasks (first --limit items), each
+preset paired with the teacher item by item (evals/paired.py: bootstrap interval, flips).
 
     python -m workbench eval report --model demo --out results/quality.md [--limit 50 --chunks 8 --ctx 512]
 
@@ -14,20 +15,22 @@ from pathlib import Path
 from evals.common import PRESET_ORDER, open_session, record as write_record, text_ids
 from workbench.atomic import atomic_write
 
-DEFAULT_TASKS = ("lambada_openai", "arc_easy", "piqa")
+DEFAULT_TASKS = ("tinystories_ending", "tinystories_cloze")
 
 
 def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "tinystories", n_ctx: int = 512,
-          chunks: int = 8, tasks=DEFAULT_TASKS, limit: int | None = 50, record: bool = True, progress: bool = True,
+          chunks: int = 8, tasks=DEFAULT_TASKS, limit: int | None = None, record: bool = True, progress: bool = True,
           engine: str = "numpy", direct: bool = True, log=print) -> dict:
     from evals.lm import evaluate, local_task_names, primary, require_lm_eval, task_manager
     require_lm_eval()
     from evals.lm_eval_adapter import WorkbenchLM
+    from evals.paired import paired
     from evals.ppl import tokens_needed
     from evals.teacher import TeacherTrace, compare
     from workbench.runs import environment
     t0 = time.time()
     tasks = local_task_names(tasks)
+    presets = sorted(presets, key=lambda p: p != "teacher")       # the teacher first: the others pair with it
     with open_session(model, "teacher", None, engine, direct) as t:
         need = tokens_needed(n_ctx, chunks, None)
         ids = text_ids(t.tokenizer, data, need)[:need]
@@ -36,7 +39,7 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
         teacher_pack = t.pack.content_id()
         spec = t.spec.to_dict()
     tm = task_manager()
-    rows = []
+    rows, items = [], {}             # items[(preset, task)]: per-item scores (kept in the lm run records, not here)
     for preset in presets:
         log(f"{preset}: teacher comparison and lm-eval ({', '.join(tasks)}, limit {limit})")
         with open_session(model, preset, budget if preset != "teacher" else None, engine, direct) as s:
@@ -47,7 +50,7 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
             run_t = write_record("teacher", s, {"data": data, "ctx": n_ctx, "chunks": chunks, "stride": None}, cmp,
                                  layers, enabled=record)
             lm = WorkbenchLM(session=s, model=model, progress=progress)
-            acc = evaluate(lm, tasks, limit, None, tm)
+            acc = evaluate(lm, tasks, limit, None, tm, per_item=True)
             lm_out = {"model": model, "preset": s.preset.name, "budget": s.budget_text, "tasks": tasks, "limit": limit,
                       "num_fewshot": None, "results": acc}
             run_l = write_record("lm", s, {"tasks": tasks, "limit": limit, "num_fewshot": None}, lm_out, enabled=record)
@@ -60,9 +63,16 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
             for task in tasks:
                 m = acc.get(task, {})
                 name, v, se = primary({f"{k},none": x for k, x in m.items()})
-                row["tasks"][task.removesuffix("_local")] = {"metric": name, "value": v, "stderr": se,
-                                                            "samples": m.get("samples"),
-                                                            "acc_norm": m.get("acc_norm")}
+                cell = {"metric": name, "value": v, "stderr": se, "samples": m.get("samples"),
+                        "acc_norm": m.get("acc_norm"), "acc_mutual_info": m.get("acc_mutual_info")}
+                items[(s.preset.name, task)] = m.get("items") or {}
+                gold = items.get(("teacher", task))
+                if gold and s.preset.name != "teacher":          # the same items in the same order: pair them
+                    mine = items[(s.preset.name, task)]
+                    assert mine["doc_id"] == gold["doc_id"], task
+                    cell["paired"] = paired(gold[name], mine[name])
+                    cell["paired_ll"] = paired(gold["ll"], mine["ll"])
+                row["tasks"][task.removesuffix("_local")] = cell
             rows.append(row)
     env = environment()
     import math
@@ -77,14 +87,15 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
 
 
 def markdown(rep: dict) -> str:
+    from evals.paired import mark
     tasks = rep["tasks"]
-    teacher = next((r for r in rep["rows"] if r["preset"] == "teacher"), None)
+    metric = lambda t: next((r["tasks"][t]["metric"] for r in rep["rows"] if r["tasks"].get(t, {}).get("metric")), "")
     lines = [f"# Quality: {rep['model']} — teacher vs presets", "",
              f"Model pack `{rep['teacher_pack']}` (teacher), {rep['created']}, commit `{(rep.get('git_commit') or '')[:10]}`.",
              f"Held-out perplexity, KL(teacher‖preset) and top-1 agreement: {rep['data']}, {rep['chunks']} chunks of "
              f"{rep['ctx']} tokens, second half of each scored (llama.cpp's method), {rep['tokens']} tokens. "
              f"lm-eval (0-shot, local data): first {rep['limit'] if rep['limit'] is not None else 'all'} items of each task; "
-             "lambada_openai acc, arc_easy and piqa acc (acc_norm in the JSON).", "",
+             + ", ".join(f"{t} {metric(t)}" for t in tasks) + " (the other metrics in the JSON).", "",
              "| preset | experts/rest | budget | ppl ± se | ppl vs teacher | KL ± se | top-1 | routing | "
              + " | ".join(tasks) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(tasks)]
@@ -95,15 +106,37 @@ def markdown(rep: dict) -> str:
         for t in tasks:
             m = r["tasks"].get(t, {})
             v, se = m.get("value"), m.get("stderr")
-            d = ""
-            if teacher is not None and r is not teacher and v is not None:
-                tv = teacher["tasks"].get(t, {}).get("value")
-                d = f" ({v - tv:+.3f})" if tv is not None else ""
-            cells.append("-" if v is None else f"{v:.3f}{' ± %.3f' % se if se is not None else ''}{d}")
+            cells.append("-" if v is None else f"{v:.3f}{' ± %.3f' % se if se is not None else ''}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Routing: mean over MoE layers of |top-k(teacher) ∩ top-k(preset)| / k per token (per layer in the JSON). "
-              "Accuracy deltas in brackets are against the teacher row; with small --limit they are mostly noise "
-              "(see the ± standard errors).", ""]
+              "The ± are lm-eval's standard errors of each score alone; whether a preset differs from the teacher is "
+              "the paired table's question.", ""]
+    paired_rows = [r for r in rep["rows"] if any("paired" in m for m in r["tasks"].values())]
+    if paired_rows:
+        lines += ["## Paired against the teacher", "",
+                  "The same items, preset minus teacher: the mean difference with its 95% bootstrap interval (10,000 "
+                  "resamples of the items; `*` when it excludes 0), then the flips `a/b`: a items the teacher got right "
+                  "and the preset wrong, b the reverse. `Δ log p` is the mean change of the gold answer's log-likelihood "
+                  "(nats), a finer measure on the same items.", "",
+                  "| preset | " + " | ".join(f"{t} Δ{metric(t)} [95% CI] flips | {t} Δ log p [95% CI]" for t in tasks)
+                  + " |", "|---|" + "---|---|" * len(tasks)]
+        needed = []
+        for r in paired_rows:
+            cells = [f"`{r['preset']}`"]
+            for t in tasks:
+                m = r["tasks"].get(t, {})
+                cells += [mark(m.get("paired")), mark(m.get("paired_ll"))]
+                p = m.get("paired")
+                if p and not p["significant"]:
+                    n = p["items_needed"]
+                    needed.append(f"`{r['preset']}` on {t}: " + (f"about {n:,} items (have {p['n']})" if n else
+                                  f"no difference at all on these {p['n']} items"))
+            lines.append("| " + " | ".join(cells) + " |")
+        if needed:
+            lines += ["", f"Not significant in {metric(tasks[0]) if len(tasks) == 1 else 'accuracy'}; the items a 95% "
+                      "interval would need to exclude 0 if the per-item differences kept their mean and spread: "
+                      + "; ".join(needed) + "."]
+        lines.append("")
     for r in rep["rows"]:
         lines.append(f"- `{r['preset']}`: {r['description']}")
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """`eval compare` (run records side by side) and `eval report` (results/quality.md + .json)."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -66,8 +67,18 @@ def test_report_writes_markdown_and_json(monkeypatch, tmp_path, capsys):
     assert teacher["kl"] == pytest.approx(0.0, abs=1e-12) and teacher["top1"] == 1.0
     assert smol["kl"] > 0 and set(smol["tasks"]) == {"arc_easy", "piqa"}
     assert smol["tasks"]["piqa"]["samples"] == 2
+    for task in ("arc_easy", "piqa"):                    # paired with the teacher's answers on the same items
+        p, items = smol["tasks"][task]["paired"], {}
+        assert "paired" not in teacher["tasks"][task] and p["n"] == 2
+        for run in smol["runs"] + teacher["runs"]:
+            summ = json.loads((Path(run) / "summary.json").read_text())
+            if "results" in summ:
+                items[summ["preset"]] = summ["results"][f"{task}_local"]["items"]["acc"]
+        t, s = items["teacher"], items["smol"]
+        assert p["teacher_only"] == sum(a > b for a, b in zip(t, s)) and p["preset_only"] == sum(b > a for a, b in zip(t, s))
+        assert p["diff"] == pytest.approx(sum(s) / 2 - sum(t) / 2)
     md = out.read_text()
-    assert "| `smol` |" in md and "arc_easy" in md
+    assert "| `smol` |" in md and "arc_easy" in md and "## Paired against the teacher" in md
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]      # no temporary files left
     kinds = sorted(json.loads((p / "config.json").read_text())["eval"] for p in list_runs(tmp_path / "runs"))
     assert kinds == ["lm", "lm", "teacher", "teacher"]
