@@ -41,6 +41,25 @@ def test_compare_tabulates_newest_records_against_the_teacher(tmp_path):
     assert "les" in text and "+10.0%" in text
 
 
+def test_compare_pairs_per_item_scores_with_the_teachers(tmp_path):
+    from evals.compare import eval_runs, render, table
+    root = tmp_path / "runs"
+    ids = list(range(100))
+    for preset, acc in [("teacher", [1.0] * 100), ("smol", [0.0] * 20 + [1.0] * 80), ("les", [1.0] * 100)]:
+        _fake(root, "lm", preset, {"tasks": ["piqa_local"]},
+              {"results": {"piqa_local": {"acc": sum(acc) / 100, "items": {"doc_id": ids, "acc": acc}}}})
+    _fake(root, "lm", "on_demand", {"tasks": ["piqa_local"]},           # other items: no pairing
+          {"results": {"piqa_local": {"acc": 0.5, "items": {"doc_id": ids[:50], "acc": [1.0] * 50}}}})
+    t = table(eval_runs(root))
+    rows = {r["preset"]: r for r in t["rows"]}
+    assert rows["smol"]["paired"]["piqa acc"]["significant"] and rows["smol"]["paired"]["piqa acc"]["teacher_only"] == 20
+    assert not rows["les"]["paired"]["piqa acc"]["significant"]
+    assert rows["on_demand"]["paired"] == {} and rows["teacher"]["paired"] == {}
+    assert "items" not in rows["smol"]
+    text = render(t)
+    assert "0.800 (-0.200*)" in text and "1.000 (+0.000)" in text
+
+
 def test_compare_cli(tmp_path, monkeypatch, capsys):
     from workbench.cli import main
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
