@@ -99,8 +99,8 @@ def register(sub, verb):
 
     p = _record_flags(_running(es.add_parser("lm", help="lm-eval on local benchmark copies (evals/tasks)")))
     p.add_argument("--tasks", default="lambada_openai,arc_easy,piqa",
-                   help="comma list among lambada_openai, hellaswag, arc_easy, arc_challenge, piqa, winogrande, boolq "
-                        "(run as their *_local tasks)")
+                   help="comma list among tinystories_ending, tinystories_cloze, lambada_openai, hellaswag, arc_easy, "
+                        "arc_challenge, piqa, winogrande, boolq (the benchmarks run as their *_local tasks)")
     p.add_argument("--limit", type=float, default=None, help="first N items per task (or a fraction < 1)")
     p.add_argument("--num-fewshot", type=int, default=None)
     p.add_argument("--max-length", type=int, default=None, help="context tokens (default: the model's)")
