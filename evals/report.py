@@ -2,7 +2,7 @@
 routing agreement, and lm-eval accuracy on the TinyStories ending and cloze tasks (first --limit items), each
 preset paired with the teacher item by item (evals/paired.py: bootstrap interval, flips).
 
-    python -m workbench eval report --model demo --out results/quality.md [--limit 50 --chunks 8 --ctx 512]
+    python -m workbench eval report --model demo --out results/quality.md [--limit 200 --chunks 8 --ctx 512]
 
 Writes results/quality.json and results/quality.md (each atomically: a temporary file, fsync, rename),
 and one run record per preset and evaluation (eval "teacher" and "lm") for `eval compare`.
