@@ -115,8 +115,9 @@ def markdown(rep: dict) -> str:
     if paired_rows:
         lines += ["## Paired against the teacher", "",
                   "The same items, preset minus teacher: the mean difference with its 95% bootstrap interval (10,000 "
-                  "resamples of the items; `*` when it excludes 0), then the flips `a/b`: a items the teacher got right "
-                  "and the preset wrong, b the reverse. `Δ log p` is the mean change of the gold answer's log-likelihood "
+                  "resamples of the items; `*` when it excludes 0 and, for right/wrong scores, the exact sign test on "
+                  "the flips agrees, p < 0.05), then the flips `a/b`: a items the teacher got right and the preset wrong, "
+                  "b the reverse. `Δ log p` is the mean change of the gold answer's log-likelihood "
                   "(nats), a finer measure on the same items.", "",
                   "| preset | " + " | ".join(f"{t} Δ{metric(t)} [95% CI] flips | {t} Δ log p [95% CI]" for t in tasks)
                   + " |", "|---|" + "---|---|" * len(tasks)]

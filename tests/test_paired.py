@@ -50,6 +50,26 @@ def test_pairing_sees_a_small_consistent_cost_that_independent_errors_miss():
     assert "*" in mark(r) and mark(r).endswith(" 12/0")
 
 
+def test_few_flips_are_not_significant_even_when_the_bootstrap_interval_excludes_zero():
+    teacher = np.array([1] * 100 + [0] * 100)
+    preset = teacher.copy()
+    preset[:4] = 0                                          # 4 flips, all one way: sign test p = 2 / 16
+    r = paired(teacher, preset)
+    assert r["ci"][1] < 0 and r["p_flips"] == 0.125 and not r["significant"]
+    preset[4:6] = 0                                         # 6 flips: p = 2 / 64
+    r = paired(teacher, preset)
+    assert r["p_flips"] == 2 / 64 and r["significant"]
+
+
+def test_sign_test_is_the_exact_binomial():
+    from math import comb
+
+    from evals.paired import sign_test
+    assert sign_test(0, 0) == 1.0 and sign_test(3, 3) == 1.0
+    assert sign_test(9, 2) == pytest.approx(2 * sum(comb(11, k) for k in range(3)) / 2 ** 11)
+    assert sign_test(2, 9) == sign_test(9, 2)
+
+
 def test_items_needed_grows_as_the_difference_shrinks():
     base = np.array([1, 0] * 100)
     one_way = base.copy()

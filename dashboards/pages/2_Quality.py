@@ -58,7 +58,8 @@ if table is not None:
         if paired:
             st.subheader("Paired against the teacher, item by item")
             st.caption("The same items answered by the design and by the teacher: mean difference (design − teacher) "
-                       "with its 95% bootstrap interval; significant when the interval excludes 0. Teacher only / "
+                       "with its 95% bootstrap interval; significant when the interval excludes 0 (and, for right/wrong "
+                       "answers, the exact sign test on the flips gives p < 0.05). Teacher only / "
                        "preset only: the items only one of them got right.")
             st.dataframe(pd.DataFrame(paired), hide_index=True)
         ppl = [c for c in t["columns"] if c.startswith("ppl ")]

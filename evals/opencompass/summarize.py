@@ -68,7 +68,8 @@ def markdown(s: dict, command: str | None) -> str:
               "`evals/opencompass/workbench_api.py`: each option scored from the server's prompt log-probabilities, "
               "the lowest mean token loss over context + option wins. Parse rate: the share of items whose prediction "
               f"is an option letter. Paired: each model minus `{s['reference']}` on the same items, 95% bootstrap "
-              "interval (`*` when it excludes 0), flips reference-only/model-only.", "",
+              "interval (`*` when it excludes 0 and the exact sign test on the flips gives p < 0.05), flips "
+              "reference-only/model-only.", "",
               "| model | dataset | items | accuracy | parse rate | paired vs reference |", "|---|---|---|---|---|---|"]
     for r in s["rows"]:
         lines.append(f"| `{r['model']}` | {r['dataset']} | {r['n']} | {r['accuracy']:.3f} | {r['parse_rate']:.0%} | "
