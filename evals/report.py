@@ -94,11 +94,14 @@ def markdown(rep: dict) -> str:
              f"Model pack `{rep['teacher_pack']}` (teacher), {rep['created']}, commit `{(rep.get('git_commit') or '')[:10]}`.",
              f"Held-out perplexity, KL(teacher‖preset) and top-1 agreement: {rep['data']}, {rep['chunks']} chunks of "
              f"{rep['ctx']} tokens, second half of each scored (llama.cpp's method), {rep['tokens']} tokens. "
-             f"lm-eval (0-shot, local data): first {rep['limit'] if rep['limit'] is not None else 'all'} items of each task; "
+             f"lm-eval (0-shot, local data): {'the first %d' % rep['limit'] if rep['limit'] is not None else 'all'} items "
+             "of each task; "
              + ", ".join(f"{t} {metric(t)}" for t in tasks) + " (the other metrics in the JSON).", "",
              "| preset | experts/rest | budget | ppl ± se | ppl vs teacher | KL ± se | top-1 | routing | "
              + " | ".join(tasks) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(tasks)]
+    if rep.get("note"):
+        lines[4:4] = ["", rep["note"]]
     for r in rep["rows"]:
         cells = [f"`{r['preset']}`", f"{r['experts']}/{r['rest']}", r["budget"],
                  f"{r['ppl']:.3f} ± {r['ppl_stderr']:.3f}", f"{r['ppl_ratio'] - 1:+.2%}",
