@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench.atomic import atomic_write  # noqa: E402
-from workbench.ladder import run_ladder, table  # noqa: E402
+from experiments.ladder import run_ladder, table  # noqa: E402
 
 TARGETS = {"les_over_on_demand": 2.5, "les_over_resident": 0.6}
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import altair as alt
 import pyarrow as pa
 
-from workbench.cache import parse_budget
-from workbench.presets import PRESETS
+from experiments.routing_trace import TraceDrive
+from workbench.presets import PRESETS, Budget, budget_for
 from workbench.registry import model_dir
 from workbench.runs import list_runs, read_run, write_run
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.telemetry import Telemetry
 
 REFRESH_S = 0.5          # live numbers redraw this often
@@ -69,7 +69,7 @@ def check_inputs(model: str, designs: list[str], budget: str, prompt: str, token
     """What can be checked before any worker starts; the rest (a corrupt pack, a budget below
     top-k slots) is raised by Session in the worker and shown in that design's column."""
     model_dir(model)
-    parse_budget(budget, 1)
+    Budget(str(budget))
     if not designs:
         raise WorkbenchError("pick at least one design to compare")
     if not prompt.strip():
@@ -90,16 +90,14 @@ EMPTY = Snapshot([], [], {"per_layer": []})      # a design still starting
 
 
 def _snapshot(s: Session) -> Snapshot:
-    """Copy the telemetry under its lock, then aggregate the copy with Session.summary's own code."""
+    """Copy the telemetry under its lock, then aggregate the copy with Session.summary."""
     tel = s.tel
     with tel.lock:
         tokens, ring, events = list(tel.tokens), list(tel.ring), list(tel.events)
         counters = dict(prefetch_issued=tel.prefetch_issued, prefetch_used=tel.prefetch_used,
                         prefetch_wasted=tel.prefetch_wasted, wasted_bytes=tel.wasted_bytes)
     copy = Telemetry(tel.num_layers, events=events, tokens=tokens, **counters)
-    view = object.__new__(Session)      # the session, its telemetry swapped for the copy
-    view.__dict__.update(vars(s), tel=copy)
-    return Snapshot(tokens, ring, view.summary())
+    return Snapshot(tokens, ring, s.summary(copy))
 
 
 class _Stopped(Exception):
@@ -121,11 +119,14 @@ class DesignRun:
 
     _init_locks: dict = {}          # one per stored form of a model: its conversion and usage profile are made once
 
-    def __init__(self, model: str, design: str, budget: str, prompt: str, tokens: int):
+    def __init__(self, model: str, design: str, budget: str, prompt: str, tokens: int, device: str | None = None,
+                 routing_trace: str | None = None):
         self.id = secrets.token_hex(4)
+        self.device = device            # an emulated device's profile name (data/devices), or None: this machine
+        self.routing_trace = routing_trace   # routing replayed from a trace (a make-model checkpoint's real shape)
         self.model, self.design, self.prompt, self.tokens = model, design, prompt, int(tokens)
         # a design whose preset keeps every expert resident ("all") is the ceiling: the budget does not apply
-        self.budget = None if PRESETS[design].budget == "all" else budget
+        self.budget = budget_for(PRESETS[design], budget)
         self.status, self.error, self.record = "queued", None, None
         self.text, self.generated, self.summary, self.started, self.finished = "", 0, None, time.time(), None
         self.session: Session | None = None
@@ -167,10 +168,11 @@ class DesignRun:
         try:
             self.status = "starting"
             p = PRESETS[self.design]
-            with self._init_locks.setdefault((self.model, p.layout, p.experts, p.rest), threading.Lock()):
+            with self._init_locks.setdefault((self.model, p.storage), threading.Lock()):
                 if self._stop.is_set():
                     raise _Stopped()
-                s = Session(self.model, self.design, budget=self.budget)
+                drive = functools.partial(TraceDrive, self.routing_trace) if self.routing_trace else None
+                s = Session(self.model, self.design, budget=self.budget, device=self.device, drive=drive)
             self.session, self.status = s, "running"
             out = s.generate(self.prompt, tokens=self.tokens, on_token=self._on_token)
             # one dict: what the page shows for a finished run is exactly what summary.json holds
@@ -204,8 +206,9 @@ _RUNS_LOCK = threading.Lock()
 KEEP = 48
 
 
-def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens: int) -> list[str]:
-    runs = [DesignRun(model, d, budget, prompt, tokens) for d in designs]
+def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens: int, device: str | None = None,
+               routing_trace: str | None = None) -> list[str]:
+    runs = [DesignRun(model, d, budget, prompt, tokens, device, routing_trace) for d in designs]
     with _RUNS_LOCK:
         _RUNS.update((r.id, r) for r in runs)
         old = [k for k, r in _RUNS.items() if not r.active]

@@ -18,7 +18,7 @@ import streamlit as st  # noqa: E402
 
 from dashboards import common as C  # noqa: E402
 from workbench.presets import PRESETS  # noqa: E402
-from workbench.spec import WorkbenchError  # noqa: E402
+from workbench.errors import WorkbenchError  # noqa: E402
 
 st.set_page_config(page_title="moe-workbench · live", page_icon="⚡", layout="wide")
 BOOTH = st.query_params.get("booth") == "1"
@@ -98,7 +98,7 @@ def charts_view(ids: list[str]):
                                if recall is None else f"prefetch recall, all layers: {recall:.1%}")
 
 
-def start(model, designs, budget, prompt, tokens):
+def start(model, designs, budget, prompt, tokens, device=None, routing_trace=None):
     C.stop_runs(state.run_ids)
     state.run_ids, state.numbers, state.records = [], {}, {}
     try:
@@ -106,7 +106,10 @@ def start(model, designs, budget, prompt, tokens):
     except WorkbenchError as e:
         st.error(str(e))
         return
-    state.run_ids = C.start_runs(model, designs, budget, prompt, tokens)
+    state.run_ids = C.start_runs(model, designs, budget, prompt, tokens, device, routing_trace)
+
+
+THIS_MACHINE = "this machine (real reads)"
 
 
 def sidebar():
@@ -121,12 +124,19 @@ def sidebar():
                                help="a fraction of all experts (0.25), a size (96MiB), or all")
         prompt = st.text_area("prompt", "Once upon a time", key="prompt", height=80)
         tokens = st.number_input("tokens", min_value=1, max_value=2048, value=64, step=8, key="tokens")
+        from workbench.devices import names
+        flash = st.selectbox("flash", [THIS_MACHINE] + [n for n in names() if n != "this-machine"], key="device",
+                             help="an emulated device (data/devices): every read takes at least its profile's time")
+        trace = st.text_input("routing trace", "", key="routing_trace",
+                              help="optional: route and prefetch as recorded in this trace (e.g. data/traces/"
+                                   "demo-tinystories-256.parquet), for a make-model checkpoint of a real model's shape")
         go, halt = st.columns(2)
         pressed = go.button("Start", type="primary", key="start", width="stretch")
         if halt.button("Stop", key="stop", width="stretch"):
             C.stop_runs(state.run_ids)
         st.caption("Designs whose preset keeps every expert resident (resident, teacher) ignore the budget.")
-    return (model.strip(), designs, budget.strip(), prompt, int(tokens)) if pressed else None
+    device = None if flash == THIS_MACHINE else flash
+    return (model.strip(), designs, budget.strip(), prompt, int(tokens), device, trace.strip() or None) if pressed else None
 
 
 def booth_settings() -> dict:
@@ -175,6 +185,11 @@ elif runs:
     if len({r.prompt for r in runs}) == 1 and BOOTH:
         st.markdown(f"### “{runs[0].prompt}”")
     ids, live = [r.id for r in runs], any(r.active for r in runs)
+    if runs[0].device:
+        st.caption(f"Flash: EMULATED {runs[0].device} (this machine's reads, each slowed to the profile's time in "
+                   "data/devices); its tok/s are not this machine's.")
+    if runs[0].routing_trace:
+        st.caption(f"Routing and prefetches replayed from {runs[0].routing_trace} (the text is not the model's).")
     (st.fragment(run_every=C.REFRESH_S)(numbers_view) if live else numbers_view)(ids, live)
     (st.fragment(run_every=C.CHARTS_REFRESH_S)(charts_view) if live else charts_view)(ids)
 if BOOTH:

@@ -1,29 +1,35 @@
-"""Engine adapters behind one facade: `load_engine(name, pack, streamer, telemetry)`.
+"""Engines by name behind one interface (engines/base.py): `engine_class(name)`, `load_engine(name, ...)`.
 
-numpy is the reference engine. Backends that need another compute framework are imported
-here only, lazily, so the workbench runs without them.
+numpy is the reference engine. Backends that need another compute framework are imported only when asked
+for, so the workbench runs without them.
 """
 from __future__ import annotations
 
-ENGINES = ("numpy", "mlx", "llamacpp")
+import importlib
+
+from workbench.errors import WorkbenchError
+
+ENGINES = {"numpy": "engines.numpy_engine:NumpyEngine",
+           "mlx": "engines.mlx_engine:MlxEngine",
+           "llamacpp": "engines.llamacpp_engine:LlamaCppEngine"}   # stock llama.cpp on a GGUF export of the pack
 
 
-def load_engine(name: str, pack, streamer, telemetry, **kw):
-    if name == "numpy":
-        from engines.numpy_engine import NumpyEngine
-        return NumpyEngine(pack, streamer, telemetry, **kw)
-    from workbench.spec import WorkbenchError
-    if name == "mlx":
-        try:
-            from engines.mlx_engine import MlxEngine
-        except ImportError as e:
-            raise WorkbenchError(f"--engine mlx: cannot import MLX ({e}); pip install -e '.[mlx]' "
-                                 f"(mlx on macOS, mlx[cpu] on Linux)") from None
-        return MlxEngine(pack, streamer, telemetry, **kw)
-    if name == "llamacpp":      # stock llama.cpp on a GGUF export of the pack (engines/llamacpp_engine.py)
-        from engines.llamacpp_engine import LlamaCppEngine
-        return LlamaCppEngine(pack, streamer, telemetry, **kw)
-    raise WorkbenchError(f"--engine {name!r}: choose one of {', '.join(ENGINES)}")
+def engine_class(name: str):
+    if name not in ENGINES:
+        raise WorkbenchError(f"--engine {name!r}: choose one of {', '.join(ENGINES)}")
+    module, cls = ENGINES[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        if name != "mlx":
+            raise
+        raise WorkbenchError(f"--engine mlx: cannot import MLX ({e}); pip install -e '.[mlx]' "
+                             f"(mlx on macOS, mlx[cpu] on Linux)") from None
+
+
+def load_engine(name: str, pack, streamer, telemetry, hooks=None, **kw):
+    from engines.base import Hooks
+    return engine_class(name)(pack, streamer, telemetry, hooks or Hooks(), **kw)
 
 
 def available() -> list[str]:

@@ -30,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from engines.base import Engine, Hooks
 from workbench.atomic import atomic_path
 from workbench.io import drop_page_cache
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 TRACE_NAMES = ("ffn_moe_topk", "ffn_moe_logits", "ffn_inp")
 KQUANTS = {"q4_k_m": "Q4_K_M", "q4_k_s": "Q4_K_S", "q3_k_m": "Q3_K_M", "q3_k_s": "Q3_K_S", "q2_k": "Q2_K",
@@ -259,7 +260,7 @@ def quantize_gguf(src, dst, qtype: str, threads: int = 1) -> Path:
 def resolve_gguf(model: str, qtype: str = "f16", progress: bool = False) -> Path:
     """A GGUF for `model`: a .gguf path as it is; `demo`, a model directory or a pack exported once
     (cached under $WORKBENCH_CACHE/gguf, keyed by the source's fingerprint and the type)."""
-    from workbench.models.gguf_export import export_gguf, fingerprint
+    from engines.gguf_export import export_gguf, fingerprint
     from workbench.registry import cache_dir, is_pack, model_dir
     if str(model).endswith(".gguf"):
         p = Path(model)
@@ -428,27 +429,27 @@ def capture_trace(path, ids: list[int], n_batch: int = 256, threads: int = 1) ->
 
 # ---------------------------------------------------------------- the engines.load_engine facade
 
-class LlamaCppEngine:
-    """Session's engine API on llama.cpp: the pack is exported once to an f16 GGUF (its dequantized weights)
-    and run by llama.cpp with mmap. llama.cpp routes exactly and manages its own memory: the workbench's
-    expert cache, predictor and router hooks are not used (so no per-layer events)."""
+class LlamaCppEngine(Engine):
+    """The engine interface on llama.cpp: the pack is exported once to an f16 GGUF (its dequantized weights)
+    and run by llama.cpp with mmap. llama.cpp routes exactly and manages its own memory: it takes no hooks,
+    and the workbench's expert cache is not used (so no per-layer events)."""
 
     name = "llamacpp"
+    takes_hooks = False
 
-    def __init__(self, pack, streamer, telemetry, threads: int = 1, **kw):
-        from workbench.models.gguf_export import PackModel, export_gguf, fingerprint
+    def __init__(self, pack, streamer, telemetry, hooks: Hooks = Hooks(), weights: dict | None = None,
+                 threads: int = 1, max_context: int | None = None):
+        from engines.gguf_export import PackModel, export_gguf, fingerprint
         from workbench.registry import cache_dir
-        self.pack, self.spec, self.streamer, self.tel = pack, pack.spec, streamer, telemetry
+        super().__init__(pack, streamer, telemetry, hooks)
         path = cache_dir() / "gguf" / f"{Path(pack.path).name}-{fingerprint(pack.path)}-f16.gguf"
         if not path.exists():
             export_gguf(PackModel(pack), path, "f16")
         self.gguf = path
-        self.w = {n: pack.tensor(n) for n in pack.tensors if n.endswith(("router", "norm", "router_bias"))}
-        self.predictor = self.router_hook = None
-        self.max_context = kw.get("max_context") or self.spec.max_position_embeddings
+        self.w = weights if weights is not None else \
+            {n: pack.tensor(n) for n in pack.tensors if n.endswith(("router", "norm", "router_bias"))}
+        self.max_context = max_context or self.spec.max_position_embeddings
         self.llm = LlamaCpp(path, n_ctx=self.max_context, threads=threads)
-        self.token_index = 0
-        self.dense_compute_s = 0.0
 
     def reset(self):
         self.llm.reset()
@@ -460,7 +461,7 @@ class LlamaCppEngine:
     def truncate(self, pos: int):
         self.llm.truncate(pos)
 
-    def forward(self, ids, phase: str = "decode") -> np.ndarray:
+    def forward(self, ids, phase: str) -> np.ndarray:
         t0 = time.perf_counter()
         logits = self.llm.forward(ids, all_logits=True)
         self.dense_compute_s += time.perf_counter() - t0      # all of llama.cpp's time counts as compute

@@ -1,49 +1,65 @@
-"""The eval verbs of `python -m workbench`: `eval ppl|teacher|lm|compare|report` and `serve`.
-
-workbench/cli.py calls register(sub, verb) before parsing; every verb takes --json and then prints
-one JSON object on stdout (progress bars go to stderr).
+"""The eval verbs of `python -m workbench`: `eval ppl|teacher|lm|compare|report` and `serve`
+(registered in workbench.commands). Progress bars go to stderr.
 """
 from __future__ import annotations
 
-from workbench.cli import _print as _out
-from workbench.cli import running as _running
+from workbench.commands import command, emit, group, running
+
+group("eval", "quality: perplexity, teacher comparison, lm-eval, comparisons, report")
 
 
 def _record_flags(p):
     p.add_argument("--no-record", action="store_true", help="do not write a run record")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    return p
 
 
-def _text_flags(p, chunks_default):
-    p.add_argument("--data", default="wikitext2", help="tinystories, wikitext2 or a text file")
-    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (window)")
-    p.add_argument("--chunks", type=int, default=chunks_default, help="at most this many chunks (default: %(default)s)")
-    p.add_argument("--stride", type=int, default=None, help="sliding windows every STRIDE tokens instead of llama.cpp's "
-                                                            "non-overlapping chunks")
-    return p
+def _text_flags(chunks_default):
+    def flags(p):
+        p.add_argument("--data", default="wikitext2", help="tinystories, wikitext2 or a text file")
+        p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (window)")
+        p.add_argument("--chunks", type=int, default=chunks_default,
+                       help="at most this many chunks (default: %(default)s)")
+        p.add_argument("--stride", type=int, default=None, help="sliding windows every STRIDE tokens instead of "
+                                                                "llama.cpp's non-overlapping chunks")
+    return flags
 
 
+def _bos_flag(p):
+    p.add_argument("--bos", action="store_true", help="BOS at the start of every chunk (llama.cpp add_bos)")
+
+
+@command("eval ppl", "perplexity (llama.cpp's method or strided)", running, _text_flags(None), _record_flags, _bos_flag)
 def cmd_ppl(args):
     from evals.ppl import run
     r = run(args.model, args.preset, args.budget, args.data, args.ctx, args.chunks, args.stride, args.bos,
             progress=not args.quiet, record=not args.no_record, engine=args.engine, direct=not args.page_cache)
-    _out(args, r, f"{r['preset']} {r['data']}: PPL = {r['ppl']:.4f} +/- {r['ppl_stderr']:.5f} "
+    emit(args, r, f"{r['preset']} {r['data']}: PPL = {r['ppl']:.4f} +/- {r['ppl_stderr']:.5f} "
                   f"({r['tokens']} tokens, {r['chunks']} chunks of {r['ctx']}, {r['method']})")
 
 
+@command("eval teacher", "KL, top-1, ppl and routing agreement against the teacher preset", running, _text_flags(4),
+         _record_flags)
 def cmd_teacher(args):
     from evals.teacher import run
     r = run(args.model, args.preset, args.budget, args.data, args.ctx, args.chunks, args.stride,
             progress=not args.quiet, record=not args.no_record, engine=args.engine, direct=not args.page_cache)
     ra = " ".join(f"{a:.3f}" for a in r["routing_agreement"])
-    _out(args, r, f"{r['preset']} vs teacher on {r['data']} ({r['tokens']} tokens):\n"
+    emit(args, r, f"{r['preset']} vs teacher on {r['data']} ({r['tokens']} tokens):\n"
                   f"  KL {r['kl']:.6f} +/- {r['kl_stderr']:.6f}  top-1 {r['top1']:.4f}\n"
                   f"  ppl {r['ppl']:.4f} (teacher {r['ppl_teacher']:.4f}, ratio {r['ppl_ratio']:.4f})\n"
                   f"  routing agreement per layer: {ra}")
 
 
+def _lm_flags(p):
+    p.add_argument("--tasks", default="lambada_openai,arc_easy,piqa",
+                   help="comma list among tinystories_ending, tinystories_cloze, lambada_openai, hellaswag, arc_easy, "
+                        "arc_challenge, piqa, winogrande, boolq (the benchmarks run as their *_local tasks)")
+    p.add_argument("--limit", type=float, default=None, help="first N items per task (or a fraction < 1)")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--max-length", type=int, default=None, help="context tokens (default: the model's)")
+
+
+@command("eval lm", "lm-eval on local benchmark copies (evals/tasks)", running, _record_flags, _lm_flags)
 def cmd_lm(args):
     from evals.lm import run
     limit = args.limit
@@ -55,64 +71,22 @@ def cmd_lm(args):
     for task, m in r["results"].items():
         vals = "  ".join(f"{k} {v:.4f}" for k, v in m.items() if isinstance(v, float) and "stderr" not in k)
         lines.append(f"{task:24s} {vals}  (n={m.get('samples')})")
-    _out(args, r, "\n".join(lines))
+    emit(args, r, "\n".join(lines))
 
 
+def _compare_flags(p):
+    p.add_argument("--model", default=None, help="only this model")
+
+
+@command("eval compare", "eval run records side by side against the teacher", _compare_flags)
 def cmd_compare(args):
     from evals.compare import eval_runs, render, table
     t = table(eval_runs(model=args.model))
-    _out(args, t, render(t))
+    emit(args, t, render(t))
 
 
-def cmd_report(args):
-    import sys
-
-    from evals.report import build, write
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    rep = build(args.model, presets, args.budget, args.data, args.ctx, args.chunks, args.tasks.split(","), args.limit,
-                record=not args.no_record, progress=not args.quiet, engine=args.engine, direct=not args.page_cache,
-                log=lambda m: print(m, file=sys.stderr, flush=True))
-    md, js = write(rep, args.out)
-    _out(args, {"markdown": str(md), "json": str(js), **rep}, f"wrote {md} and {js}\n\n" + md.read_text())
-
-
-def cmd_serve(args):
-    from evals.server import serve
-    serve(args.model, args.preset, args.budget, args.host, args.port, args.served_model_name, args.engine,
-          not args.page_cache, quiet=args.quiet)
-
-
-def register(sub, verb):
-    """Add `eval` (with its own sub-verbs) and `serve` to the workbench's argparse sub-parsers."""
+def _report_flags(p):
     from evals.common import PRESET_ORDER
-    ev = sub.add_parser("eval", help="quality: perplexity, teacher comparison, lm-eval, comparisons, report")
-    es = ev.add_subparsers(dest="eval_verb", required=True)
-
-    p = _record_flags(_text_flags(_running(es.add_parser("ppl", help="perplexity (llama.cpp's method or strided)")),
-                                  None))
-    p.add_argument("--bos", action="store_true", help="BOS at the start of every chunk (llama.cpp add_bos)")
-    p.set_defaults(fn=cmd_ppl)
-
-    p = _record_flags(_text_flags(_running(es.add_parser("teacher", help="KL, top-1, ppl and routing agreement "
-                                                                           "against the teacher preset")), 4))
-    p.set_defaults(fn=cmd_teacher)
-
-    p = _record_flags(_running(es.add_parser("lm", help="lm-eval on local benchmark copies (evals/tasks)")))
-    p.add_argument("--tasks", default="lambada_openai,arc_easy,piqa",
-                   help="comma list among tinystories_ending, tinystories_cloze, lambada_openai, hellaswag, arc_easy, "
-                        "arc_challenge, piqa, winogrande, boolq (the benchmarks run as their *_local tasks)")
-    p.add_argument("--limit", type=float, default=None, help="first N items per task (or a fraction < 1)")
-    p.add_argument("--num-fewshot", type=int, default=None)
-    p.add_argument("--max-length", type=int, default=None, help="context tokens (default: the model's)")
-    p.set_defaults(fn=cmd_lm)
-
-    p = es.add_parser("compare", help="eval run records side by side against the teacher")
-    p.add_argument("--model", default=None, help="only this model")
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.set_defaults(fn=cmd_compare)
-
-    p = _record_flags(es.add_parser("report", help="teacher vs presets: ppl, KL, top-1, lm-eval accuracy; "
-                                                   "writes results/quality.md and .json"))
     p.add_argument("--model", default="demo")
     p.add_argument("--budget", default=None, help="for every preset but the teacher (default: each preset's own)")
     p.add_argument("--engine", default="numpy")
@@ -124,10 +98,32 @@ def register(sub, verb):
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--tasks", default="tinystories_ending,tinystories_cloze")
     p.add_argument("--limit", type=int, default=None, help="first N items per lm-eval task (default: all)")
-    p.set_defaults(fn=cmd_report)
 
-    p = _running(verb("serve", cmd_serve, "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)"))
+
+@command("eval report", "teacher vs presets: ppl, KL, top-1, lm-eval accuracy; writes results/quality.md and .json",
+         _record_flags, _report_flags)
+def cmd_report(args):
+    import sys
+
+    from evals.report import build, write
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    rep = build(args.model, presets, args.budget, args.data, args.ctx, args.chunks, args.tasks.split(","), args.limit,
+                record=not args.no_record, progress=not args.quiet, engine=args.engine, direct=not args.page_cache,
+                log=lambda m: print(m, file=sys.stderr, flush=True))
+    md, js = write(rep, args.out)
+    emit(args, {"markdown": str(md), "json": str(js), **rep}, f"wrote {md} and {js}\n\n" + md.read_text())
+
+
+def _serve_flags(p):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model's name)")
     p.add_argument("--quiet", action="store_true", help="no request log")
+
+
+@command("serve", "OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)", running, _serve_flags)
+def cmd_serve(args):
+    from evals.server import serve
+    serve(args.model, args.preset, args.budget, args.host, args.port, args.served_model_name, args.engine,
+          not args.page_cache, quiet=args.quiet)
+

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from workbench.capture import RoutingCapture  # noqa: F401  (the eval modules use it from here)
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET_ORDER = ("teacher", "resident", "on_demand", "les", "smol", "smol_bias", "edge0")
@@ -29,7 +29,6 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def forward(session, ids) -> np.ndarray:
     """Logits (T, V) of `ids` from an empty KV cache."""
     session.engine.reset()
-    session.engine.token_index = 0
     return session.step(list(map(int, ids)), "prefill")
 
 

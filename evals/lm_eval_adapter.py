@@ -44,7 +44,7 @@ class WorkbenchLM(LM):
         eos = session.spec.eos_token_id
         self.eot_token_id = int(eos) if eos is not None else 0
         self.prefix_token_id = self.eot_token_id
-        self._prefix = None                      # (context tokens, saved KV state, last-position logits)
+        self._prefix = None                      # (context tokens, its KV length, last-position logits)
 
     # ------------------------------------------------------------ tokens and forwards
 
@@ -63,26 +63,8 @@ class WorkbenchLM(LM):
         ctx = self.tok_encode(context)
         return ctx, whole[len(ctx):]
 
-    def _snapshot(self):
-        """The KV state after the context: its length (engines with truncate), else the cache itself."""
-        e = self.session.engine
-        if hasattr(e, "truncate") and hasattr(e, "pos"):
-            return ("truncate", e.pos)
-        if hasattr(e, "kv") and hasattr(e, "pos"):
-            return ("kv", list(e.kv), e.pos)
-        return None
-
-    def _restore(self, snap):
-        e = self.session.engine
-        if snap[0] == "truncate":
-            e.truncate(snap[1])
-        else:
-            e.kv, e.pos = list(snap[1]), snap[2]
-
     def _forward(self, ids) -> np.ndarray:
-        e = self.session.engine
-        e.reset()
-        e.token_index = 0
+        self.session.engine.reset()
         self._prefix = None
         return self.session.step(list(ids), "prefill")
 
@@ -94,18 +76,14 @@ class WorkbenchLM(LM):
             logits = self._forward(full[-(self.max_length + 1):][:-1])
             return log_softmax(logits[-n:])
         key = tuple(context_enc)
-        if self._prefix is not None and self._prefix[0] == key:
-            self._restore(self._prefix[1])
+        if self._prefix is not None and self._prefix[0] == key:     # the context's KV is kept: cut back to it
+            self.session.engine.truncate(self._prefix[1])
             last = self._prefix[2]
         else:
             last = self._forward(context_enc)[-1:]
-            snap = self._snapshot()
-            self._prefix = (key, snap, last) if snap is not None else None
+            self._prefix = (key, self.session.engine.pos, last)
         rows = [last]
         if n > 1:
-            if self._prefix is None:              # an engine without a KV snapshot: one forward of everything
-                logits = self._forward(full[:-1])
-                return log_softmax(logits[-n:])
             rows.append(self.session.step(list(cont_enc[:-1]), "prefill"))
         return log_softmax(np.concatenate(rows, 0))
 
@@ -195,7 +173,6 @@ class WorkbenchLM(LM):
                 break
             if i == max_gen - 1:
                 break
-            self.session.engine.token_index = i + 1
             logits = self.session.step([nxt], "decode")[-1]
         for s in until:
             if s and s in text:

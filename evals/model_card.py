@@ -117,8 +117,8 @@ Windows of {a['T']} tokens are drawn at random from one domain each, domains mix
 
 ## Training
 ```
-python -m workbench.train.demo --out runs/train-demo --steps {a['steps']}
-python -m workbench.train.demo --out runs/train-demo --export data/models/demo-moe
+python -m training.demo --out runs/train-demo --steps {a['steps']}
+python -m training.demo --out runs/train-demo --export data/models/demo-moe
 ```
 How the shipped checkpoint was actually run (it was resumed from checkpoints on a shared machine):
 {chr(10).join('- ' + h for h in training.get('history', []))}

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from evals.common import forward, log_softmax, mean_stderr, text_ids
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 
 def windows(n_tokens: int, n_ctx: int, chunks: int | None = None, stride: int | None = None) -> list[tuple[int, int, int]]:

@@ -5,14 +5,15 @@ preset paired with the teacher item by item (evals/paired.py: bootstrap interval
     python -m workbench eval report --model demo --out results/quality.md [--limit 200 --chunks 8 --ctx 512]
 
 Writes results/quality.json and results/quality.md (each atomically: a temporary file, fsync, rename),
-and one run record per preset and evaluation (eval "teacher" and "lm") for `eval compare`.
+and one run record per preset and evaluation (eval "teacher" and "lm") for `eval compare`. The evaluations
+are the cells of one sweep (experiments.sweep) on a local Ray: they pack onto the machine's cores.
 """
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from evals.common import PRESET_ORDER, open_session, record as write_record, text_ids
+from evals.common import PRESET_ORDER
 from workbench.atomic import atomic_write
 
 DEFAULT_TASKS = ("tinystories_ending", "tinystories_cloze")
@@ -21,66 +22,73 @@ DEFAULT_TASKS = ("tinystories_ending", "tinystories_cloze")
 def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "tinystories", n_ctx: int = 512,
           chunks: int = 8, tasks=DEFAULT_TASKS, limit: int | None = None, record: bool = True, progress: bool = True,
           engine: str = "numpy", direct: bool = True, log=print) -> dict:
-    from evals.lm import evaluate, local_task_names, primary, require_lm_eval, task_manager
-    require_lm_eval()
-    from evals.lm_eval_adapter import WorkbenchLM
+    """Every preset's `eval teacher` and `eval lm` as the cells of one sweep (experiments.sweep, a local Ray), then
+    the rows from their run records. Each teacher cell computes the teacher's side on the same tokens; each lm cell
+    keeps its per-item scores, by which every preset is paired with the teacher item by item."""
+    import json
+    import tempfile
+
+    from evals.lm import local_task_names, primary, require_lm_eval
     from evals.paired import paired
-    from evals.ppl import tokens_needed
-    from evals.teacher import TeacherTrace, compare
-    from workbench.runs import environment
+    from evals.sweep import RUNNERS
+    from experiments.grid import Cell, Grid
+    from experiments.sweep import run_grid
+    from workbench.errors import WorkbenchError
+    from workbench.presets import budget_for, get_preset
+    from workbench.runs import environment, runs_dir
+    require_lm_eval()
     t0 = time.time()
     tasks = local_task_names(tasks)
-    presets = sorted(presets, key=lambda p: p != "teacher")       # the teacher first: the others pair with it
-    with open_session(model, "teacher", None, engine, direct) as t:
-        need = tokens_needed(n_ctx, chunks, None)
-        ids = text_ids(t.tokenizer, data, need)[:need]
-        log(f"teacher: {chunks} chunks of {n_ctx} tokens of {data}")
-        trace = TeacherTrace(t, ids, n_ctx, chunks, None, progress, data)
-        teacher_pack = t.pack.content_id()
-        spec = t.spec.to_dict()
-    tm = task_manager()
-    rows, items = [], {}             # items[(preset, task)]: per-item scores (kept in the lm run records, not here)
+    cells = []
     for preset in presets:
-        log(f"{preset}: teacher comparison and lm-eval ({', '.join(tasks)}, limit {limit})")
-        with open_session(model, preset, budget if preset != "teacher" else None, engine, direct) as s:
-            cmp = compare(s, trace, progress)
-            cmp.update(model=model, preset=s.preset.name, budget=s.budget_text, data=data, teacher_pack=teacher_pack)
-            layers = [{"layer": L, "routing_agreement": a, "routing_exact": x}
-                      for L, a, x in zip(cmp["routing_layers"], cmp["routing_agreement"], cmp["routing_exact"])]
-            run_t = write_record("teacher", s, {"data": data, "ctx": n_ctx, "chunks": chunks, "stride": None}, cmp,
-                                 layers, enabled=record)
-            lm = WorkbenchLM(session=s, model=model, progress=progress)
-            acc = evaluate(lm, tasks, limit, None, tm, per_item=True)
-            lm_out = {"model": model, "preset": s.preset.name, "budget": s.budget_text, "tasks": tasks, "limit": limit,
-                      "num_fewshot": None, "results": acc}
-            run_l = write_record("lm", s, {"tasks": tasks, "limit": limit, "num_fewshot": None}, lm_out, enabled=record)
-            row = {"preset": s.preset.name, "budget": s.budget_text, "description": s.preset.description,
-                   "experts": s.preset.experts, "rest": s.preset.rest, "routing": s.preset.routing,
-                   "ppl": cmp["ppl"], "ppl_stderr": cmp["ppl_stderr"], "ppl_ratio": cmp["ppl_ratio"],
-                   "kl": cmp["kl"], "kl_stderr": cmp["kl_stderr"], "top1": cmp["top1"], "top1_stderr": cmp["top1_stderr"],
-                   "routing_agreement": cmp["routing_agreement"], "routing_agreement_mean": cmp["routing_agreement_mean"],
-                   "tasks": {}, "runs": [r for r in (run_t, run_l) if r]}
-            for task in tasks:
-                m = acc.get(task, {})
-                name, v, se = primary({f"{k},none": x for k, x in m.items()})
-                cell = {"metric": name, "value": v, "stderr": se, "samples": m.get("samples"),
-                        "acc_norm": m.get("acc_norm"), "acc_mutual_info": m.get("acc_mutual_info")}
-                items[(s.preset.name, task)] = m.get("items") or {}
-                gold = items.get(("teacher", task))
-                if gold and s.preset.name != "teacher":          # the same items in the same order: pair them
-                    mine = items[(s.preset.name, task)]
-                    assert mine["doc_id"] == gold["doc_id"], task
-                    cell["paired"] = paired(gold[name], mine[name])
-                    cell["paired_ll"] = paired(gold["ll"], mine["ll"])
-                row["tasks"][task.removesuffix("_local")] = cell
-            rows.append(row)
+        p = get_preset(preset)
+        b = budget_for(p, budget)
+        cells.append(Cell.of("eval teacher", model, p, preset, b, engine, data=data, ctx=n_ctx, chunks=chunks,
+                             page_cache=not direct))
+        cells.append(Cell.of("eval lm", model, p, preset, b, engine, ",".join(tasks), limit=limit,
+                             page_cache=not direct))
+    log(f"{len(presets)} presets: teacher comparison on {chunks} chunks of {n_ctx} tokens of {data}, lm-eval "
+        f"({', '.join(tasks)}, limit {limit})")
+    with tempfile.TemporaryDirectory(prefix="wb-report-") as scratch:
+        res = run_grid(Grid(f"report_{Path(model).name}", cells), RUNNERS, resume=False, progress=progress,
+                       root=runs_dir() if record else Path(scratch))
+        failed = [r for r in res["rows"] if r["status"] != "ok"]
+        if failed:
+            raise WorkbenchError(f"eval report: {failed[0]['kind']} {failed[0]['design']} failed: {failed[0]['error']}")
+        recs = {(r["kind"], r["preset"]): {k: json.loads((Path(r["run"]) / f"{k}.json").read_text())
+                                          for k in ("config", "summary")} | {"run": r["run"]} for r in res["rows"]}
+    rows = []
+    teacher_lm = recs.get(("eval lm", "teacher"))    # per-item scores (kept in the lm run records, not here)
+    teacher_items = {t: m.get("items") for t, m in teacher_lm["summary"]["results"].items()} if teacher_lm else {}
+    for preset in presets:
+        t, lm = recs[("eval teacher", preset)], recs[("eval lm", preset)]
+        cmp, p = t["summary"], t["config"]["preset"]
+        row = {"preset": preset, "budget": cmp["budget"], "description": p["description"], "experts": p["experts"],
+               "rest": p["rest"], "routing": p["routing"],
+               "ppl": cmp["ppl"], "ppl_stderr": cmp["ppl_stderr"], "ppl_ratio": cmp["ppl_ratio"],
+               "kl": cmp["kl"], "kl_stderr": cmp["kl_stderr"], "top1": cmp["top1"], "top1_stderr": cmp["top1_stderr"],
+               "routing_agreement": cmp["routing_agreement"], "routing_agreement_mean": cmp["routing_agreement_mean"],
+               "tasks": {}, "runs": [t["run"], lm["run"]] if record else []}
+        acc = lm["summary"]["results"]
+        for task in tasks:
+            m = acc.get(task, {})
+            name, v, se = primary({f"{k},none": x for k, x in m.items()})
+            cell = {"metric": name, "value": v, "stderr": se, "samples": m.get("samples"),
+                    "acc_norm": m.get("acc_norm"), "acc_mutual_info": m.get("acc_mutual_info")}
+            gold = teacher_items.get(task)
+            mine = m.get("items")
+            if gold and mine and preset != "teacher":          # the same items in the same order: pair them
+                if mine["doc_id"] != gold["doc_id"]:
+                    raise WorkbenchError(f"eval report: {preset} and the teacher scored different items of {task}")
+                cell["paired"] = paired(gold[name], mine[name])
+                cell["paired_ll"] = paired(gold["ll"], mine["ll"])
+            row["tasks"][task.removesuffix("_local")] = cell
+        rows.append(row)
     env = environment()
-    import math
-
-    import numpy as np
-    t_nll = np.concatenate([it[0] for it in trace.items])
-    return {"model": model, "teacher_pack": teacher_pack, "spec": spec, "data": data, "ctx": n_ctx, "chunks": chunks,
-            "tokens": int(t_nll.size), "ppl_teacher": math.exp(float(t_nll.mean())),
+    first = recs[("eval teacher", presets[0])]
+    return {"model": model, "teacher_pack": first["summary"]["teacher_pack"], "spec": first["config"]["spec"],
+            "data": data, "ctx": n_ctx, "chunks": chunks, "tokens": first["summary"]["tokens"],
+            "ppl_teacher": first["summary"]["ppl_teacher"],
             "tasks": [t.removesuffix("_local") for t in tasks], "limit": limit, "rows": rows,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": time.time() - t0,
             "git_commit": env.get("git_commit"), "packages": env.get("packages")}

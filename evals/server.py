@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from evals.common import log_softmax, trim_telemetry
+from workbench.chat import render
 
 MAX_BODY = 8 * 2**20
 MAX_LOGPROBS = 20
@@ -102,6 +103,17 @@ class Engine:
         self.ctx = int(session.spec.max_position_embeddings)
         self.eos = session.spec.eos_token_id
         self.created = int(time.time())
+        self.template = session.pack.header.get("chat_template")     # the model's own, when it has one
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        if not self.template:
+            return chat_prompt(messages)
+        bos = self.s.spec.bos_token_id
+        try:
+            return render(self.template, messages, self.decode([bos]) if bos is not None else "",
+                          self.decode([self.eos]) if self.eos is not None else "")
+        except Exception as e:      # the template's own raise_exception, or a Jinja error in it
+            raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages") from None
 
     def encode(self, text: str) -> list[int]:
         return self.s.encode(text)
@@ -113,13 +125,10 @@ class Engine:
         return self.s.decode([int(i)])
 
     def prefill(self, ids) -> np.ndarray:
-        e = self.s.engine
-        e.reset()
-        e.token_index = 0
+        self.s.engine.reset()
         return self.s.step(list(map(int, ids)), "prefill")
 
-    def decode_step(self, tok: int, i: int) -> np.ndarray:
-        self.s.engine.token_index = i
+    def decode_step(self, tok: int) -> np.ndarray:
         return self.s.step([int(tok)], "decode")[-1]
 
     def top(self, lp_row: np.ndarray, n: int) -> dict:
@@ -202,7 +211,7 @@ def generate(eng: Engine, prompt_ids: list[int], max_tokens: int, temperature: f
                 on_text(text[sent:n])
                 sent = n
         if i < max_tokens - 1:
-            row = eng.decode_step(nxt, i + 1)
+            row = eng.decode_step(nxt)
     trim_telemetry(eng.s)
     if on_text is not None and len(text) > sent:
         on_text(text[sent:])
@@ -324,14 +333,14 @@ class Handler(BaseHTTPRequestHandler):
         tok = self.eng.decode([eos]) if eos is not None else None
         bos = self.eng.s.spec.bos_token_id
         self._send_json(200, {"eos_token": tok, "bos_token": self.eng.decode([bos]) if bos is not None else None,
-                              "pad_token": tok, "model_max_length": self.eng.ctx, "chat_template": CHAT_TEMPLATE,
+                              "pad_token": tok, "model_max_length": self.eng.ctx, "chat_template": self.eng.template or CHAT_TEMPLATE,
                               "tokenizer_class": "workbench"})
 
     def tokenize(self):
         body = self._body()
         self._check_model(body)
         if "messages" in body:
-            text = chat_prompt(self._messages(body))
+            text = self.eng.chat_prompt(self._messages(body))
         else:
             text = body.get("prompt")
             if not isinstance(text, str):
@@ -470,7 +479,7 @@ class Handler(BaseHTTPRequestHandler):
         body = self._body()
         self._check_model(body)
         msgs = self._messages(body)
-        ids = self.eng.encode(chat_prompt(msgs))
+        ids = self.eng.encode(self.eng.chat_prompt(msgs))
         if not ids:
             raise ApiError(400, "empty prompt", "messages")
         sp = self._sampling(body, max(0, min(256, self.eng.ctx - len(ids))))

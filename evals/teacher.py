@@ -17,7 +17,7 @@ import numpy as np
 
 from evals.common import RoutingCapture, forward, mean_stderr, routing_overlap, text_ids
 from evals.ppl import tokens_needed, window_nll, windows
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 
 class TeacherTrace:

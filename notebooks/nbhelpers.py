@@ -1,6 +1,6 @@
 """Helpers for the ablation notebooks: parameters, labels, published numbers, alternating arms, tables, figures.
 
-No engine logic lives here: every number comes from the library (workbench.ladder, workbench.bench,
+No engine logic lives here: every number comes from the library (experiments.ladder, experiments.bench,
 workbench.session, workbench.io, workbench.edge0, evals.*); this module arranges, labels and draws them.
 
     WB_NB_SMALL=1        the tests' setting (read by each notebook's first cell)
@@ -70,12 +70,12 @@ def paper_label(pub: dict | None) -> str:
 
 def bench_arm(model: str, preset, budget, tokens: int, warmup: int = 4, note: dict | None = None,
               prompt: str = PROMPT) -> dict:
-    """One arm, one round: a fresh Session (workbench.bench.open_session), workbench.bench.measure, a run record.
+    """One arm, one round: a fresh Session (experiments.bench.open_session), experiments.bench.measure, a run record.
 
     Returns measure's fields plus the per-token TokenRecords (`token_rows`), the cache's slots per layer and
     the record's path. warmup=0 measures from a cold start (the first tokens after the Session opened).
     """
-    from workbench.bench import measure, open_session
+    from experiments.bench import measure, open_session
     from workbench.runs import write_run
     with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens) as s:
         res = measure(s, prompt, tokens, warmup=warmup)

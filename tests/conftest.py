@@ -99,6 +99,14 @@ def tiny_models(tmp_path_factory):
     return {f: make_checkpoint(f, root / f) for f in FAMILIES}
 
 
+@pytest.fixture(scope="session")
+def hybrid_models(tmp_path_factory):
+    """{family: checkpoint dir} of the hybrid linear-attention family (hybrid_fixtures.py), made once per session."""
+    from hybrid_fixtures import HYBRID, make_hybrid
+    root = tmp_path_factory.mktemp("hybrid-models")
+    return {f: make_hybrid(f, root / f) for f in HYBRID}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Packs, probes and run records of the tests go to a temporary place, not the user's."""

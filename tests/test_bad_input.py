@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.store.pack import Pack, convert
 
 REPO = Path(__file__).resolve().parents[1]

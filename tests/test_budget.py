@@ -4,9 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workbench.cache import ExpertCache, parse_budget
+from workbench.cache import ExpertCache
+from workbench.presets import Budget
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 
 def held_bytes(cache: ExpertCache) -> int:
@@ -27,7 +28,6 @@ def test_long_decode_at_a_small_budget_never_exceeds_it(tiny_models, preset, sco
         worst = 0
         logits = s.step(list(range(1, 40)), "prefill")         # a prefill needing more experts than fit
         for i in range(60):
-            s.engine.token_index = i + 1
             logits = s.step([int(np.argmax(logits[-1]))], "decode")
             worst = max(worst, held_bytes(s.cache))
         assert worst <= s.budget_bytes
@@ -36,11 +36,11 @@ def test_long_decode_at_a_small_budget_never_exceeds_it(tiny_models, preset, sco
 
 
 def test_budget_parsing():
-    assert parse_budget("0.25", 1000) == 250
-    assert parse_budget("96MiB", 1) == 96 * 2**20
-    assert parse_budget("all", 1234) == 1234
+    assert Budget("0.25").nbytes(100, 10) == 250
+    assert Budget("96MiB").nbytes(1, 1) == 96 * 2**20
+    assert Budget("all").nbytes(617, 2) == 1234
     with pytest.raises(WorkbenchError, match="--budget"):
-        parse_budget("lots", 1000)
+        Budget("lots")
 
 
 def test_budget_below_one_layers_top_k_is_refused(tiny_models):

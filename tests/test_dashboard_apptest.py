@@ -125,6 +125,30 @@ def test_a_run_puts_numbers_in_session_state_and_writes_records(two_designs):
     assert len(at.get("vega_lite_chart")) == 2 * len(C.LIVE_CHARTS)
 
 
+def test_an_emulated_device_is_chosen_on_the_page_and_labelled_everywhere(runs_root):
+    at = app(LIVE)
+    assert at.selectbox(key="device").value.startswith("this machine") and "ufs22-phone" in at.selectbox(key="device").options
+    at.selectbox(key="device").set_value("ufs22-phone")
+    at = poll(start(at, ["on_demand"], tokens=3), finished)
+    ok(at.run())
+    assert not at.error, errors(at)
+    assert any("EMULATED ufs22-phone" in c.value for c in at.caption)
+    rec = read_run(at.session_state["records"]["on_demand"])
+    assert rec["summary"]["emulated"] and rec["config"]["device"]["name"] == "ufs22-phone"
+    assert "emulated:ufs22-phone" in rec["config"]["reader_mode"]
+
+
+def test_a_routing_trace_drives_the_designs_from_the_page(runs_root):
+    at = app(LIVE)
+    at.text_input(key="routing_trace").set_value(str(REPO / "data/traces/demo-tinystories-256.parquet"))
+    at = poll(start(at, ["les"], tokens=3), finished)
+    ok(at.run())
+    assert not at.error, errors(at)
+    assert any("Routing and prefetches replayed from" in c.value for c in at.caption)
+    rec = read_run(at.session_state["records"]["les"])
+    assert rec["config"]["routing_trace"]["mapping"].startswith("layers: model MoE layer i replays")
+
+
 def test_numbers_on_the_page_equal_the_run_record(two_designs):
     at = two_designs
     per_design = len(C.display_numbers({}))
@@ -241,6 +265,19 @@ def test_ladders_page_groups_rungs_and_shows_published_numbers():
     assert theirs.iloc[:, 1].tolist() == [3.38, 6.57, 11.34, 17.16, 20.51]
     assert any("iPhone" in m.value for m in at.markdown)
     assert at.get("vega_lite_chart")
+
+
+def test_ladders_page_shows_a_simulated_ladder_labelled_as_such():
+    from experiments.ladder import les_rungs
+    from experiments.simulate import ComputeProfile, run
+    cpu = ComputeProfile(dense_s=1e-4, router_s=1e-5, expert_s=5e-5, dequant_s=1e-4)
+    for i, rung in enumerate(les_rungs()[:2]):
+        run(str(REPO / "data/traces/demo-tinystories-256.parquet"), rung, "0.25", "iphone-les", tokens=6, compute=cpu,
+            rung={"ladder": "les", "rung": rung.name, "rung_index": i, "model": "demo, SIMULATED on iphone-les"})
+    at = ok(app(LADDERS))
+    assert any("SIMULATED on iphone-les" in h.value for h in at.subheader)
+    assert any("SIMULATED on the iphone-les profile" in m.value for m in at.markdown)
+    assert at.dataframe[0].value["rung"].tolist() == [r.name for r in les_rungs()[:2]]
 
 
 def test_quality_page_empty_state_names_the_command():

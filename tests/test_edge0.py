@@ -11,10 +11,10 @@ import pytest
 
 from conftest import make_checkpoint
 from workbench.edge0.artifacts import artifact_path, load_safetensors, model_identity, save_safetensors
-from workbench.edge0.serve import LoRA, attach_lora, edge0_counters
+from workbench.edge0.serve import LoRA, edge0_counters
 from workbench.registry import resolve_pack
 from workbench.session import Session
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.store.pack import Pack
 
 PROMPT = [5, 9, 33, 71, 2, 18, 5, 9]
@@ -71,10 +71,8 @@ def write_lora(model_dir, rank=4, seed=1, pack=None, meta=None):
 
 def teacher_forced(session, ids):
     session.engine.reset()
-    session.engine.token_index = 0
     out = [session.step(ids[:1], "prefill")[-1]]
     for i in range(1, len(ids)):
-        session.engine.token_index = i
         out.append(session.step([ids[i]], "decode")[-1])
     return np.stack(out)
 
@@ -130,14 +128,14 @@ def test_unmerged_lora_equals_merged_dequantized_reference(tiny4, tmp_path):
     m = fresh(tiny4, tmp_path)
     path = write_lora(m)
     ids = PROMPT * 4
-    with Session(str(m), "edge0", budget="all", predictor=None, routing="exact") as s:
+    exact = dict(budget="all", predictor=None, routing="exact")
+    with Session(str(m), "edge0", **exact) as s:
         base = teacher_forced(s, ids)
         lora = LoRA.load(s.spec, s.engine.w, s.pack)
-        attach_lora(s.engine, lora)
-        unmerged = teacher_forced(s, ids)
-        s.engine.deltas.clear()
         merged_w = lora.merged(s.engine.w)                  # W_int4 dequantized + scale * B A, fp32
-        s.engine.w.update(merged_w)
+    with Session(str(m), "edge0", deltas=lora.deltas(), **exact) as s:
+        unmerged = teacher_forced(s, ids)
+    with Session(str(m), "edge0", weights=merged_w, **exact) as s:
         merged = teacher_forced(s, ids)
     assert lora.path == path and len(merged_w) == 16
     assert np.abs(unmerged - base).max() > 1e-2             # the adapter does something
@@ -146,24 +144,30 @@ def test_unmerged_lora_equals_merged_dequantized_reference(tiny4, tmp_path):
 
 def test_torch_student_equals_numpy_serving(tiny4, tmp_path):
     """The trainers' torch path (int4 + prerouter + LoRA, whole sequence at once) is what the engine serves."""
-    torch = pytest.importorskip("torch")
-    from workbench.edge0.train_common import HeadSet, LoRASet, TorchMoE
+    pytest.importorskip("torch")
     m = fresh(tiny4, tmp_path)
     hp, lp = write_heads(m), write_lora(m)
     ids = PROMPT * 3
     with Session(str(m), "edge0", budget="all") as s:
         served = teacher_forced(s, ids)
-    pack = pack_of(m)
-    heads = HeadSet.from_numpy(*load_safetensors(hp, "prerouter"))
-    lora = LoRASet.from_numpy(*load_safetensors(lp, "lora"))
+    full, inc = student_logits(pack_of(m), ids, hp, lp)
+    np.testing.assert_allclose(full, served, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
+
+
+def student_logits(pack, ids, heads_path, lora_path):
+    """The trainers' torch student on `ids`: (whole sequence at once, token by token with its cache)."""
+    import torch
+    from training.edge0_common import HeadSet, LoRASet, TorchMoE
+    heads = HeadSet.from_numpy(*load_safetensors(heads_path, "prerouter"))
+    lora = LoRASet.from_numpy(*load_safetensors(lora_path, "lora"))
     student = TorchMoE(pack)
     with torch.no_grad():
         full = student(torch.tensor([ids]), heads=heads, skip_layers=1, lora=lora)[0].numpy()
         cache = {}
         inc = np.stack([student.step(torch.tensor([t]), cache, heads=heads, skip_layers=1, lora=lora)[0].numpy()
                         for t in ids])
-    np.testing.assert_allclose(full, served, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
+    return full, inc
 
 
 # ---------------------------------------------------------------- files that don't match the model

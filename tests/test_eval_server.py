@@ -252,7 +252,7 @@ class _StubEngine:
     def prefill(self, ids):
         return np.stack([self._row()] * len(ids))
 
-    def decode_step(self, tok, i):
+    def decode_step(self, tok):
         return self._row()
 
     def decode(self, ids):

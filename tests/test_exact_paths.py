@@ -17,7 +17,6 @@ def decode(path, preset, n=12, **kw):
         toks = []
         for i in range(n):
             toks.append(int(np.argmax(logits[-1])))
-            s.engine.token_index = i + 1
             logits.append(s.step([toks[-1]], "decode")[-1])
         return toks, np.stack(logits), s.summary()
 

@@ -34,10 +34,10 @@ except Exception as e:  # ImportError, or a shared library that does not load
     NO_LLAMA = f"llama-cpp-python is not importable ({type(e).__name__}: {e}); pip install -e '.[llamacpp]'"
 needs_llama = pytest.mark.skipif(NO_LLAMA is not None, reason=NO_LLAMA or "")
 
-from workbench.models.gguf_export import export_gguf          # noqa: E402
+from engines.gguf_export import export_gguf          # noqa: E402
 from workbench.models.gguf_model import GGUFModel, _BLOCK, _GLOBAL  # noqa: E402
 from workbench.models.hf import HFModel                       # noqa: E402
-from workbench.spec import WorkbenchError                     # noqa: E402
+from workbench.errors import WorkbenchError                     # noqa: E402
 from workbench.store.pack import Pack, convert                # noqa: E402
 
 IDS = [5, 17, 200, 31, 64, 99, 150, 3, 250, 12, 77, 42]
@@ -176,7 +176,7 @@ def write_family_gguf(src: Path, arch: str, out: Path, legacy_kv_b: bool = False
     if s.eos_token_id is not None:
         w.add_eos_token_id(s.eos_token_id)
     if tokenizer:
-        from workbench.models.gguf_export import gguf_vocab
+        from engines.gguf_export import gguf_vocab
         tokens, types, merges = gguf_vocab((src / "tokenizer.json").read_text(), s.vocab_size)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-2")
@@ -264,7 +264,7 @@ def test_refuses_what_moespec_cannot_express(tmp_path):
 
 
 def test_replay_of_a_numpy_trace(q3, tmp_path):
-    from workbench.traces import capture_numpy, read_trace, replay, write_trace
+    from experiments.traces import capture_numpy, read_trace, replay, write_trace
     ids = np.random.default_rng(0).integers(0, 320, 96).tolist()
     tr, meta = capture_numpy(str(q3), ids)
     out = write_trace(tmp_path / "t.parquet", tr, ids, meta)
@@ -303,7 +303,7 @@ def test_llamacpp_runs_the_export_like_our_teacher(q3, exported):
 @needs_llama
 def test_llamacpp_trace_matches_our_routing(q3, exported, tmp_path):
     from engines.llamacpp_engine import capture_trace
-    from workbench.traces import capture_numpy
+    from experiments.traces import capture_numpy
     ids = np.random.default_rng(1).integers(0, 320, 64).tolist()
     theirs = capture_trace(exported["f16"], ids)
     ours, _ = capture_numpy(str(q3), ids)
@@ -369,7 +369,7 @@ def test_kquant_import_keeps_blocks(kquant_model, tmp_path, qtype, block):
     # moves logits by 1-2.5. A routing flip at a near-tie changes a token's output (and, through attention,
     # the later tokens'): compare the tokens before the first token whose routing differs.
     from engines.llamacpp_engine import capture_trace
-    from workbench.traces import capture_numpy
+    from experiments.traces import capture_numpy
     theirs = capture_trace(q, IDS)
     ours, _ = capture_numpy(str(pack.path), IDS)
     same = (np.sort(theirs["topk"], -1) == np.sort(ours["topk"], -1)).all(-1).all(-1)
@@ -416,7 +416,7 @@ def test_llamacpp_runs_deepseek2_like_transformers(tiny_models, deepseek_v2_lite
     from transformers import AutoModelForCausalLM
     from conftest import YARN, make_checkpoint
     from engines.llamacpp_engine import LlamaCpp, capture_trace
-    from workbench.traces import capture_numpy
+    from experiments.traces import capture_numpy
     src = {"deepseek_v3": tiny_models["deepseek_v3"], "deepseek_v2_lite": deepseek_v2_lite}.get(family) or \
         make_checkpoint("deepseek_v3", tmp_path / "yarn", rope_parameters=YARN["deepseek_v3"])
     path = write_family_gguf(src, "deepseek2", tmp_path / "ds.gguf", tokenizer=True)

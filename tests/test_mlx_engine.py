@@ -44,13 +44,10 @@ PER_LAYER = ("smol", {})                                       # per-layer pools
 
 def run(path, preset, engine, deltas=None, **kw):
     """Prefill then decode TOKENS; returns (logits, events, session). The session is closed."""
-    with Session(str(path), preset, engine=engine, **kw) as s:
-        if deltas:
-            s.engine.deltas.update(deltas)
+    with Session(str(path), preset, engine=engine, deltas=deltas, **kw) as s:
         s.engine.reset()
         rows = [s.step(TOKENS[:SPLIT], "prefill")]
         for i, t in enumerate(TOKENS[SPLIT:]):
-            s.engine.token_index = i + 1
             rows.append(s.step([t], "decode"))
         return np.concatenate(rows), s.tel.events, s
 
@@ -73,12 +70,12 @@ def agree(path, preset, kw, hits=True, **extra):
 def check_slots(s):
     """The slots never hold more experts than the budget; every cached expert in memory sits in its slot."""
     eng = s.engine
-    stacks = {id(st): st for st in eng.stacks.values()}.values()
+    stacks = {id(st): st for st in eng.experts.stacks.values()}.values()
     assert sum(st.n for st in stacks) * s.cache.item_bytes <= s.budget_bytes
     for key in s.cache.keys():
         v = s.cache.peek(key)
         if isinstance(v, Slot):
-            assert eng.stacks[key[0]].keys[v.index] == key
+            assert eng.experts.stacks[key[0]].keys[v.index] == key
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -87,9 +84,9 @@ def test_every_family_matches_numpy_exact_and_staged(tiny_models, family):
     agree(path, *EXACT)
     s = agree(path, *STAGED)
     total = s.pack.num_expert_total
-    assert max(st.n for st in s.engine.stacks.values()) < total, "the staged path kept every expert resident"
+    assert max(st.n for st in s.engine.experts.stacks.values()) < total, "the staged path kept every expert resident"
     assert s.summary()["misses"] > 0 and s.cache.evictions > 0
-    assert s.engine.wave_flushes > 0, "the prefill did not stream in waves"
+    assert s.engine.experts.wave_flushes > 0, "the prefill did not stream in waves"
     check_slots(s)
     agree(path, *LES, hits=False)          # hits of a prefetching path depend on read timing
 
@@ -101,10 +98,10 @@ def test_every_expert_precision_matches_numpy(tiny_models, experts, rest, layout
     store = dict(experts=experts, rest=rest, layout=layout)
     agree(path, "resident", store)
     s = agree(path, "on_demand", dict(budget="0.3", **store))
-    assert s.engine.wave_flushes > 0
+    assert s.engine.experts.wave_flushes > 0
     check_slots(s)
     s = agree(path, *PER_LAYER, hits=False, **store)
-    assert len({id(st) for st in s.engine.stacks.values()}) == len(s.spec.moe_layers)   # one stack per layer
+    assert len({id(st) for st in s.engine.experts.stacks.values()}) == len(s.spec.moe_layers)   # one stack per layer
     check_slots(s)
 
 
@@ -184,7 +181,7 @@ def test_demo_greedy_output_is_the_numpy_engines():
 def test_refuses_experts_it_cannot_compute(tiny_models):
     """A raw GGUF pack's block formats (gguf:Q4_K, ...) are not MLX's affine format: a clear error, not garbage."""
     from engines.mlx_engine import MlxEngine
-    from workbench.spec import WorkbenchError
+    from workbench.errors import WorkbenchError
     with Session(str(tiny_models["mixtral"]), "resident", budget="0.5") as s:
         s.pack.expert_kinds = {p: "gguf:Q4_K" for p in ("gate", "up", "down")}
         with pytest.raises(WorkbenchError, match="--engine mlx computes experts stored as"):

@@ -26,6 +26,8 @@ FIGURES = {
     "edge0_prerouter": {"edge0_recall", "edge0_ab", "edge0_quality", "edge0_merge_retention"},
     "smol_pager": {"smol_pool_size", "smol_prefetch_depth", "smol_bias_sweep", "smol_warm_start"},
     "where_time_goes": {"time_split_designs", "time_split_tokens", "disk_profile", "floor"},
+    "regimes": {"regimes_calibration", "regimes_les_ladder", "regimes_ufs35b"},
+    "sweep_grid": {"sweep_tok_s", "sweep_kl"},
 }
 PARAMETERS = ("MODEL", "BUDGET", "TOKENS", "ROUNDS", "SMALL")
 

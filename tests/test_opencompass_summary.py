@@ -4,7 +4,7 @@ import json
 import pytest
 
 from evals.opencompass.summarize import main, summary
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 
 def _preds(run, model, name, pairs, start=0):

@@ -38,7 +38,7 @@ def test_lookahead_applies_the_target_layers_norm_and_router():
     w = {f"layers.{i}.{n}": rng.normal(size=shape).astype(np.float32)
          for i in range(4) for n, shape in (("mlp_norm", (16,)), ("router", (8, 16)))}
     h = rng.normal(size=(1, 16)).astype(np.float32)
-    for depth, width in ((1, "k"), (2, "2k")):
+    for depth, width in ((1, 1), (2, 2)):
         pred = Lookahead(s, w, depth=depth, width=width).predict(0, {"phase": "decode", "h": h})
         target = depth
         x = w[f"layers.{target}.mlp_norm"] * h / np.sqrt((h * h).mean() + s.rms_norm_eps)

@@ -1,4 +1,5 @@
-"""The expert cache: a byte budget that is never exceeded, counted in slots of one expert each.
+"""The expert cache: a byte budget that is never exceeded, counted in slots of one expert each
+(the budget in bytes: workbench.presets.Budget.nbytes).
 
 A slot is taken when a read is issued (in-flight reads count: their buffers exist), and
 freed on eviction. Policies: LRU or LFU; scope: one global pool, or one pool per MoE layer
@@ -7,26 +8,9 @@ anything in the caller's `protect` set (the experts the current layer still need
 """
 from __future__ import annotations
 
-import re
 from collections import Counter, OrderedDict
 
-from workbench.spec import WorkbenchError
-
-_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-
-
-def parse_budget(text, total_expert_bytes: int) -> int:
-    """'0.25' -> a quarter of all expert bytes; '96MiB' / '3GB' / '123456' -> bytes; 'all' -> everything."""
-    s = str(text).strip()
-    if s.lower() in ("all", "1", "1.0"):
-        return total_expert_bytes
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", s)
-    if not m or m[2].upper() not in _UNITS:
-        raise WorkbenchError(f"--budget {text!r}: expected a fraction like 0.25 or a size like 96MiB")
-    x = float(m[1])
-    if not m[2] and x < 1.0:
-        return int(x * total_expert_bytes)
-    return int(x * _UNITS[m[2].upper()])
+from workbench.errors import WorkbenchError
 
 
 def _in_flight(v) -> bool:

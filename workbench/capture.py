@@ -16,7 +16,6 @@ class RoutingCapture:
 
     def __init__(self, session, keep_logits: bool = False, keep_h: bool = False):
         self.session = session
-        self.prev = session.engine.router_hook
         self.records: list[dict] = []
         spec, w, engine = session.spec, session.engine.w, session.engine
 
@@ -34,7 +33,7 @@ class RoutingCapture:
             self.records.append(rec)
             return idx, weights
 
-        engine.router_hook = hook
+        self.prev = engine.swap_router_hook(hook)
 
     def take(self, key: str = "idx") -> dict[int, np.ndarray]:
         out = {}
@@ -44,7 +43,7 @@ class RoutingCapture:
         return {L: np.concatenate(v, 0) for L, v in out.items()}
 
     def remove(self):
-        self.session.engine.router_hook = self.prev
+        self.session.engine.swap_router_hook(self.prev)
 
     def __enter__(self):
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from workbench.presets import Predictor, Prefetch
 from workbench.routing import topk_desc
 
 
@@ -20,9 +21,9 @@ def _rms(x, w, eps):
 
 
 class Lookahead:
-    def __init__(self, spec, weights, depth: int = 1, width: str = "k"):
+    def __init__(self, spec, weights, depth: int = 1, width: int = 1):
         self.spec, self.w, self.depth = spec, weights, depth
-        self.width = spec.top_k * (2 if width == "2k" else 1)
+        self.width = spec.top_k * width             # width: in multiples of top-k
         self.moe = spec.moe_layers
 
     def target(self, layer: int):
@@ -97,19 +98,18 @@ def recall(predicted, routed) -> float:
     return len(routed & set(map(int, predicted))) / max(1, len(routed))
 
 
-def make_predictor(name: str | None, spec, weights, usage=None, trace=None, pack=None):
-    if not name:
-        return None
-    kind, *args = name.split(":")
-    if kind == "lookahead":
-        return Lookahead(spec, weights, depth=int(args[0]) if args else 1, width=args[1] if len(args) > 1 else "k")
-    if kind == "history":
+def make_predictor(prefetch: Prefetch, spec, weights, usage=None, trace=None, pack=None):
+    """The predictor of a preset's prefetch setting (workbench.presets.Prefetch), or None."""
+    kind = prefetch.predictor
+    if kind is Predictor.LOOKAHEAD:
+        return Lookahead(spec, weights, depth=prefetch.depth, width=prefetch.width)
+    if kind is Predictor.HISTORY:
         return History(spec)
-    if kind == "oracle":
+    if kind is Predictor.ORACLE:
         return Oracle(spec, trace or {})
-    if kind == "shuffled":
+    if kind is Predictor.SHUFFLED:
         return Shuffled(spec, usage)
-    if kind == "prerouter":                 # Edge0: trained heads, one token ahead (workbench/edge0)
+    if kind is Predictor.PREROUTER:         # Edge0: trained heads, one token ahead (workbench/edge0)
         from workbench.edge0.serve import make_prerouter
-        return make_prerouter(name, spec, weights, pack=pack)
-    raise ValueError(f"predictor {name!r}: choose lookahead:DEPTH:k|2k, history, oracle, shuffled or prerouter[:SKIP]")
+        return make_prerouter(prefetch.skip_layers, spec, weights, pack=pack)
+    return None

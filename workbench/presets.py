@@ -1,72 +1,290 @@
-"""Designs as presets: named settings of the shared knobs, and ladders that add one knob per rung.
+"""Designs as presets: named settings of the shared knobs, one frozen dataclass per concern.
 
-Every knob is a real mechanism in the engine and shows up in telemetry:
-  layout, experts, rest   storage: contiguous | native layout; expert / non-expert precision
-  budget                  expert cache budget (fraction of all experts, a size, or "all")
-  cache_policy, cache_scope   lru | lfu; global | per_layer (the smolmaxxing pager's pools)
-  warm                    pre-load each layer's most-used experts (measured on held-out text)
-  execution               ready_first (compute what is in memory while the rest arrive) | wait_all
-  predictor               None | lookahead:DEPTH:WIDTH | history | oracle | shuffled | prerouter
-  routing                 exact | cache_bias:BETA | prerouter
-  speculative             draft tokens verified per target step (0 = plain decoding)
+Every string a preset is written in ("lookahead:2:k", "cache_bias:0.05", "prerouter:nolora", "96MiB") is
+parsed here and nowhere else, and a combination that cannot work is refused when the preset is built.
+Each field names the code that consumes it:
+
+  storage    layout, experts, rest       the pack (workbench.store.pack.convert, workbench.registry.resolve_pack)
+  cache      budget, policy, scope, warm the expert cache (workbench.cache.ExpertCache, Session.warm_start)
+  prefetch   predictor, depth, width,    which later experts to read ahead (workbench.predict.make_predictor,
+             skip_layers                 workbench.edge0.serve.make_prerouter)
+  routing    router, beta, lora          who routes (Session._routing: exact, cache-aware bias, the prerouter)
+  execution  order, speculative          the streamer's order of compute (workbench.streamer.ExpertStreamer) and
+                                         draft tokens verified per step (workbench.speculative)
+
+`Preset.with_(layout=..., predictor="lookahead:1:2k", ...)` takes the flat knob names of `to_dict()` (the form
+run records keep) and parses them here.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import re
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
 
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
+
+
+class Layout(str, Enum):
+    CONTIGUOUS = "contiguous"       # an expert's three matrices adjacent on disk: one read
+    NATIVE = "native"               # the checkpoint's order: three reads per expert
+
+
+class CachePolicy(str, Enum):
+    LRU = "lru"
+    LFU = "lfu"
+
+
+class CacheScope(str, Enum):
+    GLOBAL = "global"
+    PER_LAYER = "per_layer"         # the smolmaxxing pager's per-layer pools
+
+
+class Predictor(str, Enum):
+    LOOKAHEAD = "lookahead"         # layer L+depth's router on layer L's residual (LES, smolmaxxing)
+    HISTORY = "history"             # the previous token's experts
+    ORACLE = "oracle"               # the true routing, replayed from a trace (the bound)
+    SHUFFLED = "shuffled"           # draws from each layer's marginal frequencies (a control)
+    PREROUTER = "prerouter"         # Edge0's trained heads, a token ahead
+
+
+class Router(str, Enum):
+    EXACT = "exact"
+    CACHE_BIAS = "cache_bias"       # +beta on the logits of experts in memory (changes routing)
+    PREROUTER = "prerouter"         # the prerouter's prediction is the routing (Edge0)
+
+
+class Order(str, Enum):
+    READY_FIRST = "ready_first"     # compute what is in memory while the rest arrive
+    WAIT_ALL = "wait_all"
+
+
+PRECISIONS = ("q2", "q3", "q4", "q8", "bf16", "raw")      # workbench.store.quant; raw: a GGUF's own blocks
+_UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def _enum(cls, text, knob):
+    try:
+        return cls(text)
+    except ValueError:
+        raise WorkbenchError(f"{knob} {text!r}: choose one of {', '.join(m.value for m in cls)}") from None
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The expert cache's size: a fraction of all experts ("0.25"), a size ("96MiB", "3GB", "123456") or "all"."""
+    text: str = "0.25"
+
+    def __post_init__(self):
+        self.parse()
+
+    def parse(self) -> tuple[float, int]:
+        """(fraction of all expert bytes, 0) or (0, bytes)."""
+        s = self.text.strip()
+        if s.lower() in ("all", "1", "1.0"):
+            return 1.0, 0
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", s)
+        if not m or m[2].upper() not in _UNITS:
+            raise WorkbenchError(f"--budget {self.text!r}: expected a fraction like 0.25 or a size like 96MiB")
+        x = float(m[1])
+        return (x, 0) if not m[2] and x < 1.0 else (0.0, int(x * _UNITS[m[2].upper()]))
+
+    def nbytes(self, expert_bytes: int, n_experts: int) -> int:
+        """The one budget converter: bytes the cache may hold, given the engine's cost of one expert in memory
+        (Engine.expert_bytes) and the number of experts; the cache's slots are nbytes // expert_bytes."""
+        frac, n = self.parse()
+        total = expert_bytes * n_experts
+        return total if frac == 1.0 else int(frac * total) if frac else n
+
+    @property
+    def all(self) -> bool:
+        return self.parse() == (1.0, 0)
+
+    def __str__(self):
+        return self.text
+
+
+@dataclass(frozen=True)
+class Storage:
+    layout: Layout = Layout.CONTIGUOUS      # workbench.store.pack.convert (through registry.resolve_pack)
+    experts: str = "q4"             # precision of the routed experts: convert, workbench.store.quant
+    rest: str = "q4"                # precision of everything else: likewise
+
+    def __post_init__(self):
+        for knob in ("experts", "rest"):
+            if getattr(self, knob) not in PRECISIONS:
+                raise WorkbenchError(f"{knob} {getattr(self, knob)!r}: choose one of {', '.join(PRECISIONS)}")
+
+
+@dataclass(frozen=True)
+class Cache:
+    budget: Budget = Budget()                   # Budget.nbytes -> workbench.cache.ExpertCache (Session)
+    policy: CachePolicy = CachePolicy.LRU       # ExpertCache
+    scope: CacheScope = CacheScope.GLOBAL       # ExpertCache, Session.warm_start
+    warm: bool = False              # Session.warm_start: each layer's most-used experts (held-out text) loaded first
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    predictor: Predictor | None = None          # workbench.predict.make_predictor
+    depth: int = 1                  # lookahead (predict.Lookahead): layers ahead
+    width: int = 1                  # lookahead: experts named per layer, in multiples of top-k
+    skip_layers: int | None = None  # prerouter (edge0.serve.make_prerouter): MoE layers routed exactly (None: the heads')
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Prefetch":
+        """None | lookahead:DEPTH:k|2k | history | oracle | shuffled | prerouter[:SKIP]"""
+        if not text:
+            return cls()
+        kind, *args = str(text).split(":")
+        kind = _enum(Predictor, kind, "predictor")
+        try:
+            if kind is Predictor.LOOKAHEAD and len(args) <= 2 and (len(args) < 2 or args[1] in ("k", "2k")):
+                return cls(kind, depth=int(args[0]) if args else 1, width=2 if args[1:] == ["2k"] else 1)
+            if kind is Predictor.PREROUTER and len(args) <= 1:
+                return cls(kind, skip_layers=int(args[0]) if args and args[0] else None)
+            if not args:
+                return cls(kind)
+        except ValueError:
+            pass
+        raise WorkbenchError(f"predictor {text!r}: choose lookahead:DEPTH:k|2k, history, oracle, shuffled or "
+                             f"prerouter[:SKIP_LAYERS]")
+
+    def __str__(self):
+        if self.predictor is Predictor.LOOKAHEAD:
+            return f"lookahead:{self.depth}:{'2k' if self.width == 2 else 'k'}"
+        if self.predictor is Predictor.PREROUTER and self.skip_layers is not None:
+            return f"prerouter:{self.skip_layers}"
+        return self.predictor.value if self.predictor else ""
+
+
+@dataclass(frozen=True)
+class Routing:
+    router: Router = Router.EXACT               # Session._routing
+    beta: float = 0.0               # cache_bias: logit bonus of experts in memory (workbench.routing.route's bias)
+    lora: bool = True               # prerouter: serve the recovery LoRA, unmerged (edge0.serve.prerouter_routing)
+
+    @classmethod
+    def parse(cls, text: str) -> "Routing":
+        """exact | cache_bias:BETA | prerouter[:nolora]"""
+        kind, *args = str(text).split(":")
+        kind = _enum(Router, kind, "routing")
+        try:
+            if kind is Router.CACHE_BIAS and len(args) == 1:
+                return cls(kind, beta=float(args[0]))
+        except ValueError:
+            pass
+        if kind is Router.PREROUTER and args in ([], [""], ["nolora"]):
+            return cls(kind, lora=args != ["nolora"])
+        if kind is Router.EXACT and not args:
+            return cls(kind)
+        raise WorkbenchError(f"routing {text!r}: choose exact, cache_bias:BETA or prerouter[:nolora]")
+
+    def __str__(self):
+        if self.router is Router.CACHE_BIAS:
+            return f"cache_bias:{self.beta:g}"
+        return "prerouter:nolora" if self.router is Router.PREROUTER and not self.lora else self.router.value
+
+
+@dataclass(frozen=True)
+class Execution:
+    order: Order = Order.WAIT_ALL               # workbench.streamer.ExpertStreamer.run_layer
+    speculative: int = 0            # Session.generate -> workbench.speculative: drafts verified per step (0: none)
+
+
+# flat knob name (run records, Session overrides) -> (concern, field, parse)
+KNOBS = {
+    "layout": ("storage", "layout", lambda v: _enum(Layout, v, "layout")),
+    "experts": ("storage", "experts", str),
+    "rest": ("storage", "rest", str),
+    "budget": ("cache", "budget", lambda v: Budget(str(v))),
+    "cache_policy": ("cache", "policy", lambda v: _enum(CachePolicy, v, "cache_policy")),
+    "cache_scope": ("cache", "scope", lambda v: _enum(CacheScope, v, "cache_scope")),
+    "warm": ("cache", "warm", bool),
+    "execution": ("execution", "order", lambda v: _enum(Order, v, "execution")),
+    "predictor": ("prefetch", None, Prefetch.parse),
+    "routing": ("routing", None, Routing.parse),
+    "speculative": ("execution", "speculative", int),
+}
 
 
 @dataclass(frozen=True)
 class Preset:
     name: str
     description: str
-    layout: str = "contiguous"
-    experts: str = "q4"
-    rest: str = "q4"
-    budget: str = "0.25"
-    cache_policy: str = "lru"
-    cache_scope: str = "global"
-    warm: bool = False
-    execution: str = "wait_all"
-    predictor: str | None = None
-    routing: str = "exact"
-    speculative: int = 0
+    storage: Storage = field(default_factory=Storage)
+    cache: Cache = field(default_factory=Cache)
+    prefetch: Prefetch = field(default_factory=Prefetch)
+    routing: Routing = field(default_factory=Routing)
+    execution: Execution = field(default_factory=Execution)
 
-    def with_(self, **kw) -> "Preset":
-        return replace(self, **kw)
+    def __post_init__(self):
+        if self.routing.router is Router.PREROUTER and self.prefetch.predictor is not Predictor.PREROUTER:
+            raise WorkbenchError(f"preset {self.name!r}: routing {self.routing} needs predictor prerouter (the "
+                                 f"prediction is the routing), not {str(self.prefetch) or None!r}")
+        if self.routing.router is Router.PREROUTER and self.execution.speculative:
+            raise WorkbenchError(f"preset {self.name!r}: routing {self.routing} decodes one token per step: "
+                                 f"speculative must be 0")
+        if self.prefetch.predictor is Predictor.LOOKAHEAD and self.prefetch.depth < 1:
+            raise WorkbenchError(f"preset {self.name!r}: predictor {self.prefetch}: lookahead depth must be >= 1")
+        if self.execution.speculative < 0:
+            raise WorkbenchError(f"preset {self.name!r}: speculative {self.execution.speculative} must be >= 0")
+
+    def with_(self, name: str | None = None, description: str | None = None, **knobs) -> "Preset":
+        """A copy with some knobs changed, by their flat names (strings parsed here)."""
+        parts = {f.name: getattr(self, f.name) for f in fields(self)}
+        for knob, value in knobs.items():
+            if knob not in KNOBS:
+                raise WorkbenchError(f"{knob!r}: not a preset knob (choose from {', '.join(KNOBS)})")
+            concern, attr, parse = KNOBS[knob]
+            value = parse(value)
+            parts[concern] = value if attr is None else replace(parts[concern], **{attr: value})
+        parts.update({k: v for k, v in (("name", name), ("description", description)) if v is not None})
+        return Preset(**parts)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The flat form: knob name -> its text (run records, `with_`)."""
+        out = {"name": self.name, "description": self.description}
+        for knob, (concern, attr, _) in KNOBS.items():
+            v = getattr(self, concern) if attr is None else getattr(getattr(self, concern), attr)
+            if isinstance(v, Enum):
+                v = v.value
+            elif isinstance(v, (Budget, Prefetch, Routing)):
+                v = str(v) or None
+            out[knob] = v
+        return out
 
     @property
     def exact(self) -> bool:
-        return self.routing == "exact"
+        return self.routing.router is Router.EXACT
+
+
+def _preset(name, description, **knobs) -> Preset:
+    return Preset(name, description).with_(**knobs)
 
 
 PRESETS = {p.name: p for p in [
-    Preset("teacher", "full precision (bf16 weights, fp32 compute), exact routing, every expert resident: the reference",
-           experts="bf16", rest="bf16", budget="all"),
-    Preset("resident", "every expert in memory (the ceiling), int4", budget="all"),
-    Preset("on_demand", "no prediction: each miss is read when the layer asks for it (the floor control)",
-           layout="native"),
-    Preset("oracle", "prefetch the true routing one layer ahead (the bound on prediction)",
-           execution="ready_first", predictor="oracle"),
-    Preset("shuffled", "control: prefetch experts drawn from each layer's marginal frequencies, no timing information",
-           execution="ready_first", predictor="shuffled"),
-    Preset("history", "prefetch the previous token's experts at each layer", execution="ready_first", predictor="history"),
-    Preset("les", "LES: router lookahead 1 layer (top-k), ready-first, contiguous layout, experts q3 / rest q4",
-           experts="q3", rest="q4", execution="ready_first", predictor="lookahead:1:k"),
-    Preset("smol", "smolmaxxing pager: per-layer LRU pools warmed from each layer's most-used list, "
-           "prefetch 2 layers ahead, parallel whole-expert reads, experts q2 / rest q4",
-           experts="q2", rest="q4", cache_scope="per_layer", warm=True, execution="ready_first", predictor="lookahead:2:k"),
-    Preset("smol_bias", "smolmaxxing pager with cache-aware routing bias 0.05 for experts in memory",
-           experts="q2", rest="q4", cache_scope="per_layer", warm=True, execution="ready_first",
-           predictor="lookahead:2:k", routing="cache_bias:0.05"),
-    Preset("edge0", "Edge0: trained prerouter heads predict the next layer's routing a token ahead and that "
-           "prediction is the routing (the first skip_layers MoE layers exact); unmerged recovery LoRA on attention; "
-           "int4 experts and rest",
-           experts="q4", rest="q4", execution="ready_first", predictor="prerouter", routing="prerouter"),
+    _preset("teacher", "full precision (bf16 weights, fp32 compute), exact routing, every expert resident: the reference",
+            experts="bf16", rest="bf16", budget="all"),
+    _preset("resident", "every expert in memory (the ceiling), int4", budget="all"),
+    _preset("on_demand", "no prediction: each miss is read when the layer asks for it (the floor control)",
+            layout="native"),
+    _preset("oracle", "prefetch the true routing one layer ahead (the bound on prediction)",
+            execution="ready_first", predictor="oracle"),
+    _preset("shuffled", "control: prefetch experts drawn from each layer's marginal frequencies, no timing information",
+            execution="ready_first", predictor="shuffled"),
+    _preset("history", "prefetch the previous token's experts at each layer", execution="ready_first", predictor="history"),
+    _preset("les", "LES: router lookahead 1 layer (top-k), ready-first, contiguous layout, experts q3 / rest q4",
+            experts="q3", rest="q4", execution="ready_first", predictor="lookahead:1:k"),
+    _preset("smol", "smolmaxxing pager: per-layer LRU pools warmed from each layer's most-used list, "
+            "prefetch 2 layers ahead, parallel whole-expert reads, experts q2 / rest q4",
+            experts="q2", rest="q4", cache_scope="per_layer", warm=True, execution="ready_first", predictor="lookahead:2:k"),
+    _preset("smol_bias", "smolmaxxing pager with cache-aware routing bias 0.05 for experts in memory",
+            experts="q2", rest="q4", cache_scope="per_layer", warm=True, execution="ready_first",
+            predictor="lookahead:2:k", routing="cache_bias:0.05"),
+    _preset("edge0", "Edge0: trained prerouter heads predict the next layer's routing a token ahead and that "
+            "prediction is the routing (the first skip_layers MoE layers exact); unmerged recovery LoRA on attention; "
+            "int4 experts and rest",
+            experts="q4", rest="q4", execution="ready_first", predictor="prerouter", routing="prerouter"),
 ]}
 
 
@@ -74,3 +292,9 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise WorkbenchError(f"--preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def budget_for(preset: Preset, requested) -> str | None:
+    """The budget a comparison runs a preset at: a preset that keeps every expert resident (the teacher, the
+    ceiling) keeps it; the others take the requested one (None: their own)."""
+    return None if preset.cache.budget.all or requested is None else str(Budget(str(requested)))

@@ -10,7 +10,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 from workbench.store.pack import MAGIC, Pack, convert
 
 REPO = Path(__file__).resolve().parents[1]

@@ -86,6 +86,18 @@ def write_run(preset: str, config: dict, summary: dict, layers: list[dict], even
     return final
 
 
+def place_run(name: str, files: dict[str, bytes], root: Path | None = None) -> Path:
+    """Write a run record received as files (a sweep cell's, from another machine) under root, atomically."""
+    root = root or runs_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{name}.tmp"
+    tmp.mkdir()
+    for fname, data in files.items():
+        _write(tmp / fname, data)
+    os.replace(tmp, root / name)
+    return root / name
+
+
 def read_run(path) -> dict:
     import pyarrow.parquet as pq
     p = Path(path)

@@ -12,17 +12,19 @@ import time
 
 import numpy as np
 
-from engines import load_engine
+from engines import engine_class
+from engines.base import Hooks, dense_weights
 from workbench.atomic import atomic_write
-from workbench.cache import ExpertCache, parse_budget
+from workbench.cache import ExpertCache
 from workbench.capture import RoutingCapture
-from workbench.io import Reader
+from workbench.devices import open_reader
 from workbench.predict import make_predictor
-from workbench.presets import Preset, get_preset
+from workbench.presets import Budget, CacheScope, Predictor, Preset, Router, get_preset
 from workbench.registry import cache_dir, resolve_pack, tokenizer_for
 from workbench.routing import route
-from workbench.schedule import ExpertStreamer
-from workbench.spec import WorkbenchError
+from workbench.shapes import random_label
+from workbench.streamer import ExpertStreamer
+from workbench.errors import WorkbenchError
 from workbench.speculative import speculative_decode
 from workbench.store.pack import Pack
 from workbench.telemetry import Telemetry, TokenRecord
@@ -35,47 +37,69 @@ def peak_rss_bytes() -> int:
 class Session:
     def __init__(self, model: str = "demo", preset: str | Preset = "on_demand", budget: str | None = None,
                  engine: str = "numpy", direct: bool = True, workers: int | None = None, progress: bool = False,
-                 trace: dict | None = None, **overrides):
+                 trace: dict | None = None, weights: dict | None = None, deltas: dict | None = None,
+                 device: str | None = None, drive=None, **overrides):
+        """weights: replacements for some of the pack's non-expert weights (a merged adapter); deltas: projection
+        deltas added to the preset's (an unmerged adapter). Both for experiments on adapters (Edge0's ladder).
+        device: a device profile (data/devices) whose flash the reads emulate. drive: routing and predictions
+        replayed from outside, drive(spec, predictor text) -> route, predictor(), usage, source (a routing trace:
+        experiments.routing_trace.TraceDrive)."""
         self.preset = preset if isinstance(preset, Preset) else get_preset(preset)
         if overrides:
             self.preset = self.preset.with_(**overrides)
         p = self.preset
         self.model = model
-        self.pack_path = resolve_pack(model, p.layout, p.experts, p.rest, progress=progress)
+        self.pack_path = resolve_pack(model, p.storage.layout.value, p.storage.experts, p.storage.rest, progress=progress)
         self.pack = Pack(self.pack_path)
         self.spec = self.pack.spec
         self.tokenizer = tokenizer_for(self.pack)
         s = self.spec
-        self.item_bytes = 4 * sum(int(np.prod(v)) for v in self.pack.expert_shapes.values())  # f32 in memory
+        cls = engine_class(engine)
+        self.item_bytes = cls.expert_bytes(s)
         self.all_expert_bytes = self.item_bytes * self.pack.num_expert_total
-        self.budget_text = str(budget if budget is not None else p.budget)
-        self.budget_bytes = parse_budget(self.budget_text, self.all_expert_bytes)
-        self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache_policy,
-                                 scope=p.cache_scope, min_slots_per_layer=s.top_k)
-        self.reader = Reader(self.pack_path, direct=direct, workers=workers)
+        self.budget_text = str(budget if budget is not None else p.cache.budget)
+        self.budget_bytes = Budget(self.budget_text).nbytes(self.item_bytes, self.pack.num_expert_total)
+        self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache.policy.value,
+                                 scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
+        self.reader = open_reader(self.pack_path, device, direct=direct, workers=workers)   # device: emulated flash
+        self.device = getattr(self.reader, "profile", None)
+        src = self.pack.header.get("source", {}).get("path")
+        self.random_weights = random_label(src) if src else None
         self.tel = Telemetry(s.num_layers)
-        self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution)
-        self.engine = load_engine(engine, self.pack, self.streamer, self.tel)
-        w = self.engine.w
-        usage = self.usage() if (p.warm or (p.predictor or "").startswith("shuffled")) else None
-        self.engine.predictor = make_predictor(p.predictor, s, w, usage=usage, trace=trace, pack=self.pack)
-        self.engine.router_hook = self._router_hook()
+        self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution.order.value,
+                                       raw=cls.raw_experts)
+        w = {**dense_weights(self.pack), **(weights or {})}
+        self.drive = None
+        if drive:
+            if p.routing.router is not Router.EXACT or p.execution.speculative:
+                raise WorkbenchError(f"--routing-trace: preset {p.name} changes routing or decodes speculatively; "
+                                     "a trace replays exact routing one token at a time")
+            self.drive, self.lora = drive(s, str(p.prefetch) or None), None
+            usage = self.drive.usage
+            predictor, router_hook, hook_deltas = self.drive.predictor(), self.drive.route, {}
+        else:
+            usage = self.usage() if p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED else None
+            predictor = make_predictor(p.prefetch, s, w, usage=usage, trace=trace, pack=self.pack)
+            router_hook, hook_deltas = self._routing(predictor, w)
+        hooks = Hooks(predictor, router_hook, {**hook_deltas, **(deltas or {})})
+        self.engine = cls(self.pack, self.streamer, self.tel, hooks, weights=w)
         self.reader_bytes0 = 0
         if self.budget_bytes >= self.all_expert_bytes:
             self.streamer.load_resident([(L, e) for L in s.moe_layers for e in range(s.num_experts)])
-        elif p.warm:
+        elif p.cache.warm:
             self.warm_start(usage)
         self.reader_bytes0 = self.reader.bytes_read
 
     # ------------------------------------------------------------ setup helpers
 
-    def _router_hook(self):
+    def _routing(self, predictor, w) -> tuple:
+        """The preset's routing: (router hook or None, projection deltas)."""
         r = self.preset.routing
-        if r == "exact":
-            return None
-        if r.startswith("cache_bias:"):
-            beta = float(r.split(":", 1)[1])
-            spec, cache, w = self.spec, self.cache, self.engine.w
+        self.lora = None                        # Edge0's recovery LoRA, when the routing serves it
+        if r.router is Router.EXACT:
+            return None, {}
+        if r.router is Router.CACHE_BIAS:
+            beta, spec, cache = r.beta, self.spec, self.cache
 
             def biased(layer, logits, ctx):
                 bias = np.zeros(spec.num_experts, np.float32)
@@ -84,11 +108,10 @@ class Session:
                     if L == layer and v is not None and not hasattr(v, "done"):
                         bias[e] = beta
                 return route(spec, logits, w.get(f"layers.{layer}.router_bias"), bias=bias)
-            return biased
-        if r.split(":")[0] == "prerouter":     # Edge0: the head's prediction is the routing (+ its LoRA)
-            from workbench.edge0.serve import prerouter_routing
-            return prerouter_routing(self, r)
-        raise WorkbenchError(f"routing {r!r}: choose exact, cache_bias:BETA or prerouter[:nolora]")
+            return biased, {}
+        from workbench.edge0.serve import prerouter_routing     # Edge0: the head's prediction is the routing
+        hook, self.lora = prerouter_routing(predictor, r.lora, self.spec, w, self.pack)
+        return hook, self.lora.deltas() if self.lora else {}
 
     def usage(self) -> dict:
         """Expert use per layer on held-out text (TinyStories validation), cached per pack."""
@@ -103,7 +126,7 @@ class Session:
     def warm_start(self, usage: dict):
         """Fill each layer's pool (or the global cache, evenly) with its most-used experts."""
         s = self.spec
-        per_layer = min(self.cache.capacity.values()) if self.preset.cache_scope == "per_layer" \
+        per_layer = min(self.cache.capacity.values()) if self.preset.cache.scope is CacheScope.PER_LAYER \
             else self.cache.capacity[s.moe_layers[0]] // len(s.moe_layers)
         keys = [(L, int(e)) for L in s.moe_layers for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per_layer]]
         self.streamer.load_resident(keys, pin=False)
@@ -119,11 +142,11 @@ class Session:
         return self.tokenizer.decode(list(map(int, ids))) if self.tokenizer else " ".join(map(str, ids))
 
     def step(self, ids, phase: str) -> np.ndarray:
-        """One forward of `ids`; appends a TokenRecord whose time split adds up to its wall time."""
+        """One prefill or decode of `ids`; appends a TokenRecord whose time split adds up to its wall time."""
         e, tel = self.engine, self.tel
         n_ev, dense0, bytes0 = len(tel.events), e.dense_compute_s, self.reader.bytes_read
         t0 = time.perf_counter()
-        logits = e.forward(ids, phase)
+        logits = e.prefill(ids) if phase == "prefill" else e.decode(ids)
         wall = time.perf_counter() - t0
         evs = tel.events[n_ev:]
         compute = (e.dense_compute_s - dense0) + sum(v.compute_s for v in evs)
@@ -144,14 +167,13 @@ class Session:
         if not ids:
             raise WorkbenchError("empty prompt")
         self.engine.reset()
-        self.engine.token_index = 0
         logits = self.step(ids, "prefill")
         stop = self.spec.eos_token_id if stop_at_eos else None
-        if self.preset.speculative and tokens > 1:
+        if self.preset.execution.speculative and tokens > 1:
             first = int(np.argmax(logits[-1]))
             if on_token:
                 on_token(self, first, self.decode([first]))
-            out = speculative_decode(self, first, ids, tokens, self.preset.speculative, on_token, stop)
+            out = speculative_decode(self, first, ids, tokens, self.preset.execution.speculative, on_token, stop)
             return {"text": self.decode(out), "tokens": out, "prompt_tokens": len(ids),
                     "tok_s": self.tel.summary()["tok_s"]}
         out = []
@@ -163,27 +185,34 @@ class Session:
                 on_token(self, nxt, self.tel.tokens[-1].text)
             if (stop_at_eos and nxt == self.spec.eos_token_id) or i == tokens - 1:
                 break
-            self.engine.token_index = i + 1
             logits = self.step([nxt], "decode")
         text = self.decode(out)
         return {"text": text, "tokens": out, "prompt_tokens": len(ids), "tok_s": self.tel.summary()["tok_s"]}
 
     def reset_telemetry(self):
-        self.tel = Telemetry(self.spec.num_layers)
-        self.streamer.tel = self.engine.tel = self.tel
+        self.tel.clear()
 
-    def summary(self) -> dict:
-        s = self.tel.summary()
+    def summary(self, tel: Telemetry | None = None) -> dict:
+        """The session's numbers, from its telemetry or from `tel` (a copy taken under the telemetry's lock)."""
+        tel = tel or self.tel
+        s = tel.summary()
         s.update(cache_bytes=self.cache.bytes, cache_peak_bytes=self.cache.peak_bytes, budget_bytes=self.budget_bytes,
                  peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode,
-                 reader_workers=self.reader.workers, per_layer=self.tel.per_layer("decode"),
-                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes)
+                 reader_workers=self.reader.workers, per_layer=tel.per_layer("decode"),
+                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes, **self.labels())
         return s
 
     def config(self) -> dict:
         return {"model": self.model, "pack": str(self.pack_path), "pack_id": self.pack.content_id(),
                 "engine": self.engine.name, "preset": self.preset.to_dict(), "budget": self.budget_text,
-                "budget_bytes": self.budget_bytes, "reader_mode": self.reader.mode, "spec": self.spec.to_dict()}
+                "budget_bytes": self.budget_bytes, "reader_mode": self.reader.mode, "spec": self.spec.to_dict(),
+                **self.labels()}
+
+    def labels(self) -> dict:
+        """What goes wherever a number goes: emulated flash (the device profile), random weights (make-model), and
+        routing replayed from a trace."""
+        return {"device": self.device.describe() if self.device else None, "emulated": self.device is not None,
+                "random_weights": self.random_weights, "routing_trace": self.drive.source if self.drive else None}
 
     def close(self):
         self.reader.close()

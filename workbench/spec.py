@@ -8,14 +8,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-
-class WorkbenchError(Exception):
-    """A user-facing error: one line naming the file and the problem (CLI exit code 2)."""
+from workbench.errors import WorkbenchError
+from workbench.spec_hybrid import HYBRID, hybrid_spec, language_config, linear_attention_names
 
 
 @dataclass
 class MoESpec:
     family: str                      # qwen3_moe | qwen2_moe | olmoe | mixtral | dots1 | deepseek_v2 | deepseek_v3
+                                     # | qwen3_next | qwen3_5_moe | minicpmv4_7 (the hybrid family: spec_hybrid.py)
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -44,6 +44,11 @@ class MoESpec:
     qk_rope_head_dim: int = 0        # mla: the part of each query/key head that carries (interleaved) RoPE
     v_head_dim: int = 0
     rope_theta: float = 10000.0
+    rotary_dim: int = 0              # partial RoPE: the leading dims of each head that rotate (0 = the whole head)
+    attn_output_gate: bool = False   # the q projection carries a per-dim sigmoid gate for the attention output
+    layer_types: list[str] = field(default_factory=list)   # per layer "linear_attention" | "full_attention"
+    linear: dict | None = None       # Gated DeltaNet sizes: num_key_heads, num_value_heads, key_head_dim,
+                                     # value_head_dim, conv_kernel (spec_hybrid.py)
     rope_yarn: dict | None = None    # YaRN: factor, original_max_position_embeddings, beta_fast, beta_slow, truncate,
                                      # attention_factor (scales cos/sin), mscale_all_dim (latent attention's softmax)
     rms_norm_eps: float = 1e-6
@@ -62,11 +67,18 @@ class MoESpec:
 
     @property
     def rope_dim(self) -> int:
-        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        return self.qk_rope_head_dim if self.attention == "mla" else (self.rotary_dim or self.head_dim)
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
     def attention_names(self, layer: int) -> list[str]:
         """The canonical tensors every attention block of this model has."""
         p = f"layers.{layer}."
+        if self.is_linear(layer):
+            return [p + n for n in linear_attention_names(self.family)]
+        if self.attn_output_gate:
+            return [p + n for n in ("q", "k", "v", "o", "q_norm", "k_norm")]
         if self.attention == "gqa":
             return [p + n for n in ("q", "k", "v", "o")]
         q = ["q"] if not self.q_lora_rank else ["q_a", "q_a_norm", "q_b"]
@@ -80,7 +92,7 @@ class MoESpec:
         return cls(**d)
 
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "dots1", "deepseek_v2", "deepseek_v3")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "dots1", "deepseek_v2", "deepseek_v3") + HYBRID
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -124,6 +136,7 @@ def from_hf_config(cfg: dict, where: str = "config.json") -> MoESpec:
     if family not in SUPPORTED:
         raise WorkbenchError(f"{where}: model_type {family!r} is not a supported MoE family ({', '.join(SUPPORTED)})")
     try:
+        cfg = language_config(cfg) if family in HYBRID else cfg
         heads = cfg["num_attention_heads"]
         common = dict(
             family=family, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
@@ -163,6 +176,8 @@ def from_hf_config(cfg: dict, where: str = "config.json") -> MoESpec:
                            moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
         if family in ("deepseek_v2", "deepseek_v3"):
             return _deepseek(cfg, common)
+        if family in HYBRID:
+            return hybrid_spec(cfg, common, MoESpec)
         # dots1: Qwen3 attention with the DeepSeek-V3 sigmoid-group router and shared experts.
         if cfg.get("use_sliding_window") or any(t != "full_attention" for t in (cfg.get("layer_types") or [])):
             raise ValueError("sliding-window attention layers are not supported")

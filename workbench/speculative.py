@@ -28,7 +28,6 @@ def speculative_decode(session, first: int, context: list[int], tokens: int, n_d
     while len(out) < tokens and out[-1] != stop_token:
         draft = prompt_lookup_draft(context + out, min(n_draft, tokens - len(out)))
         pos = engine.pos
-        engine.token_index = len(out)
         logits = session.step([out[-1]] + draft, "decode")
         greedy = np.argmax(logits, -1)
         accepted = 0

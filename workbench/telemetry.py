@@ -66,6 +66,15 @@ class Telemetry:
         self.ring = deque(maxlen=self.ring_size)
         self.lock = threading.Lock()
 
+    def clear(self):
+        """Forget what was recorded (a warm-up's numbers), in place: the engine and streamer keep recording here."""
+        with self.lock:
+            self.events.clear()
+            self.tokens.clear()
+            self.ring.clear()
+            self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = self.wasted_bytes = 0
+            self.spec_proposed = self.spec_accepted = self.spec_steps = 0
+
     def add_event(self, ev: LayerEvent):
         with self.lock:
             self.events.append(ev)

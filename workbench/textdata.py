@@ -1,10 +1,21 @@
-"""Text the workbench evaluates on: the held-out corpora shipped in data/corpora."""
+"""The corpora shipped in data/corpora: which files train the demo model, which are held out (TinyStories
+validation, WikiText-2 test: the text the workbench evaluates on)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from workbench.spec import WorkbenchError
-from workbench.train.corpora import HELDOUT
+from workbench.errors import WorkbenchError
+
+CORPORA = Path(__file__).resolve().parents[1] / "data" / "corpora"
+TRAIN = {
+    "tinystories": CORPORA / "tinystories" / "tinystories_train_sample_2MiB.txt",
+    "shakespeare": CORPORA / "tinyshakespeare" / "input.txt",
+    "wikitext": CORPORA / "wikitext-2-raw" / "wiki.valid.raw",
+}
+HELDOUT = {
+    "tinystories": CORPORA / "tinystories" / "tinystories_val_head.txt",
+    "wikitext": CORPORA / "wikitext-2-raw" / "wiki.test.raw",
+}
 
 
 def text_of(name_or_path: str) -> str:

@@ -62,6 +62,8 @@ def show_group(ladder: str, model: str, rungs: list):
     ours["× first rung"] = ours["tok/s"] / speed.iloc[0] if len(speed) else None
     pub = LADDERS.get(ladder)
     device = ours["cpu"].iloc[-1] or "this machine"
+    if rungs and rungs[-1][2].get("simulated"):        # simulate's records: a virtual clock, not this machine
+        device = f"SIMULATED on the {rungs[-1][2].get('device')} profile, compute measured on {device}"
     st.subheader(f"{ladder} ladder · model {model}")
     if len(speed) >= 2:
         mine = f"ours ({device})"

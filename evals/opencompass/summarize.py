@@ -16,7 +16,7 @@ from pathlib import Path
 
 from evals.paired import mark, paired
 from workbench.atomic import atomic_write
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 OPTIONS = set("ABCD")
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from workbench.atomic import atomic_path
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
+from workbench.spec_hybrid import split_fused_projections
 
 FILES = {"prerouter": "prerouter.safetensors", "lora": "lora.safetensors"}
 
@@ -70,7 +71,7 @@ def load_safetensors(path, kind: str) -> tuple[dict[str, np.ndarray], dict]:
     """(tensors, meta) of an Edge0 file; WorkbenchError naming the file for anything unreadable."""
     path = Path(path)
     if not path.exists():
-        raise WorkbenchError(f"{path}: missing (train it: python -m workbench.edge0.train_"
+        raise WorkbenchError(f"{path}: missing (train it: python -m training.edge0_"
                              f"{'prerouter' if kind == 'prerouter' else 'lora'} --model ...)")
     try:
         raw = path.read_bytes()
@@ -109,6 +110,8 @@ def pack_weights(pack) -> tuple[dict[str, np.ndarray], dict[int, dict[str, np.nd
     w = {name: pack.tensor(name) for name in pack.tensors}
     if "lm_head" not in w:
         w["lm_head"] = w["embed"]
+    if pack.spec.family == "qwen3_next":
+        split_fused_projections(pack.spec, w)
     experts = {}
     with open(pack.path, "rb") as f:
         for L in pack.spec.moe_layers:

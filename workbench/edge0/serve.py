@@ -11,7 +11,7 @@ Prerouter (predictor "prerouter[:SKIP]", routing "prerouter[:nolora]")
   first: nothing precedes it) and prefill route exactly. The one-hots are of the routing executed.
 
 LoRA: y = x W^T + (x A^T) B^T * scale on attention q, k, v, o, applied as a parallel delta through the
-engine's projection hook (`engine.deltas`), so the int4 base stays as it is stored.
+engine's projection deltas (engines/base.py's hooks), so the int4 base stays as it is stored.
 
 Counters (edge0_counters / edge0_summary), over decode steps of the layers that stream from a prediction:
   routed    experts those layers computed
@@ -25,7 +25,7 @@ import numpy as np
 
 from workbench.edge0.artifacts import artifact_path, check_identity, load_safetensors
 from workbench.routing import route
-from workbench.spec import WorkbenchError
+from workbench.errors import WorkbenchError
 
 PROJ = ("q", "k", "v", "o")
 
@@ -153,16 +153,11 @@ class Prerouter:
         return route(self.spec, logits, self.w.get(f"layers.{layer}.router_bias"))
 
 
-def make_prerouter(name: str, spec, weights, pack=None, path=None) -> Prerouter:
-    """predictor "prerouter" or "prerouter:SKIP"; heads from <model dir>/edge0/prerouter.safetensors."""
-    args = name.split(":")[1:]
+def make_prerouter(skip_layers: int | None, spec, weights, pack=None, path=None) -> Prerouter:
+    """Predictor prerouter (skip_layers None: the heads' own); heads from <model dir>/edge0/prerouter.safetensors."""
     if pack is None and path is None:
         raise WorkbenchError("predictor prerouter: needs the model's pack to find edge0/prerouter.safetensors")
-    try:
-        skip = int(args[0]) if args and args[0] else None
-    except ValueError:
-        raise WorkbenchError(f"predictor {name!r}: expected prerouter or prerouter:SKIP_LAYERS") from None
-    return Prerouter(spec, weights, Heads.load(spec, pack, path), skip)
+    return Prerouter(spec, weights, Heads.load(spec, pack, path), skip_layers)
 
 
 # ---------------------------------------------------------------- LoRA (unmerged)
@@ -208,7 +203,7 @@ class LoRA:
             yield f"layers.{L}.{proj}", self.t[base + ".A"], self.t[base + ".B"]
 
     def deltas(self) -> dict:
-        """{projection name: x -> (x A^T) B^T * scale} for the engine's `deltas` hook."""
+        """{projection name: x -> (x A^T) B^T * scale}: the engine's projection deltas."""
         s = np.float32(self.scale)
 
         def make(A, B):
@@ -220,26 +215,11 @@ class LoRA:
         return {name: weights[name] + self.scale * (B @ A) for name, A, B in self.targets()}
 
 
-def attach_lora(engine, lora: LoRA):
-    if not hasattr(engine, "deltas"):
-        raise WorkbenchError(f"engine {engine.name!r} has no projection-delta hook: the LoRA cannot be served unmerged")
-    engine.deltas.update(lora.deltas())
-    engine.lora = lora
-
-
-def prerouter_routing(session, routing: str):
-    """Session._router_hook for routing "prerouter" (heads + the recovery LoRA) or "prerouter:nolora"."""
-    opts = routing.split(":")[1:]
-    if any(o not in ("nolora", "") for o in opts):
-        raise WorkbenchError(f"routing {routing!r}: choose prerouter or prerouter:nolora")
-    pr = session.engine.predictor
-    if not isinstance(pr, Prerouter):
-        raise WorkbenchError(f"routing {routing!r} needs predictor prerouter (the prediction is the routing), "
-                             f"this preset has predictor {session.preset.predictor!r}")
-    pr.routing_active = True
-    if "nolora" not in opts:
-        attach_lora(session.engine, LoRA.load(session.spec, session.engine.w, session.pack))
-    return pr.route
+def prerouter_routing(predictor: Prerouter, lora: bool, spec, weights, pack):
+    """The Session's routing "prerouter" (heads + the recovery LoRA) or "prerouter:nolora" (the preset has
+    made sure its predictor is the prerouter): (the router hook, the LoRA or None)."""
+    predictor.routing_active = True
+    return predictor.route, (LoRA.load(spec, weights, pack) if lora else None)
 
 
 # ---------------------------------------------------------------- counters
@@ -260,7 +240,7 @@ def edge0_counters(session) -> dict:
         dropped += len(pred - set(ev.routed))
     return {"edge0_routed": routed, "consumed": consumed, "dropped": dropped, "staged_in_memory": in_mem,
             "streamed_layers": sorted(streamed), "skip_layers": getattr(pr, "skip_layers", None),
-            "lora": str(getattr(getattr(session.engine, "lora", None), "path", "")) or None}
+            "lora": str(getattr(session.lora, "path", "")) or None}
 
 
 def edge0_summary(session) -> dict:

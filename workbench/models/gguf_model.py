@@ -30,11 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.spec import MoESpec, WorkbenchError, yarn_mscale
+from workbench.errors import WorkbenchError
+from workbench.models.gguf_hybrid import QWEN3NEXT_BLOCK, qwen3next_derived, qwen3next_spec
+from workbench.spec import MoESpec, yarn_mscale
 
 PARTS = ("gate", "up", "down")
-ARCHES = ("qwen3moe", "qwen2moe", "olmoe", "llama", "dots1", "deepseek2")
-_FAMILY = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral", "dots1": "dots1"}
+ARCHES = ("qwen3moe", "qwen2moe", "olmoe", "llama", "dots1", "deepseek2", "qwen3next")
+_FAMILY = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral", "dots1": "dots1",
+           "qwen3next": "qwen3_next"}
 SOFTMAX, SIGMOID = 1, 2          # llama.cpp's expert_gating_func values
 
 # llama.cpp tensor names (gguf.TENSOR_NAMES) -> workbench canonical names; {i} is the block.
@@ -140,7 +143,7 @@ class GGUFModel:
                 raise WorkbenchError(f"{self.path}: truncated: tensor {t.name} ends past the end of the file")
         if self.arch not in ARCHES:
             raise WorkbenchError(f"{self.path}: GGUF architecture {self.arch!r} is not a supported MoE family "
-                                 f"(qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral), dots1, deepseek2)")
+                                 f"(qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral), dots1, deepseek2, qwen3next)")
         self.where: dict[str, str] = {}                   # canonical -> GGUF tensor name
         self.stacked: dict[tuple[int, str], str] = {}     # (layer, gate|up|down|gate_up) -> GGUF name
         self.split: dict[tuple[int, int, str], str] = {}  # (layer, expert, part) -> GGUF name (old Mixtral)
@@ -155,7 +158,10 @@ class GGUFModel:
                 unknown.append(name)
                 continue
             i, rest = int(m[1]), m[2]
-            if rest in _BLOCK:
+            if self.arch == "qwen3next" and rest in QWEN3NEXT_BLOCK:
+                if QWEN3NEXT_BLOCK[rest]:
+                    self.where[f"layers.{i}.{QWEN3NEXT_BLOCK[rest]}"] = name
+            elif rest in _BLOCK:
                 self.where[f"layers.{i}.{_BLOCK[rest]}"] = name
             elif rest in _STACKED:
                 self.stacked[(i, _STACKED[rest])] = name
@@ -173,6 +179,7 @@ class GGUFModel:
             raise WorkbenchError(f"{self.path}: tensor {unknown[0]} has no place in a workbench MoE model "
                                  f"({len(unknown)} such tensors)")
         self.spec = self._spec()
+        self.derived = qwen3next_derived(self) if self.arch == "qwen3next" else {}
         self._check_complete()
 
     # ------------------------------------------------------------ metadata
@@ -231,6 +238,8 @@ class GGUFModel:
         # how llama.cpp itself runs each architecture (src/models/<arch>.cpp, build_moe_ffn arguments)
         if a == "deepseek2":
             return self._deepseek2_spec(common, ff)
+        if a == "qwen3next":
+            return qwen3next_spec(common, m, self._ne(self.where[f"layers.{moe[0]}.shared.gate"])[1])
         if a == "qwen3moe":        # norm_w true, softmax, per-head q/k norm
             return MoESpec(**common, norm_topk_prob=True, qk_norm="head")
         if a == "qwen2moe":        # norm_w false, a sigmoid-gated shared expert
@@ -369,6 +378,8 @@ class GGUFModel:
 
     def tensor_shape(self, name: str) -> list[int]:
         s = self.spec
+        if name in self.derived:
+            return list(self.derived[name]().shape)
         if self._joined_kv_b(name) is not None:
             return [s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank]
         gname = self.where[name]
@@ -381,7 +392,7 @@ class GGUFModel:
         return [n, ne[0]]
 
     def tensor_kind(self, name: str) -> str:
-        if self._joined_kv_b(name) is not None:
+        if self._joined_kv_b(name) is not None or name in self.derived:
             return "f32"
         t = self._type(self.where[name])
         return "f32" if t == "F32" else f"gguf:{t}"
@@ -394,6 +405,8 @@ class GGUFModel:
         return np.ascontiguousarray(b if order is None else b[order]).reshape(-1)
 
     def tensor(self, name: str) -> np.ndarray:
+        if name in self.derived:
+            return self.derived[name]()
         if (i := self._joined_kv_b(name)) is not None:
             # k_b: ne [nope, latent, heads] = numpy (heads, latent, nope), each head transposed; v_b: (heads, v, latent)
             k_b, v_b = (self._dequantized(self.kv_b_split[i][h]) for h in ("k_b", "v_b"))

@@ -20,15 +20,17 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.spec import MoESpec, WorkbenchError, from_hf_config
+from workbench.errors import WorkbenchError
+from workbench.spec import MoESpec, from_hf_config
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
            "I64": np.int64, "I32": np.int32}
 
-_LAYER = r"model\.layers\.(\d+)\."
+_LM = r"model\.(?:language_model\.)?"      # a multimodal checkpoint's language model: the rest is skipped
+_LAYER = _LM + r"layers\.(\d+)\."
 _RULES = [  # (regex, canonical template)
-    (r"model\.embed_tokens\.weight", "embed"),
-    (r"model\.norm\.weight", "norm"),
+    (_LM + r"embed_tokens\.weight", "embed"),
+    (_LM + r"norm\.weight", "norm"),
     (r"lm_head\.weight", "lm_head"),
     (_LAYER + r"input_layernorm\.weight", "layers.{0}.attn_norm"),
     (_LAYER + r"post_attention_layernorm\.weight", "layers.{0}.mlp_norm"),
@@ -44,7 +46,11 @@ _RULES = [  # (regex, canonical template)
     (_LAYER + r"mlp\.shared_experts?\.(gate|up|down)_proj\.weight", "layers.{0}.shared.{1}"),
     (_LAYER + r"mlp\.shared_expert_gate\.weight", "layers.{0}.shared_gate"),
     (_LAYER + r"mlp\.(gate|up|down)_proj\.weight", "layers.{0}.dense.{1}"),
+    (_LAYER + r"linear_attn\.in_proj_(qkvz|ba|qkv|z|b|a)\.weight", "layers.{0}.lin_{1}"),   # Gated DeltaNet
+    (_LAYER + r"linear_attn\.(conv|norm|out)(?:1d|_proj)?\.weight", "layers.{0}.lin_{1}"),
+    (_LAYER + r"linear_attn\.(A_log|dt_bias)", "layers.{0}.lin_{1}"),
 ]
+_ZERO_CENTRED = re.compile(r"norm|layers\.\d+\.(attn_norm|mlp_norm|q_norm|k_norm)")  # stored as w, used as 1 + w
 _EXPERT = re.compile(_LAYER + r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
 _FUSED = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
@@ -155,7 +161,8 @@ class HFModel:
 
     def tensor(self, name: str) -> np.ndarray:
         shard, hf = self.where[name]
-        return shard.array(hf)
+        a = shard.array(hf)
+        return a + np.float32(1) if self.spec.layer_types and _ZERO_CENTRED.fullmatch(name) else a
 
     def tensor_shape(self, name: str) -> list[int]:
         shard, hf = self.where[name]

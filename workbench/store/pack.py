@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from workbench.atomic import atomic_path
-from workbench.spec import MoESpec, WorkbenchError
+from workbench.chat import find_template
+from workbench.errors import WorkbenchError
+from workbench.spec import MoESpec
 from workbench.store import quant
 
 MAGIC = b"MOEPACK\0"
@@ -165,6 +167,8 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
             header["tokenizer"] = text
     elif tok.exists():  # carried in the header so a pack is self-contained
         header["tokenizer"] = tok.read_text(encoding="utf-8")
+    if template := find_template(model.path):
+        header["chat_template"] = template
     data_start = ALIGN
     while True:  # the header's length depends on the offsets it records: iterate to a fixed point
         tensors, expert_info, end = _plan(model, layout, experts, rest, data_start)

@@ -1,0 +1,71 @@
+"""`bench`: one preset at one budget, warm-up first, cold reads, the floor, and a run record."""
+from __future__ import annotations
+
+from functools import partial
+
+from experiments.routing_trace import TraceDrive
+from workbench.floor import floor_tok_s, probe
+from workbench.presets import Predictor, get_preset
+from workbench.capture import RoutingCapture
+from workbench.runs import write_run
+from workbench.session import Session
+
+SUMMARY_KEYS = ("tok_s", "prefill_tok_s", "hit_rate", "bytes_read", "bytes_read_per_token", "flash_wait_s",
+                "flash_wait_per_token_s", "dequant_s", "compute_s", "router_s", "other_s", "decode_s",
+                "prefetch_recall", "prefetch_precision", "prefetch_issued", "prefetch_wasted", "wasted_bytes")
+
+
+def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
+    """Warm up (code paths, not the cache: the measured run starts with its own prefill), then measure."""
+    if warmup:
+        session.generate(prompt, tokens=warmup)
+        session.reset_telemetry()
+    out = session.generate(prompt, tokens=tokens)
+    s = session.summary()
+    n = max(1, s["decode_steps"])
+    disk = session.device.as_probe() if session.device else probe()       # emulated: the profile's flash
+    fl = floor_tok_s(session.pack, (s["compute_s"] + s["router_s"]) / n, s["bytes_read_per_token"], disk)
+    res = {k: s[k] for k in SUMMARY_KEYS}
+    res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
+               reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
+               per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
+               device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
+               routing_trace=s["routing_trace"])
+    if session.preset.prefetch.predictor is Predictor.PREROUTER:     # Edge0: what its prediction staged and dropped
+        from workbench.edge0.serve import edge0_counters
+        res.update(edge0_counters(session))
+    return res
+
+
+def capture_trace(model: str, preset, prompt, tokens: int) -> dict:
+    """The true routing {(token index, layer): experts} of greedy decoding on this preset's pack (for the oracle)."""
+    with Session(model, preset.with_(predictor=None, routing="exact"), budget="all") as s, RoutingCapture(s) as cap:
+        s.generate(prompt, tokens=tokens)
+        return {(r["token"], r["layer"]): sorted(set(r["idx"].reshape(-1).tolist()))
+                for r in cap.records if r["phase"] == "decode"}
+
+
+def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: int = 64,
+                 routing_trace: str | None = None, **kw) -> Session:
+    """A Session; the oracle's trace is captured first from the same tokens, unless a routing trace (a file,
+    experiments/routing_trace.py) drives the routing and predictions."""
+    p = get_preset(preset) if isinstance(preset, str) else preset
+    if routing_trace:
+        kw["drive"] = partial(TraceDrive, routing_trace)
+    trace = capture_trace(model, p, prompt, tokens) if p.prefetch.predictor is Predictor.ORACLE and not routing_trace \
+        else None
+    return Session(model, p, budget=budget, trace=trace, **kw)
+
+
+def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
+          engine: str = "numpy", direct: bool = True, record: bool = True, device: str | None = None,
+          routing_trace: str | None = None) -> dict:
+    with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct,
+                      device=device, routing_trace=routing_trace) as s:
+        res = measure(s, prompt, tokens)
+        res.update(preset=s.preset.name, budget=s.budget_text)
+        if record:
+            path = write_run(s.preset.name, {**s.config(), "tokens": tokens, "prompt": prompt}, res,
+                             s.tel.per_layer("decode"), s.tel.event_rows(), s.tel.token_rows())
+            res["run"] = str(path)
+    return res

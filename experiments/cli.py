@@ -1,0 +1,191 @@
+"""The experiments' verbs: bench, ladder, trace, replay, simulate, bench-peer (registered in workbench.commands).
+
+`bench --engine llamacpp` measures stock llama.cpp from outside (engines/llamacpp_cli.py); every other engine
+is measured here, in process.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from workbench.commands import command, emit, flash, running
+from workbench.errors import WorkbenchError
+
+
+def _bench_flags(p):
+    from engines.llamacpp_cli import bench_flags
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt", default="Once upon a time")
+    p.add_argument("--no-record", action="store_true")
+    p.add_argument("--routing-trace", default=None, metavar="FILE",
+                   help="route and predict as recorded in this trace (real reads, real compute; ids mapped, see JSON)")
+    bench_flags(p)
+
+
+@command("bench", "measure decode speed, hits and flash wait; writes a run record", running, flash, _bench_flags)
+def cmd_bench(args):
+    if args.engine == "llamacpp":
+        if args.device or args.routing_trace:
+            raise WorkbenchError("--engine llamacpp reads through llama.cpp's own mmap: --device and --routing-trace "
+                                 "need an engine the workbench streams (numpy, mlx)")
+        from engines.llamacpp_cli import bench_llamacpp
+        res = bench_llamacpp(args)
+        return emit(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "token_ids"))
+    from experiments.bench import bench
+    res = bench(args.model, args.preset, budget=args.budget, tokens=args.tokens, prompt=args.prompt,
+                engine=args.engine, direct=not args.page_cache, record=not args.no_record, device=args.device,
+                routing_trace=args.routing_trace)
+    emit(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "per_layer"))
+
+
+def _ladder_flags(p):
+    p.add_argument("name", choices=["les", "smol", "cache", "designs", "edge0"])
+    p.add_argument("--model", default="demo")
+    p.add_argument("--budget", default="0.25")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--chunks", type=int, default=4, help="edge0: held-out chunks for the quality rungs")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="edge0: tokens per held-out chunk")
+    p.add_argument("--skip-layers", type=int, default=None, help="edge0: MoE layers routed exactly (default: the heads')")
+
+
+@command("ladder", "a design's ablation ladder, alternating arms, one run record per rung "
+                   "(edge0: quality rungs, recall, speed A/B)", _ladder_flags, flash)
+def cmd_ladder(args):
+    progress = None if args.json else print
+    if args.name == "edge0":
+        if args.device:
+            raise WorkbenchError("ladder edge0 runs on this machine's flash: --device is for les, smol, cache, designs")
+        from experiments.edge0_ladder import run_edge0, table
+        res = run_edge0(args.model, budget=args.budget, tokens=args.tokens, rounds=args.rounds, chunks=args.chunks,
+                        chunk_tokens=args.chunk_tokens, skip_layers=args.skip_layers, progress=progress)
+    else:
+        from experiments.ladder import run_ladder, table
+        res = run_ladder(args.name, model=args.model, budget=args.budget, tokens=args.tokens, rounds=args.rounds,
+                         progress=progress, device=args.device)
+    emit(args, res, table(res))
+
+
+def _trace_ids(args, tokenize) -> list[int]:
+    from workbench.textdata import text_of
+    text = text_of(args.data)
+    ids = tokenize(text[: args.tokens * 8 + 64])[: args.tokens]
+    if len(ids) < args.tokens:
+        ids = tokenize(text)[: args.tokens]
+    if not ids:
+        raise WorkbenchError(f"{args.data}: no tokens")
+    return ids
+
+
+def _trace_flags(p):
+    from engines.llamacpp_engine import GGUF_TYPES
+    p.add_argument("--engine", default="llamacpp", choices=["llamacpp", "numpy"])
+    p.add_argument("--model", default="demo", help="a .gguf, or a workbench model (exported to GGUF for llamacpp)")
+    p.add_argument("--data", default="tinystories", help="tinystories, wikitext2, or a text file")
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--out", required=True)
+    p.add_argument("--type", default="f16", choices=list(GGUF_TYPES), help="GGUF type when exporting (llamacpp)")
+    p.add_argument("--preset", default="teacher", help="the pack the numpy engine traces")
+    p.add_argument("--threads", type=int, default=1)
+
+
+@command("trace", "capture per-token per-layer routing into a Parquet trace", _trace_flags)
+def cmd_trace(args):
+    from experiments.traces import capture_numpy, write_trace
+    if args.engine == "llamacpp":
+        from engines.llamacpp_engine import LlamaCpp, capture_trace, resolve_gguf
+        from workbench.models.gguf_model import GGUFModel
+        path = resolve_gguf(args.model, args.type)
+        g = GGUFModel(path)
+        with LlamaCpp(path, n_ctx=64) as llm:
+            ids = _trace_ids(args, llm.tokenize)
+        tr = capture_trace(path, ids, threads=args.threads)
+        if tr["moe_layers"] != g.spec.moe_layers:
+            raise WorkbenchError(f"{path}: llama.cpp reported MoE layers {tr['moe_layers']}, the GGUF has {g.spec.moe_layers}")
+        meta = {"engine": "llamacpp", "model": args.model, "gguf": str(Path(path).resolve()), "spec": g.spec.to_dict(),
+                "source": g.source_info(), "data": args.data}
+    else:
+        from workbench.presets import get_preset
+        from workbench.registry import resolve_pack, tokenizer_for
+        from workbench.store.pack import Pack
+        p = get_preset(args.preset)
+        st = p.storage
+        tok = tokenizer_for(Pack(resolve_pack(args.model, st.layout.value, st.experts, st.rest)))
+        if tok is None:
+            raise WorkbenchError(f"{args.model}: no tokenizer")
+        ids = _trace_ids(args, lambda t: tok.encode(t).ids)
+        tr, meta = capture_numpy(args.model, ids, args.preset)
+        meta["data"] = args.data
+    from experiments.routing_trace import named_predictions
+    from experiments.traces import _weights_for
+    from workbench.spec import MoESpec
+    spec = MoESpec.from_dict(meta["spec"])
+    out = write_trace(args.out, tr, ids, meta, predictions=named_predictions(tr, spec, _weights_for(meta, None, spec)))
+    obj = {"path": str(out), "engine": args.engine, "tokens": len(ids), "moe_layers": tr["moe_layers"],
+           "top_k": int(tr["topk"].shape[2]), "rows": len(ids) * len(tr["moe_layers"])}
+    emit(args, obj, f"wrote {out}: {len(ids)} tokens x {len(tr['moe_layers'])} layers ({args.engine})")
+
+
+def _replay_flags(p):
+    p.add_argument("trace")
+    p.add_argument("--preset", default="les")
+    p.add_argument("--budget", default=None, help="0.25 (fraction of all experts), 96MiB, or all")
+    p.add_argument("--model", default=None, help="where to read the routers for lookahead (default: the trace's)")
+    p.add_argument("--designs", default=None, help="comma-separated subset of on_demand,history,shuffled,lookahead,oracle")
+    p.add_argument("--skip", type=int, default=0, help="tokens that only warm the cache, not counted")
+
+
+@command("replay", "simulate the expert cache of each design over a routing trace", _replay_flags)
+def cmd_replay(args):
+    from experiments.traces import DESIGNS, replay, table
+    designs = tuple(args.designs.split(",")) if args.designs else DESIGNS
+    bad = [d for d in designs if d not in DESIGNS]
+    if bad:
+        raise WorkbenchError(f"--designs {bad[0]!r}: choose from {', '.join(DESIGNS)}")
+    res = replay(args.trace, args.preset, args.budget, model=args.model, designs=designs, skip=args.skip)
+    emit(args, res, table(res))
+
+
+def _simulate_flags(p):
+    p.add_argument("--trace", required=True)
+    p.add_argument("--preset", default="les")
+    p.add_argument("--budget", default=None)
+    p.add_argument("--device", default="this-machine", help="the device profile that times the reads")
+    p.add_argument("--shape", default=None, help="a real model's expert shape (make-model's shapes)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=4, help="trace rows replayed as the prompt (untimed)")
+    p.add_argument("--workers", type=int, default=None, help="reader threads (default: the profile's queue depth)")
+    p.add_argument("--model", default=None, help="measure the compute profile on this model (default: the trace's)")
+    p.add_argument("--compute", default=None, help="a compute profile JSON instead of measuring one")
+    p.add_argument("--no-record", action="store_true")
+
+
+@command("simulate", "a design over a routing trace on a virtual clock (no model run); marked simulated", _simulate_flags)
+def cmd_simulate(args):
+    from experiments.simulate import load_compute, run
+    res = run(args.trace, args.preset, args.budget, args.device, shape=args.shape, tokens=args.tokens,
+              prompt=args.prompt_tokens, compute=load_compute(args.compute) if args.compute else None,
+              workers=args.workers, model=args.model, record=not args.no_record)
+    emit(args, res, f"SIMULATED {res['preset']} on {res['device']['label']} ({res['shape_note']}): "
+                    f"{res['tok_s']:.2f} tok/s, hit {res['hit_rate']:.3f}; Belady bound: hit {res['belady_hit_rate']:.3f}, "
+                    f"{res['belady_tok_s']:.2f} tok/s")
+
+
+def _peer_flags(p):
+    from engines.llamacpp_engine import GGUF_TYPES
+    p.add_argument("--model", default="demo")
+    p.add_argument("--budget", default="0.25")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--type", default="q4_k_m", choices=list(GGUF_TYPES), help="the GGUF llama.cpp runs")
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads")
+    p.add_argument("--prompt", default="Once upon a time")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
+
+
+@command("bench-peer", "workbench resident/les vs stock llama.cpp cold/warm; writes results/peer.*", _peer_flags)
+def cmd_bench_peer(args):
+    from experiments.peer import run_peer
+    res = run_peer(model=args.model, budget=args.budget, tokens=args.tokens, rounds=args.rounds,
+                   gguf_type=args.type, threads=args.threads, prompt=args.prompt, out=Path(args.out),
+                   progress=None if args.json else print)
+    emit(args, res, res["markdown"])

@@ -1,0 +1,108 @@
+"""Ladders: ordered rungs, each adding one knob, measured in one run with alternating arms.
+
+    python -m workbench ladder les   --model demo --budget 0.25 --json
+    python -m workbench ladder smol  --model demo --budget 0.25 --json
+    python -m workbench ladder cache --model demo --json
+    python -m workbench ladder designs --model demo --json    (every design side by side at one budget)
+
+Rounds run every rung once in order (A B C ... A B C ...), each arm a fresh `bench` (a new Session, a
+warm-up, the measured tokens); reads are O_DIRECT, so no arm inherits another's page cache. The rungs
+are one timing group of a sweep (experiments.sweep) on a local Ray. Reported per rung: the median tok/s
+with min-max over rounds, and the other fields from the median round's bench record.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from workbench.presets import get_preset
+from workbench.session import Session
+from workbench.errors import WorkbenchError
+
+BIAS_SWEEP = (0.005, 0.02, 0.05, 0.1, 0.25)
+
+
+def les_rungs():
+    base = get_preset("on_demand").with_(name="on_demand")
+    look = base.with_(name="+lookahead", predictor="lookahead:1:k")
+    sched = look.with_(name="+ready_first & contiguous", execution="ready_first", layout="contiguous")
+    mixed = sched.with_(name="+mixed precision (q3/q4)", experts="q3", rest="q4")
+    spec = mixed.with_(name="+speculative verification", speculative=4)
+    return [base, look, sched, mixed, spec]
+
+
+def smol_rungs():
+    exact = get_preset("smol").with_(name="pager (exact, no prefetch)", predictor=None)
+    pre = exact.with_(name="+prefetch 2 ahead", predictor="lookahead:2:k")
+    return [exact, pre] + [pre.with_(name=f"+bias {b}", routing=f"cache_bias:{b}") for b in BIAS_SWEEP]
+
+
+def cache_rungs(spec_top_k: int, item_bytes: int, layers: int, preset: str = "les"):
+    """Window sweep: c extra slots beyond one layer's top-k (c=0 releases after use), up to all-resident."""
+    p = get_preset(preset)
+    out = []
+    for c in (0, spec_top_k, 4 * spec_top_k, 16 * spec_top_k):
+        out.append((p.with_(name=f"window c={c}"), str((spec_top_k + c) * item_bytes)))
+    for frac in ("0.25", "0.5", "all"):
+        out.append((p.with_(name=f"budget {frac}"), frac))
+    return out
+
+
+def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3,
+               prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, device: str | None = None) -> dict:
+    """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}. device: a
+    device profile whose flash every rung's reads emulate (workbench.devices).
+
+    The rungs are the arms of one timing group of a sweep (experiments.sweep, on a local Ray): one task, holding
+    the machine's CPUs, runs them round by round, and one run record per rung comes back."""
+    from experiments.grid import AXES, Cell, Grid
+    from experiments.sweep import run_grid
+    if name == "les":
+        rungs = [(p, budget) for p in les_rungs()]
+    elif name == "smol":
+        rungs = [(p, budget) for p in smol_rungs()]
+        quality_tokens = quality_tokens or 192
+    elif name == "designs":
+        rungs = [(get_preset(n), budget) for n in ("on_demand", "shuffled", "history", "les", "smol", "oracle")]
+        rungs.append((get_preset("resident"), "all"))
+    elif name == "cache":
+        with Session(model, "les", budget="all") as s:
+            rungs = cache_rungs(s.spec.top_k, s.item_bytes, len(s.spec.moe_layers))
+    else:
+        raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache or designs (edge0 has its own verb)")
+    base = {"les": "on_demand", "smol": "smol", "cache": "les"}.get(name)
+    cells, labels = [], {}
+    for i, (preset, b) in enumerate(rungs):
+        c = Cell.of("bench", model, preset, base or preset.name, budget=b, tokens=tokens, rounds=rounds, prompt=prompt,
+                    heldout_tokens=quality_tokens, **({"device": device} if device else {}))
+        cells.append(c)
+        labels[c.id] = {"ladder": name, "rung": preset.name, "rung_index": i, "rounds": rounds, "tokens": tokens,
+                        "prompt": prompt}
+    res = run_grid(Grid(f"ladder_{name}", cells, arms=AXES, labels=labels), resume=False, progress=bool(progress))
+    rows = []
+    for (preset, b), r in zip(rungs, res["rows"]):
+        if r["status"] != "ok":
+            raise WorkbenchError(f"ladder {name}, rung {preset.name!r}: {r['error']}")
+        row = json.loads((Path(r["run"]) / "summary.json").read_text())
+        row.update(rung=preset.name, budget=b, heldout_ppl=row.get("heldout_ppl"),
+                   heldout_miss_rate=row.get("heldout_miss_rate"), run=r["run"])
+        rows.append(row)
+    base = rows[0]["tok_s"]
+    for row in rows:
+        row["speedup"] = row["tok_s"] / base if base else None
+    return {"ladder": name, "model": model, "budget": budget, "rounds": rounds, "rungs": rows, "device": device,
+            "emulated": bool(device)}
+
+
+def table(res: dict) -> str:
+    dev = f", EMULATED {res['device']}" if res.get("device") else ""
+    lines = [f"ladder {res['ladder']} on {res['model']} (budget {res['budget']}, {res['rounds']} alternating rounds{dev})",
+             f"{'rung':34} {'tok/s':>7} {'min-max':>13} {'x':>5} {'hit':>5} {'recall':>6} {'wait ms/tok':>11} "
+             f"{'KB read/tok':>11} {'/floor':>6}"]
+    for r in res["rungs"]:
+        rec = "" if r.get("prefetch_recall") is None else f"{r['prefetch_recall']:.2f}"
+        lines.append(f"{r['rung'][:34]:34} {r['tok_s']:7.1f} {r['tok_s_min']:6.1f}-{r['tok_s_max']:<6.1f} "
+                     f"{r['speedup']:5.2f} {r['hit_rate']:5.2f} {rec:>6} {1e3 * r['flash_wait_per_token_s']:11.2f} "
+                     f"{r['bytes_read_per_token'] / 1e3:11.1f} {r['achieved_over_floor']:6.2f}"
+                     + (f"  ppl {r['heldout_ppl']:.3f}" if r.get("heldout_ppl") else ""))
+    return "\n".join(lines)

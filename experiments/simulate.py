@@ -1,0 +1,600 @@
+"""The simulator: a design's decode over a routing trace on a virtual clock, no model run.
+
+    python -m workbench simulate --trace data/traces/demo-tinystories-256.parquet --preset les --budget 0.25 \
+        --device ufs22-phone [--shape qwen3.6-35b-a3b] --json
+
+It keeps the engine's own pieces where they carry the logic: the ExpertCache (budget, policy, scope, pins,
+protection of in-flight and current-layer experts), the trace's recorded predictions (TraceDrive, as
+`bench --routing-trace` uses them) and the pack's read plan (expert byte sizes, contiguous or native layout,
+adjacent reads merged as Reader.submit merges them). What is modelled, mirroring ExpertStreamer:
+
+  per MoE layer   clock += dense + router time; the predictor's experts for a later layer are reserved and
+                  read; the layer's misses are reserved and read; ready_first computes experts already in
+                  memory first, then each in arrival order; wait_all waits for every read, then computes
+  reads           a FIFO pool of `workers` reader threads; a (merged) read issued while n reads are in flight
+                  takes the device profile's read_s(bytes, n); the pool thread then dequantizes each expert
+                  of that read (as the streamer's read callback does), so an expert is ready after both
+  compute         a measured profile of this engine (ComputeProfile): dense and router time per layer, expert
+                  compute per expert, dequant per expert at the pack's precision, other time per token
+
+Not modelled: CPU contention between the reader threads and the compute thread (the real run shares cores),
+page-cache effects (reads are O_DIRECT), Python scheduling jitter. The Belady bound replays the same accesses
+with optimal replacement and perfect foresight: its hit rate is the most any policy gets at that budget, and
+its tok/s assumes every miss read is hidden behind compute at the device's peak bandwidth.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.base import Engine
+from workbench.cache import ExpertCache
+from workbench.devices import DeviceProfile
+from workbench.errors import WorkbenchError
+from workbench.presets import Budget, CacheScope, Order, Router
+from workbench.spec import MoESpec
+
+ALIGN = 4096
+PARTS = ("gate", "up", "down")
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """Seconds on the compute thread (dense, router, expert per expert, other per token) and on a reader
+    thread (dequant per expert)."""
+    dense_s: float            # per MoE layer: attention, norms, and the token's share of embedding/head
+    router_s: float           # per MoE layer
+    expert_s: float           # per expert computed
+    dequant_s: float          # per expert read, at the pack's expert precision
+    other_s: float = 0.0      # per token: what the engine spends outside the measured parts
+    issue_s: float = 0.0      # per expert read issued: the compute thread's cost of submitting it (reader pool, futures)
+    dequant_busy_s: float = 0.0   # per expert, on a reader thread while the compute thread computes (GIL contention)
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """How one layer's experts are read: bytes per (merged) read for a run of consecutive expert ids."""
+    layout: str               # contiguous | native
+    part_bytes: tuple         # encoded bytes of gate, up, down
+
+    def reads(self, experts: list[int]) -> list[tuple[list[int], int]]:
+        """[(experts, bytes of one read)]: consecutive ids merge (adjacent in the pack); native: 3 reads per run."""
+        runs, out = [], []
+        for e in sorted(experts):
+            if runs and e == runs[-1][-1] + 1:
+                runs[-1].append(e)
+            else:
+                runs.append([e])
+        for run in runs:
+            if self.layout == "contiguous":
+                out.append((run, len(run) * _align(sum(self.part_bytes))))
+            else:
+                out += [(run, len(run) * _align(b)) for b in self.part_bytes]
+        return out
+
+
+def read_plan(spec: MoESpec, layout: str, experts: str) -> ReadPlan:
+    from workbench.store.pack import _nbytes, expert_kind
+    d, ff = spec.hidden_size, spec.moe_intermediate_size
+    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    return ReadPlan(layout, tuple(_nbytes(shapes[p], expert_kind(shapes[p], experts)) for p in PARTS))
+
+
+class _Read:
+    """A cache entry on the virtual clock: in flight until `ready` (ExpertCache asks done()): the read's end, then
+    (if it ended while the compute thread held the GIL) the wait for the GIL, then the dequants of its read up to and
+    including its own, each at the contended speed if the compute thread was computing when the read ended."""
+    __slots__ = ("end", "k", "clock", "dq", "dq_busy")
+
+    def __init__(self, end: float, clock, k: int = 0, dq: float = 0.0, dq_busy: float = 0.0):
+        self.end, self.k, self.clock, self.dq, self.dq_busy = end, k, clock, dq, dq_busy
+
+    @property
+    def ready(self) -> float:
+        busy = self.dq_busy and self.clock.working(self.end)
+        return self.clock.gil(self.end) + self.k * (self.dq_busy if busy else self.dq)
+
+    def done(self) -> bool:
+        return self.ready <= self.clock.now
+
+
+class _Pool:
+    """A FIFO pool of reader threads on the virtual clock."""
+
+    def __init__(self, workers: int, device: DeviceProfile, dequant_s: float):
+        self.free = [0.0] * workers          # when each worker is next free (a heap)
+        self.busy: list[tuple[float, float]] = []    # (start, end) of reads, for the depth a new read sees
+        self.device, self.dequant_s = device, dequant_s
+        self.dequants: list[float] = []      # start times of dequants not yet charged to the compute thread
+
+    def submit(self, t: float, groups) -> dict:
+        """Issue reads at time t; returns {expert: (end of its read, its place among the read's dequants)}."""
+        ready = {}
+        for experts, nbytes in groups:
+            start = max(t, heapq.heappop(self.free))
+            depth = 1 + sum(1 for s, e in self.busy if s <= start < e)
+            end = start + self.device.read_s(nbytes, depth)
+            self.busy.append((start, end))
+            offset = 0.0
+            for k, e in enumerate(experts, 1):     # the pool thread dequantizes each expert of the read, in order
+                self.dequants.append(end + offset)
+                offset += self.dequant_s
+                ready[e] = (end, k)
+            heapq.heappush(self.free, end + offset)   # (at the uncontended speed: an approximation)
+        self.busy = [(s, e) for s, e in self.busy if e > t]
+        return ready
+
+
+class _Clock:
+    """The virtual clock and the compute thread's work so far: a read that ends while the compute thread works
+    waits for the GIL until the thread's next switch (CPython's switch interval) or the end of that work."""
+
+    def __init__(self, switch_s: float = 0.0):
+        self.now, self.switch_s = 0.0, switch_s
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def _work_at(self, t: float) -> int:
+        import bisect
+        i = bisect.bisect_right(self.starts, t) - 1
+        return i if i >= 0 and t < self.ends[i] else -1
+
+    def working(self, t: float) -> bool:
+        return self._work_at(t) >= 0
+
+    def gil(self, t: float) -> float:
+        i = self._work_at(t)
+        return min(t + self.switch_s, self.ends[i]) if self.switch_s and i >= 0 else t
+
+
+class _Position:
+    """What the trace drive reads of an engine (its token index, in the hooks' ctx), on the virtual clock."""
+
+    def __init__(self):
+        self.token_index = 0
+
+    def step(self, token_index: int, phase: str = "decode") -> dict:
+        self.token_index = token_index
+        return {"engine": self, "phase": phase}
+
+
+def _layer_event(layer):
+    return dict(layer=layer, hits=0, misses=0, bytes_read=0, wait_s=0.0, compute_s=0.0)
+
+
+def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
+                 tokens: int, prompt: int = 4, workers: int = 1, plan: ReadPlan | None = None,
+                 shared_cpu: bool = True, switch_s: float | None = None) -> dict:
+    """Prefill `prompt` trace rows (reads only, untimed), then decode `tokens - 1` steps on the virtual clock,
+    as `bench` measures: tok_s counts decode steps only. shared_cpu: the numpy engine's dequant (reader threads)
+    and compute (its own thread) hold one GIL: a dequant that starts while the compute thread works delays that
+    work by the dequant's length (one that starts while it waits costs it nothing) and itself takes the contended
+    time (compute.dequant_busy_s); without a measured contended time, a read that ends while the compute thread
+    works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore)."""
+    plan = plan or read_plan(spec, preset.storage.layout.value, preset.storage.experts)
+    item = Engine.expert_bytes(spec)             # an expert in f32, as the Session counts
+    total = item * spec.num_experts * len(spec.moe_layers)
+    budget_bytes = Budget(budget).nbytes(item, spec.num_experts * len(spec.moe_layers))
+    cache = ExpertCache(budget_bytes, item, spec.moe_layers, policy=preset.cache.policy.value, scope=preset.cache.scope.value,
+                        min_slots_per_layer=spec.top_k)
+    import sys
+    # a read that lands while the compute thread computes is dequantized at the contended speed, measured (GIL waits
+    # included, so the switch-interval model is then off unless asked for)
+    busy = compute.dequant_busy_s if shared_cpu else 0.0
+    if switch_s is None:
+        switch_s = sys.getswitchinterval() if shared_cpu and not busy else 0.0
+    clock = _Clock(switch_s)
+    pool = _Pool(workers, device, compute.dequant_s)
+    resident = budget_bytes >= total
+    landed = _Read(-1.0, clock)
+    if resident:
+        for L in spec.moe_layers:
+            for e in range(spec.num_experts):
+                cache.pin((L, e), landed)
+    elif preset.cache.warm:
+        per = min(cache.capacity.values()) if preset.cache.scope is CacheScope.PER_LAYER else \
+            cache.capacity[spec.moe_layers[0]] // len(spec.moe_layers)
+        for L in spec.moe_layers:
+            for e in np.argsort(-np.asarray(drive.usage[L]), kind="stable")[:per]:
+                cache.reserve((L, int(e)), landed)
+
+    pos = _Position()
+    predictor = drive.predictor()
+    layers = {L: _layer_event(L) for L in spec.moe_layers}
+    n = dict(bytes=0, wait=0.0, issued=0, used=0, predicted=0, demand=0)
+    prefetched: set = set()
+
+    def work(seconds):
+        """The compute thread works `seconds`, plus (shared_cpu) every dequant that takes the GIL from it: one whose
+        read ended at t preempts the work at t + switch_s if the work is still going then."""
+        start, end = clock.now, clock.now + seconds
+        if shared_cpu:
+            if clock.ends and start > clock.ends[-1]:       # it waited since its last work: those ran meanwhile
+                pool.dequants = [t for t in pool.dequants if t >= start]
+            while (mine := [t for t in pool.dequants if t + clock.switch_s < end]):
+                pool.dequants = [t for t in pool.dequants if t + clock.switch_s >= end]
+                end += len(mine) * compute.dequant_s
+        if end > start:
+            clock.starts.append(start)
+            clock.ends.append(end)
+        clock.now = end
+
+    def issue(keys, t, counted):
+        work(compute.issue_s * len(keys))
+        t = clock.now
+        groups = [(g, b) for L in sorted({k[0] for k in keys})
+                  for g, b in [([(L, e) for e in run], nb) for run, nb in plan.reads([k[1] for k in keys if k[0] == L])]]
+        ready = pool.submit(t, groups)
+        for k in keys:
+            cache.set(k, _Read(ready[k][0], clock, ready[k][1], compute.dequant_s, busy))
+        if counted:
+            n["bytes"] += sum(b for _, b in groups)
+        return sum(b for _, b in groups)
+
+    # prefill: every routed expert of the prompt rows, read and landed before decoding starts (untimed)
+    ctx = pos.step(0, "prefill")
+    for L in spec.moe_layers:
+        idx = drive.route(L, np.zeros((prompt, 1)), ctx)[0]
+        keys = [(L, int(e)) for e in sorted(set(idx.reshape(-1).tolist())) if (L, int(e)) not in cache]
+        for k in keys:
+            if not cache.reserve(k, None):
+                break
+        keys = [k for k in keys if cache.peek(k) is None and k in cache]
+        if keys:
+            issue(keys, clock.now, False)
+        clock.now = max([clock.now] + [cache.peek(k).ready for k in cache.keys(L) if isinstance(cache.peek(k), _Read)])
+    t_decode = clock.now
+    at_decode = list(cache.keys())                   # what any policy starts decoding with (Belady too)
+    pool.dequants = []                               # the prompt's dequants are done before decoding starts
+    steps = max(0, tokens - 1)
+    for step in range(1, steps + 1):
+        ctx = pos.step(step)
+        for L in spec.moe_layers:
+            ev = layers[L]
+            work(compute.dense_s + compute.router_s)
+            needed = sorted(set(int(e) for e in drive.route(L, np.zeros((1, 1)), ctx)[0].reshape(-1)))
+            protect = {(L, e) for e in needed}
+            if predictor is not None:
+                for target, experts in predictor.predict(L, ctx).items():
+                    n["predicted"] += len(experts)
+                    keys = []
+                    for e in experts:
+                        k = (target, int(e))
+                        if k in cache:
+                            continue
+                        if not cache.reserve(k, None, protect):
+                            break
+                        keys.append(k)
+                    if keys:
+                        issue(keys, clock.now, True)
+                        prefetched.update(keys)
+                        n["issued"] += len(keys)
+            ready, pending, backlog = [], {}, []
+            for e in needed:
+                k = (L, e)
+                ent = cache.get(k)
+                if k in prefetched:
+                    prefetched.discard(k)
+                    n["used"] += 1
+                if ent is None:
+                    backlog.append(e)
+                    ev["misses"] += 1
+                elif ent.done():
+                    ev["hits"] += 1
+                    ready.append(e)
+                else:
+                    ev["misses"] += 1
+                    pending[e] = ent
+
+            def issue_backlog():
+                keys = []
+                while backlog and cache.reserve((L, backlog[0]), None, protect):
+                    keys.append((L, backlog.pop(0)))
+                if keys:
+                    n["demand"] += len(keys)
+                    ev["bytes_read"] += issue(keys, clock.now, True)
+                    for k in keys:
+                        pending[k[1]] = cache.peek(k)
+
+            def run(e):
+                work(compute.expert_s)
+                ev["compute_s"] += compute.expert_s
+                protect.discard((L, e))
+
+            issue_backlog()
+            if preset.execution.order is Order.READY_FIRST:
+                for e in ready:
+                    run(e)
+                ready = []
+            while pending or backlog or ready:
+                if pending and (preset.execution.order is Order.WAIT_ALL or not ready):
+                    at = [r.ready for r in pending.values()]
+                    until = max(at) if preset.execution.order is Order.WAIT_ALL else min(at)
+                    wait = max(0.0, until - clock.now)
+                    clock.now += wait
+                    ev["wait_s"] += wait
+                    n["wait"] += wait
+                    for e in sorted((e for e, r in pending.items() if r.done()), key=lambda e: pending[e].ready):
+                        pending.pop(e)
+                        ready.append(e)
+                for e in ready:
+                    run(e)
+                ready = []
+                issue_backlog()
+                if backlog and not pending:          # every free slot holds a read in flight: wait for one
+                    flying = [v.ready for k in cache.keys() if isinstance(v := cache.peek(k), _Read) and not v.done()]
+                    if not flying:
+                        raise WorkbenchError(f"layer {L}: no cache slot for expert {backlog[0]}: pinned experts fill the budget")
+                    wait = min(flying) - clock.now
+                    clock.now += wait
+                    ev["wait_s"] += wait
+                    n["wait"] += wait
+        work(compute.other_s)
+    decode_s = clock.now - t_decode
+    hits = sum(r["hits"] for r in layers.values())
+    misses = sum(r["misses"] for r in layers.values())
+    for r in layers.values():
+        r["hit_rate"] = r["hits"] / max(1, r["hits"] + r["misses"])
+    return {"tok_s": steps / decode_s if decode_s > 0 else float("inf"), "hit_rate": hits / max(1, hits + misses),
+            "hits": hits, "misses": misses, "bytes_read": n["bytes"], "bytes_read_per_token": n["bytes"] / max(1, steps),
+            "flash_wait_s": n["wait"], "flash_wait_per_token_s": n["wait"] / max(1, steps), "decode_s": decode_s,
+            "decode_steps": steps, "prefetch_issued": n["issued"], "prefetch_used": n["used"],
+            "experts_read": n["demand"] + n["issued"],
+            "budget_bytes": budget_bytes, "cache_slots": cache.capacity[spec.moe_layers[0]], "cache_at_decode": at_decode,
+            "per_layer": [layers[L] for L in spec.moe_layers]}
+
+
+def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, initial=()) -> dict:
+    """Optimal replacement with perfect foresight (Belady's MIN) over the same decode accesses: the fewest experts
+    any policy must read at this budget. Its hit rate bounds demand fetching; a prefetching design can show a higher
+    hit rate (a prefetch is a read that lands in time), never fewer reads. initial: the experts in memory when
+    decoding starts (the prompt's, a warm set), as the design had them."""
+    item = Engine.expert_bytes(spec)
+    slots = Budget(budget).nbytes(item, spec.num_experts * len(spec.moe_layers)) // item
+    per_layer = preset.cache.scope is CacheScope.PER_LAYER
+
+    pos = _Position()
+    drive.route(spec.moe_layers[0], np.zeros((prompt, 1)), pos.step(0, "prefill"))      # the prompt's rows come first
+    seq = []
+    for step in range(1, max(0, tokens - 1) + 1):
+        ctx = pos.step(step)
+        for L in spec.moe_layers:
+            seq += [(L, int(e)) for e in sorted(set(drive.route(L, np.zeros((1, 1)), ctx)[0].reshape(-1)))]
+    nxt, last = [0] * len(seq), {}
+    for i in range(len(seq) - 1, -1, -1):
+        nxt[i] = last.get(seq[i], len(seq) + i)
+        last[seq[i]] = i
+    cap = slots // len(spec.moe_layers) if per_layer else slots
+    pools: dict = {}
+    first = {}
+    for i, k in enumerate(seq):
+        first.setdefault(k, i)
+    for k in initial:
+        pool = pools.setdefault(k[0] if per_layer else 0, {})
+        if len(pool) < cap:
+            pool[tuple(k)] = first.get(tuple(k), 2 * len(seq) + 1)
+    misses = 0
+    for i, k in enumerate(seq):
+        pool = pools.setdefault(k[0] if per_layer else 0, {})
+        if k not in pool:
+            misses += 1
+            if len(pool) >= cap:
+                del pool[max(pool, key=pool.get)]       # the one used farthest in the future
+        pool[k] = nxt[i]
+    return {"belady_hit_rate": 1 - misses / max(1, len(seq)), "belady_misses": misses, "accesses": len(seq)}
+
+
+def run(trace_path: str, preset, budget: str | None, device: str, shape: str | None = None,
+        tokens: int = 64, prompt: int = 4, compute: ComputeProfile | None = None, workers: int | None = None,
+        model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None) -> dict:
+    """One design over a trace. The simulated model: `spec` if given, else the traced model at `shape`'s expert
+    shape, else the traced model itself. preset: a name or a Preset (a ladder rung). rung: {ladder, rung,
+    rung_index, model} for the run record, so the dashboard's ladders page shows a simulated ladder beside the rest."""
+    from workbench import devices
+    from workbench.presets import get_preset
+    from experiments.routing_trace import TraceDrive
+    from experiments.traces import read_trace
+    p = get_preset(preset) if isinstance(preset, str) else preset
+    if p.routing.router is not Router.EXACT or p.execution.speculative:
+        raise WorkbenchError(f"simulate: preset {p.name} changes routing or decodes speculatively; the trace replays exact routing")
+    budget = str(budget if budget is not None else p.cache.budget)
+    dev = devices.load(device) if isinstance(device, str) else device     # a name, a profile, or devices.Slowest
+    meta = read_trace(trace_path)["meta"]
+    note = "the given model's shape" if spec else "the traced model's shape"
+    spec = spec or MoESpec.from_dict(meta["spec"])
+    if shape:
+        spec, note = shape_spec(shape, meta, spec)
+    drive = TraceDrive(trace_path, spec, str(p.prefetch) or None)
+    compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts)
+    workers = workers or dev.queue_depth
+    res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers)
+    bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"))
+    compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
+                                                                + spec.top_k * compute.expert_s) + compute.other_s)
+    plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
+    miss_bytes = bound["belady_misses"] * sum(plan.part_bytes)
+    bound["belady_tok_s"] = res["decode_steps"] / max(compute_s, miss_bytes / dev.peak_bw)
+    res.update(bound, simulated=True, emulated=False, device=dev.describe(), preset=p.name, budget=budget,
+               shape=shape, shape_note=note, spec=spec.to_dict(), reader_workers=workers,
+               compute_profile=dataclasses.asdict(compute), routing_trace=drive.source, tokens=tokens, prompt=prompt,
+               expert_disk_bytes=sum(plan.part_bytes))
+    res["device"]["emulated"] = False
+    res["device"]["simulated"] = True
+    if record:
+        from workbench.runs import write_run
+        cfg = {"simulated": True, "trace": str(trace_path), "preset": p.to_dict(), "budget": budget, "device": device,
+               "shape": shape, "spec": spec.to_dict(), "compute_profile": dataclasses.asdict(compute), "tokens": tokens,
+               **(rung or {})}
+        res["run"] = str(write_run(f"sim-{p.name}", cfg, {k: v for k, v in res.items() if k != "per_layer"},
+                                   res["per_layer"], []))
+    return res
+
+
+def shape_spec(shape: str, meta: dict, traced: MoESpec) -> tuple[MoESpec, str]:
+    """The traced model's layers at a real model's expert shape, experts r-fold as make-model --experts would."""
+    from workbench.shapes import SHAPES
+    if shape not in SHAPES:
+        raise WorkbenchError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    s = SHAPES[shape]
+    k = s["num_experts_per_tok"]
+    r = k // meta["top_k"] if k % meta["top_k"] == 0 else 0
+    if not r or r * meta["num_experts"] > s["num_experts"]:
+        raise WorkbenchError(f"--shape {shape}: top-{k} is not a multiple of the trace's top-{meta['top_k']} "
+                             f"within {s['num_experts']} experts")
+    spec = dataclasses.replace(traced, hidden_size=s["hidden_size"], moe_intermediate_size=s["moe_intermediate_size"],
+                               top_k=k, num_experts=r * meta["num_experts"], num_heads=s["num_attention_heads"],
+                               num_kv_heads=s["num_key_value_heads"], head_dim=s["head_dim"])
+    return spec, (f"{shape}'s expert shape (d {s['hidden_size']}, moe ff {s['moe_intermediate_size']}, top-{k}; "
+                  f"{s['num_attention_heads']}/{s['num_key_value_heads']} heads of {s['head_dim']}) with "
+                  f"{r * meta['num_experts']} experts ({r} x the trace's) on the trace's {len(traced.moe_layers)} MoE layers")
+
+
+def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -> ComputeProfile:
+    """This engine's compute, measured: the model resident for dense/router/other per layer and token; expert
+    compute and dequant timed on this spec's expert shape with the engine's own kernels (numpy matmuls, the codec)."""
+    from workbench.session import Session
+    from workbench.store import quant
+    with Session(model, "resident") as s:
+        s.generate([1, 2, 3, 4], tokens=tokens)
+        dec = [t for t in s.tel.tokens if t.phase == "decode"]
+        evs = [e for e in s.tel.events if e.phase == "decode"]
+        nl, steps = len(s.spec.moe_layers), max(1, len(dec))
+        dense = (sum(t.compute_s for t in dec) - sum(e.compute_s for e in evs)) / steps / nl
+        router = sum(e.router_s for e in evs) / max(1, len(evs))
+        other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
+        expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
+        issue = _issue_cost(s)
+        measured_model, mlp = s.spec, s.engine.mlp        # the numpy engine's expert kernel
+    rng = np.random.default_rng(0)
+    d, ff = spec.hidden_size, spec.moe_intermediate_size
+    w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
+         "up": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
+         "down": rng.standard_normal((d, ff), dtype=np.float32) * 0.02}
+    expert = expert_measured
+    if (measured_model.hidden_size, measured_model.moe_intermediate_size) != (d, ff):
+        # another expert shape: the kernel timed at both shapes, the engine's per-expert overhead carried over
+        expert += _mlp_time(mlp, d, ff) - _mlp_time(mlp, measured_model.hidden_size, measured_model.moe_intermediate_size)
+    reps = 20
+    from workbench.store.pack import expert_kind
+    enc = {p: (quant.encode(w[p], expert_kind(w[p].shape, experts)) if expert_kind(w[p].shape, experts) != "bf16"
+               else None) for p in PARTS}
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        _dequant(enc, w, experts)
+    deq = (time.perf_counter() - t0) / reps
+    if measured_model.to_dict() != spec.to_dict():
+        # another shape: attention projections and the router timed at both shapes, the difference added
+        dense += _dense_time(spec) - _dense_time(measured_model)
+        router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
+                                                                                  measured_model.hidden_size)
+    return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
+                          dequant_busy_s=_contended(lambda: _dequant(enc, w, experts), lambda: mlp(
+                              np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
+                          source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
+                                 f"loaded): {model} resident for dense/router/other; expert and {experts} dequant at "
+                                 f"d={d}, ff={ff} with the engine's kernels")
+
+
+def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> ComputeProfile:
+    """The compute thread's profile of one measured `bench` run (its per-layer expert compute, dense, router and
+    other time per token), with dequant per expert from `measured`: simulating with it checks only the flash
+    model (reads, waits, overlap), not the compute measurement."""
+    n, nl = max(1, res["decode_steps"]), len(spec.moe_layers)
+    layers = res["per_layer"]
+    moe = sum(r["compute_s"] for r in layers)
+    return ComputeProfile(dense_s=(res["compute_s"] - moe) / n / nl, router_s=res["router_s"] / n / nl,
+                          expert_s=moe / max(1, sum(r["routed"] for r in layers)), dequant_s=measured.dequant_s,
+                          dequant_busy_s=measured.dequant_busy_s,
+                          other_s=res["other_s"] / n, issue_s=0.0,
+                          source="the measured run's own compute, router and other time (issue cost inside them)")
+
+
+def _dequant(enc, w, experts):
+    """As Pack.decode_expert: the checksum, then the codec, for each part."""
+    from workbench.store import quant
+    from workbench.store.pack import expert_kind
+    for p in PARTS:
+        if enc[p] is not None:
+            zlib.crc32(enc[p])
+            quant.decode(enc[p], w[p].shape, expert_kind(w[p].shape, experts))
+
+
+def _contended(dequant, compute, n: int = 40) -> float:
+    """Mean time of `dequant` on a second thread while this engine's expert compute runs without pause on another:
+    what a reader thread's dequant takes in a ready-first design (GIL waits and all), measured."""
+    import threading
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            compute()
+    t = threading.Thread(target=busy, daemon=True)
+    t.start()
+    try:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            dequant()
+            times.append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        t.join()
+    return float(np.mean(times))
+
+
+def _matvec_time(rows: int, cols: int, reps: int = 20) -> float:
+    w = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32) * 0.02
+    x = np.ones((1, cols), np.float32)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        x @ w.T
+    return (time.perf_counter() - t0) / reps
+
+
+def _dense_time(spec: MoESpec) -> float:
+    """The attention projections of one layer for one token (q, k, v, o)."""
+    q, kv, d = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
+    return _matvec_time(q, d) + 2 * _matvec_time(kv, d) + _matvec_time(d, q)
+
+
+def _mlp_time(mlp, d: int, ff: int, reps: int = 20) -> float:
+    rng = np.random.default_rng(0)
+    g, u, dn = (rng.standard_normal(s, dtype=np.float32) * 0.02 for s in ((ff, d), (ff, d), (d, ff)))
+    x = rng.standard_normal((1, d), dtype=np.float32)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mlp(x, g, u, dn)
+    return (time.perf_counter() - t0) / reps
+
+
+def _issue_cost(session, n: int = 64) -> float:
+    """The compute thread's time to submit one expert's read to the session's reader pool (reads of experts
+    already in the page cache, so the transfer itself is small), per expert."""
+    from workbench.io import Reader
+    pack = session.pack
+    keys = [(L, e) for L in pack.spec.moe_layers for e in range(pack.spec.num_experts)][:n]
+    with Reader(session.pack_path, direct=False, workers=session.reader.workers) as r:
+        reqs = [((k, i), off, ln) for k in keys for i, (off, ln) in enumerate(pack.expert_reads(*k))]
+        for f in r.submit(reqs).values():
+            f.result()                                   # warm the page cache and the pool
+        t0 = time.perf_counter()
+        futs = r.submit(reqs)
+        issue = time.perf_counter() - t0
+        for f in futs.values():
+            f.result()
+    return issue / len(keys)
+
+
+def load_compute(path) -> ComputeProfile:
+    return ComputeProfile(**json.loads(open(path).read()))

@@ -1,0 +1,328 @@
+"""The hybrid linear-attention MoE family (Qwen3-Next, Qwen3.5-MoE, MiniCPM-V 4.7's language model) on the
+numpy engine, against transformers' own implementation of each, on tiny random checkpoints (hybrid_fixtures.py):
+three Gated DeltaNet layers then one gated full-attention layer, 16 experts top-4 and a shared expert.
+
+- a bf16 pack matches transformers' fp32 logits within 1e-4, for a prefill and for decoding token by token
+  through the recurrent state, the convolution state and the KV cache;
+- truncate restores the linear-attention state exactly (re-decoding equals a fresh run); a truncate past the
+  checkpoints it keeps is refused;
+- streaming the experts under every exact design and budget gives the logits of every expert resident.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_fixtures import HYBRID
+from engines.hybrid import CHECKPOINT_WINDOW
+from workbench.errors import WorkbenchError
+from workbench.models.hf import HFModel
+from workbench.session import Session
+from workbench.store.pack import Pack
+
+TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
+SPLIT = 9
+ATOL = 1e-4
+
+
+def hf_logits(path, family, ids):
+    import transformers as tf
+    cls = tf.MiniCPMV4_7ForConditionalGeneration if family == "minicpmv4_7" else tf.AutoModelForCausalLM
+    model = cls.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def ours(path, ids, decode_from=None, preset="teacher", **kw):
+    with Session(str(path), preset, **kw) as s:
+        s.engine.reset()
+        if decode_from is None:
+            return s.step(ids, "prefill")
+        rows = [s.step(ids[:decode_from], "prefill")] + [s.step([t], "decode") for t in ids[decode_from:]]
+        return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_prefill_and_decode_match_transformers(hybrid_models, family):
+    ref = hf_logits(hybrid_models[family], family, TOKENS)
+    np.testing.assert_allclose(ours(hybrid_models[family], TOKENS), ref, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(ours(hybrid_models[family], TOKENS, decode_from=SPLIT), ref, atol=ATOL, rtol=0)
+
+
+def test_spec_reads_the_hybrid_config(hybrid_models):
+    spec = HFModel(hybrid_models["qwen3_next"]).spec
+    assert spec.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert spec.rope_dim == 4 and spec.head_dim == 16            # partial_rotary_factor 0.25
+    assert spec.shared_expert_size == 48 and spec.shared_expert_gate and spec.attn_output_gate
+    assert spec.moe_layers == [0, 1, 2, 3]                      # every layer has a MoE block: lookahead crosses all
+    mini = HFModel(hybrid_models["minicpmv4_7"])
+    assert not any("vision" in hf or "merger" in hf for _, hf in mini.where.values())
+
+
+def test_zero_centred_norms_are_loaded_as_one_plus_weight(hybrid_models):
+    from safetensors.numpy import load_file
+    path = hybrid_models["qwen3_5_moe"]
+    raw = load_file(str(path / "model.safetensors"))
+    m = HFModel(path)
+    np.testing.assert_array_equal(m.tensor("layers.0.attn_norm"), raw["model.layers.0.input_layernorm.weight"] + 1)
+    np.testing.assert_array_equal(m.tensor("layers.3.q_norm"), raw["model.layers.3.self_attn.q_norm.weight"] + 1)
+    np.testing.assert_array_equal(m.tensor("layers.0.lin_norm"), raw["model.layers.0.linear_attn.norm.weight"])
+
+
+def test_truncate_then_redecode_equals_a_fresh_run(hybrid_models):
+    path = hybrid_models["qwen3_next"]
+    fresh = ours(path, TOKENS, decode_from=SPLIT)
+    with Session(str(path), "teacher") as s:
+        s.engine.reset()
+        s.step(TOKENS[:SPLIT], "prefill")
+        s.step([250, 251, 252], "decode")                         # a rejected speculative draft
+        s.engine.truncate(SPLIT)
+        rows = [s.step([t], "decode") for t in TOKENS[SPLIT:]]
+        np.testing.assert_array_equal(np.concatenate(rows), fresh[SPLIT:])
+        s.engine.truncate(SPLIT + 2)                              # back inside the decoded run
+        np.testing.assert_array_equal(np.concatenate([s.step([t], "decode") for t in TOKENS[SPLIT + 2:]]),
+                                      fresh[SPLIT + 2:])
+
+
+def test_truncate_keeps_each_prompts_end_and_refuses_older_positions(hybrid_models):
+    path = hybrid_models["qwen3_5_moe"]
+    with Session(str(path), "teacher") as s:
+        s.engine.reset()
+        s.step(TOKENS[:SPLIT], "prefill")
+        for t in range(CHECKPOINT_WINDOW + 3):
+            s.step([t % 300], "decode")
+        with pytest.raises(WorkbenchError, match="cannot truncate the linear-attention state to position 3"):
+            s.engine.truncate(3)
+        s.engine.truncate(SPLIT)                                  # the prompt's end is kept
+        np.testing.assert_array_equal(np.concatenate([s.step([t], "decode") for t in TOKENS[SPLIT:]]),
+                                      ours(path, TOKENS, decode_from=SPLIT)[SPLIT:])
+
+
+def decode(path, preset, n=10, **kw):
+    with Session(str(path), preset, **kw) as s:
+        s.engine.reset()
+        logits = [s.step(TOKENS[:6], "prefill")[-1]]
+        toks = []
+        for _ in range(n):
+            toks.append(int(np.argmax(logits[-1])))
+            logits.append(s.step([toks[-1]], "decode")[-1])
+        return toks, np.stack(logits), s.summary()
+
+
+PATHS = [dict(budget="0.25"), dict(budget="0.5", execution="ready_first"),
+         dict(budget="0.25", execution="ready_first", predictor="lookahead:1:2k"),
+         dict(budget="0.25", execution="ready_first", predictor="lookahead:2:k", cache_scope="per_layer"),
+         dict(budget="0.25", execution="ready_first", predictor="history", cache_policy="lfu")]
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_every_exact_path_equals_resident(hybrid_models, family):
+    ref_toks, ref_logits, _ = decode(hybrid_models[family], "resident")
+    for path in PATHS:
+        toks, logits, summary = decode(hybrid_models[family], "on_demand", **path)
+        assert toks == ref_toks, path
+        np.testing.assert_array_equal(logits, ref_logits, err_msg=str(path))
+        assert summary["misses"] > 0, "the path streamed nothing: the comparison would be empty"
+    _, les_resident, _ = decode(hybrid_models[family], "resident", experts="q3")
+    np.testing.assert_array_equal(decode(hybrid_models[family], "les")[1], les_resident)   # les stores q3 experts
+    _, smol_resident, _ = decode(hybrid_models[family], "resident", experts="q2")
+    np.testing.assert_array_equal(decode(hybrid_models[family], "smol")[1], smol_resident)
+
+
+def test_convert_streams_the_routed_experts_and_keeps_the_shared_one_resident(hybrid_models, tmp_path):
+    from workbench.store.pack import convert
+    path = convert(hybrid_models["qwen3_next"], tmp_path / "next.pack")
+    pack = Pack(path)
+    assert pack.num_expert_total == 4 * 16
+    assert {f"layers.{i}.shared.{p}" for i in range(4) for p in ("gate", "up", "down")} <= set(pack.tensors)
+    assert "layers.0.lin_qkvz" in pack.tensors and "layers.3.q" in pack.tensors
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Qwen3-Next's routing shape: 512 experts, top-10 and the shared expert (one DeltaNet and one full layer)."""
+    from hybrid_fixtures import make_hybrid
+    return make_hybrid("qwen3_next", tmp_path_factory.mktemp("wide") / "qwen3_next", num_hidden_layers=2,
+                       full_attention_interval=2, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=16)
+
+
+def test_warm_sets_and_cache_bias_with_512_experts_top10_and_the_shared_expert_outside_the_budget(wide):
+    runs = {}
+    for preset in ("smol", "smol_bias"):
+        with Session(str(wide), preset, budget="0.1") as s:
+            usage = s.usage()
+            assert sorted(usage) == [0, 1] and all(len(c) == 512 for c in usage.values())
+            assert len({sum(c) for c in usage.values()}) == 1 and sum(usage[0]) % 10 == 0   # 10 experts a token
+            s.engine.reset()
+            s.step(TOKENS[:6], "prefill")
+            for t in TOKENS[6:]:
+                s.step([t], "decode")
+            assert s.budget_bytes <= 0.1 * s.pack.num_expert_total * s.item_bytes + s.item_bytes
+            assert all(0 <= e < 512 for _, e in s.cache.keys())      # the cache holds routed experts only
+            assert "layers.0.shared.gate" in s.engine.w                  # the shared expert is resident, always
+            runs[preset] = s.summary()
+    # with 512 experts a 0.05 bias outweighs most softmax scores: routing leans on what is in memory
+    assert runs["smol_bias"]["hits"] > runs["smol"]["hits"]
+
+
+def test_info_prints_what_the_model_needs_in_memory(hybrid_models, capsys):
+    import json
+
+    from safetensors import safe_open
+    from workbench.cli import main
+    path = hybrid_models["qwen3_next"]
+    assert main(["info", "--model", str(path), "--budget", "0.25", "--json"]) in (0, None)
+    mem = json.loads(capsys.readouterr().out)["memory"]
+    with safe_open(str(path / "model.safetensors"), "np") as f:
+        dense = sum(f.get_tensor(k).size for k in f.keys() if ".experts." not in k)
+    assert mem["resident_f32_bytes"] == 4 * dense
+    assert mem["experts"] == 64 and mem["expert_bytes"]["bf16"] == 64 * 3 * 64 * 32 * 2
+    assert mem["cache_bytes"] == 16 * 3 * 64 * 32 * 4                 # a quarter of the experts, in f32
+    with Session(str(path), "teacher") as s:
+        s.engine.reset()
+        s.step(TOKENS, "prefill")
+        state = sum(a.nbytes for conv_s in s.engine.lin.values() for a in conv_s)
+        kv = sum(K[:, :s.engine.pos].nbytes + V[:, :s.engine.pos].nbytes for i, (K, V) in enumerate(s.engine.kv)
+                 if not s.spec.is_linear(i))
+    assert mem["linear_state_bytes"] == state
+    assert mem["kv_bytes_per_token"] * len(TOKENS) == kv
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_chat_completions_use_the_models_own_template(hybrid_models, tmp_path):
+    import http.client
+    import json
+    import shutil
+    import threading
+
+    from evals.server import make_server
+    model = shutil.copytree(hybrid_models["qwen3_5_moe"], tmp_path / "chat")
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+    with Session(str(model), "resident", direct=False) as s:
+        srv = make_server(s, "127.0.0.1", 0, model_id="tiny", quiet=True)
+        th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        th.start()
+        try:
+            c = http.client.HTTPConnection(*srv.server_address, timeout=60)
+            c.request("POST", "/v1/chat/completions", json.dumps({"model": "tiny", "messages": msgs, "max_tokens": 3,
+                                                                  "temperature": 0}), {"Content-Type": "application/json"})
+            body = json.loads(c.getresponse().read())
+        finally:
+            srv.shutdown()
+            srv.server_close()
+        want = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n"
+        assert s.pack.header["chat_template"] == CHATML
+        assert body["usage"]["prompt_tokens"] == len(s.encode(want))
+        assert len(s.encode(want)) != len(s.encode("System: Be brief.\nUser: Tell me a story.\nAssistant:"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "minicpmv4_7"])
+def test_the_trainers_torch_decoder_matches_transformers(hybrid_models, family, tmp_path):
+    """training/model.py gains the family's layers: from a bf16 pack, a full forward and token-by-token decoding
+    with its cache (conv and delta-rule state, keys and values) give transformers' logits."""
+    from training.model import MoEDecoder
+    from workbench.edge0.artifacts import pack_weights
+    from workbench.store.pack import convert
+    pack = Pack(convert(hybrid_models[family], tmp_path / "p.pack", experts="bf16", rest="bf16"))
+    model = MoEDecoder.from_pack(pack, *pack_weights(pack))
+    ref = hf_logits(hybrid_models[family], family, TOKENS)
+    with torch.no_grad():
+        full = model(torch.tensor([TOKENS]))[0][0].numpy()
+        cache = {}
+        steps = np.concatenate([model(torch.tensor([[t]]), cache=cache)[0][0].numpy() for t in TOKENS])
+    np.testing.assert_allclose(full, ref, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(steps, ref, atol=ATOL, rtol=0)
+
+
+def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
+    """Edge0 on the hybrid: the trainers' torch path (int4 + prerouter heads + a LoRA on the full-attention layer's
+    q, k, v, o) is what `--preset edge0` serves, whole sequence and token by token."""
+    import shutil
+
+    from test_edge0 import pack_of, student_logits, teacher_forced, write_heads
+    from workbench.edge0.artifacts import artifact_path, model_identity, save_safetensors
+    m = shutil.copytree(hybrid_models["qwen3_next"], tmp_path / "edge0-next")
+    pack = pack_of(m)
+    rng = np.random.default_rng(1)
+    t = {}
+    for proj in ("q", "k", "v", "o"):
+        out, inp = pack.tensors[f"layers.3.{proj}"]["shape"]
+        t |= {f"lora.3.{proj}.A": rng.normal(0, 0.2, (4, inp)), f"lora.3.{proj}.B": rng.normal(0, 0.2, (out, 4))}
+    lp = save_safetensors(artifact_path(pack, "lora"), t, "lora", {**model_identity(pack), "rank": 4, "alpha": 8.0,
+                          "scale": 2.0, "targets": ["q", "k", "v", "o"], "num_layers": 4})
+    hp = write_heads(m, pack=pack)
+    ids = TOKENS[:8] * 2
+    with Session(str(m), "edge0", budget="all") as s:
+        served = teacher_forced(s, ids)
+    with Session(str(m), "edge0", budget="all", routing="prerouter:nolora") as s:
+        assert np.abs(teacher_forced(s, ids) - served).max() > 1e-3        # the adapter on layer 3 is served
+    full, inc = student_logits(pack, ids, hp, lp)
+    np.testing.assert_allclose(full, served, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
+
+
+def test_llamacpp_runs_the_exported_qwen3next_gguf_with_our_greedy_tokens(hybrid_models, tmp_path):
+    """export-gguf writes the tiny Qwen3-Next as llama.cpp's qwen3next (f16): stock llama.cpp generates our greedy
+    tokens, its logits over the prompt and everything generated agree with ours to f16 precision, and the GGUF
+    imports back as the same model. (f16 can flip
+    a router choice where two experts nearly tie, and a flip lives on in the recurrent state: on this random model
+    some prompts hit one, so the prompt is fixed and the agreement is checked over the whole run.)"""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")
+    from engines.gguf_export import export_gguf
+    from engines.llamacpp_engine import LlamaCpp
+    path, prompt = hybrid_models["qwen3_next"], TOKENS[:8]
+    gguf_path = export_gguf(HFModel(path), tmp_path / "next.gguf", "f16")
+    with Session(str(path), "teacher") as s:
+        mine = s.generate(prompt, tokens=16)["tokens"]
+    with LlamaCpp(gguf_path, n_ctx=256) as llm:
+        theirs = llm.generate(prompt, 16)["tokens"]
+        llm.reset()
+        logits = llm.forward(prompt + mine[:-1])
+    assert theirs == mine
+    np.testing.assert_allclose(logits, ours(path, prompt + mine[:-1]), atol=3e-2, rtol=0)
+    # and back: the GGUF imports as the same model (f16 holds the bf16 weights exactly)
+    from workbench.models.gguf_model import GGUFModel
+    assert GGUFModel(gguf_path).spec == HFModel(path).spec
+    np.testing.assert_allclose(ours(gguf_path, prompt + mine[:-1]), ours(path, prompt + mine[:-1]), atol=ATOL, rtol=0)
+
+
+def test_gguf_of_the_rest_of_the_family_is_refused_in_one_line(hybrid_models, tmp_path):
+    """Qwen3.5-MoE does not export, and a qwen35moe GGUF does not import yet: a clear refusal."""
+    import gguf
+
+    from engines.gguf_export import export_gguf
+    from workbench.models.gguf_model import GGUFModel
+    with pytest.raises(WorkbenchError, match="cannot export to GGUF: family 'qwen3_5_moe"):
+        export_gguf(HFModel(hybrid_models["qwen3_5_moe"]), tmp_path / "q35.gguf")
+    assert not (tmp_path / "q35.gguf").exists()
+    w = gguf.GGUFWriter(str(tmp_path / "q35.gguf"), "qwen35moe")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(WorkbenchError, match="GGUF architecture 'qwen35moe' is not a supported MoE family"):
+        GGUFModel(tmp_path / "q35.gguf")
+
+
+def test_mtp_heads_are_not_read_and_bad_configs_fail_in_one_line(hybrid_models, tmp_path, capsys):
+    import json
+    import shutil
+
+    from safetensors.numpy import save_file
+    from workbench.cli import main
+    m = shutil.copytree(hybrid_models["qwen3_next"], tmp_path / "with-mtp")
+    save_file({"mtp.fc.weight": np.ones((64, 128), np.float32),
+               "mtp.layers.0.mlp.experts.0.gate_proj.weight": np.ones((32, 64), np.float32)}, str(m / "mtp.safetensors"))
+    assert not [hf for _, hf in HFModel(m).where.values() if hf.startswith("mtp")]
+    assert all(not hf.startswith("mtp") for _, hf, _ in HFModel(m).experts.values())
+    cfg = json.loads((m / "config.json").read_text())
+    del cfg["linear_conv_kernel_dim"]
+    (m / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", "--model", str(m)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "config.json: missing field 'linear_conv_kernel_dim'" in err and len(err.splitlines()) == 1

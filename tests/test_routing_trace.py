@@ -1,0 +1,117 @@
+"""Routing traces with the predictors' names: they round-trip, and a run driven by one routes exactly as recorded."""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments.routing_trace import PREDICTORS, TraceDrive, expert_map, named_predictions
+from experiments.traces import read_trace, write_trace
+from workbench.errors import WorkbenchError
+from workbench.spec import MoESpec
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_TRACE = REPO / "data" / "traces" / "demo-tinystories-256.parquet"
+
+
+@pytest.fixture(scope="module")
+def demo_trace():
+    return read_trace(DEMO_TRACE)
+
+
+def test_the_shipped_demo_trace_records_every_predictor_and_its_provenance(demo_trace):
+    assert set(demo_trace["predictions"]) == set(PREDICTORS)
+    assert demo_trace["meta"]["engine"] == "numpy" and demo_trace["meta"]["model"] == "demo"
+    assert (REPO / "data" / "traces" / "PROVENANCE.md").read_text().count("demo-tinystories-256.parquet")
+    np.testing.assert_array_equal(demo_trace["predictions"]["oracle"], demo_trace["topk"])
+    np.testing.assert_array_equal(demo_trace["predictions"]["history"][1:], demo_trace["topk"][:-1])
+    assert (demo_trace["predictions"]["lookahead:2:k"][:, :2] == -1).all()    # nothing names layers 0 and 1 two ahead
+
+
+def test_lookahead_names_the_next_router_on_this_layers_input(demo_trace):
+    """Independent of workbench.predict: RMS-norm with layer j+1's norm, its router, top-k by sorting."""
+    from workbench.registry import resolve_pack
+    from workbench.store.pack import Pack
+    pack = Pack(resolve_pack("demo", "contiguous", "q4", "q4"))     # norms and routers are f32 in every pack
+    spec = MoESpec.from_dict(demo_trace["meta"]["spec"])
+    h = demo_trace["router_input"][:, 2].astype(np.float64)
+    x = h / np.sqrt((h * h).mean(-1, keepdims=True) + spec.rms_norm_eps) * pack.tensor("layers.3.mlp_norm")
+    scores = x @ pack.tensor("layers.3.router").T.astype(np.float64)
+    want = np.argsort(-scores, axis=-1, kind="stable")[:, :spec.top_k]
+    got = demo_trace["predictions"]["lookahead:1:k"][:, 3]
+    assert (np.sort(got, -1) == np.sort(want, -1)).mean() > 0.99             # float32 vs float64 near-ties only
+
+
+def test_the_predictions_computed_again_equal_the_shipped_trace(demo_trace):
+    """named_predictions (what `trace` records) from the trace's router inputs and the demo's routers."""
+    from experiments.traces import _weights_for
+    spec = MoESpec.from_dict(demo_trace["meta"]["spec"])
+    got = named_predictions(demo_trace, spec, _weights_for(demo_trace["meta"], None, spec))
+    assert set(got) == set(PREDICTORS)
+    for name in PREDICTORS:
+        np.testing.assert_array_equal(got[name], demo_trace["predictions"][name], err_msg=name)
+
+
+def test_trace_files_round_trip(tmp_path):
+    rng = np.random.default_rng(1)
+    T, NL, k, E, d = 5, 3, 2, 6, 4
+    tr = {"topk": rng.integers(0, E, (T, NL, k)), "logits": rng.standard_normal((T, NL, E)),
+          "router_input": rng.standard_normal((T, NL, d)), "moe_layers": [0, 1, 2]}
+    preds = {"oracle": tr["topk"].astype(np.int32), "lookahead:1:2k": rng.integers(-1, E, (T, NL, 2 * k)).astype(np.int32)}
+    write_trace(tmp_path / "t.parquet", tr, list(range(10, 15)), {"engine": "test", "model": "m"}, predictions=preds)
+    back = read_trace(tmp_path / "t.parquet")
+    np.testing.assert_array_equal(back["topk"], tr["topk"])
+    np.testing.assert_array_equal(back["logits"], tr["logits"].astype(np.float32))
+    np.testing.assert_array_equal(back["router_input"], tr["router_input"].astype(np.float32))
+    assert back["ids"] == list(range(10, 15)) and back["meta"]["model"] == "m"
+    for name, a in preds.items():
+        np.testing.assert_array_equal(back["predictions"][name], a)
+
+
+def _spec(demo_trace, **kw):
+    return dataclasses.replace(MoESpec.from_dict(demo_trace["meta"]["spec"]), **kw)
+
+
+def test_a_trace_from_another_shape_is_mapped_by_the_stated_rule_or_refused(demo_trace):
+    r, rule = expert_map("t", {"num_experts": 32, "top_k": 4}, _spec(demo_trace, num_experts=64, top_k=8))
+    assert r == 2 and "2e..2e+1" in rule
+    with pytest.raises(WorkbenchError, match=r"t: a trace of 32 experts top-4 .* 128 experts top-8 \(make-model --experts 64 fits\)"):
+        expert_map("t", {"num_experts": 32, "top_k": 4}, _spec(demo_trace, num_experts=128, top_k=8))
+    with pytest.raises(WorkbenchError, match="top-10"):
+        expert_map("t", {"num_experts": 32, "top_k": 4}, _spec(demo_trace, num_experts=80, top_k=10))
+    wide = TraceDrive(DEMO_TRACE, _spec(demo_trace, num_experts=64, top_k=8, num_layers=3), "lookahead:1:k")
+    assert wide.row_layer == {0: 0, 1: 1, 2: 2}
+    np.testing.assert_array_equal(wide.experts(np.array([[3, -1, 0]])), [[6, 7, -1, -1, 0, 1]])
+
+
+def test_a_run_driven_by_a_trace_routes_and_prefetches_exactly_as_recorded(demo_trace):
+    from workbench.session import Session
+    with Session("demo", "les", budget="0.25", drive=partial(TraceDrive, str(DEMO_TRACE))) as s:
+        prompt = [5, 6, 7]
+        s.generate(prompt, tokens=6)
+        cfg = s.config()
+        decode = [ev for ev in s.tel.events if ev.phase == "decode"]
+    assert cfg["routing_trace"]["mapping"].startswith("layers: model MoE layer i replays trace MoE layer i mod 8")
+    assert len(decode) == 5 * 8
+    topk, la = demo_trace["topk"], demo_trace["predictions"]["lookahead:1:k"]
+    for ev in decode:
+        row = len(prompt) - 1 + ev.token
+        assert ev.routed == sorted(set(topk[row, ev.layer].tolist()))
+        if ev.layer > 0:
+            assert ev.predicted == [int(e) for e in la[row, ev.layer]]
+
+
+def test_a_predictor_the_trace_did_not_record_is_refused(demo_trace):
+    with pytest.raises(WorkbenchError, match="predictor 'shuffled' is not recorded"):
+        TraceDrive(DEMO_TRACE, _spec(demo_trace), "shuffled")
+
+
+def test_bench_with_a_missing_or_unmappable_trace_is_a_one_line_error(tmp_path, capsys):
+    from workbench.cli import main
+    assert main(["bench", "--routing-trace", str(tmp_path / "none.parquet"), "--no-record", "--tokens", "2"]) == 2
+    assert "no such trace file" in capsys.readouterr().err
+    assert main(["bench", "--preset", "smol_bias", "--routing-trace", str(DEMO_TRACE), "--no-record", "--tokens", "2"]) == 2
+    assert "changes routing" in capsys.readouterr().err

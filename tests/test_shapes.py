@@ -1,0 +1,48 @@
+"""make-model: a random-weight checkpoint with a real model's expert shape, labelled random wherever it goes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workbench.cli import main
+from workbench.models.hf import HFModel
+from workbench.shapes import SHAPES, make_model
+from workbench.errors import WorkbenchError
+
+
+def test_every_shape_cites_its_source_and_keeps_the_published_expert_size():
+    assert set(SHAPES) == {"qwen3-30b-a3b", "qwen3.6-35b-a3b", "qwen3-next-80b-a3b", "minicpm-v-4.7"}
+    assert (SHAPES["qwen3-30b-a3b"]["hidden_size"], SHAPES["qwen3-30b-a3b"]["moe_intermediate_size"]) == (2048, 768)
+    assert SHAPES["qwen3-next-80b-a3b"]["num_experts"] == 512 and SHAPES["qwen3-next-80b-a3b"]["num_experts_per_tok"] == 10
+    for s in SHAPES.values():
+        assert "transformers" in s["source"] or "CookBook" in s["source"]
+
+
+def test_make_model_writes_a_checkpoint_the_workbench_reads_at_the_real_expert_size(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    out = make_model("qwen3-30b-a3b", layers=1, out=tmp_path / "m", experts=16)
+    m = HFModel(out)
+    assert (m.spec.hidden_size, m.spec.moe_intermediate_size, m.spec.top_k, m.spec.num_experts) == (2048, 768, 8, 16)
+    assert m.expert(0, 15)["down"].shape == (2048, 768)
+    card = json.loads((out / "random_weights.json").read_text())
+    assert card["random_weights"] and "RANDOM" in card["label"] and "16 of 128 experts" in " ".join(card["notes"])
+    from workbench.session import Session
+    with Session(str(out), "on_demand", budget="0.5") as s:
+        s.generate([1, 2, 3], tokens=2)
+        assert "RANDOM" in s.summary()["random_weights"] and "RANDOM" in s.config()["random_weights"]
+
+
+def test_hybrid_shapes_say_what_is_not_the_real_model(tmp_path):
+    out = make_model("qwen3-next-80b-a3b", layers=1, out=tmp_path / "n", experts=10)
+    notes = " ".join(json.loads((out / "random_weights.json").read_text())["notes"])
+    assert "Gated DeltaNet" in notes and "no shared expert" in notes
+    assert "RANDOM" in (out / "MODEL_CARD.md").read_text()
+
+
+def test_bad_requests_are_one_line_errors(tmp_path, capsys):
+    with pytest.raises(WorkbenchError, match="--layers 99"):
+        make_model("qwen3-30b-a3b", layers=99, out=tmp_path / "x")
+    assert main(["make-model", "--shape", "qwen3-30b-a3b", "--layers", "1", "--experts", "4",
+                 "--out", str(tmp_path / "y")]) == 2
+    assert "--experts 4" in capsys.readouterr().err and not (tmp_path / "y").exists()

@@ -1,0 +1,168 @@
+"""The virtual-clock simulator reproduces schedules computed by hand, and the Belady bound is optimal replacement."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from workbench.devices import DeviceProfile
+from workbench.presets import get_preset
+from experiments.simulate import ComputeProfile, ReadPlan, belady, simulate_run
+from workbench.spec import MoESpec
+
+REPO = Path(__file__).resolve().parents[1]
+MS = 1e-3
+KB = 4096                                            # one aligned expert read in the plans below
+
+
+class Drive:
+    """A routing trace in miniature: rows of {layer: experts}, and what a predictor named per (row, layer)."""
+
+    def __init__(self, rows, named=None, depth=1):
+        self.rows, self.named, self.usage = rows, named, {}
+        self.prompt = 0
+
+    def row(self, ctx, n):
+        ti = ctx["engine"].token_index
+        if ti == 0:
+            self.prompt = n
+            return list(range(n))
+        return [self.prompt - 1 + ti]
+
+    def route(self, layer, logits, ctx):
+        idx = np.array([self.rows[r][layer] for r in self.row(ctx, len(logits))])
+        return idx, np.ones(idx.shape, np.float32)
+
+    def predictor(self):
+        if self.named is None:
+            return None
+        drive = self
+
+        class P:
+            def predict(self, layer, ctx):
+                r = drive.row(ctx, 1)[0]
+                return {layer + 1: drive.named[r][layer + 1]} if layer + 1 in drive.named[r] else {}
+        return P()
+
+
+def spec(layers=1, experts=4, k=2):
+    return MoESpec(family="qwen3_moe", vocab_size=8, hidden_size=64, num_layers=layers, num_heads=1, num_kv_heads=1,
+                   head_dim=64, num_experts=experts, top_k=k, moe_intermediate_size=64)
+
+
+DEV = DeviceProfile("hand", "hand", latency_s=1 * MS, read_bw=KB / (1 * MS), peak_bw=KB / (1 * MS), queue_depth=2)
+CPU = ComputeProfile(dense_s=0.0, router_s=0.5 * MS, expert_s=0.25 * MS, dequant_s=0.0)
+PLAN = ReadPlan("contiguous", (1000, 1000, 1000))    # 3000 bytes: one 4096-byte aligned read per expert
+
+
+def test_one_layer_two_reads_on_demand_wait_all():
+    """Token 1 routes experts 0 and 2 (not adjacent: two reads), none cached. Both reads start at 0.5 ms (after the
+    router) on two reader threads: the first alone takes 1 ms latency + 1 ms transfer = 2 ms; the second starts
+    with one in flight, so shares the 1 ms/KB peak: 1 + 2 = 3 ms. wait_all waits to 3.5 ms, then computes 2 x 0.25."""
+    drive = Drive([{0: [1, 3]}, {0: [0, 2]}])              # row 0 is the prompt (read before the clock starts)
+    p = get_preset("on_demand").with_(layout="contiguous")
+    res = simulate_run(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, CPU, tokens=2, prompt=1, workers=2, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(0.5 * MS + 3 * MS + 0.5 * MS, abs=1e-12)
+    assert res["flash_wait_s"] == pytest.approx(3 * MS, abs=1e-12)
+    assert (res["hits"], res["misses"], res["bytes_read"]) == (0, 2, 2 * KB)
+
+
+def test_adjacent_experts_merge_into_one_read_as_the_reader_merges_them():
+    """Experts 0 and 1 are adjacent in the pack: one 8 KB read, alone: 1 + 2 ms, from 0.5 ms."""
+    drive = Drive([{0: [2, 3]}, {0: [0, 1]}])
+    p = get_preset("on_demand").with_(layout="contiguous")
+    res = simulate_run(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, CPU, tokens=2, prompt=1, workers=2, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(0.5 * MS + 3 * MS + 0.5 * MS, abs=1e-12)
+    assert res["bytes_read"] == 2 * KB
+
+
+def test_ready_first_computes_the_hit_while_the_miss_arrives_and_a_prefetch_hides_a_read():
+    """Two layers, one reader thread, room for everything. Token 1, layer 0: router 0 -> 0.5 ms; the predictor names
+    layer 1's expert 3, read first (as the streamer prefetches before the layer's misses): 0.5 -> 2.5 ms (alone: 1 ms
+    + 1 ms). Layer 0 routes [0, 1]: 0 is cached (prompt), 1 is read behind the prefetch on the one thread: 2.5 -> 4.5.
+    ready_first computes the hit 0.5 -> 0.75, waits 3.75 ms, computes 1 -> 4.75. Layer 1: router -> 5.25; it routes
+    [2, 3]: 2 from the prompt, 3 landed at 2.5: both hits; compute -> 5.75."""
+    s = spec(layers=2)
+    drive = Drive([{0: [0, 2], 1: [2, 0]}, {0: [0, 1], 1: [2, 3]}], named=[{}, {1: [3]}])
+    p = get_preset("oracle").with_(budget="all")
+    res = simulate_run(drive, s, p, str(8 * 4 * 3 * 64 * 64 - 1), DEV, CPU, tokens=2, prompt=1, workers=1, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(5.75 * MS, abs=1e-12)
+    assert res["flash_wait_s"] == pytest.approx(3.75 * MS, abs=1e-12)
+    assert res["prefetch_issued"] == 1 and res["prefetch_used"] == 1
+    assert [(r["hits"], r["misses"]) for r in res["per_layer"]] == [(1, 1), (2, 0)]
+
+
+def test_a_read_that_lands_while_the_compute_thread_works_waits_for_the_gil():
+    """One layer routes [0, 1]: 0 cached, 1 read 0.5 -> 2.5 ms while the hit computes (3 ms, 0.5 -> 3.5). The read's
+    1 ms dequant needs the GIL: CPython hands it over after the 5 ms switch interval or when the work ends, here
+    at 3.5; 1 is ready at 4.5, a 1 ms wait, computed 4.5 -> 7.5. Ignoring the GIL (switch 0) the dequant preempts
+    the work at once (0.5 -> 4.5) and 1 is ready at 3.5: no wait, same 7.5 ms. With 10 ms experts the switch
+    interval passes mid-work: the dequant preempts it at 7.5 (work ends 11.5), 1 is ready at 8.5: no wait, 21.5 ms."""
+    drive = Drive([{0: [0, 2]}, {0: [0, 1]}])
+    p = get_preset("les")
+    cpu = dataclasses.replace(CPU, expert_s=3 * MS, dequant_s=1 * MS)
+    budget = str(3 * 4 * 3 * 64 * 64)
+    run = lambda c, switch: simulate_run(Drive(drive.rows), spec(), p, budget, DEV, c, tokens=2, prompt=1, workers=1,
+                                         plan=PLAN, switch_s=switch)
+    gil = run(cpu, 5 * MS)
+    assert (gil["decode_s"], gil["flash_wait_s"]) == (pytest.approx(7.5 * MS, abs=1e-12), pytest.approx(1 * MS, abs=1e-12))
+    free = run(cpu, 0.0)
+    assert (free["decode_s"], free["flash_wait_s"]) == (pytest.approx(7.5 * MS, abs=1e-12), pytest.approx(0, abs=1e-12))
+    long = run(dataclasses.replace(cpu, expert_s=10 * MS), 5 * MS)
+    assert long["decode_s"] == pytest.approx(21.5 * MS, abs=1e-12) and long["flash_wait_s"] == pytest.approx(0, abs=1e-12)
+
+
+def test_a_read_landing_mid_compute_dequantizes_at_the_measured_contended_speed():
+    """As above, with the contended dequant time measured (dequant_busy_s): the read of 1 ends at 2.5 ms while the
+    hit computes, so its dequant takes 3 ms (not 1): ready at 5.5. The dequant's own 1 ms of CPU delays the work to
+    4.5; the compute thread waits 1 ms, computes 1 -> 8.5. A read that lands while the thread waits is unaffected."""
+    drive = Drive([{0: [0, 2]}, {0: [0, 1]}])
+    cpu = dataclasses.replace(CPU, expert_s=3 * MS, dequant_s=1 * MS, dequant_busy_s=3 * MS)
+    res = simulate_run(drive, spec(), get_preset("les"), str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1,
+                       workers=1, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(8.5 * MS, abs=1e-12) and res["flash_wait_s"] == pytest.approx(1 * MS, abs=1e-12)
+    idle = simulate_run(Drive(drive.rows), spec(), get_preset("on_demand").with_(layout="contiguous"),
+                        str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1, workers=1, plan=PLAN)
+    assert idle["decode_s"] == pytest.approx(0.5 * MS + 3 * MS + 2 * 3 * MS, abs=1e-12)   # wait_all: read 2 + dequant 1
+
+
+def test_belady_is_optimal_replacement_with_foresight():
+    """Accesses a b c a b d a (one per token, top-1, 2 slots). MIN: a b miss, c miss evicts b (next use 4, a's is 3)
+    ... a hit, b miss evicts c (never again), d miss evicts b, a hit: 5 misses of 7 (LRU misses all 7)."""
+    seq = "abcabda"
+    drive = Drive([{0: [0]}] + [{0: ["abcd".index(c)]} for c in seq])
+    res = belady(drive, spec(experts=4, k=1), get_preset("on_demand"), str(2 * 4 * 3 * 64 * 64), prompt=1,
+                 tokens=len(seq) + 1)
+    assert (res["accesses"], res["belady_misses"]) == (7, 5)
+
+
+def test_simulate_on_the_demo_trace_is_marked_simulated_and_never_beats_belady(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path))
+    from workbench.runs import read_run
+    from experiments.simulate import run
+    cpu = dataclasses.replace(CPU, dense_s=0.1 * MS, dequant_s=0.05 * MS)
+    res = run(str(REPO / "data/traces/demo-tinystories-256.parquet"), "les", "0.25", "ufs22-phone", tokens=24,
+              compute=cpu)
+    assert res["simulated"] and not res["emulated"] and res["device"]["simulated"]
+    assert res["experts_read"] >= res["belady_misses"]
+    od = run(str(REPO / "data/traces/demo-tinystories-256.parquet"), "on_demand", "0.25", "ufs22-phone", tokens=24,
+             compute=cpu, record=False)
+    assert od["hit_rate"] <= od["belady_hit_rate"] + 1e-12          # demand fetching: Belady bounds the hit rate
+    assert res["tok_s"] <= res["belady_tok_s"] + 1e-9
+    rec = read_run(res["run"])
+    assert rec["config"]["simulated"] and rec["summary"]["simulated"]
+
+
+def test_bad_simulate_input_is_a_one_line_error(tmp_path, capsys):
+    from workbench.cli import main
+    trace = str(REPO / "data/traces/demo-tinystories-256.parquet")
+    assert main(["simulate", "--trace", str(tmp_path / "none.parquet"), "--no-record"]) == 2
+    assert "no such trace file" in capsys.readouterr().err
+    assert main(["simulate", "--trace", trace, "--device", "toaster", "--no-record"]) == 2
+    assert "--device 'toaster'" in capsys.readouterr().err
+    assert main(["simulate", "--trace", trace, "--preset", "smol_bias", "--no-record"]) == 2
+    assert "changes routing" in capsys.readouterr().err
+    assert main(["simulate", "--trace", trace, "--shape", "qwen3-next-80b-a3b", "--no-record"]) == 2
+    assert "top-10 is not a multiple" in capsys.readouterr().err

@@ -1,0 +1,256 @@
+"""Torch pieces shared by the Edge0 trainers (the `train` extra): heads, adapters, and the model (training/model.py).
+
+TorchMoE runs a pack's own dequantized weights (the teacher: the bf16 pack; the student: the int4 pack) in the
+shared torch decoder (the numpy engine's math) in fp32, over whole sequences at once:
+  exact routing                           the real router at every layer
+  prerouter routing (heads, skip_layers)  a streamed layer L+1 at position t takes routing from the head of
+                                          owner L on position t-1's features (position 0 routes exactly, as
+                                          a one-token prefill does in the engine), through the same
+                                          softmax-top-k; the one-hots are of the routing executed
+  LoRA deltas                             y = x W^T + (x A^T) B^T * scale on attention q, k, v, o
+so a sequence run here in parallel gives what the numpy engine gives decoding it token by token.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from training.model import MoEDecoder
+from workbench.edge0.artifacts import model_identity, pack_weights
+from workbench.registry import resolve_pack
+from workbench.errors import WorkbenchError
+from workbench.store.pack import Pack
+
+PROJ = ("q", "k", "v", "o")
+
+
+def open_pack(model: str, precision: str) -> Pack:
+    """precision: "bf16" (the teacher's pack) or "q4" (the student's: int4 experts and rest)."""
+    return Pack(resolve_pack(model, "contiguous", precision, precision, progress=False))
+
+
+def command_line() -> str:
+    return " ".join(["python -m " + sys.modules["__main__"].__spec__.name if getattr(
+        sys.modules["__main__"], "__spec__", None) else sys.argv[0]] + sys.argv[1:])
+
+
+def onehot(idx, E: int):
+    """(..., k) distinct ids -> (..., E) float 0/1."""
+    return F.one_hot(idx, E).sum(-2).float()
+
+
+def head_features(xn, idx, E: int):
+    """concat[x_L(t), one-hot top-k at t, one-hot top-k at t-1 (zeros at t=0)] for a (B, T, .) sequence."""
+    oh = onehot(idx, E)
+    prev = torch.cat([torch.zeros_like(oh[:, :1]), oh[:, :-1]], 1)
+    return torch.cat([xn, oh, prev], -1)
+
+
+class Head(nn.Module):
+    def __init__(self, f: int, hidden: int, E: int):
+        super().__init__()
+        self.fc1 = nn.Linear(f, hidden)
+        self.fc2 = nn.Linear(hidden, E)
+        self.res = nn.Linear(f, E, bias=False)
+        nn.init.zeros_(self.fc2.weight)
+        nn.init.zeros_(self.fc2.bias)
+
+    def forward(self, f):
+        return self.res(f) + self.fc2(F.gelu(self.fc1(f), approximate="tanh"))
+
+
+class HeadSet(nn.Module):
+    """One head per owner layer L, predicting layer L+1's router logits one token ahead."""
+
+    def __init__(self, owners, d: int, E: int, hidden: int):
+        super().__init__()
+        self.owners = list(owners)
+        self.heads = nn.ModuleDict({str(o): Head(d + 2 * E, hidden, E) for o in self.owners})
+
+    def forward(self, owner: int, f):
+        return self.heads[str(owner)](f)
+
+    def warm_start(self, w: dict, spec):
+        """Residual path = layer L+1's router applied to this state, with L+1's own norm: the router input x_L is
+        w_L * h / rms(h), so router_{L+1}(w_{L+1} * h / rms(h)) = router_{L+1} diag(w_{L+1} / w_L) x_L (LES's lookahead)."""
+        d, moe = spec.hidden_size, spec.moe_layers
+        with torch.no_grad():
+            for o in self.owners:
+                t = moe[moe.index(o) + 1]
+                wl = torch.tensor(np.asarray(w[f"layers.{o}.mlp_norm"]))
+                wl = torch.where(wl.abs() < 1e-4, torch.full_like(wl, 1e-4) * torch.sign(wl + 1e-12), wl)
+                ratio = torch.tensor(np.asarray(w[f"layers.{t}.mlp_norm"])) / wl
+                res = self.heads[str(o)].res.weight
+                res.zero_()
+                res[:, :d] = torch.tensor(np.asarray(w[f"layers.{t}.router"])) * ratio[None, :]
+
+    def to_numpy(self) -> dict:
+        return {f"heads.{o}.{n}": p.detach().float().numpy().copy()
+                for o in self.owners for n, p in self.heads[str(o)].named_parameters()}
+
+    @classmethod
+    def from_numpy(cls, t: dict, meta: dict) -> "HeadSet":
+        hs = cls(meta["owners"], meta["hidden_size"], meta["num_experts"], meta["hidden"])
+        with torch.no_grad():
+            for o in hs.owners:
+                for n, p in hs.heads[str(o)].named_parameters():
+                    p.copy_(torch.from_numpy(t[f"heads.{o}.{n}"]))
+        return hs
+
+
+class LoRASet(nn.Module):
+    """Rank-r adapters on attention projections: delta(x) = (x A^T) B^T * alpha / r (B starts at zero)."""
+
+    def __init__(self, shapes: dict[str, tuple], rank: int = 16, alpha: float = 16.0, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        self.names = sorted(shapes)
+        self.A = nn.ParameterDict({n.replace(".", "_"): nn.Parameter(torch.randn(rank, shapes[n][1], generator=g)
+                                                                    / math.sqrt(shapes[n][1])) for n in self.names})
+        self.B = nn.ParameterDict({n.replace(".", "_"): nn.Parameter(torch.zeros(shapes[n][0], rank))
+                                   for n in self.names})
+
+    def delta(self, name: str, x):
+        k = name.replace(".", "_")
+        if k not in self.A:
+            return None
+        return (x @ self.A[k].T) @ self.B[k].T * self.scale
+
+    def to_numpy(self) -> dict:
+        out = {}
+        for n in self.names:
+            _, L, proj = n.split(".")
+            k = n.replace(".", "_")
+            out[f"lora.{L}.{proj}.A"] = self.A[k].detach().float().numpy().copy()
+            out[f"lora.{L}.{proj}.B"] = self.B[k].detach().float().numpy().copy()
+        return out
+
+    @classmethod
+    def from_numpy(cls, t: dict, meta: dict) -> "LoRASet":
+        shapes = {}
+        for n in t:
+            if n.endswith(".A"):
+                base = n[:-2]
+                _, L, proj = base.split(".")
+                shapes[f"layers.{L}.{proj}"] = (t[base + ".B"].shape[0], t[n].shape[1])
+        ls = cls(shapes, rank=int(meta["rank"]), alpha=float(meta["alpha"]))
+        with torch.no_grad():
+            for n in ls.names:
+                _, L, proj = n.split(".")
+                k = n.replace(".", "_")
+                ls.A[k].copy_(torch.from_numpy(t[f"lora.{L}.{proj}.A"]))
+                ls.B[k].copy_(torch.from_numpy(t[f"lora.{L}.{proj}.B"]))
+        return ls
+
+
+class TorchMoE(nn.Module):
+    """A pack's model in torch (training/model.py's MoEDecoder, fp32, frozen); the prerouter routing and the
+    adapters are arguments of forward and step."""
+
+    def __init__(self, pack: Pack):
+        super().__init__()
+        s = self.spec = pack.spec
+        if (s.router != "softmax_topk" or (s.shared_expert_size and not s.layer_types) or s.dense_layers or s.attention_bias
+                or s.clip_qkv is not None or s.qk_norm not in ("head", "none") or s.attention != "gqa" or s.rope_yarn
+                or s.n_group > 1 or s.routed_scaling_factor != 1.0):
+            raise WorkbenchError(f"{pack.path}: the Edge0 trainers support Qwen3-MoE-like models (softmax top-k router, "
+                                 f"no shared expert, no dense layers, plain RoPE) and the hybrid family; this is {s.family}")
+        self.pack = pack
+        self.identity = model_identity(pack)
+        w, ex = pack_weights(pack)
+        self.np_w = w
+        self.model = MoEDecoder.from_pack(pack, w, ex)
+
+    def proj_shapes(self, projs=PROJ) -> dict:
+        return {f"layers.{i}.{p}": tuple(self.np_w[f"layers.{i}.{p}"].shape) for i in range(self.spec.num_layers)
+                for p in projs if not self.spec.is_linear(i)}          # attention layers only (no q, k, v, o in DeltaNet)
+
+    def forward(self, ids, heads: HeadSet | None = None, skip_layers: int = 1, lora: LoRASet | None = None,
+                collect: bool = False):
+        """ids (B, T) -> logits (B, T, V); collect: also {layer: (router input, executed ids, real router logits)}."""
+        moe = self.spec.moe_layers
+        streamed = set(moe[skip_layers:]) if heads is not None else set()
+        feats, got = {}, {}
+
+        def router(i, xn, logits):
+            used = logits
+            if i in streamed:               # position t routes from the owner's head at t-1 (t=0: exactly)
+                owner = moe[moe.index(i) - 1]
+                used = torch.cat([logits[:, :1], heads(owner, feats.pop(owner))[:, :-1]], 1)
+            idx, wts = self.model.route(i, used)
+            if heads is not None and i in moe[:-1] and moe[moe.index(i) + 1] in streamed:
+                feats[i] = head_features(xn, idx, self.spec.num_experts)
+            return idx, wts
+
+        out, _ = self.model(ids, router, lora.delta if lora is not None else None, collect=got if collect else None)
+        return (out, got) if collect else out
+
+    # ------------------------------------------------------------ incremental decoding (sampling)
+
+    @torch.no_grad()
+    def step(self, tok, cache: dict, heads: HeadSet | None = None, skip_layers: int = 1, lora: LoRASet | None = None):
+        """One token per row (tok: (B,)) with a KV cache; the same routing as forward() gives at that position."""
+        moe = self.spec.moe_layers
+        pos = cache.get("pos", 0)
+        staged, prev = cache.setdefault("staged", {}), cache.setdefault("prev", {})
+        streamed = set(moe[skip_layers:]) if heads is not None else set()
+        nxt = {}                                    # staged for the next token (not this one)
+
+        def router(i, xn, logits):
+            idx, wts = self.model.route(i, staged.pop(i) if (i in streamed and pos > 0) else logits)
+            j = moe.index(i)
+            if heads is not None and j + 1 < len(moe) and moe[j + 1] in streamed:
+                oh = onehot(idx, self.spec.num_experts)
+                nxt[moe[j + 1]] = heads(i, torch.cat([xn, oh, prev.get(i, torch.zeros_like(oh))], -1))
+                prev[i] = oh
+            return idx, wts
+
+        out, _ = self.model(tok[:, None], router, lora.delta if lora is not None else None, cache=cache)
+        cache["staged"] = nxt
+        return out[:, 0]
+
+    @torch.no_grad()
+    def sample(self, prompts, new_tokens: int, gen: torch.Generator, temperature: float = 1.0, **route_kw):
+        """prompts (B, P) -> (B, P + new_tokens); every token (prompt too) goes through step()."""
+        cache = {}
+        seq = [prompts[:, i] for i in range(prompts.shape[1])]
+        for t in seq[:-1]:
+            self.step(t, cache, **route_kw)
+        last = seq[-1]
+        for _ in range(new_tokens):
+            z = self.step(last, cache, **route_kw) / max(temperature, 1e-6)
+            last = torch.multinomial(torch.softmax(z, -1), 1, generator=gen)[:, 0]
+            seq.append(last)
+        return torch.stack(seq, 1)
+
+
+def sample_windows(data: dict[str, np.ndarray], n: int, T: int, rng: np.random.Generator) -> np.ndarray:
+    """n windows of T tokens, corpora mixed by size (as the demo model was trained)."""
+    names = list(data)
+    sizes = np.array([len(data[k]) for k in names], dtype=np.float64)
+    rows = []
+    for c in rng.choice(len(names), size=n, p=sizes / sizes.sum()):
+        d = data[names[c]]
+        st = rng.integers(0, len(d) - T - 1)
+        rows.append(d[st:st + T])
+    return np.stack(rows)
+
+
+def data_digest(windows: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(windows, np.int64).tobytes()).hexdigest()[:16]
+
+
+class Clock:
+    def __init__(self):
+        self.t0 = time.time()
+
+    def __call__(self) -> float:
+        return time.time() - self.t0

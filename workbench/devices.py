@@ -1,0 +1,183 @@
+"""Device profiles (data/devices/NAME.json) and the emulated reader: this machine's disk made to read like a phone's.
+
+A profile models one read of `size` bytes issued while `depth` reads are in flight (itself included) as
+
+    read_s(size, depth) = latency + size / min(read_bw, peak_bw / depth)
+
+latency: a lone small read's cost; read_bw: what one read streams at alone; peak_bw: what all reads in flight share.
+The three numbers (and the queue depth the device saturates at) come with their sources in the profile file.
+
+`EmulatedReader` does every read for real (O_DIRECT, so the bytes and the byte counts are real) and then waits
+out whatever the profile says is left, so a read never completes earlier than the device allows. Overlap, queue
+depth and read merging then behave as on that device. Everything it produces is labelled emulated.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from workbench.io import KiB, MiB, Reader
+from workbench.errors import WorkbenchError
+
+DEVICES = Path(__file__).resolve().parents[1] / "data" / "devices"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    label: str
+    latency_s: float
+    read_bw: float            # bytes/s of one read alone
+    peak_bw: float            # bytes/s shared by all reads in flight
+    queue_depth: int          # reads in flight at which the device saturates (the emulated reader's pool size)
+    memory_bytes: int | None = None
+    sources: dict | None = None
+
+    def read_s(self, size: int, depth: int = 1) -> float:
+        return self.latency_s + size / min(self.read_bw, self.peak_bw / max(1, depth))
+
+    def as_probe(self, sizes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB), depths=(1, 2, 4, 8)) -> dict:
+        """The profile in probe_disk's shape (MB/s per size and depth), for the floor and the dashboards."""
+        points = [{"size": s, "depth": d, "mb_s": d * s / self.read_s(s, d) / 1e6,
+                   "lat_ms_p50": self.read_s(s, d) * 1e3, "lat_ms_p99": self.read_s(s, d) * 1e3, "reads": 0}
+                  for s in sizes for d in depths]
+        return {"path": f"device:{self.name}", "mode": f"emulated:{self.name}", "points": points,
+                "best_mb_s": max(p["mb_s"] for p in points)}
+
+    def describe(self) -> dict:
+        return {"name": self.name, "label": self.label, "emulated": True, "latency_us": self.latency_s * 1e6,
+                "read_mb_s": self.read_bw / 1e6, "peak_mb_s": self.peak_bw / 1e6, "queue_depth": self.queue_depth,
+                "memory_bytes": self.memory_bytes}
+
+
+def names() -> list[str]:
+    return sorted(p.stem for p in DEVICES.glob("*.json"))
+
+
+def load(name: str) -> DeviceProfile:
+    """A profile by name (a file in data/devices) or by path to a profile file."""
+    path = Path(name) if name.endswith(".json") else DEVICES / f"{name}.json"
+    if not path.is_file():
+        raise WorkbenchError(f"--device {name!r}: no such profile (choose one of {', '.join(names())}, or a .json path)")
+    try:
+        d = json.loads(path.read_text())
+        r = d["read"]
+        return DeviceProfile(name=d["name"], label=d["label"], latency_s=r["latency_us"] * 1e-6,
+                             read_bw=r["read_mb_s"] * 1e6, peak_bw=r["peak_mb_s"] * 1e6,
+                             queue_depth=int(r["queue_depth"]), memory_bytes=d.get("memory_bytes"),
+                             sources=d.get("sources"))
+    except (ValueError, KeyError, TypeError) as e:
+        raise WorkbenchError(f"{path}: not a device profile ({type(e).__name__}: {e})") from None
+
+
+def profile_from_probe(probe: dict, name: str, label: str) -> dict:
+    """A profile file's content fitted to a probe_disk result: latency from the smallest lone read,
+    read_bw from the largest lone read, peak_bw and queue depth from the best point."""
+    pts = probe["points"]
+    lone = sorted((p for p in pts if p["depth"] == 1), key=lambda p: p["size"])
+    if not lone:
+        raise WorkbenchError("the probe has no queue-depth-1 points to fit a profile to")
+    read_bw = lone[-1]["mb_s"] * 1e6
+    latency = max(0.0, lone[0]["lat_ms_p50"] * 1e-3 - lone[0]["size"] / read_bw)
+    best = max(pts, key=lambda p: p["mb_s"])
+    src = f"probe-disk ({probe['mode']}) of {probe['path']} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+    return {"name": name, "label": label,
+            "read": {"latency_us": round(latency * 1e6, 1), "read_mb_s": round(read_bw / 1e6, 1),
+                     "peak_mb_s": round(best["mb_s"], 1), "queue_depth": best["depth"]},
+            "sources": {"latency_us": f"{src}: p50 of {lone[0]['size']} B reads at depth 1 less their transfer time",
+                        "read_mb_s": f"{src}: {lone[-1]['size']} B reads at depth 1",
+                        "peak_mb_s": f"{src}: best point ({best['size']} B, depth {best['depth']})",
+                        "queue_depth": f"{src}: depth of the best point"},
+            "probe": probe}
+
+
+def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), reads: int = 24,
+                 direct: bool = True) -> DeviceProfile:
+    """This machine as the engine's reader sees it now: one read at a time through a Reader pool (submit, wait for
+    the future), random aligned offsets in `path`, the median time per size, fitted to latency + size / bandwidth.
+    Under a shared, loaded machine this is slower than probe-disk's tight loops (thread wake-ups, other I/O)."""
+    import os
+    import random
+    import statistics
+    size_of = os.path.getsize(path)
+    pts = []
+    with Reader(path, direct=direct, workers=workers) as r:
+        rnd = random.Random(0)
+        for size in sizes:
+            ts = []
+            for _ in range(reads):
+                off = rnd.randrange(max(1, (size_of - size) // 4096)) * 4096
+                t0 = time.perf_counter()
+                r.submit([(0, off, size)])[0].result()
+                ts.append(time.perf_counter() - t0)
+            pts.append((size, statistics.median(ts)))
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    slope, icept = (float(v) for v in __import__("numpy").polyfit(xs, ys, 1))
+    bw = 1 / slope if slope > 0 else float("inf")
+    return DeviceProfile("this-machine-in-situ", "this machine through the engine's reader, now (measured)",
+                         latency_s=max(0.0, icept), read_bw=bw, peak_bw=bw * workers, queue_depth=workers,
+                         sources={"fit": [{"size": s, "median_s": t} for s, t in pts]})
+
+
+@dataclass(frozen=True)
+class Slowest:
+    """Reads that take the longer of two profiles' times: a device emulated on this machine (real read, then the
+    remainder waited) cannot read faster than this machine does."""
+    device: DeviceProfile
+    floor: DeviceProfile
+
+    def read_s(self, size: int, depth: int = 1) -> float:
+        return max(self.device.read_s(size, depth), self.floor.read_s(size, depth))
+
+    def __getattr__(self, name):
+        return getattr(self.device, name)
+
+    def describe(self) -> dict:
+        return {**self.device.describe(), "floor": self.floor.describe()}
+
+
+class EmulatedReader(Reader):
+    """A Reader whose every read takes at least the profile's time for its size and the reads in flight."""
+
+    def __init__(self, path, profile: DeviceProfile, direct: bool = True, workers: int | None = None):
+        super().__init__(path, direct=direct, workers=workers or profile.queue_depth)
+        self.profile = profile
+        self.mode = f"{self.mode}+emulated:{profile.name}"
+        self._flight = threading.Lock()
+        self.in_flight = 0
+        self.emulated_wait_s = 0.0
+        self.log: list[tuple[int, int, float, float]] | None = None   # (bytes, depth, start, end) when a test asks
+
+    def _pread(self, buf, pos: int, need: int) -> int:
+        with self._flight:
+            self.in_flight += 1
+            depth = self.in_flight
+        t0 = time.perf_counter()
+        try:
+            got = super()._pread(buf, pos, need)
+            real = time.perf_counter()
+            deadline = t0 + self.profile.read_s(len(buf), depth)
+            while (left := deadline - time.perf_counter()) > 0:
+                time.sleep(left)
+            t1 = time.perf_counter()
+        finally:
+            with self._flight:
+                self.in_flight -= 1
+        with self._lock:
+            self.emulated_wait_s += max(0.0, t1 - real)          # the remainder waited after the real read
+            if self.log is not None:
+                self.log.append((len(buf), depth, t0, t1))
+        return got
+
+    def stats(self) -> dict:
+        return {**super().stats(), "device": self.profile.describe(), "emulated_wait_s": self.emulated_wait_s}
+
+
+def open_reader(path, device: str | None = None, direct: bool = True, workers: int | None = None) -> Reader:
+    """The real reader, or (device given) the emulated one."""
+    if not device:
+        return Reader(path, direct=direct, workers=workers)
+    return EmulatedReader(path, load(device), direct=direct, workers=workers)

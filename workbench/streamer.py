@@ -1,0 +1,204 @@
+"""The expert streamer: brings a layer's experts into memory and hands them to compute.
+
+Reads go to the reader pool as one batch (adjacent experts merge); each expert is checked
+and dequantized on the pool thread that completes its read, so reads and dequant overlap
+compute. The budget is a hard bound: when the experts a layer needs do not all fit, they
+are streamed through the cache in waves (compute, release, read the next).
+
+ready_first: compute the experts already in memory, then each arriving expert in arrival
+order. wait_all: wait for every issued read, then compute. Either way the results are
+summed in expert-id order by the caller, so the numeric result is the same.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+import numpy as np
+
+from workbench.cache import ExpertCache
+from workbench.io import Reader
+from workbench.store.pack import Pack
+from workbench.routing import route
+from workbench.telemetry import LayerEvent, Telemetry
+
+
+class ExpertStreamer:
+    def __init__(self, pack: Pack, cache: ExpertCache, reader: Reader, telemetry: Telemetry,
+                 execution: str = "ready_first", raw: bool = False):
+        if execution not in ("ready_first", "wait_all"):
+            raise ValueError(f"execution {execution!r}: choose ready_first or wait_all")
+        self.pack, self.cache, self.reader, self.tel = pack, cache, reader, telemetry
+        self.execution = execution
+        self.raw = raw      # True: compute gets each part's encoded bytes, not f32 (an engine's raw_experts)
+        self.prefetched: dict[tuple, tuple] = {}   # key -> (bytes, token), issued by a predictor, not yet consumed
+        self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
+
+    # ------------------------------------------------------------ reads
+
+    def _issue(self, keys: list[tuple]) -> int:
+        """Start reads for keys (slots already reserved); returns bytes requested."""
+        reads = {key: self.pack.expert_reads(*key) for key in keys}
+        futs = self.reader.submit([((key, i), off, n) for key in keys for i, (off, n) in enumerate(reads[key])])
+        total = 0
+        for key in keys:
+            fut = Future()
+            fut.dequant_s = 0.0
+            self.cache.set(key, fut)
+            part_futs = [futs[(key, i)] for i in range(len(reads[key]))]
+            total += sum(n for _, n in reads[key])
+            remaining = [len(part_futs)]
+
+            def done(_f, key=key, fut=fut, part_futs=part_futs, remaining=remaining):
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+                try:
+                    chunks = [f.result() for f in part_futs]
+                    t0 = time.perf_counter()
+                    w = self.pack.decode_expert(key[0], key[1], chunks, raw=self.raw)
+                    fut.dequant_s = time.perf_counter() - t0
+                    fut.set_result(w)
+                except BaseException as e:  # surfaced in the compute thread by fut.result()
+                    fut.set_exception(e)
+
+            for f in part_futs:
+                f.add_done_callback(done)
+        return total
+
+    def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0) -> list[int]:
+        """Predicted experts of `layer` at `token`: start reads for those not in memory. Never evicts `protect`."""
+        keys = []
+        for e in experts:
+            key = (layer, int(e))
+            if key in self.cache:
+                continue
+            if not self.cache.reserve(key, None, protect):
+                break
+            keys.append(key)
+        if keys:
+            nbytes = self._issue(keys)
+            for k in keys:
+                self.prefetched[k] = (nbytes // len(keys), token)
+            self.tel.prefetch_issued += len(keys)
+        return [k[1] for k in keys]
+
+    def load_resident(self, keys, pin=True):
+        """Fill the cache with these experts now (all-resident or a warm set), synchronously."""
+        keys = [k for k in keys if k not in self.cache]
+        for k in keys:
+            ok = self.cache.pin(k, None) if pin else self.cache.reserve(k, None)
+            if not ok:
+                raise ValueError("warm set larger than the cache")
+        self._issue(keys)
+        for k in keys:
+            self.cache.set(k, self.cache.peek(k).result())
+
+    # ------------------------------------------------------------ one layer
+
+    def begin_layer(self, engine, layer: int, x, h, logits, phase: str, t0: float):
+        """Route a MoE layer (the engine's router hook, else the exact router) and start the predictor's
+        prefetches. x, h, logits: numpy; t0: when the router started. Returns (idx, weights, needed, event)."""
+        token = engine.token_index
+        ev = LayerEvent(token=token if phase == "decode" else -1, layer=layer, phase=phase,
+                        routed=[], predicted=[], hit=[], t_start=t0)
+        ctx = {"x": x, "h": h, "logits": logits, "phase": phase, "engine": engine}
+        if engine.router_hook is not None:
+            idx, weights = engine.router_hook(layer, logits, ctx)
+        else:
+            idx, weights = route(self.pack.spec, logits, engine.w.get(f"layers.{layer}.router_bias"))
+        ctx["routed"] = idx
+        ev.router_s = time.perf_counter() - t0
+        ev.predicted = self.predicted_for.pop((layer, token), []) if phase == "decode" else []
+        needed = sorted(set(int(e) for e in np.unique(idx)))
+        if engine.predictor is not None:        # name (and start reading) later layers' experts now
+            t1 = time.perf_counter()
+            for target, experts in engine.predictor.predict(layer, ctx).items():
+                # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
+                target = target if isinstance(target, tuple) else (target, token)
+                self.predicted_for[target] = list(map(int, experts))
+                self.prefetch(target[0], experts, protect={(layer, e) for e in needed}, token=target[1])
+            ev.router_s += time.perf_counter() - t1
+        ev.routed = needed
+        return idx, weights, needed, ev
+
+    def run_layer(self, layer: int, needed: list[int], compute, ev: LayerEvent):
+        """Call compute(e, weights) once per needed expert, bringing each into memory first."""
+        protect = {(layer, e) for e in needed}
+        ready, pending, backlog = [], {}, []
+        for e in needed:
+            key = (layer, e)
+            ent = self.cache.get(key)
+            if key in self.prefetched:
+                self.tel.prefetch_used += 1
+                self.prefetched.pop(key)
+            if ent is None:
+                backlog.append(e)
+                ev.hit.append(False)
+            elif isinstance(ent, Future):
+                if ent.done() and ent.exception() is None:   # a prefetch that landed in time: in memory
+                    ev.hit.append(True)
+                    self.cache.set(key, ent.result())
+                    ready.append(e)
+                else:
+                    ev.hit.append(False)                      # a late prefetch: still in flight
+                    pending[e] = ent
+            else:
+                ev.hit.append(True)
+                ready.append(e)
+        for key in [k for k, (_, t) in self.prefetched.items() if k[0] == layer and t <= ev.token]:
+            self.tel.prefetch_wasted += 1                 # predicted for this layer and token, not used
+            self.tel.wasted_bytes += self.prefetched.pop(key)[0]
+
+        def issue_backlog():
+            keys = []
+            while backlog:
+                key = (layer, backlog[0])
+                if not self.cache.reserve(key, None, protect):
+                    break
+                keys.append(key)
+                backlog.pop(0)
+            if keys:
+                ev.bytes_read += self._issue(keys)
+                for k in keys:
+                    pending[k[1]] = self.cache.peek(k)
+
+        def run(e):
+            key = (layer, e)
+            t0 = time.perf_counter()
+            compute(e, self.cache.peek(key))
+            ev.compute_s += time.perf_counter() - t0
+            protect.discard(key)           # done with it: it may be evicted for the next wave
+
+        issue_backlog()
+        if self.execution == "ready_first":
+            for e in ready:
+                run(e)
+            ready = []
+        while pending or backlog or ready:
+            if pending and (self.execution == "wait_all" or not ready):
+                t0 = time.perf_counter()
+                done, _ = wait(list(pending.values()), return_when=FIRST_COMPLETED if self.execution == "ready_first"
+                               else "ALL_COMPLETED")
+                waited = time.perf_counter() - t0
+                dq = sum(f.dequant_s for f in done)
+                ev.dequant_s += min(waited, dq)
+                ev.wait_s += waited - min(waited, dq)
+                for e in [e for e, f in pending.items() if f in done]:
+                    self.cache.set((layer, e), pending.pop(e).result())
+                    ready.append(e)
+            for e in ready:
+                run(e)
+            ready = []
+            issue_backlog()
+            if backlog and not pending:
+                self._wait_for_a_slot(layer, backlog[0], ev)
+
+    def _wait_for_a_slot(self, layer, e, ev):
+        """Every free slot is taken by reads in flight (prefetches): wait for one to land, then it can go."""
+        flying = [v for k in self.cache.keys() if isinstance(v := self.cache.peek(k), Future) and not v.done()]
+        if not flying:
+            raise RuntimeError(f"layer {layer}: no cache slot for expert {e}: pinned experts fill the budget")
+        t0 = time.perf_counter()
+        wait(flying, return_when=FIRST_COMPLETED)
+        ev.wait_s += time.perf_counter() - t0

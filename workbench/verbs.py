@@ -1,0 +1,139 @@
+"""The runtime's verbs: info, convert, probe-disk, make-model, generate (registered in workbench.commands).
+
+`info` and `convert` dispatch on the model's kind: a pack, a Hugging Face directory or a GGUF file.
+"""
+from __future__ import annotations
+
+import json
+
+from workbench.commands import command, emit, flash, running
+from workbench.errors import WorkbenchError
+
+
+def session(args, **kw):
+    from workbench.session import Session
+    return Session(args.model, args.preset, budget=args.budget, engine=args.engine, direct=not args.page_cache,
+                   device=args.device, **kw)
+
+
+def _info_flags(p):
+    p.add_argument("--model", default="demo")
+    p.add_argument("--budget", default="0.25", help="the expert cache to size the memory needs at")
+
+
+@command("info", "describe a model, pack or GGUF", _info_flags)
+def cmd_info(args):
+    from workbench.registry import is_pack, model_dir
+    if str(args.model).endswith(".gguf"):
+        return _info_gguf(args)
+    p = model_dir(args.model)
+    if is_pack(p):
+        from workbench.store.pack import Pack
+        pack = Pack(p)
+        obj = {"path": str(p), "kind": "pack", "spec": pack.spec.to_dict(), "layout": pack.layout, "quant": pack.quant,
+               "expert_nbytes": pack.expert_nbytes, "experts": pack.num_expert_total, "file_size": pack.header["file_size"]}
+        spec, shapes = pack.spec, {n: t["shape"] for n, t in pack.tensors.items()}
+    else:
+        from workbench.models.hf import HFModel
+        m = HFModel(p)
+        obj = {"path": str(p), "kind": "huggingface", "spec": m.spec.to_dict(), "tensors": len(m.where),
+               "expert_tensors": len(m.experts)}
+        spec, shapes = m.spec, {n: m.tensor_shape(n) for n in m.where}
+    from workbench.memory import describe, memory_needs
+    from workbench.presets import Budget
+    obj["memory"] = memory_needs(spec, shapes, Budget(args.budget))
+    s = obj["spec"]
+    emit(args, obj, f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, "
+                    f"d={s['hidden_size']}\n{describe(obj['memory'])}")
+
+
+def _info_gguf(args):
+    from workbench.models.gguf_model import GGUFModel
+    g = GGUFModel(args.model)
+    types = {}
+    for t in g.reader.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    obj = {"path": str(g.path), "kind": "gguf", "architecture": g.arch, "spec": g.spec.to_dict(),
+           "tensors": len(g.raw), "tensor_types": types, "file_size": g.path.stat().st_size}
+    s = obj["spec"]
+    emit(args, obj, f"{g.path}: GGUF {g.arch} ({s['family']}), {s['num_layers']} layers, {s['num_experts']} experts, "
+                    f"top-{s['top_k']}, d={s['hidden_size']}, types {types}")
+
+
+def _convert_flags(p):
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--layout", default="contiguous", choices=["contiguous", "native"])
+    p.add_argument("--experts", default=None, choices=["q4", "q3", "q2", "q8", "bf16", "raw"],
+                   help="default q4; raw, the GGUF's own blocks, for a .gguf source")
+    p.add_argument("--rest", default=None, choices=["q4", "q8", "bf16", "raw"],
+                   help="default q4; raw, the GGUF's own blocks, for a .gguf source")
+
+
+@command("convert", "write an expert pack from a Hugging Face checkpoint or a GGUF", _convert_flags)
+def cmd_convert(args):
+    from workbench.registry import model_dir
+    from workbench.store.pack import Pack, convert
+    gguf = str(args.src).endswith(".gguf")      # a GGUF keeps its own blocks (raw) unless asked otherwise
+    experts = args.experts or ("raw" if gguf else "q4")
+    rest = args.rest or ("raw" if gguf else "q4")
+    if not gguf and "raw" in (experts, rest):
+        raise WorkbenchError("--experts/--rest raw keep a GGUF's own blocks: the source must be a .gguf file")
+    dst = convert(model_dir(args.src), args.dst, layout=args.layout, experts=experts, rest=rest, progress=not args.json)
+    pack = Pack(dst)
+    emit(args, {"path": str(dst), "layout": pack.layout, "quant": pack.quant, "file_size": pack.header["file_size"],
+                "expert_nbytes": pack.expert_nbytes}, f"wrote {dst} ({pack.header['file_size'] / 2**20:.1f} MiB)")
+
+
+def _probe_flags(p):
+    p.add_argument("--path", default=None, help="a file or folder on the disk to probe (default: the pack cache)")
+    p.add_argument("--seconds", type=float, default=0.3, help="per (size, depth) point")
+    p.add_argument("--save-device", default=None, metavar="NAME", help="also write the fit as data/devices/NAME.json")
+
+
+@command("probe-disk", "bandwidth and latency by read size and queue depth", _probe_flags)
+def cmd_probe_disk(args):
+    from workbench.floor import probe
+    res = probe(args.path, seconds_per_point=args.seconds, refresh=True)
+    if args.save_device:              # this machine as a device profile (data/devices/NAME.json)
+        from workbench.atomic import atomic_write
+        from workbench.devices import DEVICES, profile_from_probe
+        prof = profile_from_probe(res, args.save_device, f"this machine ({args.save_device}), measured by probe-disk")
+        res["device_profile"] = str(atomic_write(DEVICES / f"{args.save_device}.json", json.dumps(prof, indent=1) + "\n"))
+    lines = [f"{p['size'] // 1024:>6} KiB  qd {p['depth']}:  {p['mb_s']:8.1f} MB/s  p50 {p['lat_ms_p50']:.3f} ms"
+             for p in res["points"]]
+    emit(args, res, f"{res['path']} ({res['mode']})\n" + "\n".join(lines))
+
+
+def _make_model_flags(p):
+    from workbench.shapes import SHAPES
+    p.add_argument("--shape", required=True, choices=list(SHAPES))
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--experts", type=int, default=None, help="experts per layer (default: the model's)")
+    p.add_argument("--out", default=None, help="the directory to write (default: under the pack cache)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+@command("make-model", "write a random-weight checkpoint with a real model's expert shape", _make_model_flags)
+def cmd_make_model(args):
+    from workbench.registry import cache_dir
+    from workbench.shapes import make_model
+    out = args.out or cache_dir() / "models" / f"{args.shape}-{args.layers}L-{args.experts or 'all'}E-random"
+    path = make_model(args.shape, args.layers, out, experts=args.experts, seed=args.seed)
+    c = json.loads((path / "random_weights.json").read_text())
+    emit(args, {"path": str(path), **c}, f"wrote {path}: {c['label']}")
+
+
+def _generate_flags(p):
+    p.add_argument("--prompt", default="Once upon a time")
+    p.add_argument("--tokens", type=int, default=60)
+    p.add_argument("--stop-at-eos", action="store_true")
+
+
+@command("generate", "generate text greedily", running, flash, _generate_flags)
+def cmd_generate(args):
+    with session(args) as s:
+        out = s.generate(args.prompt, tokens=args.tokens, stop_at_eos=args.stop_at_eos)
+        summ = s.summary()
+        out.update(preset=s.preset.name, hit_rate=summ["hit_rate"], bytes_read=summ["bytes_read"])
+    emit(args, out, args.prompt + out["text"])
