@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 PORT    ?= 8501
 
-.PHONY: demo test venv notebooks figures clean-packs
+.PHONY: demo test browser venv notebooks figures clean-packs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,16 +14,29 @@ $(VENV)/.runtime: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	touch $@
 
+# llama-cpp-python (test extra) builds llama.cpp with -march=native. On Intel CPUs with AMX, GCC 12 miscompiles
+# ggml's AMX k-quant kernel (it faults on batches of 2+ tokens), so x86 builds leave AMX out where the compiler
+# knows the flags. (pip's wheel cache keeps serving a build made before this; engines/llamacpp_engine.py turns
+# ggml's extra buffer types, AMX among them, off at run time on every build.)
+NO_AMX := $(shell echo | c++ -x c++ -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -E - >/dev/null 2>&1 && echo "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+
 $(VENV)/.test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e ".[test]"
+	CFLAGS="$(NO_AMX) $$CFLAGS" CXXFLAGS="$(NO_AMX) $$CXXFLAGS" $(BIN)/pip install -q -e ".[test]"
 	touch $@
+
+# The browser test (tests/test_dashboard_e2e.py) drives Debian's chromium: installed here when root, else said loudly.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "*** make test: $(CHROMIUM) is missing, so the dashboard browser test (tests/test_dashboard_e2e.py) will SKIP. Enable it with: sudo apt-get install -y chromium, then run make test again. ***" >&2
 
 venv: $(VENV)/.runtime
 
 demo: $(VENV)/.runtime
 	$(BIN)/python -m streamlit run dashboards/live.py --server.headless true --server.port $(PORT)
 
-test: $(VENV)/.test
+test: $(VENV)/.test browser
 	$(BIN)/python -m pytest -q
 
 $(VENV)/.notebooks: pyproject.toml | $(BIN)/python

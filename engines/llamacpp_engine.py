@@ -91,6 +91,10 @@ class LlamaCpp:
             raise WorkbenchError(f"{self.path}: no such GGUF file")
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0
+        # No extra CPU buffer types (weights repacked for AMX, KleidiAI or interleaved-repack kernels): plain ggml
+        # CPU kernels only. ggml's AMX k-quant matmul, as GCC 12 compiles it under -march=native, faults on any
+        # batch of 2+ tokens on Intel CPUs with AMX; the plain kernels run everywhere.
+        mp.use_extra_bufts = False
         if hasattr(mp, "load_mode"):
             mp.load_mode = lc.LLAMA_LOAD_MODE_MMAP if mmap_on else lc.LLAMA_LOAD_MODE_NONE
         elif hasattr(mp, "use_mmap"):

@@ -24,6 +24,7 @@ import numpy as np
 
 from evals.common import log_softmax, trim_telemetry
 from workbench.chat import render
+from workbench.errors import WorkbenchError
 
 MAX_BODY = 8 * 2**20
 MAX_LOGPROBS = 20
@@ -614,7 +615,11 @@ def serve(model: str, preset: str, budget=None, host: str = "127.0.0.1", port: i
           engine: str = "numpy", direct: bool = True, quiet: bool = False):
     from evals.common import open_session
     s = open_session(model, preset, budget, engine, direct)
-    srv = make_server(s, host, port, model_id, quiet)
+    try:
+        srv = make_server(s, host, port, model_id, quiet)
+    except OSError as e:
+        s.close()
+        raise WorkbenchError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
     h, p = srv.server_address[:2]
     print(f"serving {srv.engine.model_id!r} ({s.preset.name}, budget {s.budget_text}) on http://{h}:{p}/v1",
           file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ from workbench.presets import Predictor, get_preset
 from workbench.capture import RoutingCapture
 from workbench.runs import write_run
 from workbench.session import Session
+from workbench.errors import WorkbenchError
 
 SUMMARY_KEYS = ("tok_s", "prefill_tok_s", "hit_rate", "bytes_read", "bytes_read_per_token", "flash_wait_s",
                 "flash_wait_per_token_s", "dequant_s", "compute_s", "router_s", "other_s", "decode_s",
@@ -27,7 +28,8 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
     fl = floor_tok_s(session.pack, (s["compute_s"] + s["router_s"]) / n, s["bytes_read_per_token"], disk)
     res = {k: s[k] for k in SUMMARY_KEYS}
     res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
-               reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
+               reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], read_retries=s["read_retries"],
+               achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
                device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
                routing_trace=s["routing_trace"])
@@ -62,10 +64,19 @@ def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = 
           routing_trace: str | None = None) -> dict:
     with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct,
                       device=device, routing_trace=routing_trace) as s:
-        res = measure(s, prompt, tokens)
+        record_run = lambda summary, failed=False: write_run(
+            s.preset.name, {**s.config(), "tokens": tokens, "prompt": prompt}, summary, s.tel.per_layer("decode"),
+            s.tel.event_rows(), s.tel.token_rows(), failed=failed)
+        try:
+            res = measure(s, prompt, tokens)
+        except WorkbenchError as e:      # a failed run is recorded too: what completed, and why it stopped
+            if not record:
+                raise
+            done = s.tel.summary()
+            path = record_run({"status": "failed", "error": str(e), "decode_steps": done["decode_steps"],
+                               "prefill_tokens": done["prefill_tokens"], "read_retries": s.reader.retries}, failed=True)
+            raise WorkbenchError(f"{e} (failed run recorded in {path})") from None
         res.update(preset=s.preset.name, budget=s.budget_text)
         if record:
-            path = write_run(s.preset.name, {**s.config(), "tokens": tokens, "prompt": prompt}, res,
-                             s.tel.per_layer("decode"), s.tel.event_rows(), s.tel.token_rows())
-            res["run"] = str(path)
+            res["run"] = str(record_run(res))
     return res

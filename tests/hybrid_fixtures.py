@@ -53,3 +53,13 @@ def make_hybrid(family: str, path: Path, seed: int = 0, **overrides) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     tiny_tokenizer(path / "tokenizer.json")
     return path
+
+
+def llama_greedy_and_logits(path, prompt, tokens, ids):
+    """In llama.cpp, in tests/child.py's child process (this module imports no torch): greedy tokens after `prompt`,
+    and the logits of `ids`."""
+    from engines.llamacpp_engine import LlamaCpp
+    with LlamaCpp(path, n_ctx=256) as llm:
+        theirs = llm.generate(prompt, tokens)["tokens"]
+        llm.reset()
+        return theirs, llm.forward(ids)

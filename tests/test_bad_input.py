@@ -57,12 +57,14 @@ def test_flipped_byte_in_an_expert(pack, tmp_path):
     assert_one_line_error(res, str(bad), "checksum mismatch", "expert 3 of layer 1")
 
 
-def test_header_from_a_newer_version(pack, tmp_path):
-    bad = tmp_path / "future.pack"
+@pytest.mark.parametrize("version,says", [(99, "format 99 is newer"),
+                                          (1, "format 1 has no header checksum; re-convert")])
+def test_header_of_another_format(pack, tmp_path, version, says):
+    bad = tmp_path / f"format{version}.pack"
     data = bytearray(pack.read_bytes())
-    data[8:12] = struct.pack("<I", 99)
+    data[8:12] = struct.pack("<I", version)
     bad.write_bytes(bytes(data))
-    assert_one_line_error(cli("info", "--model", str(bad)), str(bad), "format 99 is newer")
+    assert_one_line_error(cli("info", "--model", str(bad)), str(bad), says)
 
 
 def test_missing_shard(tiny_models, tmp_path):
@@ -111,3 +113,24 @@ def test_existing_pack_survives_a_failed_conversion(tiny_models, pack, tmp_path)
     (src / "model.safetensors").write_bytes(b"\x00" * 16)
     assert cli("convert", str(src), str(dst)).returncode == 2
     assert dst.read_bytes() == before
+
+
+def test_flipped_byte_in_the_header(pack, tmp_path):
+    """Inside the tokenizer the header carries (where `tokenizers` once raised a traceback): the header's own
+    checksum refuses it before anything in it is used."""
+    bad = tmp_path / "header.pack"
+    data = bytearray(pack.read_bytes())
+    data[data.index(b"merges") + 40] ^= 0x01
+    bad.write_bytes(bytes(data))
+    assert_one_line_error(cli("generate", "--model", str(bad), "--tokens", "2"), str(bad),
+                          "checksum mismatch in the pack header")
+
+
+def test_serve_on_a_port_in_use(pack):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = cli("serve", "--model", str(pack), "--port", str(port))
+    assert_one_line_error(res, f"cannot serve on 127.0.0.1:{port}", "Address already in use")

@@ -273,16 +273,14 @@ def test_llamacpp_runs_the_exported_qwen3next_gguf_with_our_greedy_tokens(hybrid
     a router choice where two experts nearly tie, and a flip lives on in the recurrent state: on this random model
     some prompts hit one, so the prompt is fixed and the agreement is checked over the whole run.)"""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")
+    from child import in_child
     from engines.gguf_export import export_gguf
-    from engines.llamacpp_engine import LlamaCpp
+    from hybrid_fixtures import llama_greedy_and_logits
     path, prompt = hybrid_models["qwen3_next"], TOKENS[:8]
     gguf_path = export_gguf(HFModel(path), tmp_path / "next.gguf", "f16")
     with Session(str(path), "teacher") as s:
         mine = s.generate(prompt, tokens=16)["tokens"]
-    with LlamaCpp(gguf_path, n_ctx=256) as llm:
-        theirs = llm.generate(prompt, 16)["tokens"]
-        llm.reset()
-        logits = llm.forward(prompt + mine[:-1])
+    theirs, logits = in_child(llama_greedy_and_logits, gguf_path, prompt, 16, prompt + mine[:-1])
     assert theirs == mine
     np.testing.assert_allclose(logits, ours(path, prompt + mine[:-1]), atol=3e-2, rtol=0)
     # and back: the GGUF imports as the same model (f16 holds the bf16 weights exactly)

@@ -2,6 +2,8 @@
 
 GGUF export/import needs the `gguf` package; the tests that run llama.cpp need llama-cpp-python
 (both in the `llamacpp` and `test` extras) and skip, with the reason, where it is not importable.
+Every call into llama.cpp runs in a child process (tests/child.py): a native crash fails that test with
+its signal, and the rest of the run goes on.
 
 Tolerances (f16 export of bf16-rounded tiny weights, llama.cpp CPU):
   our engine on the imported f16 pack vs on the original (teacher): 1e-4 (the f16 copy of a bf16 value is
@@ -34,15 +36,17 @@ except Exception as e:  # ImportError, or a shared library that does not load
     NO_LLAMA = f"llama-cpp-python is not importable ({type(e).__name__}: {e}); pip install -e '.[llamacpp]'"
 needs_llama = pytest.mark.skipif(NO_LLAMA is not None, reason=NO_LLAMA or "")
 
-from engines.gguf_export import export_gguf          # noqa: E402
+from child import in_child                                    # noqa: E402
+from engines.gguf_export import export_gguf                   # noqa: E402
 from workbench.models.gguf_model import GGUFModel, _BLOCK, _GLOBAL  # noqa: E402
 from workbench.models.hf import HFModel                       # noqa: E402
-from workbench.errors import WorkbenchError                     # noqa: E402
+from workbench.errors import WorkbenchError                   # noqa: E402
 from workbench.store.pack import Pack, convert                # noqa: E402
 
 IDS = [5, 17, 200, 31, 64, 99, 150, 3, 250, 12, 77, 42]
 LOGIT_TOL_F16 = 3e-2
 TIE_GAP = 2e-2
+KQ_BATCH_TOL = 0.15   # llama.cpp's batched k-quant matmul vs its one-token path (0.05 seen on an AMD EPYC, logits ~3)
 PROMPT = "Tom and his mom went to the park."   # our greedy path has no near-tie (min top-2 gap 0.05)
 
 
@@ -281,23 +285,57 @@ def test_replay_of_a_numpy_trace(q3, tmp_path):
 
 # ---------------------------------------------------------------- stock llama.cpp
 
+def llama_run(path, prompt, tokens):
+    """In llama.cpp: the prompt's token ids, their logits as one batch, greedy tokens and their text."""
+    from engines.llamacpp_engine import LlamaCpp
+    with LlamaCpp(path, n_ctx=256) as llm:
+        ids = llm.tokenize(prompt)
+        llm.reset()
+        z = llm.forward(ids)
+        gen = llm.generate(ids, tokens)["tokens"]
+        return {"ids": ids, "logits": z, "tokens": gen, "text": llm.detokenize(gen)}
+
+
+def llama_logits(path, ids, one_by_one: bool = False):
+    """In llama.cpp: logits of `ids` decoded as one batch, or one token at a time."""
+    from engines.llamacpp_engine import LlamaCpp
+    with LlamaCpp(path, n_ctx=256) as llm:
+        llm.reset()
+        return np.concatenate([llm.forward([i]) for i in ids]) if one_by_one else llm.forward(ids)
+
+
+def quantized_batch_and_steps(f16, dst, qtype, ids):
+    """In llama.cpp: quantize, then the logits of `ids` as one batch and one token at a time."""
+    from engines.llamacpp_engine import quantize_gguf
+    q = quantize_gguf(f16, dst, qtype)
+    return llama_logits(q, ids), llama_logits(q, ids, one_by_one=True)
+
+
+def cli_json(*argv) -> dict:
+    """`python -m workbench ARGV --json` in this process: its JSON object."""
+    import contextlib
+    import io
+    from workbench.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(list(argv) + ["--json"]) == 0
+    return json.loads(out.getvalue().strip().splitlines()[-1])
+
+
 @needs_llama
 def test_llamacpp_runs_the_export_like_our_teacher(q3, exported):
-    from engines.llamacpp_engine import LlamaCpp
     from workbench.session import Session
-    with LlamaCpp(exported["f16"], n_ctx=256) as llm:
-        with Session(str(q3), "teacher", budget="all") as s:
-            assert llm.tokenize(PROMPT) == s.encode(PROMPT)
-            ids = s.encode(PROMPT)
-            ref = teacher_logits(q3, ids)
-            llm.reset()
-            z = llm.forward(ids)
-            assert z.shape == ref.shape
-            assert np.abs(z - ref).max() < LOGIT_TOL_F16, np.abs(z - ref).max()
-            ours = s.generate(ids, tokens=16)
-        theirs = llm.generate(ids, 16)
-        assert theirs["tokens"] == ours["tokens"]
-        assert llm.detokenize(theirs["tokens"]) == ours["text"]
+    theirs = in_child(llama_run, exported["f16"], PROMPT, 16)
+    with Session(str(q3), "teacher", budget="all") as s:
+        ids = s.encode(PROMPT)
+        assert theirs["ids"] == ids
+        ref = teacher_logits(q3, ids)
+        z = theirs["logits"]
+        assert z.shape == ref.shape
+        assert np.abs(z - ref).max() < LOGIT_TOL_F16, np.abs(z - ref).max()
+        ours = s.generate(ids, tokens=16)
+    assert theirs["tokens"] == ours["tokens"]
+    assert theirs["text"] == ours["text"]
 
 
 @needs_llama
@@ -305,7 +343,7 @@ def test_llamacpp_trace_matches_our_routing(q3, exported, tmp_path):
     from engines.llamacpp_engine import capture_trace
     from experiments.traces import capture_numpy
     ids = np.random.default_rng(1).integers(0, 320, 64).tolist()
-    theirs = capture_trace(exported["f16"], ids)
+    theirs = in_child(capture_trace, exported["f16"], ids)
     ours, _ = capture_numpy(str(q3), ids)
     assert theirs["moe_layers"] == ours["moe_layers"]
     assert theirs["topk"].shape == ours["topk"].shape
@@ -346,7 +384,7 @@ def kquant_model(tmp_path_factory):
 def test_kquant_import_keeps_blocks(kquant_model, tmp_path, qtype, block):
     from engines.llamacpp_engine import quantize_gguf
     f16 = export_gguf(HFModel(kquant_model), tmp_path / "f16.gguf", "f16")
-    q = quantize_gguf(f16, tmp_path / f"{qtype}.gguf", qtype)
+    q = in_child(quantize_gguf, f16, tmp_path / f"{qtype}.gguf", qtype)
     g = GGUFModel(q)
     kinds = {p: k for L in g.spec.moe_layers for p, k in g.expert_kinds(L).items()}
     assert f"gguf:{block}" in kinds.values(), kinds
@@ -370,7 +408,7 @@ def test_kquant_import_keeps_blocks(kquant_model, tmp_path, qtype, block):
     # the later tokens'): compare the tokens before the first token whose routing differs.
     from engines.llamacpp_engine import capture_trace
     from experiments.traces import capture_numpy
-    theirs = capture_trace(q, IDS)
+    theirs = in_child(capture_trace, q, IDS)
     ours, _ = capture_numpy(str(pack.path), IDS)
     same = (np.sort(theirs["topk"], -1) == np.sort(ours["topk"], -1)).all(-1).all(-1)
     t0 = len(IDS) if same.all() else int(np.argmin(same))
@@ -378,6 +416,40 @@ def test_kquant_import_keeps_blocks(kquant_model, tmp_path, qtype, block):
     z = teacher_logits(pack.path, IDS)
     assert np.abs(z[:t0] - theirs["final_logits"][:t0]).max() < 0.15
     assert np.abs(z - teacher_logits(kquant_model, IDS)).mean() > 0.05      # quantization did change the model
+
+
+@needs_llama
+@pytest.mark.parametrize("qtype", ["q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k", "q4_0"])
+def test_kquant_batches_decode_like_single_tokens(kquant_model, tmp_path, qtype):
+    """Batches of 2+ tokens go through llama.cpp's batched k-quant matmuls (the path ggml's AMX kernel takes on
+    Intel CPUs with AMX); one token at a time goes through the vector path. Both give the same logits."""
+    f16 = export_gguf(HFModel(kquant_model), tmp_path / "f16.gguf", "f16")
+    batch, steps = in_child(quantized_batch_and_steps, f16, tmp_path / f"{qtype}.gguf", qtype, IDS)
+    assert batch.shape == (len(IDS), 320) and np.isfinite(batch).all()
+    assert np.abs(batch - steps).max() < KQ_BATCH_TOL, np.abs(batch - steps).max()
+
+
+def model_buffers(path) -> list[str]:
+    """The buffers llama.cpp puts a model's weights in, from its load log."""
+    import ctypes
+    from engines.llamacpp_engine import LlamaCpp, _init
+    lines = []
+    lc = _init()["lc"]
+    cb = lc.llama_log_callback(lambda level, text, user: lines.append(text.decode()))
+    lc.llama_log_set(cb, ctypes.c_void_p(0))
+    LlamaCpp(path, n_ctx=64).close()
+    return [line.split("load_tensors:")[1].split(" model buffer")[0].strip() for line in lines
+            if "model buffer size" in line]
+
+
+@needs_llama
+def test_weights_stay_in_plain_cpu_buffers(kquant_model, tmp_path):
+    """No extra CPU buffer type (AMX, KleidiAI, repacked q4_0/q4_K): on this CPU or any other, llama.cpp runs its
+    plain kernels. (Without the setting, an AVX2 CPU repacks q4_0 into CPU_REPACK and an AMX one into AMX.)"""
+    from engines.llamacpp_engine import quantize_gguf
+    f16 = export_gguf(HFModel(kquant_model), tmp_path / "f16.gguf", "f16")
+    q = in_child(quantize_gguf, f16, tmp_path / "q4_0.gguf", "q4_0")
+    assert in_child(model_buffers, q) == ["CPU_Mapped"]
 
 
 @needs_llama
@@ -394,8 +466,8 @@ def test_cli_verbs(q3, exported, tmp_path, capsys):
     assert info["kind"] == "gguf" and info["spec"]["num_experts"] == 8
     conv = run("convert", str(tmp_path / "e.gguf"), str(tmp_path / "e.pack"))
     assert conv["quant"] == {"experts": "raw", "rest": "raw"}
-    t = run("trace", "--engine", "llamacpp", "--model", str(exported["f16"]), "--data", "tinystories",
-            "--tokens", "48", "--out", str(tmp_path / "t.parquet"))
+    t = in_child(cli_json, "trace", "--engine", "llamacpp", "--model", str(exported["f16"]), "--data", "tinystories",
+                 "--tokens", "48", "--out", str(tmp_path / "t.parquet"))
     assert t["tokens"] == 48 and t["rows"] == 96
     rep = run("replay", str(tmp_path / "t.parquet"), "--preset", "les", "--budget", "0.5")
     assert [r["design"] for r in rep["designs"]] == ["on_demand", "history", "shuffled", "lookahead", "oracle"]
@@ -415,7 +487,7 @@ def test_llamacpp_runs_deepseek2_like_transformers(tiny_models, deepseek_v2_lite
     import torch
     from transformers import AutoModelForCausalLM
     from conftest import YARN, make_checkpoint
-    from engines.llamacpp_engine import LlamaCpp, capture_trace
+    from engines.llamacpp_engine import capture_trace
     from experiments.traces import capture_numpy
     src = {"deepseek_v3": tiny_models["deepseek_v3"], "deepseek_v2_lite": deepseek_v2_lite}.get(family) or \
         make_checkpoint("deepseek_v3", tmp_path / "yarn", rope_parameters=YARN["deepseek_v3"])
@@ -423,11 +495,9 @@ def test_llamacpp_runs_deepseek2_like_transformers(tiny_models, deepseek_v2_lite
     assert GGUFModel(path).spec == HFModel(src).spec
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()(torch.tensor([IDS])).logits[0].numpy()
-    with LlamaCpp(path, n_ctx=256) as llm:
-        llm.reset()
-        z = llm.forward(IDS)
+    z = in_child(llama_logits, path, IDS)
     assert np.abs(z - ref).max() < LOGIT_TOL_F16, np.abs(z - ref).max()
     pack = convert(path, tmp_path / "ds.pack", experts="raw", rest="raw")
     assert np.abs(teacher_logits(pack) - ref).max() < 1e-4
-    theirs, (ours, _) = capture_trace(path, IDS), capture_numpy(str(pack), IDS)
+    theirs, (ours, _) = in_child(capture_trace, path, IDS), capture_numpy(str(pack), IDS)
     assert (np.sort(theirs["topk"], -1) == np.sort(ours["topk"], -1)).all()

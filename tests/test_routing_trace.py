@@ -49,7 +49,7 @@ def test_the_predictions_computed_again_equal_the_shipped_trace(demo_trace):
     """named_predictions (what `trace` records) from the trace's router inputs and the demo's routers."""
     from experiments.traces import _weights_for
     spec = MoESpec.from_dict(demo_trace["meta"]["spec"])
-    got = named_predictions(demo_trace, spec, _weights_for(demo_trace["meta"], None, spec))
+    got = named_predictions(demo_trace, spec, _weights_for(demo_trace["meta"], "demo", spec))
     assert set(got) == set(PREDICTORS)
     for name in PREDICTORS:
         np.testing.assert_array_equal(got[name], demo_trace["predictions"][name], err_msg=name)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 
 from training.corpora import EOS, TRAIN, encode_train
 from training.model import MoEDecoder
-from workbench.atomic import atomic_path
+from workbench.atomic import atomic_path, replace_dir
 
 
 @dataclass
@@ -187,14 +186,7 @@ def export(out: Path, dst: Path):
         "model_max_length": c.max_position_embeddings}, indent=2) + "\n")
     (tmp / "training_log.json").write_text(json.dumps({"args": state["args"], "step": state["step"],
                                                       "log": state["log"]}, indent=1) + "\n")
-    if dst.exists():
-        old = dst.with_name(dst.name + ".old")
-        os.replace(dst, old)
-        os.replace(tmp, dst)
-        import shutil
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, dst)
+    replace_dir(tmp, dst)
     print(f"exported step {state['step']} to {dst}")
 
 

@@ -24,6 +24,8 @@ import numpy as np
 
 ALIGN = 4096
 KiB, MiB = 1024, 1024 * 1024
+TRANSIENT = (errno.EIO, errno.EAGAIN)   # a read failing so is tried again, RETRIES times at most
+RETRIES = 3
 
 
 def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
@@ -73,6 +75,9 @@ class Reader:
         self.reads = 0
         self.merged = 0
         self.read_s = 0.0
+        self.retries = 0          # transient errors that a later try of the same read got past
+        self._busy = 0            # groups reading on the pool now
+        self._closed = False
 
     def _open_direct(self) -> int:
         """O_DIRECT fd, or -1 if the filesystem refuses O_DIRECT (EINVAL)."""
@@ -104,7 +109,7 @@ class Reader:
         got = calls = 0
         t0 = time.perf_counter()
         while got < need:
-            n = os.preadv(self.fd, [mv[got:]], pos + got)
+            n = self._preadv_retrying(mv[got:], pos + got)
             calls += 1
             if n == 0:
                 break
@@ -119,6 +124,20 @@ class Reader:
             self.bytes_read += got
             self.read_s += dt
         return got
+
+    def _preadv(self, mv, pos: int) -> int:
+        return os.preadv(self.fd, [mv], pos)
+
+    def _preadv_retrying(self, mv, pos: int) -> int:
+        for attempt in range(RETRIES + 1):
+            try:
+                return self._preadv(mv, pos)
+            except OSError as e:
+                if e.errno not in TRANSIENT or attempt == RETRIES:
+                    raise
+                with self._lock:
+                    self.retries += 1
+                time.sleep(0.01 * 2 ** attempt)
 
     def _eof_error(self, offset: int, length: int, file_end: int) -> EOFError:
         return EOFError(f"{self.path}: read past end of file: offset={offset} "
@@ -173,12 +192,21 @@ class Reader:
         if not live:
             return
         buf = aligned_empty(end - start)
+        with self._lock:
+            if self._closed:
+                return
+            self._busy += 1
         try:
             got = self._pread(buf, start, max(off + n for _, off, n in live) - start)
         except BaseException as e:
             for key, _, _ in live:
                 futures[key].set_exception(e)
             return
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if self._closed and not self._busy:
+                    self._close_fd()
         # A short read (EOF) fails only the requests that reach past it.
         for key, off, n in live:
             if off + n <= start + got:
@@ -191,15 +219,23 @@ class Reader:
     def stats(self) -> dict:
         with self._lock:
             return {"path": self.path, "mode": self.mode, "bytes_read": self.bytes_read,
-                    "reads": self.reads, "merged": self.merged, "read_s": self.read_s}
+                    "reads": self.reads, "merged": self.merged, "read_s": self.read_s, "retries": self.retries}
 
     def drop_cache(self) -> None:
         drop_page_cache(self.path)
 
     def close(self) -> None:
+        """Queued reads are cancelled; a read stuck in the kernel does not hold up the caller (the file is closed
+        when it returns)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        with self._lock:
+            self._closed = True
+            if not self._busy:
+                self._close_fd()
+
+    def _close_fd(self):
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -1,30 +1,66 @@
 """What a configuration needs in memory, from the spec and the non-expert tensors' shapes alone (nothing is
-loaded): `python -m workbench info --model DIR --budget B` prints it before a 35B-A3B is ever run.
+loaded), and the guard that refuses one that cannot fit before anything is loaded, instead of the OOM killer
+mid-run. `python -m workbench info --model DIR --budget B` prints the same numbers the guard refuses with.
 
 - resident: the non-expert weights (attention, norms, routers, shared experts, embeddings, head), always in
   memory: as the numpy engine holds them (f32) and in bf16;
 - experts: every routed expert, on disk, in each precision a pack can store them in;
 - cache: the expert cache at the budget, in the numpy engine's unit (experts dequantized to f32);
 - context: KV cache bytes per token (full-attention layers), and the fixed recurrent state of the
-  linear-attention layers (Gated DeltaNet: conv and delta-rule state, whatever the context length).
+  linear-attention layers (Gated DeltaNet: conv and delta-rule state, whatever the context length);
+- needed: resident (f32) + the cache, at most every expert; available: /proc/meminfo's MemAvailable, capped by
+  the cgroup's memory.max less its memory.current (Linux).
 """
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+from workbench.errors import WorkbenchError
 from workbench.store import quant
 from workbench.store.pack import expert_kind
 
 PRECISIONS = ("bf16", "q8", "q4", "q3", "q2")
+MiB = 2 ** 20
 
 
-def memory_needs(spec, tensor_shapes: dict, budget) -> dict:
+def available_bytes() -> int | None:
+    """Bytes this process can still take, or None where the system does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    cg = Path("/sys/fs/cgroup")
+    try:
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            avail = min(avail, int(limit) - int((cg / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(0, avail)
+
+
+def largest_budget(resident: int, all_experts: int, available: int | None) -> str:
+    """The largest expert budget (a fraction of all experts, or "all") that fits beside the resident weights."""
+    if available is None:
+        return "unknown"
+    room = available - resident
+    if room >= all_experts:
+        return "all"
+    if room <= 0:
+        return "none (the weights alone do not fit)"
+    return f"{math.floor(100 * room / all_experts) / 100:.2f}"
+
+
+def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int | None = None) -> dict:
+    """expert_bytes: what one expert costs in the cache (the engine's Engine.expert_bytes; f32 by default)."""
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     elements = sum(math.prod(s) for s in tensor_shapes.values())
     n_experts = len(spec.moe_layers) * spec.num_experts
     per_expert = {k: sum(quant.encoded_nbytes(shape, expert_kind(shape, k)) for shape in ((ff, d), (ff, d), (d, ff)))
                   for k in PRECISIONS}
-    f32_expert = 4 * 3 * d * ff
+    item = expert_bytes or 4 * 3 * d * ff
     full = [i for i in range(spec.num_layers) if not spec.is_linear(i)]
     kv_heads, kv_dim = (1, spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.attention == "mla" else \
         (spec.num_kv_heads, 2 * spec.head_dim)
@@ -34,21 +70,39 @@ def memory_needs(spec, tensor_shapes: dict, budget) -> dict:
         channels = 2 * L["num_key_heads"] * L["key_head_dim"] + L["num_value_heads"] * L["value_head_dim"]
         linear_state = 4 * (spec.num_layers - len(full)) * (
             (L["conv_kernel"] - 1) * channels + L["num_value_heads"] * L["key_head_dim"] * L["value_head_dim"])
+    resident, all_experts = 4 * elements, item * n_experts
+    cache = budget.nbytes(item, n_experts)
+    available = available_bytes()
     return {
-        "resident_f32_bytes": 4 * elements, "resident_bf16_bytes": 2 * elements,
+        "resident_f32_bytes": resident, "resident_bf16_bytes": 2 * elements,
         "shared_expert_bytes_f32": 4 * 3 * d * spec.shared_expert_size * len(spec.moe_layers),
         "experts": n_experts, "expert_bytes": {k: v * n_experts for k, v in per_expert.items()},
-        "cache_bytes": budget.nbytes(f32_expert, n_experts), "cache_budget": budget.text,
+        "cache_bytes": cache, "cache_budget": budget.text, "all_experts_f32_bytes": all_experts,
         "kv_bytes_per_token": 4 * len(full) * kv_heads * kv_dim,
         "linear_state_bytes": linear_state,
+        "needed_bytes": resident + min(cache, all_experts), "available_bytes": available,
+        "largest_budget": largest_budget(resident, all_experts, available),
     }
+
+
+def check_fits(m: dict, where: str):
+    """Refuse a configuration (memory_needs) that cannot fit, naming what it needs and what is available."""
+    if m["available_bytes"] is not None and m["needed_bytes"] > m["available_bytes"]:
+        cache = m["needed_bytes"] - m["resident_f32_bytes"]
+        raise WorkbenchError(f"{where}: needs {m['needed_bytes'] / MiB:.0f} MiB of memory "
+                             f"({m['resident_f32_bytes'] / MiB:.0f} MiB of weights + {cache / MiB:.0f} MiB of expert "
+                             f"cache), {m['available_bytes'] / MiB:.0f} MiB available: choose a smaller --budget "
+                             f"(largest that fits: {m['largest_budget']})")
 
 
 def describe(m: dict) -> str:
     def gib(n):
         return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
     ex = ", ".join(f"{k} {gib(v)}" for k, v in m["expert_bytes"].items())
+    avail = "unknown" if m["available_bytes"] is None else gib(m["available_bytes"])
     return (f"memory: resident non-expert weights {gib(m['resident_f32_bytes'])} f32 ({gib(m['resident_bf16_bytes'])} bf16, "
             f"shared experts included); {m['experts']} experts on disk: {ex}; expert cache at budget "
             f"{m['cache_budget']}: {gib(m['cache_bytes'])} (f32); KV cache {m['kv_bytes_per_token']} bytes per token "
-            f"of context; linear-attention state {gib(m['linear_state_bytes'])} (fixed)")
+            f"of context; linear-attention state {gib(m['linear_state_bytes'])} (fixed)\n"
+            f"needs {gib(m['needed_bytes'])} (numpy engine), {avail} available; largest --budget that fits: "
+            f"{m['largest_budget']}")

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
-from workbench.store.pack import MAGIC, Pack, convert
+from workbench.store.pack import FORMAT, MAGIC, Pack, convert
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"demo": REPO / "data" / "models" / "demo-moe"}
@@ -52,7 +52,7 @@ def resolve_pack(model: str, layout: str, experts: str, rest: str, progress: boo
         return p
     if p.is_file() and p.suffix != ".gguf":       # a GGUF converts like a model directory
         raise WorkbenchError(f"{p}: not an expert pack (bad magic) and not a model directory")
-    name = f"{p.name}-{_fingerprint(p)}-{layout}-{experts}-{rest}.pack"
+    name = f"{p.name}-{_fingerprint(p)}-{layout}-{experts}-{rest}-f{FORMAT}.pack"   # a new format converts afresh
     dst = cache_dir() / "packs" / name
     if not dst.exists():
         convert(p, dst, layout=layout, experts=experts, rest=rest, progress=progress)
@@ -64,9 +64,13 @@ def tokenizer_for(pack: Pack):
     from tokenizers import Tokenizer
 
     text = pack.header.get("tokenizer")
-    if text:
-        return Tokenizer.from_str(text)
     src = Path(pack.header["source"]["path"]) / "tokenizer.json"
-    if src.exists():
-        return Tokenizer.from_file(str(src))
+    try:
+        if text:
+            return Tokenizer.from_str(text)
+        if src.exists():
+            return Tokenizer.from_file(str(src))
+    except Exception as e:  # tokenizers raises plain Exception on a malformed or inconsistent tokenizer.json
+        where = f"{pack.path}: the tokenizer in the pack header" if text else f"{src}"
+        raise WorkbenchError(f"{where} is not a valid tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     return None

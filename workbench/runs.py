@@ -66,7 +66,8 @@ def _parquet(path: Path, rows: list[dict]):
 
 
 def write_run(preset: str, config: dict, summary: dict, layers: list[dict], events: list[dict],
-              tokens: list[dict] | None = None, root: Path | None = None) -> Path:
+              tokens: list[dict] | None = None, root: Path | None = None, failed: bool = False) -> Path:
+    """failed: the summary goes to failed.json, so readers of finished runs (list_runs) pass the record by."""
     root = root or runs_dir()
     root.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9_.]+", "_", preset).strip("_")
@@ -76,7 +77,7 @@ def write_run(preset: str, config: dict, summary: dict, layers: list[dict], even
     dumps = lambda o: (json.dumps(o, indent=1, default=str) + "\n").encode()
     _write(tmp / "config.json", dumps(config))
     _write(tmp / "env.json", dumps(environment()))
-    _write(tmp / "summary.json", dumps(summary))
+    _write(tmp / ("failed.json" if failed else "summary.json"), dumps(summary))
     _parquet(tmp / "layers.parquet", layers)
     _parquet(tmp / "events.parquet", events)
     if tokens is not None:

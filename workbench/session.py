@@ -18,6 +18,7 @@ from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache
 from workbench.capture import RoutingCapture
 from workbench.devices import open_reader
+from workbench.memory import check_fits, memory_needs
 from workbench.predict import make_predictor
 from workbench.presets import Budget, CacheScope, Predictor, Preset, Router, get_preset
 from workbench.registry import cache_dir, resolve_pack, tokenizer_for
@@ -58,7 +59,11 @@ class Session:
         self.item_bytes = cls.expert_bytes(s)
         self.all_expert_bytes = self.item_bytes * self.pack.num_expert_total
         self.budget_text = str(budget if budget is not None else p.cache.budget)
-        self.budget_bytes = Budget(self.budget_text).nbytes(self.item_bytes, self.pack.num_expert_total)
+        budget = Budget(self.budget_text)
+        self.budget_bytes = budget.nbytes(self.item_bytes, self.pack.num_expert_total)
+        if cls.name == "numpy":     # the guard's numbers are the numpy engine's (f32 weights and experts), as info's
+            check_fits(memory_needs(s, {n: t["shape"] for n, t in self.pack.tensors.items()}, budget, self.item_bytes),
+                       f"{self.pack_path} at --budget {self.budget_text}")
         self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache.policy.value,
                                  scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
         self.reader = open_reader(self.pack_path, device, direct=direct, workers=workers)   # device: emulated flash
@@ -198,7 +203,7 @@ class Session:
         s = tel.summary()
         s.update(cache_bytes=self.cache.bytes, cache_peak_bytes=self.cache.peak_bytes, budget_bytes=self.budget_bytes,
                  peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode,
-                 reader_workers=self.reader.workers, per_layer=tel.per_layer("decode"),
+                 reader_workers=self.reader.workers, read_retries=self.reader.retries, per_layer=tel.per_layer("decode"),
                  expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes, **self.labels())
         return s
 

@@ -191,7 +191,7 @@ def from_hf_config(cfg: dict, where: str = "config.json") -> MoESpec:
                        dense_intermediate_size=cfg.get("intermediate_size", 0))
     except KeyError as e:
         raise WorkbenchError(f"{where}: missing field {e.args[0]!r} for model_type {family!r}") from None
-    except ValueError as e:
+    except (ValueError, TypeError, AttributeError, IndexError, ZeroDivisionError) as e:   # a field of the wrong type or value
         raise WorkbenchError(f"{where}: {e}") from None
 
 

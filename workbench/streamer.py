@@ -11,16 +11,21 @@ summed in expert-id order by the caller, so the numeric result is the same.
 """
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import numpy as np
 
 from workbench.cache import ExpertCache
+from workbench.errors import WorkbenchError
 from workbench.io import Reader
 from workbench.store.pack import Pack
 from workbench.routing import route
 from workbench.telemetry import LayerEvent, Telemetry
+
+# A read of an expert not back after this many seconds fails the run (a stalled disk; set WORKBENCH_READ_TIMEOUT)
+READ_TIMEOUT_S = 60.0
 
 
 class ExpertStreamer:
@@ -30,6 +35,7 @@ class ExpertStreamer:
             raise ValueError(f"execution {execution!r}: choose ready_first or wait_all")
         self.pack, self.cache, self.reader, self.tel = pack, cache, reader, telemetry
         self.execution = execution
+        self.read_timeout = float(os.environ.get("WORKBENCH_READ_TIMEOUT", READ_TIMEOUT_S))
         self.raw = raw      # True: compute gets each part's encoded bytes, not f32 (an engine's raw_experts)
         self.prefetched: dict[tuple, tuple] = {}   # key -> (bytes, token), issued by a predictor, not yet consumed
         self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
@@ -54,17 +60,38 @@ class ExpertStreamer:
                 if remaining[0]:
                     return
                 try:
-                    chunks = [f.result() for f in part_futs]
+                    chunks = [self._bytes_of(key, f, read) for f, read in zip(part_futs, reads[key])]
                     t0 = time.perf_counter()
                     w = self.pack.decode_expert(key[0], key[1], chunks, raw=self.raw)
                     fut.dequant_s = time.perf_counter() - t0
                     fut.set_result(w)
                 except BaseException as e:  # surfaced in the compute thread by fut.result()
                     fut.set_exception(e)
+                finally:        # a read future holds this callback, which holds the futures: a cycle that kept
+                    part_futs.clear()   # each read's buffer alive until a full GC (RSS climbed for ~700 requests)
 
             for f in part_futs:
                 f.add_done_callback(done)
         return total
+
+    def _bytes_of(self, key, f: Future, read: tuple):
+        """A finished read's bytes, or a one-line error naming the file, the offset and the expert."""
+        try:
+            return f.result()
+        except (OSError, EOFError) as e:
+            why = f"past the end of the file ({str(e).rsplit(', ', 1)[-1]})" if isinstance(e, EOFError) \
+                else e.strerror or str(e)
+            raise WorkbenchError(f"{self.pack.path}: reading expert {key[1]} of layer {key[0]} failed at offset "
+                                 f"{read[0]} ({read[1]} bytes): {why}") from None
+
+    def _wait(self, futures, key, return_when=FIRST_COMPLETED):
+        """wait() for expert reads, bounded by read_timeout: a stalled read fails the run, it does not hang it."""
+        done, _ = wait(futures, timeout=self.read_timeout, return_when=return_when)
+        if not done or (return_when == "ALL_COMPLETED" and len(done) < len(futures)):
+            (off, n), *_ = self.pack.expert_reads(*key)
+            raise WorkbenchError(f"{self.pack.path}: reading expert {key[1]} of layer {key[0]} at offset {off} "
+                                 f"({n} bytes) did not complete within {self.read_timeout:g} s (stalled disk?)")
+        return done
 
     def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0) -> list[int]:
         """Predicted experts of `layer` at `token`: start reads for those not in memory. Never evicts `protect`."""
@@ -92,6 +119,7 @@ class ExpertStreamer:
                 raise ValueError("warm set larger than the cache")
         self._issue(keys)
         for k in keys:
+            self._wait([self.cache.peek(k)], k)
             self.cache.set(k, self.cache.peek(k).result())
 
     # ------------------------------------------------------------ one layer
@@ -178,8 +206,8 @@ class ExpertStreamer:
         while pending or backlog or ready:
             if pending and (self.execution == "wait_all" or not ready):
                 t0 = time.perf_counter()
-                done, _ = wait(list(pending.values()), return_when=FIRST_COMPLETED if self.execution == "ready_first"
-                               else "ALL_COMPLETED")
+                done = self._wait(list(pending.values()), (layer, min(pending)),
+                                  FIRST_COMPLETED if self.execution == "ready_first" else "ALL_COMPLETED")
                 waited = time.perf_counter() - t0
                 dq = sum(f.dequant_s for f in done)
                 ev.dequant_s += min(waited, dq)
@@ -196,9 +224,9 @@ class ExpertStreamer:
 
     def _wait_for_a_slot(self, layer, e, ev):
         """Every free slot is taken by reads in flight (prefetches): wait for one to land, then it can go."""
-        flying = [v for k in self.cache.keys() if isinstance(v := self.cache.peek(k), Future) and not v.done()]
+        flying = {k: v for k in self.cache.keys() if isinstance(v := self.cache.peek(k), Future) and not v.done()}
         if not flying:
             raise RuntimeError(f"layer {layer}: no cache slot for expert {e}: pinned experts fill the budget")
         t0 = time.perf_counter()
-        wait(flying, return_when=FIRST_COMPLETED)
+        self._wait(list(flying.values()), next(iter(flying)))
         ev.wait_s += time.perf_counter() - t0

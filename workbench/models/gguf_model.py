@@ -136,6 +136,12 @@ class GGUFModel:
             self.reader = gguf.GGUFReader(str(self.path), "r")
         except Exception as e:  # the reader raises ValueError/struct errors on a bad or truncated file
             raise WorkbenchError(f"{self.path}: not a readable GGUF file ({e})") from None
+        try:
+            self._load()
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as e:  # UnicodeDecodeError too
+            raise WorkbenchError(f"{self.path}: malformed GGUF metadata ({type(e).__name__}: {e})") from None
+
+    def _load(self):
         self.arch = _value(self.reader.get_field("general.architecture"))
         self.raw = {t.name: t for t in self.reader.tensors}
         for t in self.reader.tensors:
@@ -203,6 +209,8 @@ class GGUFModel:
                 raise WorkbenchError(f"{self.path}: GGUF metadata lacks {key.format(arch=a)}")
             return v[0] if isinstance(v, list) else v     # per-layer arrays: the workbench needs them uniform
         n_layer = int(need("{arch}.block_count"))
+        if not 0 < n_layer <= len(self.raw) or n_expert > sum(int(t.n_elements) for t in self.raw.values()):
+            raise WorkbenchError(f"{self.path}: {n_layer} blocks of {n_expert} experts do not fit its {len(self.raw)} tensors")
         d = int(need("{arch}.embedding_length"))
         heads = int(need("{arch}.attention.head_count"))
         kv = m("{arch}.attention.head_count_kv", heads)
@@ -405,6 +413,13 @@ class GGUFModel:
         return np.ascontiguousarray(b if order is None else b[order]).reshape(-1)
 
     def tensor(self, name: str) -> np.ndarray:
+        try:
+            return self._tensor(name)
+        except ValueError as e:     # the bytes do not reshape into what the metadata says
+            raise WorkbenchError(f"{self.path}: tensor {self.where.get(name, name)} does not hold the shape its "
+                                 f"metadata gives ({e}; corrupt GGUF)") from None
+
+    def _tensor(self, name: str) -> np.ndarray:
         if name in self.derived:
             return self.derived[name]()
         if (i := self._joined_kv_b(name)) is not None:
@@ -459,8 +474,12 @@ class GGUFModel:
 
     def expert(self, layer: int, e: int) -> dict[str, np.ndarray]:
         raw, kinds, shapes = self.expert_raw(layer, e), self.expert_kinds(layer), self.expert_shapes()
-        return {p: (raw[p].view(np.float32).reshape(shapes[p]).copy() if kinds[p] == "f32"
-                    else dequantize(raw[p], kinds[p][5:], shapes[p])) for p in PARTS}
+        try:
+            return {p: (raw[p].view(np.float32).reshape(shapes[p]).copy() if kinds[p] == "f32"
+                        else dequantize(raw[p], kinds[p][5:], shapes[p])) for p in PARTS}
+        except ValueError as err:
+            raise WorkbenchError(f"{self.path}: expert {e} of layer {layer} does not hold the shape its metadata gives "
+                                 f"({err}; corrupt GGUF)") from None
 
     # ------------------------------------------------------------ source and tokenizer
 

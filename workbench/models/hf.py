@@ -14,6 +14,8 @@ holds it whole in RAM. Names are mapped to the workbench's canonical names:
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import struct
 from pathlib import Path
@@ -66,13 +68,33 @@ class Shard:
         try:
             with open(path, "rb") as f:
                 n = struct.unpack("<Q", f.read(8))[0]
+                self.size = os.fstat(f.fileno()).st_size
+                if 8 + n > self.size:               # checked before a read sized by the file's own field
+                    raise WorkbenchError(f"{path}: truncated: header of {n} bytes, file has {self.size}")
                 self.header = json.loads(f.read(n))
         except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise WorkbenchError(f"{path}: not a readable safetensors file ({e})") from None
+        if not isinstance(self.header, dict):
+            raise WorkbenchError(f"{path}: not a readable safetensors file (header is not a JSON object)")
         self.header.pop("__metadata__", None)
         self.base = 8 + n
-        self.size = path.stat().st_size
+        for name, h in self.header.items():
+            self._check(name, h)
         self._mm = None
+
+    def _check(self, name: str, h):
+        """Every entry: a known dtype, a shape, and a byte range inside the file that holds exactly that shape."""
+        try:
+            shape, (start, end) = [int(x) for x in h["shape"]], h["data_offsets"]
+            item = np.dtype(_DTYPES[h["dtype"]]).itemsize if h["dtype"] in _DTYPES else None
+            ok = (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end and min(shape, default=0) >= 0
+                  and (item is None or end - start == item * math.prod(shape)))
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise WorkbenchError(f"{self.path}: tensor {name!r} has a malformed header entry (dtype, shape, data_offsets)")
+        if self.base + end > self.size:
+            raise WorkbenchError(f"{self.path}: truncated: tensor {name} ends at byte {self.base + end}, file has {self.size}")
 
     def array(self, name: str, index: int | None = None) -> np.ndarray:
         h = self.header[name]
@@ -94,6 +116,21 @@ class Shard:
         return self.header[name]["dtype"]
 
 
+# config.json fields that size loops and arrays: each is at most the number of weights the checkpoint holds
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+          "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+          "num_local_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "kv_lora_rank",
+          "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group",
+          "first_k_dense_replace", "decoder_sparse_step")
+
+
+def _check_sizes(cfg: dict, n_weights: int, where):
+    for k in _SIZES:
+        v = cfg.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= n_weights):
+            raise WorkbenchError(f"{where}: {k} = {v!r} is not a size this checkpoint ({n_weights} weights) can have")
+
+
 class HFModel:
     """A Hugging Face checkpoint directory, read lazily tensor by tensor."""
 
@@ -104,10 +141,13 @@ class HFModel:
             raise WorkbenchError(f"{cfg_path}: missing (not a Hugging Face model directory)")
         try:
             self.config = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise WorkbenchError(f"{cfg_path}: invalid JSON ({e})") from None
-        self.spec: MoESpec = from_hf_config(self.config, str(cfg_path))
+        if not isinstance(self.config, dict):
+            raise WorkbenchError(f"{cfg_path}: not a JSON object")
         self.shards = self._open_shards()
+        _check_sizes(self.config, sum(math.prod(h["shape"]) for sh in self.shards for h in sh.header.values()), cfg_path)
+        self.spec: MoESpec = from_hf_config(self.config, str(cfg_path))
         self.where: dict[str, tuple[Shard, str]] = {}       # canonical -> (shard, hf name)
         self.experts: dict[tuple[int, int, str], tuple[Shard, str, int | None]] = {}
         for shard in self.shards:
@@ -118,7 +158,10 @@ class HFModel:
     def _open_shards(self) -> list[Shard]:
         index = self.path / "model.safetensors.index.json"
         if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise WorkbenchError(f"{index}: not a safetensors index (a weight_map of names to files): {e}") from None
             missing = [f for f in files if not (self.path / f).exists()]
             if missing:
                 raise WorkbenchError(f"{index}: shard {missing[0]} is missing from {self.path}")

@@ -3,6 +3,7 @@
     bytes 0-7    b"MOEPACK\\0"
     bytes 8-11   format version (u32 little-endian)
     bytes 12-19  header length (u64)
+    bytes 20-23  crc32 of the header bytes (u32), checked before anything in the header is used
     header       UTF-8 JSON: source, spec, layout, quant, tensors, experts (offsets, sizes, crc32)
     data         from the first 4 KiB boundary after the header
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 import time
 import zlib
@@ -32,7 +34,8 @@ from workbench.spec import MoESpec
 from workbench.store import quant
 
 MAGIC = b"MOEPACK\0"
-FORMAT = 1
+FORMAT = 2          # 2: the header carries its own crc32 (format 1 packs are refused: re-convert)
+PREFIX = 24
 ALIGN = 4096
 PARTS = ("gate", "up", "down")
 EXPERT_KINDS = ("q2", "q3", "q4", "q8", "bf16", "raw")
@@ -43,6 +46,10 @@ REST_KINDS = ("q4", "q8", "bf16", "raw")
 
 def _align(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
+
+
+def _inside(offset, n, size: int) -> bool:
+    return type(offset) is int and type(n) is int and 0 <= offset and 0 <= n and offset + n <= size
 
 
 def _crc(buf) -> str:
@@ -173,7 +180,7 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
     while True:  # the header's length depends on the offsets it records: iterate to a fixed point
         tensors, expert_info, end = _plan(model, layout, experts, rest, data_start)
         header.update(tensors=tensors, experts=expert_info, file_size=end)
-        need = _align(20 + len(_header_bytes(header)))
+        need = _align(PREFIX + len(_header_bytes(header)))
         if need == data_start:
             break
         data_start = need
@@ -200,7 +207,7 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
             ent["crc32"] = f"{crc & 0xFFFFFFFF:08x}"
         hb = _header_bytes(header)
         f.seek(0)
-        f.write(MAGIC + struct.pack("<IQ", FORMAT, len(hb)) + hb)
+        f.write(MAGIC + struct.pack("<IQI", FORMAT, len(hb), zlib.crc32(hb)) + hb)
     return dst
 
 
@@ -218,24 +225,47 @@ class Pack:
 
     def __init__(self, path):
         self.path = Path(path)
+        self.header = h = self._read_header()
+        size = self.path.stat().st_size
+        try:
+            if size < h["file_size"]:
+                raise WorkbenchError(f"{self.path}: truncated: {size} bytes, header says {h['file_size']}")
+            self._parse(h)
+            self._check(min(size, h["file_size"]))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            # the checksum matched, so the writer itself wrote a header this reader does not understand
+            raise WorkbenchError(f"{self.path}: pack header is malformed ({type(e).__name__}: {e}); re-convert") from None
+
+    def _read_header(self) -> dict:
         try:
             with open(self.path, "rb") as f:
-                pre = f.read(20)
+                pre = f.read(PREFIX)
                 if len(pre) < 20 or pre[:8] != MAGIC:
                     raise WorkbenchError(f"{self.path}: not an expert pack (bad magic)")
-                version, n = struct.unpack("<IQ", pre[8:])
+                version, n = struct.unpack("<IQ", pre[8:20])
                 if version > FORMAT:
                     raise WorkbenchError(f"{self.path}: pack format {version} is newer than this workbench reads ({FORMAT}); "
                                          f"upgrade the workbench or re-convert")
-                self.header = json.loads(f.read(n))
+                if version < FORMAT:
+                    raise WorkbenchError(f"{self.path}: pack format {version} has no header checksum; re-convert it "
+                                         f"(python -m workbench convert SOURCE {self.path})")
+                size = os.fstat(f.fileno()).st_size
+                if len(pre) < PREFIX or PREFIX + n > size:    # checked before a read sized by the header
+                    raise WorkbenchError(f"{self.path}: truncated: header of {n} bytes, file has {size}")
+                hb = f.read(n)
         except OSError as e:
             raise WorkbenchError(f"{self.path}: cannot read ({e.strerror})") from None
+        if _crc(hb) != f"{struct.unpack('<I', pre[20:24])[0]:08x}":
+            raise WorkbenchError(f"{self.path}: checksum mismatch in the pack header (corrupt pack)")
+        try:
+            header = json.loads(hb)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise WorkbenchError(f"{self.path}: header is not valid JSON (corrupt pack)") from None
-        h = self.header
-        size = self.path.stat().st_size
-        if size < h["file_size"]:
-            raise WorkbenchError(f"{self.path}: truncated: {size} bytes, header says {h['file_size']}")
+        if not isinstance(header, dict):
+            raise WorkbenchError(f"{self.path}: header is not a JSON object (corrupt pack)")
+        return header
+
+    def _parse(self, h: dict):
         self.spec = MoESpec.from_dict(h["spec"])
         self.layout = h["layout"]
         self.quant = h["quant"]
@@ -247,6 +277,39 @@ class Pack:
         self.expert_nbytes = ex["nbytes"]           # on-disk bytes of one expert (unpadded; raw GGUF: the largest)
         self.expert_layers = {int(k): v for k, v in ex["layers"].items()}
         self.num_expert_total = sum(len(v) for v in self.expert_layers.values())
+
+    def _check(self, size: int):
+        """What the header says agrees with itself and with the file (so no read or array is sized by a header
+        field alone): the spec with the tensors and experts, and every byte range inside the file and exactly as
+        long as its shape needs."""
+        bad = next(self._disagreements(size), None)
+        if bad:
+            raise WorkbenchError(f"{self.path}: the header does not agree with {bad} (corrupt pack; re-convert)")
+
+    def _disagreements(self, size: int):
+        s = self.spec
+        if not isinstance(self.header["source"]["path"], str):
+            yield "its source"
+        ff, d = s.moe_intermediate_size, s.hidden_size
+        if not 0 < s.num_layers <= len(self.tensors) or sorted(self.expert_layers) != s.moe_layers:
+            yield "its layers"
+        if any(len(v) != s.num_experts for v in self.expert_layers.values()):
+            yield "its experts per layer"
+        if self.expert_shapes != {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}:
+            yield "its expert shapes"
+        for name, t in self.tensors.items():
+            if not _inside(t["offset"], t["nbytes"], size) or t["nbytes"] != _nbytes(tuple(t["shape"]), t["kind"]) \
+                    or not isinstance(t["crc32"], str):
+                yield f"tensor {name}"
+        for L, ents in self.expert_layers.items():
+            kinds = self.expert_layer_kinds.get(L, self.expert_kinds)
+            want = {p: _nbytes(self.expert_shapes[p], kinds[p]) for p in PARTS}
+            for e, ent in enumerate(ents):
+                parts = [(ent["parts"][p], want[p]) for p in PARTS]
+                span = ent.get("span", [0, size])
+                if any(n != w or not _inside(o, n, size) or not span[0] <= o <= o + n <= span[0] + span[1]
+                       for (o, n), w in parts) or not _inside(*span, size) or not isinstance(ent["crc32"], str):
+                    yield f"expert {e} of layer {L}"
 
     @property
     def total_expert_bytes(self) -> int:

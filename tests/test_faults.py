@@ -1,0 +1,183 @@
+"""Injected I/O faults (tests/faults.py) against the verbs that read experts.
+
+A read that keeps failing, a stalled read, or a pack truncated mid-run ends the verb with one line naming the file,
+the offset and the expert, exit code 2, no hang, and (bench) a run record marked failed with what completed.
+Transient errors are retried a bounded number of times and counted; short reads and a pack replaced by rename
+while a run is going change nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+
+import pytest
+
+from faults import STALL_S, faults
+from workbench.cli import main
+from workbench.io import RETRIES
+from workbench.runs import runs_dir
+from workbench.session import Session
+from workbench.store.pack import Pack, convert
+
+FLAGS = ["--preset", "on_demand", "--budget", "0.25"]
+VERBS = {
+    "generate": ["generate", *FLAGS, "--tokens", "6"],
+    "bench": ["bench", *FLAGS, "--tokens", "6"],
+    "eval ppl": ["eval", "ppl", *FLAGS, "--ctx", "32", "--chunks", "1", "--no-record"],
+    "eval teacher": ["eval", "teacher", *FLAGS, "--ctx", "32", "--chunks", "1", "--no-record"],
+    "trace": ["trace", "--engine", "numpy", "--preset", "on_demand", "--tokens", "16"],
+}
+ERROR = re.compile(r"error: (\S+): reading expert (\d+) of layer (\d+) (?:failed )?at offset (\d+) \((\d+) bytes\)")
+
+
+@pytest.fixture(scope="module")
+def pack(tiny_models, tmp_path_factory):
+    return convert(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("faults") / "tiny.pack")
+
+
+@pytest.fixture(scope="module")
+def first_expert(pack) -> int:
+    """The file offset where expert bytes begin (reads before it are the probe and nothing else)."""
+    p = Pack(pack)
+    return min(off for L in p.spec.moe_layers for e in range(p.spec.num_experts) for off, _ in p.expert_reads(L, e))
+
+
+def run_verb(verb, pack, tmp_path, capsys):
+    argv = VERBS[verb] + ["--model", str(pack)] + (["--out", str(tmp_path / "t.parquet")] if verb == "trace" else [])
+    rc = main(argv + ["--json"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def generate(pack, **kw):
+    with Session(str(pack), "on_demand", budget="0.25", **kw) as s:
+        out = s.generate("Once upon a time", tokens=8)
+        return out["tokens"], s.summary()
+
+
+def assert_names_the_read(err, pack, like=None):
+    """like: a pack with the same layout, for one that is no longer whole."""
+    lines = [line for line in err.splitlines() if line.startswith("error:")]    # (eval's progress bars go before)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    m = ERROR.match(lines[0])
+    assert m and m[1] == str(pack), lines[0]
+    L, e, off, n = int(m[3]), int(m[2]), int(m[4]), int(m[5])
+    assert (off, n) in Pack(like or pack).expert_reads(L, e)      # the offset and length are that expert's own
+    return lines[0]
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+def test_a_read_that_keeps_failing(verb, pack, first_expert, tmp_path, capsys, monkeypatch, fast_probe):
+    with faults(monkeypatch, lambda call, pos, n, r: "eio" if pos >= first_expert else None):
+        rc, out, err = run_verb(verb, pack, tmp_path, capsys)
+    assert rc == 2 and out == ""
+    assert "Input/output error" in assert_names_the_read(err, pack)
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_a_failed_bench_is_recorded_as_failed(pack, first_expert, tmp_path, capsys, monkeypatch, fast_probe):
+    """The warm-up and prefill read fine; the disk fails from the third decode step's reads on."""
+    state = {"armed": False}
+
+    def plan(call, pos, n, reader):
+        return "eio" if state["armed"] and pos >= first_expert else None
+
+    import experiments.bench as wb
+    real_measure = wb.measure
+
+    def measure(session, prompt, tokens, warmup=4):
+        def on_step(*a):
+            if session.tel.summary()["decode_steps"] >= 2:
+                state["armed"] = True
+        real_step = session.step
+        session.step = lambda ids, phase: (on_step(), real_step(ids, phase))[1]
+        return real_measure(session, prompt, tokens, warmup)
+
+    monkeypatch.setattr(wb, "measure", measure)
+    before = set(os.listdir(runs_dir())) if runs_dir().exists() else set()
+    with faults(monkeypatch, plan):
+        rc, out, err = run_verb("bench", pack, tmp_path, capsys)
+    assert rc == 2 and "failed run recorded in" in assert_names_the_read(err, pack)
+    new = [runs_dir() / d for d in set(os.listdir(runs_dir())) - before]
+    assert len(new) == 1 and not (new[0] / "summary.json").exists()
+    failed = json.loads((new[0] / "failed.json").read_text())
+    assert failed["status"] == "failed" and "Input/output error" in failed["error"]
+    assert failed["decode_steps"] >= 2 and failed["prefill_tokens"] > 0
+
+
+def test_transient_errors_are_retried_and_counted(pack, first_expert, monkeypatch):
+    clean, _ = generate(pack)
+    failed_once = set()
+
+    def plan(call, pos, n, reader):       # every expert read fails once, then succeeds
+        if pos >= first_expert and pos not in failed_once:
+            failed_once.add(pos)
+            return "eio"
+
+    with faults(monkeypatch, plan):
+        tokens, summary = generate(pack)
+    assert tokens == clean
+    assert summary["read_retries"] == len(failed_once) > 0
+
+
+def test_retries_are_bounded(pack, first_expert, monkeypatch):
+    calls = []
+
+    def plan(call, pos, n, reader):
+        if pos >= first_expert:
+            calls.append(pos)
+            return "eio"
+
+    with faults(monkeypatch, plan), pytest.raises(Exception, match="Input/output error"):
+        generate(pack)
+    assert 0 < max(calls.count(p) for p in set(calls)) <= RETRIES + 1
+
+
+def test_short_reads_change_nothing(pack, first_expert, monkeypatch):
+    clean, _ = generate(pack)
+    with faults(monkeypatch, lambda call, pos, n, r: "short" if pos >= first_expert else None):
+        tokens, summary = generate(pack)
+    assert tokens == clean and summary["read_retries"] == 0
+
+
+def test_a_stalled_read_fails_within_the_timeout(pack, first_expert, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_READ_TIMEOUT", "0.5")
+    t0 = time.monotonic()
+    with faults(monkeypatch, lambda call, pos, n, r: "stall" if pos >= first_expert else None):
+        rc, out, err = run_verb("generate", pack, tmp_path, capsys)
+    took = time.monotonic() - t0
+    assert rc == 2 and "did not complete within 0.5 s" in assert_names_the_read(err, pack)
+    assert took < STALL_S, f"the verb waited {took:.1f} s: for the stalled read, not the timeout"
+
+
+def test_a_pack_truncated_mid_run(pack, first_expert, tmp_path, capsys, monkeypatch):
+    victim = tmp_path / "victim.pack"
+    shutil.copy(pack, victim)
+    cut = Pack(victim).header["file_size"] // 2
+
+    def plan(call, pos, n, reader):
+        if pos >= first_expert and os.path.getsize(victim) > cut:
+            os.truncate(victim, cut)          # the file shrinks under the running verb
+
+    with faults(monkeypatch, plan):
+        rc, out, err = run_verb("generate", victim, tmp_path, capsys)
+    assert rc == 2 and "past the end of the file" in assert_names_the_read(err, victim, like=pack)
+
+
+def test_a_pack_replaced_mid_run(pack, first_expert, tmp_path, monkeypatch):
+    """Replaced by rename (as convert writes): the run keeps reading the file it opened, and finishes unchanged."""
+    victim, other = tmp_path / "victim.pack", tmp_path / "other.pack"
+    shutil.copy(pack, victim)
+    clean, _ = generate(victim)
+
+    def plan(call, pos, n, reader):
+        if pos >= first_expert and not other.exists() and victim.stat().st_size:
+            other.write_bytes(b"\0" * 4096)
+            os.replace(other, victim)
+
+    with faults(monkeypatch, plan):
+        tokens, _ = generate(victim)
+    assert tokens == clean and victim.stat().st_size == 4096

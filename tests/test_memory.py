@@ -1,0 +1,109 @@
+"""The memory guard: a configuration that cannot fit in available memory is refused up front, naming what it
+needs and what is available; `info` says the largest budget that fits."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import workbench.memory as memory
+from workbench.cli import main
+from workbench.memory import largest_budget, memory_needs
+from workbench.presets import Budget
+from workbench.store.pack import Pack, convert
+
+MiB = 2 ** 20
+
+
+@pytest.fixture(scope="module")
+def pack(tiny_models, tmp_path_factory):
+    return convert(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("mem") / "tiny.pack")
+
+
+@pytest.fixture(scope="module")
+def sizes(pack):
+    p = Pack(pack)
+    m = memory_needs(p.spec, {n: t["shape"] for n, t in p.tensors.items()}, Budget("all"))
+    return m["resident_f32_bytes"], m["all_experts_f32_bytes"]
+
+
+def test_available_memory_is_what_the_system_reports():
+    total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    assert 0 < memory.available_bytes() <= total
+
+
+def test_model_bytes_are_what_a_resident_session_holds(pack, sizes):
+    from workbench.session import Session
+    dense, experts = sizes
+    with Session(str(pack), "resident", budget="all") as s:
+        assert experts == s.all_expert_bytes
+        held = sum(w.nbytes for k, w in s.engine.w.items() if k != "lm_head" or "lm_head" in s.pack.tensors)
+        assert dense == held
+
+
+def test_a_budget_that_cannot_fit_is_refused_with_the_numbers(pack, sizes, monkeypatch, capsys):
+    dense, experts = sizes
+    monkeypatch.setattr(memory, "available_bytes", lambda: dense + experts // 4)
+    assert main(["generate", "--model", str(pack), "--budget", "all", "--tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    m = re.search(r"needs (\d+) MiB .* (\d+) MiB available: choose a smaller --budget \(largest that fits: (0\.\d\d)\)",
+                  err)
+    assert m, err
+    assert int(m[1]) == round((dense + experts) / MiB) and int(m[2]) == round((dense + experts // 4) / MiB)
+    assert m[3] == "0.25"
+    assert main(["generate", "--model", str(pack), "--budget", m[3], "--tokens", "2", "--json"]) == 0
+
+
+def test_what_fits():
+    assert largest_budget(100, 1000, available=2000) == "all"
+    assert largest_budget(100, 1000, available=430) == "0.33"
+    assert largest_budget(100, 1000, available=50).startswith("none")
+
+
+def test_info_says_what_fits(pack, sizes, monkeypatch, capsys):
+    dense, experts = sizes
+    monkeypatch.setattr(memory, "available_bytes", lambda: dense + experts // 2)
+    assert main(["info", "--model", str(pack), "--budget", "all", "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out)["memory"]
+    assert {k: mem[k] for k in ("available_bytes", "resident_f32_bytes", "all_experts_f32_bytes", "needed_bytes",
+                                "largest_budget")} == {
+        "available_bytes": dense + experts // 2, "resident_f32_bytes": dense, "all_experts_f32_bytes": experts,
+        "needed_bytes": dense + experts, "largest_budget": "0.50"}
+    assert main(["info", "--model", str(pack), "--budget", "0.25", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["needed_bytes"] == dense + experts // 4
+
+
+def test_info_and_the_guard_use_the_same_numbers(pack, monkeypatch, capsys):
+    """The budget info says fits is accepted; one that info says needs more than is available is refused."""
+    assert main(["info", "--model", str(pack), "--budget", "0.5", "--json"]) == 0
+    need = json.loads(capsys.readouterr().out)["memory"]["needed_bytes"]
+    monkeypatch.setattr(memory, "available_bytes", lambda: need)
+    assert main(["generate", "--model", str(pack), "--budget", "0.5", "--tokens", "1", "--json"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(memory, "available_bytes", lambda: need - 1)
+    assert main(["generate", "--model", str(pack), "--budget", "0.5", "--tokens", "1"]) == 2
+    assert f"needs {round(need / MiB)} MiB" in capsys.readouterr().err
+
+
+def test_expert_reads_leave_no_cyclic_garbage(pack):
+    """Streamed experts are freed when the cache lets them go, not at the next full GC: a long-running server's
+    RSS stays flat (the cycle read future -> callback -> futures once kept every read buffer alive)."""
+    import gc
+    from concurrent.futures import Future
+    from workbench.session import Session
+    with Session(str(pack), "on_demand", budget="0.25") as s:
+        s.generate("Once upon a time", tokens=2)
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            s.generate("Once upon a time", tokens=6)
+            gc.collect()
+            futures = [o for o in gc.garbage if isinstance(o, Future)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert futures == []
