@@ -52,8 +52,8 @@ def cmd_teacher(args):
 
 def _lm_flags(p):
     p.add_argument("--tasks", default="lambada_openai,arc_easy,piqa",
-                   help="comma list among lambada_openai, hellaswag, arc_easy, arc_challenge, piqa, winogrande, boolq "
-                        "(run as their *_local tasks)")
+                   help="comma list among tinystories_ending, tinystories_cloze, lambada_openai, hellaswag, arc_easy, "
+                        "arc_challenge, piqa, winogrande, boolq (the benchmarks run as their *_local tasks)")
     p.add_argument("--limit", type=float, default=None, help="first N items per task (or a fraction < 1)")
     p.add_argument("--num-fewshot", type=int, default=None)
     p.add_argument("--max-length", type=int, default=None, help="context tokens (default: the model's)")
@@ -96,8 +96,8 @@ def _report_flags(p):
     p.add_argument("--data", default="tinystories", help="held-out text for ppl/KL (tinystories, wikitext2, a file)")
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=8)
-    p.add_argument("--tasks", default="lambada_openai,arc_easy,piqa")
-    p.add_argument("--limit", type=int, default=50, help="first N items per lm-eval task")
+    p.add_argument("--tasks", default="tinystories_ending,tinystories_cloze")
+    p.add_argument("--limit", type=int, default=None, help="first N items per lm-eval task (default: all)")
 
 
 @command("eval report", "teacher vs presets: ppl, KL, top-1, lm-eval accuracy; writes results/quality.md and .json",

@@ -1,7 +1,8 @@
 """The quality report: teacher vs each preset on held-out perplexity, KL and top-1 against the teacher,
-routing agreement, and lm-eval accuracy on lambada_openai, arc_easy and piqa (first --limit items).
+routing agreement, and lm-eval accuracy on the TinyStories ending and cloze tasks (first --limit items), each
+preset paired with the teacher item by item (evals/paired.py: bootstrap interval, flips).
 
-    python -m workbench eval report --model demo --out results/quality.md [--limit 50 --chunks 8 --ctx 512]
+    python -m workbench eval report --model demo --out results/quality.md [--limit 200 --chunks 8 --ctx 512]
 
 Writes results/quality.json and results/quality.md (each atomically: a temporary file, fsync, rename),
 and one run record per preset and evaluation (eval "teacher" and "lm") for `eval compare`. The evaluations
@@ -15,18 +16,20 @@ from pathlib import Path
 from evals.common import PRESET_ORDER
 from workbench.atomic import atomic_write
 
-DEFAULT_TASKS = ("lambada_openai", "arc_easy", "piqa")
+DEFAULT_TASKS = ("tinystories_ending", "tinystories_cloze")
 
 
 def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "tinystories", n_ctx: int = 512,
-          chunks: int = 8, tasks=DEFAULT_TASKS, limit: int | None = 50, record: bool = True, progress: bool = True,
+          chunks: int = 8, tasks=DEFAULT_TASKS, limit: int | None = None, record: bool = True, progress: bool = True,
           engine: str = "numpy", direct: bool = True, log=print) -> dict:
     """Every preset's `eval teacher` and `eval lm` as the cells of one sweep (experiments.sweep, a local Ray), then
-    the rows from their run records. Each teacher cell computes the teacher's side on the same tokens."""
+    the rows from their run records. Each teacher cell computes the teacher's side on the same tokens; each lm cell
+    keeps its per-item scores, by which every preset is paired with the teacher item by item."""
     import json
     import tempfile
 
     from evals.lm import local_task_names, primary, require_lm_eval
+    from evals.paired import paired
     from evals.sweep import RUNNERS
     from experiments.grid import Cell, Grid
     from experiments.sweep import run_grid
@@ -55,6 +58,8 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
         recs = {(r["kind"], r["preset"]): {k: json.loads((Path(r["run"]) / f"{k}.json").read_text())
                                           for k in ("config", "summary")} | {"run": r["run"]} for r in res["rows"]}
     rows = []
+    teacher_lm = recs.get(("eval lm", "teacher"))    # per-item scores (kept in the lm run records, not here)
+    teacher_items = {t: m.get("items") for t, m in teacher_lm["summary"]["results"].items()} if teacher_lm else {}
     for preset in presets:
         t, lm = recs[("eval teacher", preset)], recs[("eval lm", preset)]
         cmp, p = t["summary"], t["config"]["preset"]
@@ -68,8 +73,16 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
         for task in tasks:
             m = acc.get(task, {})
             name, v, se = primary({f"{k},none": x for k, x in m.items()})
-            row["tasks"][task.removesuffix("_local")] = {"metric": name, "value": v, "stderr": se,
-                                                        "samples": m.get("samples"), "acc_norm": m.get("acc_norm")}
+            cell = {"metric": name, "value": v, "stderr": se, "samples": m.get("samples"),
+                    "acc_norm": m.get("acc_norm"), "acc_mutual_info": m.get("acc_mutual_info")}
+            gold = teacher_items.get(task)
+            mine = m.get("items")
+            if gold and mine and preset != "teacher":          # the same items in the same order: pair them
+                if mine["doc_id"] != gold["doc_id"]:
+                    raise WorkbenchError(f"eval report: {preset} and the teacher scored different items of {task}")
+                cell["paired"] = paired(gold[name], mine[name])
+                cell["paired_ll"] = paired(gold["ll"], mine["ll"])
+            row["tasks"][task.removesuffix("_local")] = cell
         rows.append(row)
     env = environment()
     first = recs[("eval teacher", presets[0])]
@@ -82,17 +95,21 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
 
 
 def markdown(rep: dict) -> str:
+    from evals.paired import mark
     tasks = rep["tasks"]
-    teacher = next((r for r in rep["rows"] if r["preset"] == "teacher"), None)
+    metric = lambda t: next((r["tasks"][t]["metric"] for r in rep["rows"] if r["tasks"].get(t, {}).get("metric")), "")
     lines = [f"# Quality: {rep['model']} — teacher vs presets", "",
              f"Model pack `{rep['teacher_pack']}` (teacher), {rep['created']}, commit `{(rep.get('git_commit') or '')[:10]}`.",
              f"Held-out perplexity, KL(teacher‖preset) and top-1 agreement: {rep['data']}, {rep['chunks']} chunks of "
              f"{rep['ctx']} tokens, second half of each scored (llama.cpp's method), {rep['tokens']} tokens. "
-             f"lm-eval (0-shot, local data): first {rep['limit'] if rep['limit'] is not None else 'all'} items of each task; "
-             "lambada_openai acc, arc_easy and piqa acc (acc_norm in the JSON).", "",
+             f"lm-eval (0-shot, local data): {'the first %d' % rep['limit'] if rep['limit'] is not None else 'all'} items "
+             "of each task; "
+             + ", ".join(f"{t} {metric(t)}" for t in tasks) + " (the other metrics in the JSON).", "",
              "| preset | experts/rest | budget | ppl ± se | ppl vs teacher | KL ± se | top-1 | routing | "
              + " | ".join(tasks) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(tasks)]
+    if rep.get("note"):
+        lines[4:4] = ["", rep["note"]]
     for r in rep["rows"]:
         cells = [f"`{r['preset']}`", f"{r['experts']}/{r['rest']}", r["budget"],
                  f"{r['ppl']:.3f} ± {r['ppl_stderr']:.3f}", f"{r['ppl_ratio'] - 1:+.2%}",
@@ -100,15 +117,38 @@ def markdown(rep: dict) -> str:
         for t in tasks:
             m = r["tasks"].get(t, {})
             v, se = m.get("value"), m.get("stderr")
-            d = ""
-            if teacher is not None and r is not teacher and v is not None:
-                tv = teacher["tasks"].get(t, {}).get("value")
-                d = f" ({v - tv:+.3f})" if tv is not None else ""
-            cells.append("-" if v is None else f"{v:.3f}{' ± %.3f' % se if se is not None else ''}{d}")
+            cells.append("-" if v is None else f"{v:.3f}{' ± %.3f' % se if se is not None else ''}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Routing: mean over MoE layers of |top-k(teacher) ∩ top-k(preset)| / k per token (per layer in the JSON). "
-              "Accuracy deltas in brackets are against the teacher row; with small --limit they are mostly noise "
-              "(see the ± standard errors).", ""]
+              "The ± are lm-eval's standard errors of each score alone; whether a preset differs from the teacher is "
+              "the paired table's question.", ""]
+    paired_rows = [r for r in rep["rows"] if any("paired" in m for m in r["tasks"].values())]
+    if paired_rows:
+        lines += ["## Paired against the teacher", "",
+                  "The same items, preset minus teacher: the mean difference with its 95% bootstrap interval (10,000 "
+                  "resamples of the items; `*` when it excludes 0 and, for right/wrong scores, the exact sign test on "
+                  "the flips agrees, p < 0.05), then the flips `a/b`: a items the teacher got right and the preset wrong, "
+                  "b the reverse. `Δ log p` is the mean change of the gold answer's log-likelihood "
+                  "(nats), a finer measure on the same items.", "",
+                  "| preset | " + " | ".join(f"{t} Δ{metric(t)} [95% CI] flips | {t} Δ log p [95% CI]" for t in tasks)
+                  + " |", "|---|" + "---|---|" * len(tasks)]
+        needed = []
+        for r in paired_rows:
+            cells = [f"`{r['preset']}`"]
+            for t in tasks:
+                m = r["tasks"].get(t, {})
+                cells += [mark(m.get("paired")), mark(m.get("paired_ll"))]
+                p = m.get("paired")
+                if p and not p["significant"]:
+                    n = p["items_needed"]
+                    needed.append(f"`{r['preset']}` on {t}: " + (f"about {n:,} items (have {p['n']})" if n else
+                                  f"no difference at all on these {p['n']} items"))
+            lines.append("| " + " | ".join(cells) + " |")
+        if needed:
+            lines += ["", f"Not significant in {metric(tasks[0]) if len(tasks) == 1 else 'accuracy'}; the items a 95% "
+                      "interval would need to exclude 0 if the per-item differences kept their mean and spread: "
+                      + "; ".join(needed) + "."]
+        lines.append("")
     for r in rep["rows"]:
         lines.append(f"- `{r['preset']}`: {r['description']}")
     return "\n".join(lines) + "\n"

@@ -28,9 +28,10 @@ def run_teacher(cell: Cell) -> dict:
 
 
 def run_lm(cell: Cell) -> dict:
+    """Per-item scores kept: `eval report` and `eval compare` pair presets with the teacher by them."""
     from evals.lm import run
     return run(cell.model, cell.preset_obj(), cell.budget, tasks=cell.task, limit=cell.get("limit"), progress=False,
-               engine=cell.engine, direct=not cell.get("page_cache"))
+               engine=cell.engine, direct=not cell.get("page_cache"), per_item=True)
 
 
 def lm_columns(summary: dict) -> dict:

@@ -303,6 +303,25 @@ def test_quality_page_tables_and_perplexity():
     assert at.get("vega_lite_chart") and len(at.expander) == 2
 
 
+def test_quality_page_marks_significant_paired_differences():
+    common = {"model": "demo", "eval": "lm", "tasks": ["tinystories_cloze"]}
+    ids = list(range(200))
+    teacher = [1.0] * 120 + [0.0] * 80
+    answers = {"teacher": teacher, "les": teacher[:-1] + [1.0],                    # one item won: noise
+               "edge0": [0.0] * 30 + teacher[30:]}                                 # 30 lost: a real cost
+    for preset, acc in answers.items():
+        items = {"doc_id": ids, "acc": acc, "ll": [-1.0] * 200}
+        _record({**common, "preset": {"name": preset}, "budget": "all" if preset == "teacher" else "0.25"},
+                {"results": {"tinystories_cloze": {"acc": sum(acc) / 200, "items": items}}})
+    at = ok(app(QUALITY))
+    paired = next(d.value for d in at.dataframe if "significant" in d.value.columns)
+    rows = {r["design"]: r for r in paired.to_dict("records")}
+    assert set(rows) == {"les", "edge0"}
+    assert rows["edge0"]["significant"] == "yes" and rows["edge0"]["teacher only"] == 30
+    assert rows["les"]["significant"] == "no" and rows["les"]["preset only"] == 1
+    assert rows["edge0"]["95% high"] < 0 < rows["les"]["95% high"]
+
+
 def test_the_dashboard_imports_no_torch(tmp_path):
     """The live page, a short run of its designs (edge0's serving path included once it is trained), and what
     the other pages import: none of it may pull in torch or transformers."""

@@ -1,5 +1,6 @@
 """`eval compare` (run records side by side) and `eval report` (results/quality.md + .json)."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,25 @@ def test_compare_tabulates_newest_records_against_the_teacher(tmp_path):
     assert "les" in text and "+10.0%" in text
 
 
+def test_compare_pairs_per_item_scores_with_the_teachers(tmp_path):
+    from evals.compare import eval_runs, render, table
+    root = tmp_path / "runs"
+    ids = list(range(100))
+    for preset, acc in [("teacher", [1.0] * 100), ("smol", [0.0] * 20 + [1.0] * 80), ("les", [1.0] * 100)]:
+        _fake(root, "lm", preset, {"tasks": ["piqa_local"]},
+              {"results": {"piqa_local": {"acc": sum(acc) / 100, "items": {"doc_id": ids, "acc": acc}}}})
+    _fake(root, "lm", "on_demand", {"tasks": ["piqa_local"]},           # other items: no pairing
+          {"results": {"piqa_local": {"acc": 0.5, "items": {"doc_id": ids[:50], "acc": [1.0] * 50}}}})
+    t = table(eval_runs(root))
+    rows = {r["preset"]: r for r in t["rows"]}
+    assert rows["smol"]["paired"]["piqa acc"]["significant"] and rows["smol"]["paired"]["piqa acc"]["teacher_only"] == 20
+    assert not rows["les"]["paired"]["piqa acc"]["significant"]
+    assert rows["on_demand"]["paired"] == {} and rows["teacher"]["paired"] == {}
+    assert "items" not in rows["smol"]
+    text = render(t)
+    assert "0.800 (-0.200*)" in text and "1.000 (+0.000)" in text
+
+
 def test_compare_cli(tmp_path, monkeypatch, capsys):
     from workbench.cli import main
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
@@ -66,8 +86,18 @@ def test_report_writes_markdown_and_json(monkeypatch, tmp_path, capsys):
     assert teacher["kl"] == pytest.approx(0.0, abs=1e-12) and teacher["top1"] == 1.0
     assert smol["kl"] > 0 and set(smol["tasks"]) == {"arc_easy", "piqa"}
     assert smol["tasks"]["piqa"]["samples"] == 2
+    for task in ("arc_easy", "piqa"):                    # paired with the teacher's answers on the same items
+        p, items = smol["tasks"][task]["paired"], {}
+        assert "paired" not in teacher["tasks"][task] and p["n"] == 2
+        for run in smol["runs"] + teacher["runs"]:
+            summ = json.loads((Path(run) / "summary.json").read_text())
+            if "results" in summ:
+                items[summ["preset"]] = summ["results"][f"{task}_local"]["items"]["acc"]
+        t, s = items["teacher"], items["smol"]
+        assert p["teacher_only"] == sum(a > b for a, b in zip(t, s)) and p["preset_only"] == sum(b > a for a, b in zip(t, s))
+        assert p["diff"] == pytest.approx(sum(s) / 2 - sum(t) / 2)
     md = out.read_text()
-    assert "| `smol` |" in md and "arc_easy" in md
+    assert "| `smol` |" in md and "arc_easy" in md and "## Paired against the teacher" in md
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]      # no temporary files left
     kinds = sorted(json.loads((p / "config.json").read_text())["eval"] for p in list_runs(tmp_path / "runs"))
     assert kinds == ["lm", "lm", "teacher", "teacher"]

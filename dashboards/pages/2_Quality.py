@@ -51,6 +51,17 @@ if table is not None:
             st.caption("change from the teacher row (perplexity relative, accuracies absolute)")
             st.dataframe(pd.DataFrame(deltas), hide_index=True, column_config={
                 c: st.column_config.NumberColumn(format="percent") for c in t["columns"] if c.startswith("ppl ")})
+        paired = [{**head(r), "measure": c, "difference": p["diff"], "95% low": p["ci"][0], "95% high": p["ci"][1],
+                   "significant": "yes" if p["significant"] else "no", "teacher only": p["teacher_only"],
+                   "preset only": p["preset_only"], "items": p["n"]}
+                  for r in t["rows"] for c, p in r.get("paired", {}).items() if p.get("ci")]
+        if paired:
+            st.subheader("Paired against the teacher, item by item")
+            st.caption("The same items answered by the design and by the teacher: mean difference (design − teacher) "
+                       "with its 95% bootstrap interval; significant when the interval excludes 0 (and, for right/wrong "
+                       "answers, the exact sign test on the flips gives p < 0.05). Teacher only / "
+                       "preset only: the items only one of them got right.")
+            st.dataframe(pd.DataFrame(paired), hide_index=True)
         ppl = [c for c in t["columns"] if c.startswith("ppl ")]
         long = pd.DataFrame([{"design": r["preset"], "measure": c, "perplexity": r["metrics"][c]}
                              for r in t["rows"] for c in ppl if r["metrics"].get(c) is not None])

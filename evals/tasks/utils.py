@@ -15,7 +15,8 @@ BENCH = Path(__file__).resolve().parents[2] / "data" / "benchmarks"
 def _rows(rel: str) -> list[dict]:
     p = BENCH / rel
     if not p.exists():
-        raise FileNotFoundError(f"{p}: missing; run `python -m evals.prepare_benchmarks` (see evals/README.md)")
+        raise FileNotFoundError(f"{p}: missing; run `python -m evals.prepare_benchmarks` or `python -m evals.story_tasks` "
+                                "(see evals/README.md)")
     opener = gzip.open if p.suffix == ".gz" else open
     with opener(p, "rt", encoding="utf-8") as f:
         return [json.loads(l) for l in f if l.strip()]
@@ -52,6 +53,14 @@ def winogrande(**kw):
 
 def boolq(**kw):
     return _dataset("validation", "boolq/val.jsonl")
+
+
+def tinystories_ending(**kw):
+    return _dataset("test", "tinystories_ending/ending.jsonl")
+
+
+def tinystories_cloze(**kw):
+    return _dataset("test", "tinystories_cloze/cloze.jsonl")
 
 
 # winogrande: the choices are the two contexts, the target the shared rest of the sentence (lm-eval's own).
