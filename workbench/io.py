@@ -258,10 +258,7 @@ class Reader:
                         futures[key].set_exception(e)
                 continue
             finally:
-                with self._lock:
-                    self._busy -= 1
-                    if self._closed and not self._busy:
-                        self._close_fd()
+                self._done_reading()
             for key in keys:
                 fut = futures[key]
                 with self._lock:
@@ -274,6 +271,13 @@ class Reader:
                         fut.set_result(fut.bufs)
                     except BaseException as e:
                         fut.set_exception(e)
+
+    def _done_reading(self):
+        """A reader thread is out of the kernel: close() closes the file once the last one is."""
+        with self._lock:
+            self._busy -= 1
+            if self._closed and not self._busy:
+                self._close_fd()
 
     def _run_group(self, start, end, members, futures):
         live = [m for m in members if futures[m[0]].set_running_or_notify_cancel()]
@@ -291,10 +295,7 @@ class Reader:
                 futures[key].set_exception(e)
             return
         finally:
-            with self._lock:
-                self._busy -= 1
-                if self._closed and not self._busy:
-                    self._close_fd()
+            self._done_reading()
         # A short read (EOF) fails only the requests that reach past it.
         for key, off, n in live:
             if off + n <= start + got:
