@@ -78,11 +78,13 @@ class ExpertStreamer:
                 f.add_done_callback(done)
         return total
 
-    def _bytes_of(self, key, f: Future, read: tuple):
-        """A finished read's bytes, or a one-line error naming the file, the offset and the expert."""
+    def _bytes_of(self, key, f: Future, read: tuple | None = None):
+        """A finished read's bytes, or a one-line error naming the file, the offset and the expert (the read: the
+        expert's first, unless given)."""
         try:
             return f.result()
         except (OSError, EOFError) as e:
+            read = read or self.pack.expert_reads(*key)[0]
             why = f"past the end of the file ({str(e).rsplit(', ', 1)[-1]})" if isinstance(e, EOFError) \
                 else e.strerror or str(e)
             raise WorkbenchError(f"{self.pack.path}: reading expert {key[1]} of layer {key[0]} failed at offset "
@@ -108,7 +110,7 @@ class ExpertStreamer:
 
     def _landed(self, key, fut):
         """What the cache holds once a read has landed: the arena's slot offset, or the decoded expert."""
-        w = self._bytes_of(key, fut, self.pack.expert_reads(*key)[0])   # a failed read or checksum raises here
+        w = self._bytes_of(key, fut)    # a failed read or checksum raises here, in the compute thread
         return self.arena.where[key] if self.arena is not None else w
 
     def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0) -> list[int]:
