@@ -7,6 +7,8 @@ from pathlib import Path
 import altair as alt
 import pandas as pd
 
+from workbench.errors import WorkbenchError
+from workbench.presets import Budget
 from workbench.runs import runs_dir
 
 # (metric, cell kind, axis title): what the grid view draws when the table has it
@@ -22,14 +24,11 @@ def sweep_tables(root: Path | None = None) -> list[Path]:
 
 def budget_fraction(text) -> float | None:
     """'0.25' -> 0.25, 'all' -> 1.0; a size in bytes has no fraction without the model (None)."""
-    s = str(text).strip().lower()
-    if s == "all":
-        return 1.0
     try:
-        x = float(s)
-    except ValueError:
+        fraction, _ = Budget(str(text)).parse()
+    except WorkbenchError:
         return None
-    return x if 0 < x <= 1 else None
+    return fraction or None
 
 
 def read_sweep(path) -> pd.DataFrame:

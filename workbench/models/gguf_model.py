@@ -186,6 +186,7 @@ class GGUFModel:
                                  f"({len(unknown)} such tensors)")
         self.spec = self._spec()
         self.derived = qwen3next_derived(self) if self.arch == "qwen3next" else {}
+        self._derived_shapes: dict[str, list[int]] = {}     # built once for its shape, not on every plan pass
         self._check_complete()
 
     # ------------------------------------------------------------ metadata
@@ -387,7 +388,9 @@ class GGUFModel:
     def tensor_shape(self, name: str) -> list[int]:
         s = self.spec
         if name in self.derived:
-            return list(self.derived[name]().shape)
+            if name not in self._derived_shapes:
+                self._derived_shapes[name] = list(self.derived[name]().shape)
+            return list(self._derived_shapes[name])
         if self._joined_kv_b(name) is not None:
             return [s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank]
         gname = self.where[name]
