@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engines import DEFAULT
+from engines import DEFAULT, default_engine, engine_class
 from workbench.presets import get_preset
-from workbench.session import Session
+from workbench.registry import resolve_pack
+from workbench.store.pack import Pack
 from workbench.errors import WorkbenchError
 
 BIAS_SWEEP = (0.005, 0.02, 0.05, 0.1, 0.25)
@@ -69,8 +70,10 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
         rungs = [(get_preset(n), budget) for n in ("on_demand", "shuffled", "history", "les", "smol", "oracle")]
         rungs.append((get_preset("resident"), "all"))
     elif name == "cache":
-        with Session(model, "les", budget="all") as s:
-            rungs = cache_rungs(s.spec.top_k, s.item_bytes, len(s.spec.moe_layers))
+        st = get_preset("les").storage         # the pack's numbers only: no session, no experts loaded
+        pack = Pack(resolve_pack(model, st.layout.value, st.experts, st.rest))
+        item = engine_class(default_engine(pack)).expert_bytes(pack)   # what a Session of les counts per expert
+        rungs = cache_rungs(pack.spec.top_k, item, len(pack.spec.moe_layers))
     else:
         raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache or designs (edge0 has its own verb)")
     base = {"les": "on_demand", "smol": "smol", "cache": "les"}.get(name)

@@ -21,6 +21,7 @@ import random
 import tempfile
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -247,22 +248,22 @@ class Reader:
                     return
                 self._busy += 1
             start, end, members = group
-            keys = {key for _, key in members}
+            parts = Counter(key for _, key in members)     # a key's buffers in this group
             try:
                 got = self._pread([buf for buf, _ in members], start, end - start)
                 if got < end - start:
                     raise self._eof_error(start, end - start, start + got)
             except BaseException as e:
-                for key in keys:
+                for key in parts:
                     if not futures[key].done():
                         futures[key].set_exception(e)
                 continue
             finally:
                 self._done_reading()
-            for key in keys:
+            for key, n in parts.items():
                 fut = futures[key]
                 with self._lock:
-                    fut.left -= sum(1 for _, k in members if k == key)
+                    fut.left -= n
                     last = fut.left == 0
                 if last:
                     try:
