@@ -70,9 +70,9 @@ def expert_map(path, trace_spec: dict, spec: MoESpec) -> tuple[int, str]:
 
 
 class TraceDrive:
-    def __init__(self, path, spec: MoESpec, predictor: str | None):
+    def __init__(self, path, spec: MoESpec, predictor: str | None, trace: dict | None = None):
         from experiments.traces import read_trace
-        tr = read_trace(path)
+        tr = trace or read_trace(path)      # trace: the file already read
         self.path, self.spec = str(path), spec
         self.topk, self.preds = tr["topk"], tr.get("predictions", {})
         meta = tr["meta"]

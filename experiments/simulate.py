@@ -410,19 +410,20 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
         raise WorkbenchError(f"simulate: preset {p.name} changes routing or decodes speculatively; the trace replays exact routing")
     budget = str(budget if budget is not None else p.cache.budget)
     dev = devices.load(device) if isinstance(device, str) else device     # a name, a profile, or devices.Slowest
-    meta = read_trace(trace_path)["meta"]
+    trace = read_trace(trace_path)          # read once: its metadata here, its rows in the drive
+    meta = trace["meta"]
     note = "the given model's shape" if spec else "the traced model's shape"
     spec = spec or MoESpec.from_dict(meta["spec"])
     if shape:
         spec, note = shape_spec(shape, meta, spec)
-    drive = TraceDrive(trace_path, spec, str(p.prefetch) or None)
+    drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace)
     compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts)
     workers = workers or dev.queue_depth
-    res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers)
+    plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
+    res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan)
     bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"))
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)
-    plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
     miss_bytes = bound["belady_misses"] * sum(plan.part_bytes)
     bound["belady_tok_s"] = res["decode_steps"] / max(compute_s, miss_bytes / dev.peak_bw)
     res.update(bound, simulated=True, emulated=False, device=dev.describe(), preset=p.name, budget=budget,
