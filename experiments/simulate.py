@@ -39,13 +39,7 @@ from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
 from workbench.presets import Budget, CacheScope, Order, Router
 from workbench.spec import MoESpec
-
-ALIGN = 4096
-PARTS = ("gate", "up", "down")
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+from workbench.store.pack import PARTS, _align, _nbytes, expert_kind   # the pack's own read plan
 
 
 @dataclass(frozen=True)
@@ -85,7 +79,6 @@ class ReadPlan:
 
 
 def read_plan(spec: MoESpec, layout: str, experts: str) -> ReadPlan:
-    from workbench.store.pack import _nbytes, expert_kind
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
     return ReadPlan(layout, tuple(_nbytes(shapes[p], expert_kind(shapes[p], experts)) for p in PARTS))
@@ -487,7 +480,6 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
         # another expert shape: the kernel timed at both shapes, the engine's per-expert overhead carried over
         expert += _mlp_time(mlp, d, ff) - _mlp_time(mlp, measured_model.hidden_size, measured_model.moe_intermediate_size)
     reps = 20
-    from workbench.store.pack import expert_kind
     enc = {p: (quant.encode(w[p], expert_kind(w[p].shape, experts)) if expert_kind(w[p].shape, experts) != "bf16"
                else None) for p in PARTS}
     t0 = time.perf_counter()
@@ -524,7 +516,6 @@ def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> Comp
 def _dequant(enc, w, experts):
     """As Pack.decode_expert: the checksum, then the codec, for each part."""
     from workbench.store import quant
-    from workbench.store.pack import expert_kind
     for p in PARTS:
         if enc[p] is not None:
             zlib.crc32(enc[p])
