@@ -60,35 +60,30 @@ def write_table(table, path) -> Path:
     return Path(path)
 
 
-def _parquet(path: Path, rows: list[dict]):
+def _parquet(rows: list[dict]) -> bytes:
     import pyarrow as pa
-    write_table(pa.Table.from_pylist(rows) if rows else pa.table({}), path)
+    import pyarrow.parquet as pq
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(rows) if rows else pa.table({}), sink)
+    return sink.getvalue().to_pybytes()
 
 
 def write_run(preset: str, config: dict, summary: dict, layers: list[dict], events: list[dict],
               tokens: list[dict] | None = None, root: Path | None = None, failed: bool = False) -> Path:
     """failed: the summary goes to failed.json, so readers of finished runs (list_runs) pass the record by."""
-    root = root or runs_dir()
-    root.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9_.]+", "_", preset).strip("_")
     name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{slug}-{secrets.token_hex(3)}"
-    tmp = root / f".{name}.tmp"
-    tmp.mkdir()
     dumps = lambda o: (json.dumps(o, indent=1, default=str) + "\n").encode()
-    _write(tmp / "config.json", dumps(config))
-    _write(tmp / "env.json", dumps(environment()))
-    _write(tmp / ("failed.json" if failed else "summary.json"), dumps(summary))
-    _parquet(tmp / "layers.parquet", layers)
-    _parquet(tmp / "events.parquet", events)
+    files = {"config.json": dumps(config), "env.json": dumps(environment()),
+             ("failed.json" if failed else "summary.json"): dumps(summary),
+             "layers.parquet": _parquet(layers), "events.parquet": _parquet(events)}
     if tokens is not None:
-        _parquet(tmp / "tokens.parquet", tokens)
-    final = root / name
-    os.replace(tmp, final)
-    return final
+        files["tokens.parquet"] = _parquet(tokens)
+    return place_run(name, files, root)
 
 
 def place_run(name: str, files: dict[str, bytes], root: Path | None = None) -> Path:
-    """Write a run record received as files (a sweep cell's, from another machine) under root, atomically."""
+    """Write a run record given as files (a new one, or a sweep cell's from another machine) under root, atomically."""
     root = root or runs_dir()
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{name}.tmp"
