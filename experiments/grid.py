@@ -2,23 +2,30 @@
 
     name: budgets                    # optional (default: the file's stem)
     models: [demo]                   # or `model: demo`
-    cells: [bench, eval teacher]     # kinds: bench | eval ppl | eval teacher | eval lm
+    cells: [bench, eval teacher]     # kinds: bench | simulate | eval ppl | eval teacher | eval lm
     axes:                            # lists; the cells are their product (for each model and kind)
       preset: [on_demand, les, smol]
       budget: ["0.125", "0.25", "0.5"]
       experts: [q4, q3]              # the preset's expert precision, overridden
       engine: [numpy]
+      device: [iphone-les, ufs22-phone]   # a profile in data/devices: bench cells emulate its flash, simulate cells time by it
       task: [arc_easy, piqa]         # eval lm cells only
     bench: {tokens: 32, rounds: 3, prompt: "Once upon a time", page_cache: false, heldout_tokens: 0}
+    simulate: {trace: data/traces/demo-tinystories-256.parquet, tokens: 64, prompt_tokens: 4, shape: "", rounds: 1}
     eval: {data: tinystories, ctx: 512, chunks: 4, limit: 50, page_cache: false}
     arms: [preset, experts]          # axes alternated inside one timing group (the default)
     timing_cpus: 8                   # CPUs a timing group asks for (default: the whole node's)
 
 A bench cell is a timing cell: the bench cells that differ only in their arms form one timing group, run
 on one node as a ladder is (rounds of A B C ..., each arm a fresh session warmed up before it is measured;
-heldout_tokens > 0 adds held-out perplexity and miss rate, decoded token by token as in generation).
+heldout_tokens > 0 adds held-out perplexity and miss rate, decoded token by token as in generation). With a
+device axis a bench cell emulates that device's flash, as `bench --device` does (its record says emulated).
+A simulate cell is `python -m workbench simulate` (its record says simulated): a timing cell too, because it
+measures this machine's compute profile before it runs the virtual clock. Its trace is a path relative to the
+repository, so that every node finds it in its own checkout; its device is "this-machine" unless the axis says.
 The other kinds are quality cells, one task each. Every cell runs the verb's own function and returns the run
 record it wrote as files, so that the driver can write it under its own runs/: a bench cell experiments.bench.bench,
+a simulate cell experiments.simulate.run,
 a quality cell the Runner of its kind, given by the caller (the eval kinds' are evals.sweep.RUNNERS: the evals sit
 above the experiments). No Ray here: experiments.sweep schedules cells on Ray.
 """
@@ -40,19 +47,21 @@ import numpy as np
 
 from workbench.errors import WorkbenchError
 from workbench.presets import Budget, Preset, get_preset
+from workbench.registry import REPO
 
-KINDS = ("bench", "eval ppl", "eval teacher", "eval lm")
-AXES = ("preset", "budget", "experts", "engine", "task")
-NOT_YET = {"device": "a grid has no device axis yet (ladder --device, bench --device emulate one)",
-           "simulate": "the simulator is not a sweep cell yet (python -m workbench simulate runs it)"}
+KINDS = ("bench", "simulate", "eval ppl", "eval teacher", "eval lm")
+TIMING = ("bench", "simulate")
+AXES = ("preset", "budget", "experts", "engine", "device", "task")
 SETTINGS = {   # per kind: the settings that make a cell (defaults as the verbs', but a bounded ppl/KL text)
     "bench": {"tokens": 64, "rounds": 3, "prompt": "Once upon a time", "page_cache": False, "heldout_tokens": 0},
+    "simulate": {"trace": "data/traces/demo-tinystories-256.parquet", "tokens": 64, "prompt_tokens": 4, "shape": "",
+                 "rounds": 1},
     "eval ppl": {"data": "tinystories", "ctx": 512, "chunks": 4, "page_cache": False},
     "eval teacher": {"data": "tinystories", "ctx": 512, "chunks": 4, "page_cache": False},
     "eval lm": {"limit": 50, "page_cache": False},
 }
-SECTION = {"bench": "bench", "eval ppl": "eval", "eval teacher": "eval", "eval lm": "eval"}
-TOP = {"name", "model", "models", "cells", "axes", "bench", "eval", "arms", "timing_cpus"}
+SECTION = {"bench": "bench", "simulate": "simulate", "eval ppl": "eval", "eval teacher": "eval", "eval lm": "eval"}
+TOP = {"name", "model", "models", "cells", "axes", "bench", "simulate", "eval", "arms", "timing_cpus"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ class Cell:
     budget: str | None = None        # None: the preset's own
     engine: str = "numpy"
     task: str | None = None          # eval lm: comma list of tasks
-    settings: tuple = ()
+    settings: tuple = ()             # the kind's settings, and the device profile if the cell has one
 
     @property
     def id(self) -> str:
@@ -78,7 +87,16 @@ class Cell:
 
     @property
     def timing(self) -> bool:
-        return self.kind == "bench"
+        return self.kind in TIMING
+
+    @property
+    def device(self) -> str | None:
+        return dict(self.settings).get("device")
+
+    @property
+    def clock(self) -> str:
+        """What its times are: simulated (a virtual clock), emulated (a device's flash), or measured."""
+        return "simulated" if self.kind == "simulate" else "emulated" if self.device else "measured"
 
     def get(self, key):
         return dict(self.settings)[key]
@@ -91,7 +109,7 @@ class Cell:
         p = self.preset_obj()
         return {"cell": self.id, "kind": self.kind, "model": self.model, "preset": self.preset, "design": self.name,
                 "budget": self.budget or str(p.cache.budget), "experts": p.storage.experts, "engine": self.engine,
-                "task": self.task}
+                "device": self.device, "clock": self.clock, "task": self.task}
 
     @classmethod
     def of(cls, kind: str, model: str, preset: Preset, base: str, budget=None, engine: str = "numpy",
@@ -105,7 +123,7 @@ class Cell:
 
 
 ARM_FIELDS = {"preset": ("preset", "design", "overrides"), "experts": ("design", "overrides"), "budget": ("budget",),
-              "engine": ("engine",), "task": ("task",)}
+              "engine": ("engine",), "device": (), "task": ("task",)}    # a device is a setting: its own group
 
 
 def group_key(cell: Cell, arms=("preset", "experts")) -> tuple:
@@ -167,24 +185,29 @@ def parse_grid(doc: dict, path) -> Grid:
             raise WorkbenchError(f"{path}: {e}") from None
     kinds = _list(path, "cells", doc.get("cells", "bench"))
     for k in kinds:
-        if str(k) in NOT_YET:
-            raise WorkbenchError(f"{path}: cells {k!r}: {NOT_YET[k]}; choose among {', '.join(KINDS)}")
         if k not in KINDS:
             raise WorkbenchError(f"{path}: cells {k!r}: unknown kind; choose among {', '.join(KINDS)}")
     axes = doc.get("axes") or {}
     if not isinstance(axes, dict):
         raise WorkbenchError(f"{path}: axes is a mapping of axis name to a list of values")
     for a in axes:
-        if a in NOT_YET:
-            raise WorkbenchError(f"{path}: axis {a!r}: {NOT_YET[a]}; axes are {', '.join(AXES)}")
         if a not in AXES:
             raise WorkbenchError(f"{path}: axis {a!r}: unknown; axes are {', '.join(AXES)}")
     values = {a: [str(v) for v in _list(path, f"axes.{a}", axes[a])] for a in axes}
     for p in values.get("preset", ["on_demand"]):
         try:
+            if "simulate" in kinds:
+                from experiments.simulate import simulable
+                simulable(get_preset(p))
             get_preset(p)
         except WorkbenchError as e:
             raise WorkbenchError(f"{path}: {e}") from None
+    for d in values.get("device", []):
+        from workbench import devices
+        try:
+            devices.load(d)
+        except WorkbenchError as e:
+            raise WorkbenchError(f"{path}: axes.device: {e}") from None
     for b in values.get("budget", []):
         try:
             Budget(b)
@@ -194,7 +217,7 @@ def parse_grid(doc: dict, path) -> Grid:
         if x not in ("q2", "q3", "q4", "q8", "bf16"):
             raise WorkbenchError(f"{path}: axes.experts {x!r}: choose among q2, q3, q4, q8, bf16")
     sections = {}
-    for sec in ("bench", "eval"):
+    for sec in ("bench", "simulate", "eval"):
         s = doc.get(sec) or {}
         known = set().union(*(SETTINGS[k] for k in KINDS if SECTION[k] == sec))
         if not isinstance(s, dict) or set(s) - known:
@@ -205,6 +228,9 @@ def parse_grid(doc: dict, path) -> Grid:
             if not (number and v >= 0 if want is int else isinstance(v, want)):
                 raise WorkbenchError(f"{path}: {sec}.{k}: {v!r} is not a {'number' if want is int else want.__name__}")
         sections[sec] = s
+    trace = sections["simulate"].get("trace", SETTINGS["simulate"]["trace"])
+    if "simulate" in kinds and not (REPO / trace).is_file():
+        raise WorkbenchError(f"{path}: simulate.trace: no file {trace} in {REPO} (a trace path is relative to the repository)")
     arms = tuple(_list(path, "arms", doc.get("arms", ["preset", "experts"])))
     if set(arms) - set(AXES):
         raise WorkbenchError(f"{path}: arms: axes among {', '.join(AXES)}")
@@ -213,14 +239,16 @@ def parse_grid(doc: dict, path) -> Grid:
         raise WorkbenchError(f"{path}: timing_cpus: a whole number of CPUs, at least 1")
     cells = []
     for model, kind in itertools.product(models, kinds):
-        names = [a for a in AXES if a in values and (a != "task" or kind == "eval lm")]
-        settings = tuple(sorted({k: v for k, v in {**SETTINGS[kind], **sections[SECTION[kind]]}.items()
-                                 if k in SETTINGS[kind]}.items()))
+        names = [a for a in AXES if a in values and (a != "task" or kind == "eval lm")
+                 and (a != "device" or kind in TIMING) and (a != "engine" or kind != "simulate")]
+        own = {k: v for k, v in {**SETTINGS[kind], **sections[SECTION[kind]]}.items() if k in SETTINGS[kind]}
         for combo in itertools.product(*(values[a] for a in names)):
             v = dict(zip(names, combo))
+            device = v.get("device", "this-machine" if kind == "simulate" else None)
+            settings = tuple(sorted({**own, **({"device": device} if device else {})}.items()))
             preset = v.get("preset", "on_demand")
-            own = get_preset(preset).storage.experts
-            over = (("experts", v["experts"]),) if "experts" in v and v["experts"] != own else ()
+            stored = get_preset(preset).storage.experts
+            over = (("experts", v["experts"]),) if "experts" in v and v["experts"] != stored else ()
             design = preset + (f" experts {v['experts']}" if "experts" in values else "")
             cells.append(Cell(kind, str(model), preset, design, over, v.get("budget"), v.get("engine", "numpy"),
                               v.get("task", "lambada_openai,arc_easy,piqa") if kind == "eval lm" else None, settings))
@@ -265,7 +293,18 @@ def run_bench(cell: Cell) -> dict:
     """A bench cell: `bench` as the CLI runs it (run record included); returns its result."""
     from experiments.bench import bench
     return bench(cell.model, cell.preset_obj(), budget=cell.budget, tokens=cell.get("tokens"), prompt=cell.get("prompt"),
-                 engine=cell.engine, direct=not cell.get("page_cache"), device=dict(cell.settings).get("device"))
+                 engine=cell.engine, direct=not cell.get("page_cache"), device=cell.device)
+
+
+def run_simulate(cell: Cell) -> dict:
+    """A simulate cell: `python -m workbench simulate` (run record included), the compute profile measured on
+    the cell's model; returns its result."""
+    from experiments.simulate import run
+    return run(str(REPO / cell.get("trace")), cell.preset_obj(), cell.budget, cell.device, shape=cell.get("shape") or None,
+               tokens=cell.get("tokens"), prompt=cell.get("prompt_tokens"), model=cell.model)
+
+
+TIMED = {"bench": run_bench, "simulate": run_simulate}
 
 
 def run_quality(cell: Cell, runner: Runner) -> dict:
@@ -283,7 +322,8 @@ def run_quality(cell: Cell, runner: Runner) -> dict:
 
 def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
     """One timing group: `rounds` rounds, each running every arm once in order (A B C ... A B C ...), each arm
-    a fresh bench (warm-up, then the measured tokens) writing its record. Per arm the median round's record comes
+    a fresh bench (warm-up, then the measured tokens) or simulate (its compute profile measured afresh) writing
+    its record. Per arm the median round's record comes
     back, its tok_s the median over rounds with min, max and every round's value beside it; an arm that fails
     is dropped from the later rounds and reported."""
     rounds = rounds or cells[0].get("rounds")
@@ -296,13 +336,13 @@ def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
             t0 = time.time()
             try:
                 with captured_records() as recs:
-                    res = run_bench(c)
+                    res = TIMED[c.kind](c)
                 d["rounds"].append((res["tok_s"], recs[-1]))
             except Exception as e:  # noqa: BLE001
                 d["error"] = describe(e)
             d["intervals"].append((t0, time.time()))
     for c in cells:
-        if c.get("heldout_tokens") and not done[c.id]["error"]:
+        if dict(c.settings).get("heldout_tokens") and not done[c.id]["error"]:
             try:
                 done[c.id]["heldout"] = heldout(c)
             except Exception as e:  # noqa: BLE001

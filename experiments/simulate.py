@@ -388,6 +388,13 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
     return {"belady_hit_rate": 1 - misses / max(1, len(seq)), "belady_misses": misses, "accesses": len(seq)}
 
 
+def simulable(p):
+    """The preset, if the simulator can replay it (a trace records exact routing, one token at a time)."""
+    if p.routing.router is not Router.EXACT or p.execution.speculative:
+        raise WorkbenchError(f"simulate: preset {p.name} changes routing or decodes speculatively; the trace replays exact routing")
+    return p
+
+
 def run(trace_path: str, preset, budget: str | None, device: str, shape: str | None = None,
         tokens: int = 64, prompt: int = 4, compute: ComputeProfile | None = None, workers: int | None = None,
         model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None) -> dict:
@@ -398,9 +405,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     from workbench.presets import get_preset
     from experiments.routing_trace import TraceDrive
     from experiments.traces import read_trace
-    p = get_preset(preset) if isinstance(preset, str) else preset
-    if p.routing.router is not Router.EXACT or p.execution.speculative:
-        raise WorkbenchError(f"simulate: preset {p.name} changes routing or decodes speculatively; the trace replays exact routing")
+    p = simulable(get_preset(preset) if isinstance(preset, str) else preset)
     budget = str(budget if budget is not None else p.cache.budget)
     dev = devices.load(device) if isinstance(device, str) else device     # a name, a profile, or devices.Slowest
     trace = read_trace(trace_path)          # read once: its metadata here, its rows in the drive

@@ -27,7 +27,7 @@ from workbench.errors import WorkbenchError
 from workbench.runs import list_runs, place_run, runs_dir, write_table
 
 METRICS = ("tok_s", "tok_s_min", "tok_s_max", "hit_rate", "prefetch_recall", "bytes_read_per_token",
-           "achieved_over_floor", "ppl", "kl", "top1", "routing_agreement_mean")
+           "achieved_over_floor", "belady_hit_rate", "belady_tok_s", "ppl", "kl", "top1", "routing_agreement_mean")
 
 
 def require_ray():
@@ -206,13 +206,19 @@ def write_sweep_table(grid: Grid, rows: list[dict], root: Path | None = None) ->
 def text(res: dict) -> str:
     lines = [f"sweep {res['sweep']}: {res['counts']['ok']} ok ({res['counts']['resumed']} from earlier records), "
              f"{res['counts']['failed']} failed; table {res['table']}",
-             f"{'kind':13} {'design':22} {'budget':>7} {'status':7} {'tok/s':>7} {'KL':>9} {'ppl':>8}  node"]
+             f"{'kind':13} {'design':22} {'budget':>7} {'device':14} {'status':7} {'tok/s':>7} {'KL':>9} {'ppl':>8}  node"]
     fmt = lambda v, f: "" if v is None else format(v, f)
     for r in res["rows"]:
-        lines.append(f"{r['kind']:13} {r['design'][:22]:22} {str(r['budget']):>7} {r['status']:7} "
+        lines.append(f"{r['kind']:13} {r['design'][:22]:22} {str(r['budget']):>7} {_device(r)[:14]:14} {r['status']:7} "
                      f"{fmt(r.get('tok_s'), '7.2f'):>7} {fmt(r.get('kl'), '9.5f'):>9} {fmt(r.get('ppl'), '8.3f'):>8}  "
                      f"{r['node'] or ''}" + (f"\n    error: {r['error']}" if r["error"] else ""))
     return "\n".join(lines)
+
+
+def _device(row: dict) -> str:
+    """The device a cell's times are for, and how they were taken (SIMULATED, EMULATED), as the verbs label them."""
+    clock = row.get("clock") or "measured"
+    return (row.get("device") or "this machine") + ("" if clock == "measured" else f" ({clock.upper()})")
 
 
 def markdown(res: dict, command: str) -> str:
@@ -222,14 +228,17 @@ def markdown(res: dict, command: str) -> str:
     lines = [f"# Sweep {res['sweep']}", "", f"`{command}`", "",
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit `{env['git_commit'][:10]}`, driver on "
              f"{env['cpu']} ({env['cores']} cores). Timings were taken on a shared, loaded machine. tok/s: median over "
-             "the alternating rounds (min-max); KL(teacher ‖ design) per token and top-1 agreement on held-out text.",
+             "the alternating rounds (min-max); KL(teacher ‖ design) per token and top-1 agreement on held-out text. "
+             "SIMULATED: a virtual clock over a routing trace (`simulate`; Belady: the optimal-replacement bound); "
+             "EMULATED: real reads made to wait as the device profile's flash would (`bench --device`).",
              "", f"{res['counts']['ok']} cells ok, {res['counts']['failed']} failed. Table: `{Path(res['table']).name}`.",
-             "", "| kind | design | budget | status | tok/s | min-max | hit rate | KL | top-1 | ppl | node |",
-             "|---|---|---|---|---:|---|---:|---:|---:|---:|---|"]
+             "", "| kind | design | budget | device | status | tok/s | min-max | hit rate | Belady hit | KL | top-1 | ppl | node |",
+             "|---|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in res["rows"]:
         mm = f"{r['tok_s_min']:.2f}-{r['tok_s_max']:.2f}" if r.get("tok_s_min") is not None else ""
-        lines.append(f"| {r['kind']} | {r['design']} | {r['budget']} | {r['status']} | {fmt(r.get('tok_s'), '.2f')} | "
-                     f"{mm} | {fmt(r.get('hit_rate'), '.3f')} | {fmt(r.get('kl'), '.5f')} | {fmt(r.get('top1'), '.3f')} | "
+        lines.append(f"| {r['kind']} | {r['design']} | {r['budget']} | {_device(r)} | {r['status']} | "
+                     f"{fmt(r.get('tok_s'), '.2f')} | {mm} | {fmt(r.get('hit_rate'), '.3f')} | "
+                     f"{fmt(r.get('belady_hit_rate'), '.3f')} | {fmt(r.get('kl'), '.5f')} | {fmt(r.get('top1'), '.3f')} | "
                      f"{fmt(r.get('ppl'), '.3f')} | {r['node'] or ''} |")
     lines += [""] + [f"- {r['design']} at {r['budget']} failed: {r['error']}" for r in res["rows"] if r["error"]]
     return "\n".join(lines) + "\n"

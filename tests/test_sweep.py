@@ -84,9 +84,33 @@ def test_grid_expands_to_cells_and_timing_groups(tmp_path, tiny):
     assert {c.task for c in g.cells if c.kind != "eval lm"} == {None}
 
 
+def test_device_axis_and_simulate_cells(tmp_path, tiny):
+    """simulate cells run over devices x presets x budgets (this-machine without the axis); bench cells with a
+    device emulate it, each device its own timing group; eval cells have no device."""
+    from experiments.grid import load_grid
+    p = tmp_path / "g.yaml"
+    p.write_text(f"models: ['{tiny}']\ncells: [simulate, bench, eval ppl]\n"
+                 "axes: {preset: [on_demand, les], budget: ['0.25', '0.5'], device: [iphone-les, ufs22-phone]}\n"
+                 "simulate: {tokens: 16}\n")
+    g = load_grid(p)
+    kind = lambda k: [c for c in g.cells if c.kind == k]
+    assert len(kind("simulate")) == len(kind("bench")) == 8 and len(kind("eval ppl")) == 4
+    assert {(c.device, c.clock) for c in kind("simulate")} == {("iphone-les", "simulated"), ("ufs22-phone", "simulated")}
+    assert {(c.device, c.clock) for c in kind("bench")} == {("iphone-les", "emulated"), ("ufs22-phone", "emulated")}
+    assert {(c.device, c.clock) for c in kind("eval ppl")} == {(None, "measured")}
+    assert {c.get("tokens") for c in kind("simulate")} == {16} and all(c.timing for c in kind("simulate"))
+    groups = g.groups()                                # arms alternate within one kind, budget and device
+    assert sorted(len(x) for x in groups) == [2] * 8
+    assert all(len({(c.kind, c.budget, c.device) for c in x}) == 1 for x in groups)
+    p.write_text(f"models: ['{tiny}']\ncells: [simulate, bench]\naxes: {{preset: [les]}}\n")
+    sim, bench = load_grid(p).cells
+    assert (sim.device, bench.device, bench.clock) == ("this-machine", None, "measured")
+
+
 @pytest.mark.parametrize("text,needle", [
-    ("cells: [bench]\naxes: {device: [iphone]}\n", "a grid has no device axis yet"),
-    ("cells: [simulate]\n", "the simulator is not a sweep cell yet"),
+    ("cells: [bench]\naxes: {device: [iphone]}\n", "axes.device: --device 'iphone': no such profile"),
+    ("cells: [simulate]\naxes: {preset: [smol_bias]}\n", "preset smol_bias changes routing"),
+    ("cells: [simulate]\nsimulate: {trace: nope.parquet}\n", "simulate.trace: no file nope.parquet"),
     ("cells: [bench]\naxes: {preset: [nope]}\n", "'nope': unknown"),
     ("cells: [bench]\naxes: {budget: [lots]}\n", "--budget 'lots'"),
     ("cells: [bench\n", "not valid YAML"),
@@ -191,6 +215,38 @@ def test_ladder_is_one_timing_group_of_alternating_rungs(tmp_path, tiny, monkeyp
     flat = [tuple(iv[r]) for r in (0, 1) for iv in rounds]
     assert flat == sorted(flat), "the rounds did not run A B C ... then A B C ..."
     assert "speculative" in res["rungs"][-1]["rung"] and res["rungs"][-1]["tokens"] == 3
+
+
+@pytest.mark.slow
+def test_simulate_and_emulated_cells_run_the_verbs_code(tmp_path, tiny, monkeypatch, local_ray):
+    """A simulate cell is `simulate` (its record says simulated, and the virtual clock run again on the record's
+    compute profile gives the same numbers); a bench cell on a device is `bench --device` (its record says emulated)."""
+    from experiments.grid import load_grid
+    from experiments.simulate import ComputeProfile, run
+    from experiments.sweep import markdown, run_grid
+    from workbench.runs import read_run
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    p = tmp_path / "d.yaml"
+    p.write_text(f"models: ['{tiny}']\ncells: [simulate, bench]\n"
+                 "axes: {preset: [les], budget: ['0.5'], device: [iphone-les, ufs22-phone]}\n"
+                 "simulate: {tokens: 8}\nbench: {tokens: 3, rounds: 1}\n")
+    res = run_grid(load_grid(p), progress=False)
+    assert res["counts"] == {"ok": 4, "failed": 0, "resumed": 0}
+    for r in res["rows"]:
+        rec = read_run(r["run"])
+        if r["kind"] == "simulate":
+            cfg = rec["config"]
+            assert cfg["simulated"] and rec["summary"]["simulated"] and cfg["device"] == r["device"]
+            again = run(cfg["trace"], "les", "0.5", r["device"], tokens=8, record=False,
+                        compute=ComputeProfile(**cfg["compute_profile"]))
+            assert (again["tok_s"], again["hit_rate"]) == (r["tok_s"], r["hit_rate"])
+            assert r["belady_hit_rate"] == again["belady_hit_rate"]
+        else:
+            assert rec["summary"]["emulated"] and rec["summary"]["device"]["name"] == r["device"]
+            assert r["clock"] == "emulated" and r["tok_s"] > 0
+    no_overlap_per_node(res["rows"])
+    md = markdown(res, "sweep d.yaml")
+    assert md.count("(SIMULATED)") == 2 and md.count("(EMULATED)") == 2
 
 
 def test_sweeps_page_empty_state_names_the_command(monkeypatch, tmp_path):
