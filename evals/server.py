@@ -294,6 +294,8 @@ class Handler(BaseHTTPRequestHandler):
             self._try_send(e.status, e.body())
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.close_connection = True
+        except WorkbenchError as e:   # the model's files failed (a read, a checksum): one line naming them
+            self._try_send(500, ApiError(500, str(e), type_="server_error").body())
         except Exception as e:        # a bug must answer 500, not kill the server
             import traceback
             traceback.print_exc()
@@ -571,11 +573,12 @@ class Handler(BaseHTTPRequestHandler):
         except _ClientGone:
             pass
         except Exception as e:               # headers are sent: report the error as an event, then close
-            import traceback
-            traceback.print_exc()
+            if not isinstance(e, WorkbenchError):
+                import traceback
+                traceback.print_exc()
             if not gone.is_set():
-                events.put(b"data: " + json.dumps(ApiError(500, f"internal error: {type(e).__name__}: {e}",
-                                                           type_="server_error").body()).encode() + b"\n\n")
+                msg = str(e) if isinstance(e, WorkbenchError) else f"internal error: {type(e).__name__}: {e}"
+                events.put(b"data: " + json.dumps(ApiError(500, msg, type_="server_error").body()).encode() + b"\n\n")
         finally:
             events.put(None)
             w.join(self.timeout + 5)

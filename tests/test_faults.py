@@ -184,3 +184,45 @@ def test_a_pack_replaced_mid_run(pack, first_expert, tmp_path, monkeypatch):
     with faults(monkeypatch, plan):
         tokens, _ = generate(victim)
     assert tokens == clean and victim.stat().st_size == 4096
+
+
+# ---------------------------------------------------------------- serve, eval lm
+
+def test_serve_a_read_fault_fails_the_request_not_the_server(pack, first_expert, monkeypatch):
+    """The request whose reads fail gets a 500 naming the read; the next one is answered as before the fault."""
+    from evals.server import make_server
+    from test_eval_server import jcall
+    armed = threading.Event()
+    ask = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    with faults(monkeypatch, lambda call, pos, n, r: "eio" if armed.is_set() and pos >= first_expert else None), \
+            Session(str(pack), "on_demand", budget="0.25") as s:
+        srv = make_server(s, "127.0.0.1", 0, model_id="tiny", quiet=True)
+        th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        th.start()
+        try:
+            clean = jcall(srv, "POST", "/v1/completions", ask)
+            armed.set()
+            failed = jcall(srv, "POST", "/v1/completions", ask)
+            armed.clear()
+            again = jcall(srv, "POST", "/v1/completions", ask)
+        finally:
+            srv.shutdown()
+            srv.server_close()
+            th.join(5)
+    assert clean[0] == 200 and again[0] == 200, (failed, again)
+    assert again[1]["choices"][0]["text"] == clean[1]["choices"][0]["text"]
+    status, body = failed
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert "Input/output error" in assert_names_the_read("error: " + body["error"]["message"], pack)
+
+
+def test_eval_lm_a_read_that_keeps_failing(pack, first_expert, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    with faults(monkeypatch, lambda call, pos, n, r: "eio" if pos >= first_expert else None):
+        rc = main(["eval", "lm", "--tasks", "arc_easy", "--limit", "2", "--model", str(pack), *FLAGS, "--quiet",
+                   "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert "Input/output error" in assert_names_the_read(err, pack)
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())

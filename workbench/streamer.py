@@ -110,7 +110,11 @@ class ExpertStreamer:
 
     def _landed(self, key, fut):
         """What the cache holds once a read has landed: the arena's slot offset, or the decoded expert."""
-        w = self._bytes_of(key, fut)    # a failed read or checksum raises here, in the compute thread
+        try:
+            w = self._bytes_of(key, fut)    # a failed read or checksum raises here, in the compute thread
+        except Exception:
+            self.cache.drop(key)            # not in memory: the next request reads it again
+            raise
         return self.arena.where[key] if self.arena is not None else w
 
     def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0) -> list[int]:
@@ -181,6 +185,9 @@ class ExpertStreamer:
             if key in self.prefetched:
                 self.tel.prefetch_used += 1
                 self.prefetched.pop(key)
+            if isinstance(ent, Future) and ent.done() and ent.exception() is not None:
+                self.cache.drop(key)        # a read that failed earlier (a prefetch, a failed request): read it again
+                ent = None
             if ent is None:
                 backlog.append(e)
                 ev.hit.append(False)
