@@ -11,7 +11,8 @@
       device: [iphone-les, ufs22-phone]   # a profile in data/devices: bench cells emulate its flash, simulate cells time by it
       task: [arc_easy, piqa]         # eval lm cells only
     bench: {tokens: 32, rounds: 3, prompt: "Once upon a time", page_cache: false, heldout_tokens: 0}
-    simulate: {trace: data/traces/demo-tinystories-256.parquet, tokens: 64, prompt_tokens: 4, shape: "", rounds: 1}
+    simulate: {trace: data/traces/demo-tinystories-256.parquet, tokens: 64, prompt_tokens: 4, shape: "", rounds: 1,
+               compute: ""}          # a compute profile JSON (simulate --compute), {experts} its precision; "": measured
     eval: {data: tinystories, ctx: 512, chunks: 4, limit: 50, page_cache: false}
     arms: [preset, experts]          # axes alternated inside one timing group (the default)
     timing_cpus: 8                   # CPUs a timing group asks for (default: the whole node's)
@@ -21,8 +22,9 @@ on one node as a ladder is (rounds of A B C ..., each arm a fresh session warmed
 heldout_tokens > 0 adds held-out perplexity and miss rate, decoded token by token as in generation). With a
 device axis a bench cell emulates that device's flash, as `bench --device` does (its record says emulated).
 A simulate cell is `python -m workbench simulate` (its record says simulated): a timing cell too, because it
-measures this machine's compute profile before it runs the virtual clock. Its trace is a path relative to the
-repository, so that every node finds it in its own checkout; its device is "this-machine" unless the axis says.
+measures this machine's compute profile before it runs the virtual clock (unless the grid gives one: then the
+cells differ only in what they simulate). Its trace and compute profile are paths relative to the repository, so
+that every node finds them in its own checkout; its device is "this-machine" unless the axis says.
 The other kinds are quality cells, one task each. Every cell runs the verb's own function and returns the run
 record it wrote as files, so that the driver can write it under its own runs/: a bench cell experiments.bench.bench,
 a simulate cell experiments.simulate.run,
@@ -55,7 +57,7 @@ AXES = ("preset", "budget", "experts", "engine", "device", "task")
 SETTINGS = {   # per kind: the settings that make a cell (defaults as the verbs', but a bounded ppl/KL text)
     "bench": {"tokens": 64, "rounds": 3, "prompt": "Once upon a time", "page_cache": False, "heldout_tokens": 0},
     "simulate": {"trace": "data/traces/demo-tinystories-256.parquet", "tokens": 64, "prompt_tokens": 4, "shape": "",
-                 "rounds": 1},
+                 "rounds": 1, "compute": ""},
     "eval ppl": {"data": "tinystories", "ctx": 512, "chunks": 4, "page_cache": False},
     "eval teacher": {"data": "tinystories", "ctx": 512, "chunks": 4, "page_cache": False},
     "eval lm": {"limit": 50, "page_cache": False},
@@ -228,9 +230,12 @@ def parse_grid(doc: dict, path) -> Grid:
             if not (number and v >= 0 if want is int else isinstance(v, want)):
                 raise WorkbenchError(f"{path}: {sec}.{k}: {v!r} is not a {'number' if want is int else want.__name__}")
         sections[sec] = s
-    trace = sections["simulate"].get("trace", SETTINGS["simulate"]["trace"])
-    if "simulate" in kinds and not (REPO / trace).is_file():
-        raise WorkbenchError(f"{path}: simulate.trace: no file {trace} in {REPO} (a trace path is relative to the repository)")
+    sim = {**SETTINGS["simulate"], **sections["simulate"]}
+    precisions = values.get("experts") or {get_preset(p).storage.experts for p in values.get("preset", ["on_demand"])}
+    for key, files in (("trace", [sim["trace"]]), ("compute", {sim["compute"].format(experts=x) for x in precisions})):
+        for f in sorted(files):
+            if "simulate" in kinds and f and not (REPO / f).is_file():
+                raise WorkbenchError(f"{path}: simulate.{key}: no file {f} in {REPO} (its path is relative to the repository)")
     arms = tuple(_list(path, "arms", doc.get("arms", ["preset", "experts"])))
     if set(arms) - set(AXES):
         raise WorkbenchError(f"{path}: arms: axes among {', '.join(AXES)}")
@@ -260,7 +265,7 @@ def parse_grid(doc: dict, path) -> Grid:
 @contextmanager
 def captured_records():
     """Run records written inside the block go to a temporary runs/; yields a list filled on exit with
-    (record name, {file: bytes}) of each, oldest first."""
+    (record name, {file: bytes}) of each, oldest first (a failed run's record too: its failed.json)."""
     old = os.environ.get("WORKBENCH_RUNS")
     out = []
     with tempfile.TemporaryDirectory(prefix="wb-cell-") as d:
@@ -272,9 +277,9 @@ def captured_records():
                 os.environ.pop("WORKBENCH_RUNS", None)
             else:
                 os.environ["WORKBENCH_RUNS"] = old
-            from workbench.runs import list_runs
-            for p in list_runs(Path(d)):
-                out.append((p.name, {f.name: f.read_bytes() for f in sorted(p.iterdir()) if f.is_file()}))
+            for p in sorted(Path(d).iterdir()):
+                if p.is_dir() and not p.name.startswith("."):
+                    out.append((p.name, {f.name: f.read_bytes() for f in sorted(p.iterdir()) if f.is_file()}))
 
 
 def describe(e: BaseException) -> str:
@@ -299,22 +304,26 @@ def run_bench(cell: Cell) -> dict:
 def run_simulate(cell: Cell) -> dict:
     """A simulate cell: `python -m workbench simulate` (run record included), the compute profile measured on
     the cell's model; returns its result."""
-    from experiments.simulate import run
+    from experiments.simulate import load_compute, run
+    compute = cell.get("compute").format(experts=cell.preset_obj().storage.experts)
     return run(str(REPO / cell.get("trace")), cell.preset_obj(), cell.budget, cell.device, shape=cell.get("shape") or None,
-               tokens=cell.get("tokens"), prompt=cell.get("prompt_tokens"), model=cell.model)
+               tokens=cell.get("tokens"), prompt=cell.get("prompt_tokens"), model=cell.model,
+               compute=load_compute(REPO / compute) if compute else None)
 
 
 TIMED = {"bench": run_bench, "simulate": run_simulate}
 
 
 def run_quality(cell: Cell, runner: Runner) -> dict:
-    """One quality cell: {"cell", "status", "error", "record", "summary", "intervals"}."""
+    """One quality cell: {"cell", "status", "error", "record", "summary", "intervals"}; a failed cell's record is
+    the failed run's, if its verb wrote one."""
     t0 = time.time()
     try:
         with captured_records() as recs:
             runner.run(cell)
     except Exception as e:  # noqa: BLE001 - a failed cell is reported, the sweep goes on
-        return {"cell": cell.id, "status": "failed", "error": describe(e), "intervals": [(t0, time.time())]}
+        return {"cell": cell.id, "status": "failed", "error": describe(e), "record": recs[-1] if recs else None,
+                "intervals": [(t0, time.time())]}
     name, files = recs[-1]
     return {"cell": cell.id, "status": "ok", "error": None, "record": (name, files),
             "summary": json.loads(files["summary.json"]), "intervals": [(t0, time.time())]}
@@ -323,11 +332,11 @@ def run_quality(cell: Cell, runner: Runner) -> dict:
 def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
     """One timing group: `rounds` rounds, each running every arm once in order (A B C ... A B C ...), each arm
     a fresh bench (warm-up, then the measured tokens) or simulate (its compute profile measured afresh) writing
-    its record. Per arm the median round's record comes
-    back, its tok_s the median over rounds with min, max and every round's value beside it; an arm that fails
-    is dropped from the later rounds and reported."""
+    its record. Per arm the median round's record comes back, its tok_s the median over rounds with min, max and
+    every round's value beside it; an arm that fails is dropped from the later rounds and reported, with the
+    failed run's record if its verb wrote one."""
     rounds = rounds or cells[0].get("rounds")
-    done = {c.id: {"rounds": [], "intervals": [], "error": None} for c in cells}
+    done = {c.id: {"rounds": [], "intervals": [], "error": None, "record": None} for c in cells}
     for _ in range(rounds):
         for c in cells:
             d = done[c.id]
@@ -339,7 +348,7 @@ def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
                     res = TIMED[c.kind](c)
                 d["rounds"].append((res["tok_s"], recs[-1]))
             except Exception as e:  # noqa: BLE001
-                d["error"] = describe(e)
+                d["error"], d["record"] = describe(e), recs[-1] if recs else None
             d["intervals"].append((t0, time.time()))
     for c in cells:
         if dict(c.settings).get("heldout_tokens") and not done[c.id]["error"]:
@@ -351,7 +360,8 @@ def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
     for c in cells:
         d = done[c.id]
         if d["error"]:
-            out.append({"cell": c.id, "status": "failed", "error": d["error"], "intervals": d["intervals"]})
+            out.append({"cell": c.id, "status": "failed", "error": d["error"], "record": d["record"],
+                        "intervals": d["intervals"]})
             continue
         tps = [t for t, _ in d["rounds"]]
         name, files = sorted(d["rounds"], key=lambda r: r[0])[len(tps) // 2][1]

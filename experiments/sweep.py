@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -131,6 +132,9 @@ def run_grid(grid: Grid, runners: dict[str, Runner] | None = None, address: str 
                 continue
             else:
                 row.update(status="failed", error=res["error"])
+                if res.get("record"):        # the failed run's record, home; its error names it there
+                    run = bring_home(grid, cell, res, root)
+                    row.update(run=str(run), error=re.sub(r"\S*" + re.escape(res["record"][0]), str(run), res["error"]))
             bar.update(1)
         return retry
 

@@ -4,6 +4,9 @@ with EIO, return a short read, stall past the read timeout, or truncate or repla
     with faults(monkeypatch, plan):      # every Session opened inside reads through a FaultyReader
         ...
     plan(call, pos, nbytes, reader) -> None | "eio" | "short" | "stall"   (call counts this reader's preadv calls)
+
+A sweep cell runs in a Ray worker, where no monkeypatch reaches: `eio_in_workers(offset)` is the runtime_env
+under which every worker's Sessions fail each read at or past `offset` with EIO (eio_from_env, its setup hook).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import errno
 import os
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from workbench.io import ALIGN, Reader
 
@@ -40,3 +44,17 @@ def faults(monkeypatch, plan):
     with monkeypatch.context() as m:
         m.setattr("workbench.devices.Reader", cls)      # open_reader builds the real reader from here
         yield cls
+
+
+def eio_from_env():
+    """Ray's worker_process_setup_hook: this worker's Sessions fail every read at or past $FAULT_EIO_FROM."""
+    import workbench.devices
+    start = int(os.environ["FAULT_EIO_FROM"])
+    workbench.devices.Reader = type("Faulty", (FaultyReader,), {
+        "plan": staticmethod(lambda call, pos, n, reader: "eio" if pos >= start else None)})
+
+
+def eio_in_workers(offset: int) -> dict:
+    here = Path(__file__).resolve().parent
+    return {"worker_process_setup_hook": "faults.eio_from_env",
+            "env_vars": {"FAULT_EIO_FROM": str(offset), "PYTHONPATH": f"{here.parent}{os.pathsep}{here}"}}

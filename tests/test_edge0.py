@@ -262,3 +262,25 @@ def test_ladder_edge0_cli(tiny4, tmp_path, capsys, fast_probe):
     assert [r["layer"] for r in res["recall"]] == [1, 2, 3]
     assert set(res["retention"]) >= {"retention", "gain_unmerged", "gain_merged"}
     assert all(r["run"] for r in res["rungs"])
+
+
+def test_ladder_edge0_a_read_that_keeps_failing(tiny4, tmp_path, capsys, monkeypatch):
+    """Its quality rungs load every expert: a failing disk ends it at the first read, one line naming the file,
+    the offset and the expert, exit 2, nothing on stdout and no run record."""
+    from faults import faults
+    from test_faults import assert_names_the_read
+    from workbench.cli import main
+    m = fresh(tiny4, tmp_path)
+    write_heads(m)
+    write_lora(m)
+    pack = pack_of(m)
+    first = min(off for L in pack.spec.moe_layers for e in range(pack.spec.num_experts)
+                for off, _ in pack.expert_reads(L, e))
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    with faults(monkeypatch, lambda call, pos, n, r: "eio" if pos >= first else None):
+        rc = main(["ladder", "edge0", "--model", str(m), "--chunks", "1", "--chunk-tokens", "24", "--tokens", "6",
+                   "--rounds", "1", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert "Input/output error" in assert_names_the_read(err, pack.path)
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())

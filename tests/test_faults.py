@@ -14,6 +14,7 @@ import shutil
 import threading
 import time
 
+import pyarrow.parquet as pq
 import pytest
 
 from faults import STALL_S, faults
@@ -31,7 +32,7 @@ VERBS = {
     "eval teacher": ["eval", "teacher", *FLAGS, "--ctx", "32", "--chunks", "1", "--no-record"],
     "trace": ["trace", "--engine", "numpy", "--preset", "on_demand", "--tokens", "16"],
 }
-ERROR = re.compile(r"error: (\S+): reading expert (\d+) of layer (\d+) (?:failed )?at offset (\d+) \((\d+) bytes\)")
+ERROR = re.compile(r"error: (?:ladder [^:]*: )?(\S+): reading expert (\d+) of layer (\d+) (?:failed )?at offset (\d+) \((\d+) bytes\)")
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +227,32 @@ def test_eval_lm_a_read_that_keeps_failing(pack, first_expert, tmp_path, capsys,
     assert rc == 2 and out == ""
     assert "Input/output error" in assert_names_the_read(err, pack)
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+# ---------------------------------------------------------------- ladder (its rungs are sweep cells on Ray)
+
+def test_ladder_a_read_that_keeps_failing(pack, first_expert, tmp_path, capsys, monkeypatch):
+    """Every rung fails in its Ray worker: one line naming the read and the failed record brought home,
+    exit 2, nothing on stdout, and under runs/ only whole failed records."""
+    ray = pytest.importorskip("ray")
+    from faults import eio_in_workers
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2 ** 20, logging_level="ERROR",
+             runtime_env=eio_in_workers(first_expert))
+    try:
+        rc = main(["ladder", "les", "--model", str(pack), "--tokens", "3", "--rounds", "1", "--json"])
+    finally:
+        ray.shutdown()
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    line = assert_names_the_read(err, pack)
+    assert line.startswith("error: ladder les, rung 'on_demand': ") and "Input/output error" in line
+    records = sorted(p for p in (tmp_path / "runs").iterdir() if p.name != "sweeps")
+    assert records and all(not p.name.startswith(".") and {"failed.json", "config.json"} <= {f.name for f in p.iterdir()}
+                           and not (p / "summary.json").exists() for p in records)
+    named = [p for p in records if f"failed run recorded in {p})" in line]
+    assert len(named) == 1 and json.loads((named[0] / "config.json").read_text())["rung"] == "on_demand"
+    failed = json.loads((named[0] / "failed.json").read_text())
+    assert failed["status"] == "failed" and "Input/output error" in failed["error"]
+    table = pq.read_table(tmp_path / "runs" / "sweeps" / "ladder_les.parquet").to_pylist()
+    assert {r["status"] for r in table} == {"failed"} and {r["run"] for r in table} == set(map(str, records))

@@ -111,6 +111,7 @@ def test_device_axis_and_simulate_cells(tmp_path, tiny):
     ("cells: [bench]\naxes: {device: [iphone]}\n", "axes.device: --device 'iphone': no such profile"),
     ("cells: [simulate]\naxes: {preset: [smol_bias]}\n", "preset smol_bias changes routing"),
     ("cells: [simulate]\nsimulate: {trace: nope.parquet}\n", "simulate.trace: no file nope.parquet"),
+    ("cells: [simulate]\nsimulate: {compute: cpu.json}\n", "simulate.compute: no file cpu.json"),
     ("cells: [bench]\naxes: {preset: [nope]}\n", "'nope': unknown"),
     ("cells: [bench]\naxes: {budget: [lots]}\n", "--budget 'lots'"),
     ("cells: [bench\n", "not valid YAML"),
