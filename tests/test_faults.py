@@ -11,8 +11,11 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -256,3 +259,25 @@ def test_ladder_a_read_that_keeps_failing(pack, first_expert, tmp_path, capsys, 
     assert failed["status"] == "failed" and "Input/output error" in failed["error"]
     table = pq.read_table(tmp_path / "runs" / "sweeps" / "ladder_les.parquet").to_pylist()
     assert {r["status"] for r in table} == {"failed"} and {r["run"] for r in table} == set(map(str, records))
+
+
+def test_a_stalled_read_does_not_hold_up_the_process_exit(pack, first_expert, tmp_path):
+    """The verb fails at the read timeout and the process ends then, not when the stalled read returns (reader
+    threads are daemons: a ThreadPoolExecutor's workers would be joined at exit). A read stuck in the kernel in
+    uninterruptible sleep still holds the exit until the kernel gives it up: results/reliability.md."""
+    stall = 30.0
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import sys, faults, workbench.devices\n"
+        f"faults.STALL_S = {stall}\n"
+        "workbench.devices.Reader = type('F', (faults.FaultyReader,), {'plan': staticmethod("
+        f"lambda c, pos, n, r: 'stall' if pos >= {first_expert} else None)}})\n"
+        "from workbench.cli import main\n"
+        f"sys.exit(main(['generate', '--model', {str(pack)!r}, *{FLAGS!r}, '--tokens', '4', '--engine', 'numpy']))\n")
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": f"{here.parent}{os.pathsep}{here}", "WORKBENCH_READ_TIMEOUT": "0.5"}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=2 * stall)
+    took = time.monotonic() - t0
+    assert out.returncode == 2 and "did not complete within 0.5 s" in assert_names_the_read(out.stderr, pack)
+    assert took < stall, f"the process took {took:.1f} s to end: it waited for the stalled read"

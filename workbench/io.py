@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from functools import partial
 
 import numpy as np
 
@@ -80,8 +81,7 @@ class Reader:
             self.fd = os.open(self.path, os.O_RDONLY)
         self.mode = "o_direct" if self._direct else "page-cache"
         self._lock = threading.Lock()
-        self._pool: cf.ThreadPoolExecutor | None = None
-        self._heap: list = []                   # submit_into's queue: (priority, seq, group), demand reads first
+        self._heap: list = []                   # the reader threads' queue: (priority, seq, job), demand reads first
         self._ready = threading.Condition(self._lock)
         self._seq = itertools.count()
         self._threads: list[threading.Thread] = []
@@ -203,10 +203,7 @@ class Reader:
                 groups.append([start, end, [(key, offset, length)]])
         with self._lock:
             self.merged += len(spans) - len(groups)
-            if self._pool is None:
-                self._pool = cf.ThreadPoolExecutor(self.workers, thread_name_prefix="io-reader")
-        for start, end, members in groups:
-            self._pool.submit(self._run_group, start, end, members, futures)
+            self._queue([partial(self._run_group, start, end, members, futures) for start, end, members in groups])
         return futures
 
     def submit_into(self, requests, priority: int = 0, verify=None) -> dict:
@@ -229,52 +226,62 @@ class Reader:
                 groups.append([off, off + buf.nbytes, [(buf, key)]])
         with self._lock:
             self.merged += len(ranges) - len(groups)
-            while len(self._threads) < self.workers:
-                t = threading.Thread(target=self._serve, name="io-reader-slots", daemon=True)
-                t.start()
-                self._threads.append(t)
-            for g in groups:
-                heapq.heappush(self._heap, (priority, next(self._seq), g, futures, verify))
-            self._ready.notify(len(groups))
+            self._queue([partial(self._read_group, g, futures, verify) for g in groups], priority)
         return futures
+
+    def _queue(self, jobs, priority: int = 0):
+        """Queue reads for the reader threads (started on first use; the lock is held). They are daemon threads:
+        a read stuck in the kernel must not hold up the interpreter's exit, as a ThreadPoolExecutor's would (its
+        workers are joined at exit)."""
+        while len(self._threads) < self.workers:
+            t = threading.Thread(target=self._serve, name="io-reader", daemon=True)
+            t.start()
+            self._threads.append(t)
+        for job in jobs:
+            heapq.heappush(self._heap, (priority, next(self._seq), job))
+        self._ready.notify(len(jobs))
 
     def _serve(self):
         while True:
             with self._lock:
                 while not self._heap:
                     self._ready.wait()
-                _, _, group, futures, verify = heapq.heappop(self._heap)
-                if group is None:
+                _, _, job = heapq.heappop(self._heap)
+                if job is None:
                     return
-                self._busy += 1
-            start, end, members = group
-            parts = Counter(key for _, key in members)     # a key's buffers in this group
+                self._busy += 1             # in the file: close() leaves the fd open until the last job is out
             try:
-                got = self._pread([buf for buf, _ in members], start, end - start)
-                if got < end - start:
-                    raise self._eof_error(start, end - start, start + got)
-            except BaseException as e:
-                for key in parts:
-                    if not futures[key].done():
-                        futures[key].set_exception(e)
-                continue
+                job()
             finally:
                 self._done_reading()
-            for key, n in parts.items():
-                fut = futures[key]
-                with self._lock:
-                    fut.left -= n
-                    last = fut.left == 0
-                if last:
-                    try:
-                        if verify is not None:
-                            verify(key, fut.bufs)
-                        fut.set_result(fut.bufs)
-                    except BaseException as e:
-                        fut.set_exception(e)
+
+    def _read_group(self, group, futures, verify):
+        start, end, members = group
+        parts = Counter(key for _, key in members)     # a key's buffers in this group
+        try:
+            got = self._pread([buf for buf, _ in members], start, end - start)
+            if got < end - start:
+                raise self._eof_error(start, end - start, start + got)
+        except BaseException as e:
+            for key in parts:
+                if not futures[key].done():
+                    futures[key].set_exception(e)
+            return
+        for key, n in parts.items():
+            fut = futures[key]
+            with self._lock:
+                fut.left -= n
+                last = fut.left == 0
+            if last:
+                try:
+                    if verify is not None:
+                        verify(key, fut.bufs)
+                    fut.set_result(fut.bufs)
+                except BaseException as e:
+                    fut.set_exception(e)
 
     def _done_reading(self):
-        """A reader thread is out of the kernel: close() closes the file once the last one is."""
+        """A reader thread is out of the file: close() closes it once the last one is."""
         with self._lock:
             self._busy -= 1
             if self._closed and not self._busy:
@@ -285,18 +292,12 @@ class Reader:
         if not live:
             return
         buf = aligned_empty(end - start)
-        with self._lock:
-            if self._closed:
-                return
-            self._busy += 1
         try:
             got = self._pread(buf, start, max(off + n for _, off, n in live) - start)
         except BaseException as e:
             for key, _, _ in live:
                 futures[key].set_exception(e)
             return
-        finally:
-            self._done_reading()
         # A short read (EOF) fails only the requests that reach past it.
         for key, off, n in live:
             if off + n <= start + got:
@@ -320,13 +321,9 @@ class Reader:
         with self._lock:
             self._heap.clear()
             for _ in self._threads:
-                heapq.heappush(self._heap, (float("inf"), next(self._seq), None, None, None))
+                heapq.heappush(self._heap, (float("inf"), next(self._seq), None))
             self._ready.notify_all()
-        self._threads = []
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-        with self._lock:
+            self._threads = []
             self._closed = True
             if not self._busy:
                 self._close_fd()
