@@ -198,10 +198,10 @@ def parse_grid(doc: dict, path) -> Grid:
     values = {a: [str(v) for v in _list(path, f"axes.{a}", axes[a])] for a in axes}
     for p in values.get("preset", ["on_demand"]):
         try:
+            preset = get_preset(p)
             if "simulate" in kinds:
                 from experiments.simulate import simulable
-                simulable(get_preset(p))
-            get_preset(p)
+                simulable(preset)
         except WorkbenchError as e:
             raise WorkbenchError(f"{path}: {e}") from None
     for d in values.get("device", []):
@@ -302,8 +302,8 @@ def run_bench(cell: Cell) -> dict:
 
 
 def run_simulate(cell: Cell) -> dict:
-    """A simulate cell: `python -m workbench simulate` (run record included), the compute profile measured on
-    the cell's model; returns its result."""
+    """A simulate cell: `python -m workbench simulate` (run record included), on the grid's compute profile for
+    the cell's expert precision, else one measured on the cell's model; returns its result."""
     from experiments.simulate import load_compute, run
     compute = cell.get("compute").format(experts=cell.preset_obj().storage.experts)
     return run(str(REPO / cell.get("trace")), cell.preset_obj(), cell.budget, cell.device, shape=cell.get("shape") or None,
