@@ -1,12 +1,16 @@
 """The hybrid linear-attention MoE family (Qwen3-Next, Qwen3.5-MoE, MiniCPM-V 4.7's language model) on the
-numpy engine, against transformers' own implementation of each, on tiny random checkpoints (hybrid_fixtures.py):
-three Gated DeltaNet layers then one gated full-attention layer, 16 experts top-4 and a shared expert.
+numpy engine (the reference) and the packed engine (the default), against transformers' own implementation of
+each, on tiny random checkpoints (hybrid_fixtures.py): three Gated DeltaNet layers then one gated
+full-attention layer, 16 experts top-4 and a shared expert.
 
-- a bf16 pack matches transformers' fp32 logits within 1e-4, for a prefill and for decoding token by token
-  through the recurrent state, the convolution state and the KV cache;
+- a bf16 pack matches transformers' fp32 logits within 1e-4 on both engines, for a prefill and for decoding
+  token by token through the recurrent state, the convolution state and the KV cache;
+- the packed engine matches the numpy engine within the packed tolerance (test_packed_engine.ATOL), resident
+  and streaming;
 - truncate restores the linear-attention state exactly (re-decoding equals a fresh run); a truncate past the
   checkpoints it keeps is refused;
-- streaming the experts under every exact design and budget gives the logits of every expert resident.
+- streaming the experts under every exact design and budget gives the logits of every expert resident, bit for
+  bit, on each engine.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import pytest
 import torch
 
 from hybrid_fixtures import HYBRID
+from test_packed_engine import ATOL as PACKED_ATOL
 from engines.hybrid import CHECKPOINT_WINDOW
 from workbench.errors import WorkbenchError
 from workbench.models.hf import HFModel
@@ -24,6 +29,7 @@ from workbench.store.pack import Pack
 TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
 SPLIT = 9
 ATOL = 1e-4
+ENGINES = ["numpy", "packed"]
 
 
 def hf_logits(path, family, ids):
@@ -34,8 +40,8 @@ def hf_logits(path, family, ids):
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
-def ours(path, ids, decode_from=None, preset="teacher", **kw):
-    with Session(str(path), preset, **kw) as s:
+def ours(path, ids, decode_from=None, preset="teacher", engine="numpy", **kw):
+    with Session(str(path), preset, engine=engine, **kw) as s:
         s.engine.reset()
         if decode_from is None:
             return s.step(ids, "prefill")
@@ -46,8 +52,20 @@ def ours(path, ids, decode_from=None, preset="teacher", **kw):
 @pytest.mark.parametrize("family", HYBRID)
 def test_prefill_and_decode_match_transformers(hybrid_models, family):
     ref = hf_logits(hybrid_models[family], family, TOKENS)
-    np.testing.assert_allclose(ours(hybrid_models[family], TOKENS), ref, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(ours(hybrid_models[family], TOKENS, decode_from=SPLIT), ref, atol=ATOL, rtol=0)
+    for engine in ENGINES:
+        np.testing.assert_allclose(ours(hybrid_models[family], TOKENS, engine=engine), ref, atol=ATOL, rtol=0,
+                                   err_msg=engine)
+        np.testing.assert_allclose(ours(hybrid_models[family], TOKENS, decode_from=SPLIT, engine=engine), ref,
+                                   atol=ATOL, rtol=0, err_msg=engine)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_packed_engine_matches_numpy(hybrid_models, family):
+    """q4 experts, every expert resident and streaming a quarter of them (waves at prefill)."""
+    for preset, kw in [("resident", {}), ("on_demand", dict(budget="0.25")), ("les", {})]:
+        ref = ours(hybrid_models[family], TOKENS, SPLIT, preset, "numpy", **kw)
+        np.testing.assert_allclose(ours(hybrid_models[family], TOKENS, SPLIT, preset, "packed", **kw), ref,
+                                   atol=PACKED_ATOL, rtol=0, err_msg=preset)
 
 
 def test_spec_reads_the_hybrid_config(hybrid_models):
@@ -70,10 +88,12 @@ def test_zero_centred_norms_are_loaded_as_one_plus_weight(hybrid_models):
     np.testing.assert_array_equal(m.tensor("layers.0.lin_norm"), raw["model.layers.0.linear_attn.norm.weight"])
 
 
-def test_truncate_then_redecode_equals_a_fresh_run(hybrid_models):
-    path = hybrid_models["qwen3_next"]
-    fresh = ours(path, TOKENS, decode_from=SPLIT)
-    with Session(str(path), "teacher") as s:
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("family", HYBRID)
+def test_truncate_then_redecode_equals_a_fresh_run(hybrid_models, family, engine):
+    path = hybrid_models[family]
+    fresh = ours(path, TOKENS, decode_from=SPLIT, engine=engine)
+    with Session(str(path), "teacher", engine=engine) as s:
         s.engine.reset()
         s.step(TOKENS[:SPLIT], "prefill")
         s.step([250, 251, 252], "decode")                         # a rejected speculative draft
@@ -87,7 +107,7 @@ def test_truncate_then_redecode_equals_a_fresh_run(hybrid_models):
 
 def test_truncate_keeps_each_prompts_end_and_refuses_older_positions(hybrid_models):
     path = hybrid_models["qwen3_5_moe"]
-    with Session(str(path), "teacher") as s:
+    with Session(str(path), "teacher", engine="numpy") as s:
         s.engine.reset()
         s.step(TOKENS[:SPLIT], "prefill")
         for t in range(CHECKPOINT_WINDOW + 3):
@@ -99,8 +119,8 @@ def test_truncate_keeps_each_prompts_end_and_refuses_older_positions(hybrid_mode
                                       ours(path, TOKENS, decode_from=SPLIT)[SPLIT:])
 
 
-def decode(path, preset, n=10, **kw):
-    with Session(str(path), preset, **kw) as s:
+def decode(path, preset, n=10, engine="numpy", **kw):
+    with Session(str(path), preset, engine=engine, **kw) as s:
         s.engine.reset()
         logits = [s.step(TOKENS[:6], "prefill")[-1]]
         toks = []
@@ -116,18 +136,23 @@ PATHS = [dict(budget="0.25"), dict(budget="0.5", execution="ready_first"),
          dict(budget="0.25", execution="ready_first", predictor="history", cache_policy="lfu")]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("family", HYBRID)
-def test_every_exact_path_equals_resident(hybrid_models, family):
-    ref_toks, ref_logits, _ = decode(hybrid_models[family], "resident")
+def test_every_exact_path_equals_resident(hybrid_models, family, engine):
+    model = hybrid_models[family]
+    ref_toks, ref_logits, _ = decode(model, "resident", engine=engine)
     for path in PATHS:
-        toks, logits, summary = decode(hybrid_models[family], "on_demand", **path)
+        toks, logits, summary = decode(model, "on_demand", engine=engine, **path)
         assert toks == ref_toks, path
         np.testing.assert_array_equal(logits, ref_logits, err_msg=str(path))
         assert summary["misses"] > 0, "the path streamed nothing: the comparison would be empty"
-    _, les_resident, _ = decode(hybrid_models[family], "resident", experts="q3")
-    np.testing.assert_array_equal(decode(hybrid_models[family], "les")[1], les_resident)   # les stores q3 experts
-    _, smol_resident, _ = decode(hybrid_models[family], "resident", experts="q2")
-    np.testing.assert_array_equal(decode(hybrid_models[family], "smol")[1], smol_resident)
+    for preset, experts in [("les", "q3"), ("smol", "q2")]:         # each stores its own expert precision
+        toks, logits, _ = decode(model, "resident", engine=engine, experts=experts)
+        for budget in ("0.25", "0.5", "0.75"):
+            got_toks, got, summary = decode(model, preset, engine=engine, budget=budget)
+            assert got_toks == toks, (preset, budget)
+            np.testing.assert_array_equal(got, logits, err_msg=f"{preset} {budget}")
+            assert summary["misses"] > 0, (preset, budget)
 
 
 def test_convert_streams_the_routed_experts_and_keeps_the_shared_one_resident(hybrid_models, tmp_path):
