@@ -291,44 +291,64 @@ def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
     np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
 
 
-def test_llamacpp_runs_the_exported_qwen3next_gguf_with_our_greedy_tokens(hybrid_models, tmp_path):
-    """export-gguf writes the tiny Qwen3-Next as llama.cpp's qwen3next (f16): stock llama.cpp generates our greedy
-    tokens, its logits over the prompt and everything generated agree with ours to f16 precision, and the GGUF
-    imports back as the same model. (f16 can flip
-    a router choice where two experts nearly tie, and a flip lives on in the recurrent state: on this random model
-    some prompts hit one, so the prompt is fixed and the agreement is checked over the whole run.)"""
+@pytest.mark.parametrize("family", HYBRID)
+def test_llamacpp_runs_the_exported_gguf_with_our_greedy_tokens(hybrid_models, family, tmp_path):
+    """export-gguf writes the tiny Qwen3-Next as llama.cpp's qwen3next and the tiny Qwen3.5-MoE (and MiniCPM-V
+    4.7's language model) as its qwen35moe (f16): stock llama.cpp generates our greedy tokens, its logits over the
+    prompt and everything generated agree with ours to f16 precision, and the GGUF imports back as the same model.
+    (f16 can flip a router choice where two experts nearly tie, and a flip lives on in the recurrent state: on
+    this random model some prompts hit one, so the prompt is fixed and the agreement is checked over the whole
+    run.)"""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")
+    from dataclasses import replace
+
     from child import in_child
     from engines.gguf_export import export_gguf
     from hybrid_fixtures import llama_greedy_and_logits
-    path, prompt = hybrid_models["qwen3_next"], TOKENS[:8]
-    gguf_path = export_gguf(HFModel(path), tmp_path / "next.gguf", "f16")
+    from workbench.models.gguf_model import GGUFModel
+    path, prompt = hybrid_models[family], TOKENS[:8]
+    gguf_path = export_gguf(HFModel(path), tmp_path / "m.gguf", "f16")
     with Session(str(path), "teacher") as s:
         mine = s.generate(prompt, tokens=16)["tokens"]
     theirs, logits = in_child(llama_greedy_and_logits, gguf_path, prompt, 16, prompt + mine[:-1])
     assert theirs == mine
     np.testing.assert_allclose(logits, ours(path, prompt + mine[:-1]), atol=3e-2, rtol=0)
-    # and back: the GGUF imports as the same model (f16 holds the bf16 weights exactly)
-    from workbench.models.gguf_model import GGUFModel
-    assert GGUFModel(gguf_path).spec == HFModel(path).spec
+    # and back: the same model (f16 holds the bf16 weights exactly). A qwen35moe GGUF is family qwen3_5_moe, and
+    # no layer is dense, so the dense width it records is unused.
+    want, got = HFModel(path).spec, GGUFModel(gguf_path).spec
+    assert got.family == {"qwen3_next": "qwen3_next"}.get(family, "qwen3_5_moe")
+    assert replace(got, family=want.family, dense_intermediate_size=want.dense_intermediate_size) == want
     np.testing.assert_allclose(ours(gguf_path, prompt + mine[:-1]), ours(path, prompt + mine[:-1]), atol=ATOL, rtol=0)
 
 
-def test_gguf_of_the_rest_of_the_family_is_refused_in_one_line(hybrid_models, tmp_path):
-    """Qwen3.5-MoE does not export, and a qwen35moe GGUF does not import yet: a clear refusal."""
+def test_qwen35moe_gguf_tiles_the_value_heads_over_the_key_heads(hybrid_models, tmp_path):
+    """llama.cpp's qwen35moe holds DeltaNet's value heads tiled over the key heads (v0 of every key head, then
+    v1 ...), Hugging Face's Qwen3.5 grouped by key head: the export reorders them and the import puts them back."""
     import gguf
 
     from engines.gguf_export import export_gguf
     from workbench.models.gguf_model import GGUFModel
-    with pytest.raises(WorkbenchError, match="cannot export to GGUF: family 'qwen3_5_moe"):
-        export_gguf(HFModel(hybrid_models["qwen3_5_moe"]), tmp_path / "q35.gguf")
-    assert not (tmp_path / "q35.gguf").exists()
-    w = gguf.GGUFWriter(str(tmp_path / "q35.gguf"), "qwen35moe")
+    path = hybrid_models["qwen3_5_moe"]
+    gguf_path = export_gguf(HFModel(path), tmp_path / "q35.gguf", "f16")
+    z = HFModel(path).tensor("layers.0.lin_z").reshape(2, 2, 8, -1)        # (key head, value head in it, dv, d)
+    written = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}["blk.0.attn_gate.weight"]
+    np.testing.assert_array_equal(np.asarray(written.data, np.float32).reshape(2, 2, 8, -1), z.swapaxes(0, 1))
+    g = GGUFModel(gguf_path)
+    for name in ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_dt_bias", "lin_out"):
+        np.testing.assert_array_equal(g.tensor(f"layers.0.{name}"), HFModel(path).tensor(f"layers.0.{name}"), name)
+
+
+def test_a_gguf_of_an_architecture_without_experts_is_refused_in_one_line(tmp_path):
+    """llama.cpp's qwen35 (the dense Qwen3.5) has no experts to stream: a clear refusal."""
+    import gguf
+
+    from workbench.models.gguf_model import GGUFModel
+    w = gguf.GGUFWriter(str(tmp_path / "q35.gguf"), "qwen35")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     w.close()
-    with pytest.raises(WorkbenchError, match="GGUF architecture 'qwen35moe' is not a supported MoE family"):
+    with pytest.raises(WorkbenchError, match="GGUF architecture 'qwen35' is not a supported MoE family"):
         GGUFModel(tmp_path / "q35.gguf")
 
 
