@@ -269,17 +269,10 @@ def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
     q, k, v, o) is what `--preset edge0` serves, whole sequence and token by token."""
     import shutil
 
-    from test_edge0 import pack_of, student_logits, teacher_forced, write_heads
-    from workbench.edge0.artifacts import artifact_path, model_identity, save_safetensors
+    from test_edge0 import pack_of, student_logits, teacher_forced, write_heads, write_lora
     m = shutil.copytree(hybrid_models["qwen3_next"], tmp_path / "edge0-next")
     pack = pack_of(m)
-    rng = np.random.default_rng(1)
-    t = {}
-    for proj in ("q", "k", "v", "o"):
-        out, inp = pack.tensors[f"layers.3.{proj}"]["shape"]
-        t |= {f"lora.3.{proj}.A": rng.normal(0, 0.2, (4, inp)), f"lora.3.{proj}.B": rng.normal(0, 0.2, (out, 4))}
-    lp = save_safetensors(artifact_path(pack, "lora"), t, "lora", {**model_identity(pack), "rank": 4, "alpha": 8.0,
-                          "scale": 2.0, "targets": ["q", "k", "v", "o"], "num_layers": 4})
+    lp = write_lora(m, pack=pack)                                    # on layer 3, the one with attention projections
     hp = write_heads(m, pack=pack)
     ids = TOKENS[:8] * 2
     with Session(str(m), "edge0", budget="all") as s:
@@ -289,6 +282,29 @@ def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
     full, inc = student_logits(pack, ids, hp, lp)
     np.testing.assert_allclose(full, served, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_runs_les_and_edge0_on_the_tiny_qwen3_next_on_the_packed_engine(hybrid_models, tmp_path):
+    """The issue's commands: `bench --model <tiny qwen3_next dir> --preset les --budget 0.25 --json`, and
+    `--preset edge0` once the model has Edge0's heads and LoRA (random ones here, written as test_edge0 writes
+    them; training them on this model is a recorded command in the README), both on the default engine."""
+    import shutil
+
+    from test_cli import run_json
+    from test_edge0 import write_heads, write_lora
+    from workbench.runs import read_run
+    m = shutil.copytree(hybrid_models["qwen3_next"], tmp_path / "bench-next")
+    runs = {}
+    for preset in ("les", "edge0"):
+        if preset == "edge0":
+            write_heads(m)
+            write_lora(m)
+        out = run_json("bench", "--model", str(m), "--preset", preset, "--budget", "0.25", "--tokens", "8")
+        assert out["tokens"] == 8 and out["cache_bytes"] <= out["budget_bytes"], preset
+        assert out["prefetch_recall"] is not None, preset
+        runs[preset] = read_run(out["run"])["config"]
+    assert {c["engine"] for c in runs.values()} == {"packed"}
+    assert runs["edge0"]["preset"]["routing"] == "prerouter"
 
 
 @pytest.mark.parametrize("family", HYBRID)
