@@ -174,7 +174,8 @@ def _encode(a: np.ndarray, t: str, gname: str) -> np.ndarray:
 
 def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = None, progress: bool = False,
                 name: str | None = None) -> Path:
-    """Write `model` (HFModel-like, or a Pack) to `out` as a qwen3moe GGUF, atomically."""
+    """Write `model` (HFModel-like, or a Pack) to `out` as a GGUF, atomically: qwen3moe, or qwen3next / qwen35moe
+    for the hybrid family."""
     gguf = _gguf()
     if qtype not in TYPES:
         raise WorkbenchError(f"--type {qtype!r}: choose one of {', '.join(TYPES)} (k-quants: quantize with llama.cpp)")

@@ -38,7 +38,7 @@ def hybrid_derived(g) -> dict:
     """{canonical name: () -> f32 array} for the tensors that are not one GGUF tensor as it is."""
     s, out = g.spec, {}
     L = s.linear
-    hk, dk, r, dv = L["num_key_heads"], L["key_head_dim"], L["num_value_heads"] // L["num_key_heads"], L["value_head_dim"]
+    hk, dk, dv = L["num_key_heads"], L["key_head_dim"], L["value_head_dim"]
     qk = 2 * hk * dk
     tiled = g.arch == "qwen35moe"
 
