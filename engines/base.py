@@ -8,8 +8,10 @@ at construction and never set from outside:
   router_hook  router_hook(layer, logits, ctx) -> (ids, weights), in place of the exact router
   deltas       {projection name: x -> delta} added to x @ W.T (an unmerged adapter: Edge0's LoRA)
 An engine declares what it can do: `takes_hooks` (False: it is refused hooks, not handed ones it ignores)
-`raw_experts` (the streamer hands it each expert part's encoded bytes instead of f32 arrays) and
-`slot_arena` (the cache's memory is a slot arena, workbench/arena.py, that reads land in).
+`raw_experts` (the streamer hands it each expert part's encoded bytes instead of f32 arrays),
+`slot_arena` (the cache's memory is a slot arena, workbench/arena.py, that reads land in) and `f32_dense` (its
+memory is the non-expert weights in f32 beside the expert cache, as workbench/memory.py counts it, so the
+session's memory guard applies); and which non-expert weights the session dequantizes for it (`needed_weights`).
 """
 from __future__ import annotations
 
@@ -58,11 +60,11 @@ class Engine(ABC):
     takes_hooks = True
     raw_experts = False
     slot_arena = False
+    f32_dense = False
 
     def __init__(self, pack, streamer, telemetry, hooks: Hooks = Hooks()):
         if hooks and not self.takes_hooks:
-            raise WorkbenchError(f"--engine {self.name} takes no predictor, router hook or adapter: choose a preset "
-                                 f"without them (teacher, resident, on_demand) or another engine")
+            self.refuse_hooks()
         self.pack, self.spec, self.streamer, self.tel = pack, pack.spec, streamer, telemetry
         self.predictor, self.router_hook, self.deltas = hooks.predictor, hooks.router_hook, dict(hooks.deltas)
         self.token_index = 0
@@ -92,6 +94,17 @@ class Engine(ABC):
     def truncate(self, pos: int):
         """Forget the KV cache past `pos` (rejected speculative tokens, a shared prefix reused)."""
         self.pos = pos
+
+    @classmethod
+    def refuse_hooks(cls):
+        raise WorkbenchError(f"--engine {cls.name} takes no predictor, router hook or adapter: choose a preset "
+                             f"without them (teacher, resident, on_demand) or another engine")
+
+    @classmethod
+    def needed_weights(cls, pack) -> dict[str, np.ndarray]:
+        """The non-expert weights, in f32, that the session hands this engine and its predictors and router hooks:
+        all of them (dense_weights)."""
+        return dense_weights(pack)
 
     @classmethod
     def expert_bytes(cls, pack) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.gguf_export_hybrid import hybrid_metadata, hybrid_plan
+from engines.gguf_export_hybrid import ARCH as HYBRID_ARCH, hybrid_metadata, hybrid_plan
 from workbench.atomic import atomic_path
 from workbench.errors import WorkbenchError
 
@@ -98,8 +98,9 @@ def gguf_vocab(tokenizer_json: str, vocab_size: int, where: str = "tokenizer.jso
 
 def _check(spec, where):
     why = None
-    if spec.family not in ("qwen3_moe", "qwen3_next"):
-        why = f"family {spec.family!r}: only qwen3_moe and qwen3_next export (as llama.cpp's qwen3moe, qwen3next)"
+    if spec.family != "qwen3_moe" and spec.family not in HYBRID_ARCH:
+        why = (f"family {spec.family!r}: only qwen3_moe, qwen3_next, qwen3_5_moe and minicpmv4_7's language model "
+               f"export (as llama.cpp's qwen3moe, qwen3next, qwen35moe)")
     elif spec.dense_layers:
         why = "dense MLP layers (mlp_only_layers / decoder_sparse_step): llama.cpp's qwen3moe has experts in every layer"
     elif not spec.norm_topk_prob:
@@ -173,7 +174,8 @@ def _encode(a: np.ndarray, t: str, gname: str) -> np.ndarray:
 
 def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = None, progress: bool = False,
                 name: str | None = None) -> Path:
-    """Write `model` (HFModel-like, or a Pack) to `out` as a qwen3moe GGUF, atomically."""
+    """Write `model` (HFModel-like, or a Pack) to `out` as a GGUF, atomically: qwen3moe, or qwen3next / qwen35moe
+    for the hybrid family."""
     gguf = _gguf()
     if qtype not in TYPES:
         raise WorkbenchError(f"--type {qtype!r}: choose one of {', '.join(TYPES)} (k-quants: quantize with llama.cpp)")
@@ -190,7 +192,7 @@ def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = Non
 
     out = Path(out)
     with atomic_path(out) as tmp:
-        w = gguf.GGUFWriter(str(tmp), "qwen3next" if s.layer_types else "qwen3moe")
+        w = gguf.GGUFWriter(str(tmp), HYBRID_ARCH.get(s.family, "qwen3moe"))
         try:
             w.add_name(name or Path(model.path).stem)
             w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if qtype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)

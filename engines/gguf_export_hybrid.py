@@ -1,15 +1,54 @@
-"""The hybrid linear-attention family as llama.cpp's `qwen3next` GGUF (tensor names and layout as llama.cpp's
-convert_hf_to_gguf.py writes Qwen3NextForCausalLM): DeltaNet's q, k, v rows as `attn_qkv` and its z as
-`attn_gate`, the grouped b/a projection as `ssm_ba`, `ssm_a` = -exp(A_log), `ssm_dt.bias` = dt_bias, the conv
-kernel squeezed to (channels, K); full attention's q projection keeps its gate rows; the shared expert as
-`*_shexp` with its gate `ffn_gate_inp_shexp`; the post-attention norm as `post_attention_norm`. Norms arrive here
-already as 1 + w (workbench/models/hf.py), as llama.cpp wants them; DeltaNet's own gated norm is plain.
+"""The hybrid linear-attention family as llama.cpp's GGUF: Qwen3-Next as `qwen3next`, Qwen3.5-MoE (and
+MiniCPM-V 4.7's language model, a Qwen3.5-MoE) as `qwen35moe`; tensor names and layout as llama.cpp's
+convert_hf_to_gguf.py writes Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM.
+
+DeltaNet's q, k, v rows go in `attn_qkv` and its z in `attn_gate`, `ssm_a` = -exp(A_log), `ssm_dt.bias` =
+dt_bias, the conv kernel squeezed to (channels, K). qwen3next keeps b and a in one `ssm_ba`, grouped per key
+head as Qwen3-Next's checkpoint has them; qwen35moe has `ssm_beta` and `ssm_alpha`, and every value-head axis
+(v rows, z, b, a, A, dt, the conv's v channels, out's columns) tiled over the key heads
+(spec_hybrid.tile_value_heads). Full attention's q projection keeps its gate rows; the shared expert is
+`*_shexp` with its gate `ffn_gate_inp_shexp`; the post-attention norm is `post_attention_norm`. Norms arrive
+here already as 1 + w (workbench/models/hf.py), as llama.cpp wants them; DeltaNet's own gated norm is plain.
+Qwen3.5's interleaved M-RoPE sections split the rotary pairs in three (Qwen3.5's own [11, 11, 10] for 32 pairs):
+on text every section sees the same position, so any split that covers every pair is plain RoPE, and llama.cpp
+wants the split to fit the head.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from workbench.spec_hybrid import split_fused_projections
+from workbench.spec_hybrid import split_fused_projections, tile_value_heads
+
+ARCH = {"qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe",
+        "minicpmv4_7": "qwen35moe"}
+_F32 = ("ssm_ba.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_conv1d.weight")
+
+
+def linear_tensors(model, i: int) -> dict[str, np.ndarray]:
+    """Layer i's DeltaNet tensors as the GGUF holds them, each fused projection split once."""
+    s, p = model.spec, f"layers.{i}."
+    L = s.linear
+    conv = model.tensor(p + "lin_conv")
+    out = {"ssm_conv1d.weight": conv.reshape(conv.shape[0], -1), "ssm_a": -np.exp(model.tensor(p + "lin_A_log")),
+           "ssm_dt.bias": model.tensor(p + "lin_dt_bias"), "ssm_norm.weight": model.tensor(p + "lin_norm"),
+           "ssm_out.weight": model.tensor(p + "lin_out")}
+    if s.family == "qwen3_next":
+        w = {p + "lin_qkvz": model.tensor(p + "lin_qkvz"), p + "lin_ba": model.tensor(p + "lin_ba")}
+        out["ssm_ba.weight"] = w[p + "lin_ba"]
+        split_fused_projections(s, w)
+        return {"attn_qkv.weight": w[p + "lin_qkv"], "attn_gate.weight": w[p + "lin_z"], **out}
+    qk, dv = 2 * L["num_key_heads"] * L["key_head_dim"], L["value_head_dim"]
+    qkv = model.tensor(p + "lin_qkv")
+    return {"attn_qkv.weight": np.concatenate([qkv[:qk], tile_value_heads(s, qkv[qk:], 0, dv)]),
+            "attn_gate.weight": tile_value_heads(s, model.tensor(p + "lin_z"), 0, dv),
+            "ssm_beta.weight": tile_value_heads(s, model.tensor(p + "lin_b"), 0, 1),
+            "ssm_alpha.weight": tile_value_heads(s, model.tensor(p + "lin_a"), 0, 1),
+            "ssm_conv1d.weight": np.concatenate([out["ssm_conv1d.weight"][:qk],
+                                                 tile_value_heads(s, out["ssm_conv1d.weight"][qk:], 0, dv)]),
+            "ssm_a": tile_value_heads(s, out["ssm_a"], 0, 1),
+            "ssm_dt.bias": tile_value_heads(s, out["ssm_dt.bias"], 0, 1),
+            "ssm_norm.weight": out["ssm_norm.weight"],
+            "ssm_out.weight": tile_value_heads(s, out["ssm_out.weight"], 1, dv)}
 
 
 def hybrid_plan(model, add, add_array, mat_type):
@@ -17,27 +56,29 @@ def hybrid_plan(model, add, add_array, mat_type):
     s = model.spec
     L = s.linear
     d, ff, E = s.hidden_size, s.moe_intermediate_size, s.num_experts
+    C = 2 * L["num_key_heads"] * L["key_head_dim"] + L["num_value_heads"] * L["value_head_dim"]
+    V, hv = L["num_value_heads"] * L["value_head_dim"], L["num_value_heads"]
+    shapes = {"attn_qkv.weight": (C, d), "attn_gate.weight": (V, d),
+              **({"ssm_ba.weight": (2 * hv, d)} if s.family == "qwen3_next" else
+                 {"ssm_beta.weight": (hv, d), "ssm_alpha.weight": (hv, d)}),
+              "ssm_conv1d.weight": (C, L["conv_kernel"]), "ssm_a": (hv,), "ssm_dt.bias": (hv,),
+              "ssm_norm.weight": (L["value_head_dim"],), "ssm_out.weight": (d, V)}
+    current = {}                # the layer being written: its tensors are built once, then dropped
+
+    def layer(i):
+        if i not in current:
+            current.clear()
+            current[i] = linear_tensors(model, i)
+        return current[i]
+
     add("token_embd.weight", "embed")
     for i in range(s.num_layers):
         p, b = f"layers.{i}.", f"blk.{i}."
         add(b + "attn_norm.weight", p + "attn_norm", True)
         if s.is_linear(i):
-            def split(i=i):
-                w = {f"layers.{i}.lin_qkvz": model.tensor(f"layers.{i}.lin_qkvz"),
-                     f"layers.{i}.lin_ba": model.tensor(f"layers.{i}.lin_ba")}
-                split_fused_projections(s, w)
-                return w
-            C = 2 * L["num_key_heads"] * L["key_head_dim"] + L["num_value_heads"] * L["value_head_dim"]
-            V = L["num_value_heads"] * L["value_head_dim"]
-            add_array(b + "attn_qkv.weight", (C, d), mat_type((C, d)), lambda i=i, f=split: f(i)[f"layers.{i}.lin_qkv"])
-            add_array(b + "attn_gate.weight", (V, d), mat_type((V, d)), lambda i=i, f=split: f(i)[f"layers.{i}.lin_z"])
-            add(b + "ssm_ba.weight", p + "lin_ba", True)
-            add_array(b + "ssm_conv1d.weight", (C, L["conv_kernel"]), "F32",
-                      lambda p=p: model.tensor(p + "lin_conv").reshape(C, -1))
-            add_array(b + "ssm_a", (L["num_value_heads"],), "F32", lambda p=p: -np.exp(model.tensor(p + "lin_A_log")))
-            add(b + "ssm_dt.bias", p + "lin_dt_bias", True)
-            add(b + "ssm_norm.weight", p + "lin_norm", True)
-            add(b + "ssm_out.weight", p + "lin_out")
+            for name, shape in shapes.items():
+                t = "F32" if len(shape) == 1 or name in _F32 else mat_type(shape)
+                add_array(b + name, shape, t, lambda i=i, name=name: layer(i)[name])
         else:
             for c, g in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
                 add(b + g + ".weight", p + c)
@@ -64,3 +105,6 @@ def hybrid_metadata(w, s):
     w.add_ssm_inner_size(L["value_head_dim"] * L["num_value_heads"])
     w.add_full_attention_interval(s.layer_types.index("full_attention") + 1)
     w.add_rope_dimension_count(s.rope_dim)
+    if ARCH[s.family] == "qwen35moe":
+        n = s.rope_dim // 2
+        w.add_rope_dimension_sections([-(-n // 3), -(-(n - 1) // 3), n - -(-n // 3) - -(-(n - 1) // 3), 0])

@@ -1,6 +1,7 @@
 """The llama.cpp engine's verb and its part of `bench` (registered in workbench.commands).
 
-    export-gguf --model demo OUT.gguf --type f16|q8_0|q4_k_m|...   a qwen3moe GGUF of a workbench model
+    export-gguf --model demo OUT.gguf --type f16|q8_0|q4_k_m|...   a GGUF of a workbench model (qwen3moe,
+                                                                   qwen3next, qwen35moe)
     bench --engine llamacpp --model X.gguf|demo                    stock llama.cpp measured from outside (a child
                                                                    process): experiments/cli.py calls bench_llamacpp
 """
@@ -20,7 +21,8 @@ def _export_flags(p):
     p.add_argument("--threads", type=int, default=1)
 
 
-@command("export-gguf", "write a workbench model as a qwen3moe GGUF for llama.cpp", _export_flags)
+@command("export-gguf", "write a workbench model as a GGUF for llama.cpp (qwen3moe, qwen3next, qwen35moe)",
+         _export_flags)
 def cmd_export_gguf(args):
     from engines.gguf_export import export_gguf
     from workbench.models.hf import HFModel

@@ -441,6 +441,11 @@ class LlamaCppEngine(Engine):
     name = "llamacpp"
     takes_hooks = False
 
+    @classmethod
+    def needed_weights(cls, pack) -> dict:
+        """The routers and norms only (what routing observers read): llama.cpp holds the rest in its GGUF."""
+        return {n: pack.tensor(n) for n in pack.tensors if n.endswith(("router", "norm", "router_bias"))}
+
     def __init__(self, pack, streamer, telemetry, hooks: Hooks = Hooks(), weights: dict | None = None,
                  threads: int = 1, max_context: int | None = None):
         from engines.gguf_export import PackModel, export_gguf, fingerprint
@@ -450,8 +455,7 @@ class LlamaCppEngine(Engine):
         if not path.exists():
             export_gguf(PackModel(pack), path, "f16")
         self.gguf = path
-        self.w = weights if weights is not None else \
-            {n: pack.tensor(n) for n in pack.tensors if n.endswith(("router", "norm", "router_bias"))}
+        self.w = weights if weights is not None else self.needed_weights(pack)
         self.max_context = max_context or self.spec.max_position_embeddings
         self.llm = LlamaCpp(path, n_ctx=self.max_context, threads=threads)
 

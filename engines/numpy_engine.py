@@ -40,6 +40,7 @@ class NumpyExperts:
 
 class NumpyEngine(Decoder):
     name = "numpy"
+    f32_dense = True
 
     def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
                  weights: dict | None = None, max_context: int | None = None):

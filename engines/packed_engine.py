@@ -62,6 +62,7 @@ class PackedExperts:
 class PackedEngine(Decoder):
     name = "packed"
     slot_arena = True       # the session gives the cache a slot arena; the streamer reads into it
+    f32_dense = True
 
     @classmethod
     def expert_bytes(cls, pack) -> int:

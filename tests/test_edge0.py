@@ -59,7 +59,7 @@ def write_lora(model_dir, rank=4, seed=1, pack=None, meta=None):
     s = pack.spec
     rng = np.random.default_rng(seed)
     t = {}
-    for L in range(s.num_layers):
+    for L in [L for L in range(s.num_layers) if f"layers.{L}.q" in pack.tensors]:   # a hybrid's DeltaNet layers: none
         for proj in ("q", "k", "v", "o"):
             out, inp = pack.tensors[f"layers.{L}.{proj}"]["shape"]
             t[f"lora.{L}.{proj}.A"] = rng.normal(0, 0.2, (rank, inp))

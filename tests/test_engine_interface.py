@@ -44,6 +44,9 @@ def test_an_engine_without_hooks_refuses_them(tiny_models):
     with Session(str(tiny_models["qwen3_moe"]), "resident") as s:
         with pytest.raises(WorkbenchError, match="takes no predictor"):
             cls(s.pack, s.streamer, s.tel, Hooks(predictor=object()))
+    for preset in ("les", "smol_bias", "edge0"):     # a session says so before building hooks it would refuse
+        with pytest.raises(WorkbenchError, match="takes no predictor"):
+            Session(str(tiny_models["qwen3_moe"]), preset, engine="llamacpp")
 
 
 def test_nothing_outside_engines_sets_engine_state():

@@ -1,12 +1,16 @@
 """The hybrid linear-attention MoE family (Qwen3-Next, Qwen3.5-MoE, MiniCPM-V 4.7's language model) on the
-numpy engine, against transformers' own implementation of each, on tiny random checkpoints (hybrid_fixtures.py):
-three Gated DeltaNet layers then one gated full-attention layer, 16 experts top-4 and a shared expert.
+numpy engine (the reference) and the packed engine (the default), against transformers' own implementation of
+each, on tiny random checkpoints (hybrid_fixtures.py): three Gated DeltaNet layers then one gated
+full-attention layer, 16 experts top-4 and a shared expert.
 
-- a bf16 pack matches transformers' fp32 logits within 1e-4, for a prefill and for decoding token by token
-  through the recurrent state, the convolution state and the KV cache;
+- a bf16 pack matches transformers' fp32 logits within 1e-4 on both engines, for a prefill and for decoding
+  token by token through the recurrent state, the convolution state and the KV cache;
+- the packed engine matches the numpy engine within the packed tolerance (test_packed_engine.ATOL), resident
+  and streaming;
 - truncate restores the linear-attention state exactly (re-decoding equals a fresh run); a truncate past the
   checkpoints it keeps is refused;
-- streaming the experts under every exact design and budget gives the logits of every expert resident.
+- streaming the experts under every exact design and budget gives the logits of every expert resident, bit for
+  bit, on each engine.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import pytest
 import torch
 
 from hybrid_fixtures import HYBRID
+from test_packed_engine import ATOL as PACKED_ATOL
 from engines.hybrid import CHECKPOINT_WINDOW
 from workbench.errors import WorkbenchError
 from workbench.models.hf import HFModel
@@ -24,6 +29,7 @@ from workbench.store.pack import Pack
 TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
 SPLIT = 9
 ATOL = 1e-4
+ENGINES = ["numpy", "packed"]
 
 
 def hf_logits(path, family, ids):
@@ -34,8 +40,8 @@ def hf_logits(path, family, ids):
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
-def ours(path, ids, decode_from=None, preset="teacher", **kw):
-    with Session(str(path), preset, **kw) as s:
+def ours(path, ids, decode_from=None, preset="teacher", engine="numpy", **kw):
+    with Session(str(path), preset, engine=engine, **kw) as s:
         s.engine.reset()
         if decode_from is None:
             return s.step(ids, "prefill")
@@ -46,8 +52,20 @@ def ours(path, ids, decode_from=None, preset="teacher", **kw):
 @pytest.mark.parametrize("family", HYBRID)
 def test_prefill_and_decode_match_transformers(hybrid_models, family):
     ref = hf_logits(hybrid_models[family], family, TOKENS)
-    np.testing.assert_allclose(ours(hybrid_models[family], TOKENS), ref, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(ours(hybrid_models[family], TOKENS, decode_from=SPLIT), ref, atol=ATOL, rtol=0)
+    for engine in ENGINES:
+        np.testing.assert_allclose(ours(hybrid_models[family], TOKENS, engine=engine), ref, atol=ATOL, rtol=0,
+                                   err_msg=engine)
+        np.testing.assert_allclose(ours(hybrid_models[family], TOKENS, decode_from=SPLIT, engine=engine), ref,
+                                   atol=ATOL, rtol=0, err_msg=engine)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_packed_engine_matches_numpy(hybrid_models, family):
+    """q4 experts, every expert resident and streaming a quarter of them (waves at prefill)."""
+    for preset, kw in [("resident", {}), ("on_demand", dict(budget="0.25")), ("les", {})]:
+        ref = ours(hybrid_models[family], TOKENS, SPLIT, preset, "numpy", **kw)
+        np.testing.assert_allclose(ours(hybrid_models[family], TOKENS, SPLIT, preset, "packed", **kw), ref,
+                                   atol=PACKED_ATOL, rtol=0, err_msg=preset)
 
 
 def test_spec_reads_the_hybrid_config(hybrid_models):
@@ -70,10 +88,12 @@ def test_zero_centred_norms_are_loaded_as_one_plus_weight(hybrid_models):
     np.testing.assert_array_equal(m.tensor("layers.0.lin_norm"), raw["model.layers.0.linear_attn.norm.weight"])
 
 
-def test_truncate_then_redecode_equals_a_fresh_run(hybrid_models):
-    path = hybrid_models["qwen3_next"]
-    fresh = ours(path, TOKENS, decode_from=SPLIT)
-    with Session(str(path), "teacher") as s:
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("family", HYBRID)
+def test_truncate_then_redecode_equals_a_fresh_run(hybrid_models, family, engine):
+    path = hybrid_models[family]
+    fresh = ours(path, TOKENS, decode_from=SPLIT, engine=engine)
+    with Session(str(path), "teacher", engine=engine) as s:
         s.engine.reset()
         s.step(TOKENS[:SPLIT], "prefill")
         s.step([250, 251, 252], "decode")                         # a rejected speculative draft
@@ -87,7 +107,7 @@ def test_truncate_then_redecode_equals_a_fresh_run(hybrid_models):
 
 def test_truncate_keeps_each_prompts_end_and_refuses_older_positions(hybrid_models):
     path = hybrid_models["qwen3_5_moe"]
-    with Session(str(path), "teacher") as s:
+    with Session(str(path), "teacher", engine="numpy") as s:
         s.engine.reset()
         s.step(TOKENS[:SPLIT], "prefill")
         for t in range(CHECKPOINT_WINDOW + 3):
@@ -99,8 +119,8 @@ def test_truncate_keeps_each_prompts_end_and_refuses_older_positions(hybrid_mode
                                       ours(path, TOKENS, decode_from=SPLIT)[SPLIT:])
 
 
-def decode(path, preset, n=10, **kw):
-    with Session(str(path), preset, **kw) as s:
+def decode(path, preset, n=10, engine="numpy", **kw):
+    with Session(str(path), preset, engine=engine, **kw) as s:
         s.engine.reset()
         logits = [s.step(TOKENS[:6], "prefill")[-1]]
         toks = []
@@ -116,18 +136,23 @@ PATHS = [dict(budget="0.25"), dict(budget="0.5", execution="ready_first"),
          dict(budget="0.25", execution="ready_first", predictor="history", cache_policy="lfu")]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("family", HYBRID)
-def test_every_exact_path_equals_resident(hybrid_models, family):
-    ref_toks, ref_logits, _ = decode(hybrid_models[family], "resident")
+def test_every_exact_path_equals_resident(hybrid_models, family, engine):
+    model = hybrid_models[family]
+    ref_toks, ref_logits, _ = decode(model, "resident", engine=engine)
     for path in PATHS:
-        toks, logits, summary = decode(hybrid_models[family], "on_demand", **path)
+        toks, logits, summary = decode(model, "on_demand", engine=engine, **path)
         assert toks == ref_toks, path
         np.testing.assert_array_equal(logits, ref_logits, err_msg=str(path))
         assert summary["misses"] > 0, "the path streamed nothing: the comparison would be empty"
-    _, les_resident, _ = decode(hybrid_models[family], "resident", experts="q3")
-    np.testing.assert_array_equal(decode(hybrid_models[family], "les")[1], les_resident)   # les stores q3 experts
-    _, smol_resident, _ = decode(hybrid_models[family], "resident", experts="q2")
-    np.testing.assert_array_equal(decode(hybrid_models[family], "smol")[1], smol_resident)
+    for preset, experts in [("les", "q3"), ("smol", "q2")]:         # each stores its own expert precision
+        toks, logits, _ = decode(model, "resident", engine=engine, experts=experts)
+        for budget in ("0.25", "0.5", "0.75"):
+            got_toks, got, summary = decode(model, preset, engine=engine, budget=budget)
+            assert got_toks == toks, (preset, budget)
+            np.testing.assert_array_equal(got, logits, err_msg=f"{preset} {budget}")
+            assert summary["misses"] > 0, (preset, budget)
 
 
 def test_convert_streams_the_routed_experts_and_keeps_the_shared_one_resident(hybrid_models, tmp_path):
@@ -244,17 +269,10 @@ def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
     q, k, v, o) is what `--preset edge0` serves, whole sequence and token by token."""
     import shutil
 
-    from test_edge0 import pack_of, student_logits, teacher_forced, write_heads
-    from workbench.edge0.artifacts import artifact_path, model_identity, save_safetensors
+    from test_edge0 import pack_of, student_logits, teacher_forced, write_heads, write_lora
     m = shutil.copytree(hybrid_models["qwen3_next"], tmp_path / "edge0-next")
     pack = pack_of(m)
-    rng = np.random.default_rng(1)
-    t = {}
-    for proj in ("q", "k", "v", "o"):
-        out, inp = pack.tensors[f"layers.3.{proj}"]["shape"]
-        t |= {f"lora.3.{proj}.A": rng.normal(0, 0.2, (4, inp)), f"lora.3.{proj}.B": rng.normal(0, 0.2, (out, 4))}
-    lp = save_safetensors(artifact_path(pack, "lora"), t, "lora", {**model_identity(pack), "rank": 4, "alpha": 8.0,
-                          "scale": 2.0, "targets": ["q", "k", "v", "o"], "num_layers": 4})
+    lp = write_lora(m, pack=pack)                                    # on layer 3, the one with attention projections
     hp = write_heads(m, pack=pack)
     ids = TOKENS[:8] * 2
     with Session(str(m), "edge0", budget="all") as s:
@@ -266,44 +284,87 @@ def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
     np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
 
 
-def test_llamacpp_runs_the_exported_qwen3next_gguf_with_our_greedy_tokens(hybrid_models, tmp_path):
-    """export-gguf writes the tiny Qwen3-Next as llama.cpp's qwen3next (f16): stock llama.cpp generates our greedy
-    tokens, its logits over the prompt and everything generated agree with ours to f16 precision, and the GGUF
-    imports back as the same model. (f16 can flip
-    a router choice where two experts nearly tie, and a flip lives on in the recurrent state: on this random model
-    some prompts hit one, so the prompt is fixed and the agreement is checked over the whole run.)"""
+def test_bench_runs_les_and_edge0_on_the_tiny_qwen3_next_on_the_packed_engine(hybrid_models, tmp_path):
+    """The issue's commands: `bench --model <tiny qwen3_next dir> --preset les --budget 0.25 --json`, and
+    `--preset edge0` once the model has Edge0's heads and LoRA (random ones here, written as test_edge0 writes
+    them; training them on this model is a recorded command in the README), both on the default engine."""
+    import shutil
+
+    from test_cli import run_json
+    from test_edge0 import write_heads, write_lora
+    from workbench.runs import read_run
+    m = shutil.copytree(hybrid_models["qwen3_next"], tmp_path / "bench-next")
+    runs = {}
+    for preset in ("les", "edge0"):
+        if preset == "edge0":
+            write_heads(m)
+            write_lora(m)
+        out = run_json("bench", "--model", str(m), "--preset", preset, "--budget", "0.25", "--tokens", "8")
+        assert out["tokens"] == 8 and out["cache_bytes"] <= out["budget_bytes"], preset
+        assert out["prefetch_recall"] is not None, preset
+        runs[preset] = read_run(out["run"])["config"]
+    assert {c["engine"] for c in runs.values()} == {"packed"}
+    assert runs["edge0"]["preset"]["routing"] == "prerouter"
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_llamacpp_runs_the_exported_gguf_with_our_greedy_tokens(hybrid_models, family, tmp_path):
+    """export-gguf writes the tiny Qwen3-Next as llama.cpp's qwen3next and the tiny Qwen3.5-MoE (and MiniCPM-V
+    4.7's language model) as its qwen35moe (f16): stock llama.cpp generates our greedy tokens, its logits over the
+    prompt and everything generated agree with ours to f16 precision, and the GGUF imports back as the same model.
+    (f16 can flip a router choice where two experts nearly tie, and a flip lives on in the recurrent state: on
+    this random model some prompts hit one, so the prompt is fixed and the agreement is checked over the whole
+    run.)"""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")
+    from dataclasses import replace
+
     from child import in_child
     from engines.gguf_export import export_gguf
     from hybrid_fixtures import llama_greedy_and_logits
-    path, prompt = hybrid_models["qwen3_next"], TOKENS[:8]
-    gguf_path = export_gguf(HFModel(path), tmp_path / "next.gguf", "f16")
+    from workbench.models.gguf_model import GGUFModel
+    path, prompt = hybrid_models[family], TOKENS[:8]
+    gguf_path = export_gguf(HFModel(path), tmp_path / "m.gguf", "f16")
     with Session(str(path), "teacher") as s:
         mine = s.generate(prompt, tokens=16)["tokens"]
     theirs, logits = in_child(llama_greedy_and_logits, gguf_path, prompt, 16, prompt + mine[:-1])
     assert theirs == mine
     np.testing.assert_allclose(logits, ours(path, prompt + mine[:-1]), atol=3e-2, rtol=0)
-    # and back: the GGUF imports as the same model (f16 holds the bf16 weights exactly)
-    from workbench.models.gguf_model import GGUFModel
-    assert GGUFModel(gguf_path).spec == HFModel(path).spec
+    # and back: the same model (f16 holds the bf16 weights exactly). A qwen35moe GGUF is family qwen3_5_moe, and
+    # no layer is dense, so the dense width it records is unused.
+    want, got = HFModel(path).spec, GGUFModel(gguf_path).spec
+    assert got.family == {"qwen3_next": "qwen3_next"}.get(family, "qwen3_5_moe")
+    assert replace(got, family=want.family, dense_intermediate_size=want.dense_intermediate_size) == want
     np.testing.assert_allclose(ours(gguf_path, prompt + mine[:-1]), ours(path, prompt + mine[:-1]), atol=ATOL, rtol=0)
 
 
-def test_gguf_of_the_rest_of_the_family_is_refused_in_one_line(hybrid_models, tmp_path):
-    """Qwen3.5-MoE does not export, and a qwen35moe GGUF does not import yet: a clear refusal."""
+def test_qwen35moe_gguf_tiles_the_value_heads_over_the_key_heads(hybrid_models, tmp_path):
+    """llama.cpp's qwen35moe holds DeltaNet's value heads tiled over the key heads (v0 of every key head, then
+    v1 ...), Hugging Face's Qwen3.5 grouped by key head: the export reorders them and the import puts them back."""
     import gguf
 
     from engines.gguf_export import export_gguf
     from workbench.models.gguf_model import GGUFModel
-    with pytest.raises(WorkbenchError, match="cannot export to GGUF: family 'qwen3_5_moe"):
-        export_gguf(HFModel(hybrid_models["qwen3_5_moe"]), tmp_path / "q35.gguf")
-    assert not (tmp_path / "q35.gguf").exists()
-    w = gguf.GGUFWriter(str(tmp_path / "q35.gguf"), "qwen35moe")
+    path = hybrid_models["qwen3_5_moe"]
+    gguf_path = export_gguf(HFModel(path), tmp_path / "q35.gguf", "f16")
+    z = HFModel(path).tensor("layers.0.lin_z").reshape(2, 2, 8, -1)        # (key head, value head in it, dv, d)
+    written = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}["blk.0.attn_gate.weight"]
+    np.testing.assert_array_equal(np.asarray(written.data, np.float32).reshape(2, 2, 8, -1), z.swapaxes(0, 1))
+    g = GGUFModel(gguf_path)
+    for name in ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_dt_bias", "lin_out"):
+        np.testing.assert_array_equal(g.tensor(f"layers.0.{name}"), HFModel(path).tensor(f"layers.0.{name}"), name)
+
+
+def test_a_gguf_of_an_architecture_without_experts_is_refused_in_one_line(tmp_path):
+    """llama.cpp's qwen35 (the dense Qwen3.5) has no experts to stream: a clear refusal."""
+    import gguf
+
+    from workbench.models.gguf_model import GGUFModel
+    w = gguf.GGUFWriter(str(tmp_path / "q35.gguf"), "qwen35")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     w.close()
-    with pytest.raises(WorkbenchError, match="GGUF architecture 'qwen35moe' is not a supported MoE family"):
+    with pytest.raises(WorkbenchError, match="GGUF architecture 'qwen35' is not a supported MoE family"):
         GGUFModel(tmp_path / "q35.gguf")
 
 

@@ -107,3 +107,22 @@ def test_expert_reads_leave_no_cyclic_garbage(pack):
             gc.garbage.clear()
             gc.enable()
     assert futures == []
+
+
+def test_the_guard_applies_to_the_engines_that_hold_f32_dense_weights(pack, sizes, monkeypatch):
+    """The guard follows what an engine declares (engines/base.py, f32_dense), not its name: numpy and packed hold
+    the non-expert weights in f32 beside their expert cache; llama.cpp holds its own GGUF and is given only the
+    routers and norms."""
+    from engines import engine_class
+    from workbench.errors import WorkbenchError
+    from workbench.session import Session
+    assert [n for n in ("numpy", "packed", "llamacpp") if engine_class(n).f32_dense] == ["numpy", "packed"]
+    dense, _ = sizes
+    monkeypatch.setattr(memory, "available_bytes", lambda: dense // 2)
+    for engine in ("numpy", "packed"):
+        with pytest.raises(WorkbenchError, match="needs"):
+            Session(str(pack), "resident", engine=engine)
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")
+    with Session(str(pack), "resident", engine="llamacpp") as s:
+        assert all(n.endswith(("router", "norm", "router_bias")) for n in s.engine.w)
+        assert {f"layers.{i}.router" for i in s.spec.moe_layers} <= set(s.engine.w)

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from engines import default_engine, engine_class
-from engines.base import Hooks, dense_weights
+from engines.base import Hooks
 from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache
@@ -64,7 +64,7 @@ class Session:
         self.budget_text = str(budget if budget is not None else p.cache.budget)
         budget = Budget(self.budget_text)
         self.budget_bytes = budget.nbytes(self.item_bytes, self.pack.num_expert_total)
-        if cls.name in ("numpy", "packed"):     # f32 dense weights beside the engine's experts, as info counts them
+        if cls.f32_dense:
             check_fits(memory_needs(s, {n: t["shape"] for n, t in self.pack.tensors.items()}, budget, self.item_bytes),
                        f"{self.pack_path} at --budget {self.budget_text}")
         self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache.policy.value,
@@ -78,7 +78,9 @@ class Session:
         self.arena = SlotArena(self.pack, self.cache) if cls.slot_arena else None
         self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution.order.value,
                                        raw=cls.raw_experts, arena=self.arena)
-        w = {**dense_weights(self.pack), **(weights or {})}
+        if not cls.takes_hooks and (drive or deltas or p.prefetch.predictor or p.routing.router is not Router.EXACT):
+            cls.refuse_hooks()                  # before building hooks from weights such an engine is not given
+        w = {**cls.needed_weights(self.pack), **(weights or {})}
         self.drive = None
         if drive:
             if p.routing.router is not Router.EXACT or p.execution.speculative:

@@ -79,3 +79,15 @@ def split_fused_projections(spec, w: dict):
         w[p + "lin_z"] = z.reshape(-1, z.shape[-1])
         b, a = np.split(w.pop(p + "lin_ba").reshape(hk, 2 * r, -1), 2, axis=1)
         w[p + "lin_b"], w[p + "lin_a"] = b.reshape(-1, b.shape[-1]), a.reshape(-1, a.shape[-1])
+
+
+def tile_value_heads(spec, a, axis: int, dim: int, back: bool = False):
+    """Qwen3.5's value heads along `axis` (each `dim` wide) from Hugging Face's order, grouped by the key head
+    they share (k0: v0 v1, k1: v0 v1), to llama.cpp's qwen35moe order, tiled over the key heads (v0: k0 k1,
+    v1: k0 k1), which its broadcast over key heads needs; back=True is the inverse."""
+    L = spec.linear
+    hk, r = L["num_key_heads"], L["num_value_heads"] // L["num_key_heads"]
+    a = np.moveaxis(a, axis, 0)
+    groups = (r, hk) if back else (hk, r)
+    out = a.reshape(*groups, dim, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+    return np.moveaxis(out, 0, axis)

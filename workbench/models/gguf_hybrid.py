@@ -1,19 +1,25 @@
-"""llama.cpp's `qwen3next` GGUF read back into the workbench's Qwen3-Next (the inverse of
-engines/gguf_export_hybrid.py): `attn_qkv` + `attn_gate` regrouped per key head into in_proj_qkvz's layout,
-A_log = log(-ssm_a), the conv kernel as (channels, 1, K); the post-attention norm is the MoE block's input norm.
-Norms are stored as 1 + w, as the workbench holds them."""
+"""llama.cpp's `qwen3next` and `qwen35moe` GGUFs read back into the workbench's Qwen3-Next and Qwen3.5-MoE (the
+inverse of engines/gguf_export_hybrid.py). qwen3next: `attn_qkv` + `attn_gate` regrouped per key head into
+in_proj_qkvz's layout. qwen35moe: q, k, v, z, b, a apart as Qwen3.5 keeps them, every value-head axis untiled
+back to Hugging Face's grouped order (spec_hybrid.tile_value_heads). Both: A_log = log(-ssm_a), the conv kernel
+as (channels, 1, K); the post-attention norm is the MoE block's input norm. Norms are stored as 1 + w, as the
+workbench holds them. A qwen35moe GGUF imports as family qwen3_5_moe (MiniCPM-V 4.7's language model too)."""
 from __future__ import annotations
 
 import numpy as np
 
-QWEN3NEXT_BLOCK = {  # GGUF block tensor -> canonical (None: read with another tensor)
-    "post_attention_norm.weight": "mlp_norm", "attn_qkv.weight": "lin_qkvz", "attn_gate.weight": None,
-    "ssm_ba.weight": "lin_ba", "ssm_conv1d.weight": "lin_conv", "ssm_a": "lin_A_log", "ssm_dt.bias": "lin_dt_bias",
-    "ssm_norm.weight": "lin_norm", "ssm_out.weight": "lin_out",
+from workbench.spec_hybrid import tile_value_heads
+
+_COMMON = {"post_attention_norm.weight": "mlp_norm", "ssm_conv1d.weight": "lin_conv", "ssm_a": "lin_A_log",
+           "ssm_dt.bias": "lin_dt_bias", "ssm_norm.weight": "lin_norm", "ssm_out.weight": "lin_out"}
+BLOCKS = {  # GGUF block tensor -> canonical (None: read with another tensor)
+    "qwen3next": {**_COMMON, "attn_qkv.weight": "lin_qkvz", "attn_gate.weight": None, "ssm_ba.weight": "lin_ba"},
+    "qwen35moe": {**_COMMON, "attn_qkv.weight": "lin_qkv", "attn_gate.weight": "lin_z", "ssm_beta.weight": "lin_b",
+                  "ssm_alpha.weight": "lin_a"},
 }
 
 
-def qwen3next_spec(common: dict, meta, shared_ff: int):
+def hybrid_gguf_spec(common: dict, meta, shared_ff: int):
     from workbench.spec import MoESpec
     n = common["num_layers"]
     interval = int(meta("{arch}.full_attention_interval", 4))
@@ -28,22 +34,44 @@ def qwen3next_spec(common: dict, meta, shared_ff: int):
                                conv_kernel=int(meta("{arch}.ssm.conv_kernel"))))
 
 
-def qwen3next_derived(g) -> dict:
+def hybrid_derived(g) -> dict:
     """{canonical name: () -> f32 array} for the tensors that are not one GGUF tensor as it is."""
     s, out = g.spec, {}
     L = s.linear
-    hk, dk, r, dv = L["num_key_heads"], L["key_head_dim"], L["num_value_heads"] // L["num_key_heads"], L["value_head_dim"]
+    hk, dk, dv = L["num_key_heads"], L["key_head_dim"], L["value_head_dim"]
+    qk = 2 * hk * dk
+    tiled = g.arch == "qwen35moe"
+
+    def read(name):
+        return g._dequantized(g.where[name])
+
+    def grouped(a, axis, dim):
+        return tile_value_heads(s, a, axis, dim, back=True) if tiled else a
 
     def qkvz(i):
-        qkv, z = g._dequantized(g.where[f"layers.{i}.lin_qkvz"]), g._dequantized(f"blk.{i}.attn_gate.weight")
-        q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk])
-        grouped = [a.reshape(hk, -1, a.shape[-1]) for a in (q, k, v, z)]
-        return np.concatenate(grouped, 1).reshape(-1, qkv.shape[-1])
+        qkv, z = read(f"layers.{i}.lin_qkvz"), g._dequantized(f"blk.{i}.attn_gate.weight")
+        q, k, v = np.split(qkv, [hk * dk, qk])
+        parts = [a.reshape(hk, -1, a.shape[-1]) for a in (q, k, v, z)]
+        return np.concatenate(parts, 1).reshape(-1, qkv.shape[-1])
+
+    def qkv(p):
+        a = read(p + "lin_qkv")
+        return np.concatenate([a[:qk], grouped(a[qk:], 0, dv)])
+
+    def conv(p):
+        c = read(p + "lin_conv")
+        return np.concatenate([c[:qk], grouped(c[qk:], 0, dv)])[:, None, :]
 
     for i in range(s.num_layers):
         if s.is_linear(i):
             p = f"layers.{i}."
-            out[p + "lin_qkvz"] = lambda i=i: qkvz(i)
-            out[p + "lin_conv"] = lambda p=p: g._dequantized(g.where[p + "lin_conv"])[:, None, :]
-            out[p + "lin_A_log"] = lambda p=p: np.log(-g._dequantized(g.where[p + "lin_A_log"]))
+            out[p + "lin_conv"] = lambda p=p: conv(p)
+            out[p + "lin_A_log"] = lambda p=p: np.log(-grouped(read(p + "lin_A_log"), 0, 1))
+            if not tiled:
+                out[p + "lin_qkvz"] = lambda i=i: qkvz(i)
+                continue
+            out[p + "lin_qkv"] = lambda p=p: qkv(p)
+            for name, axis, dim in (("lin_z", 0, dv), ("lin_b", 0, 1), ("lin_a", 0, 1), ("lin_dt_bias", 0, 1),
+                                    ("lin_out", 1, dv)):
+                out[p + name] = lambda p=p, name=name, axis=axis, dim=dim: grouped(read(p + name), axis, dim)
     return out

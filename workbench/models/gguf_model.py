@@ -31,13 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from workbench.errors import WorkbenchError
-from workbench.models.gguf_hybrid import QWEN3NEXT_BLOCK, qwen3next_derived, qwen3next_spec
+from workbench.models.gguf_hybrid import BLOCKS as HYBRID_BLOCKS, hybrid_derived, hybrid_gguf_spec
 from workbench.spec import MoESpec, yarn_mscale
 
 PARTS = ("gate", "up", "down")
-ARCHES = ("qwen3moe", "qwen2moe", "olmoe", "llama", "dots1", "deepseek2", "qwen3next")
+ARCHES = ("qwen3moe", "qwen2moe", "olmoe", "llama", "dots1", "deepseek2", "qwen3next", "qwen35moe")
 _FAMILY = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe", "llama": "mixtral", "dots1": "dots1",
-           "qwen3next": "qwen3_next"}
+           "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe"}
 SOFTMAX, SIGMOID = 1, 2          # llama.cpp's expert_gating_func values
 
 # llama.cpp tensor names (gguf.TENSOR_NAMES) -> workbench canonical names; {i} is the block.
@@ -149,7 +149,8 @@ class GGUFModel:
                 raise WorkbenchError(f"{self.path}: truncated: tensor {t.name} ends past the end of the file")
         if self.arch not in ARCHES:
             raise WorkbenchError(f"{self.path}: GGUF architecture {self.arch!r} is not a supported MoE family "
-                                 f"(qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral), dots1, deepseek2, qwen3next)")
+                                 f"(qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral), dots1, deepseek2, qwen3next, "
+                                 f"qwen35moe)")
         self.where: dict[str, str] = {}                   # canonical -> GGUF tensor name
         self.stacked: dict[tuple[int, str], str] = {}     # (layer, gate|up|down|gate_up) -> GGUF name
         self.split: dict[tuple[int, int, str], str] = {}  # (layer, expert, part) -> GGUF name (old Mixtral)
@@ -164,9 +165,9 @@ class GGUFModel:
                 unknown.append(name)
                 continue
             i, rest = int(m[1]), m[2]
-            if self.arch == "qwen3next" and rest in QWEN3NEXT_BLOCK:
-                if QWEN3NEXT_BLOCK[rest]:
-                    self.where[f"layers.{i}.{QWEN3NEXT_BLOCK[rest]}"] = name
+            if rest in HYBRID_BLOCKS.get(self.arch, {}):
+                if HYBRID_BLOCKS[self.arch][rest]:
+                    self.where[f"layers.{i}.{HYBRID_BLOCKS[self.arch][rest]}"] = name
             elif rest in _BLOCK:
                 self.where[f"layers.{i}.{_BLOCK[rest]}"] = name
             elif rest in _STACKED:
@@ -185,7 +186,7 @@ class GGUFModel:
             raise WorkbenchError(f"{self.path}: tensor {unknown[0]} has no place in a workbench MoE model "
                                  f"({len(unknown)} such tensors)")
         self.spec = self._spec()
-        self.derived = qwen3next_derived(self) if self.arch == "qwen3next" else {}
+        self.derived = hybrid_derived(self) if self.arch in HYBRID_BLOCKS else {}
         self._derived_shapes: dict[str, list[int]] = {}     # built once for its shape, not on every plan pass
         self._check_complete()
 
@@ -247,8 +248,8 @@ class GGUFModel:
         # how llama.cpp itself runs each architecture (src/models/<arch>.cpp, build_moe_ffn arguments)
         if a == "deepseek2":
             return self._deepseek2_spec(common, ff)
-        if a == "qwen3next":
-            return qwen3next_spec(common, m, self._ne(self.where[f"layers.{moe[0]}.shared.gate"])[1])
+        if a in HYBRID_BLOCKS:
+            return hybrid_gguf_spec(common, m, self._ne(self.where[f"layers.{moe[0]}.shared.gate"])[1])
         if a == "qwen3moe":        # norm_w true, softmax, per-head q/k norm
             return MoESpec(**common, norm_topk_prob=True, qk_norm="head")
         if a == "qwen2moe":        # norm_w false, a sigmoid-gated shared expert
