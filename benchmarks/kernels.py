@@ -157,7 +157,7 @@ def bench_shape(name, d, ff, repeat, ggml, rng, top_k):
         one = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.float32))
 
         def run(offs, tok, dst, wt):
-            K.moe_layer(arena, offs, tok, dst, wt, X, Y, parts, d, ff, K.F16, K.BF16)
+            K.moe_layer(arena, offs, tok, dst, wt, X, Y, parts, d, ff, K.F16)
             return Y[dst].sum(0)
         us = median_us(lambda: run(*one), repeat)
         row("packed (numba)", kind, us, nbytes, run(*one))

@@ -52,7 +52,7 @@ class PackedExperts:
             self.in_batch[es] = True
             pairs = np.flatnonzero(self.in_batch[flat])
             K.moe_layer(block, self.slot_of[flat[pairs]], pairs // k, pairs, w[pairs], X, Y, self.parts,
-                        self.d, self.ff, K.F16, K.BF16)
+                        self.d, self.ff, K.F16)
         return compute
 
     def combine(self, needed):
