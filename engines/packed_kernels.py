@@ -173,3 +173,58 @@ def matvec(buf: np.ndarray, shape, kind: str, x: np.ndarray) -> np.ndarray:
     qmv(np.ascontiguousarray(buf).view(np.uint8).reshape(-1), 0, rows, cols, BITS[kind], xp, xs, y, F16,
         np.empty(cols, np.uint32))
     return y
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def _head_norm_rope(a, w, eps, cos, sin, norm):
+    """One head in place: RMSNorm with weight w (when norm), then rotate-half RoPE on its first len(cos) dims."""
+    hd, rd = a.shape[0], cos.shape[0]
+    if norm:
+        ss = np.float32(0.0)
+        for j in range(hd):
+            ss += a[j] * a[j]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(hd) + eps)
+        for j in range(hd):
+            a[j] = w[j] * (a[j] * r)
+    h = rd // 2
+    for j in range(h):
+        lo, hi = a[j], a[j + h]
+        a[j] = lo * cos[j] - hi * sin[j]
+        a[j + h] = hi * cos[j + h] + lo * sin[j + h]
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def decode_attention(q, k, v, q_norm, k_norm, eps, norm, cos, sin, K, V, pos, scale, y):
+    """One token's grouped-query attention after its q/k/v projections: per-head RMSNorm (Qwen3's qk-norm, when
+    norm) and RoPE on q and k, k and v appended to the KV cache K, V (kv heads, capacity, head dim) at `pos`, then
+    softmax(q K^T * scale) V over the pos + 1 keys. q: (heads, hd), k, v: (kv heads, hd); y: (heads, hd)."""
+    H, hd = q.shape
+    Hk = k.shape[0]
+    rep = H // Hk
+    for g in range(Hk):
+        _head_norm_rope(k[g], k_norm, eps, cos, sin, norm)
+        K[g, pos] = k[g]
+        V[g, pos] = v[g]
+    S = pos + 1
+    att = np.empty(S, np.float32)
+    for hh in range(H):
+        a = q[hh]
+        _head_norm_rope(a, q_norm, eps, cos, sin, norm)
+        Kg, Vg = K[hh // rep], V[hh // rep]
+        m = -np.inf
+        for s in range(S):
+            dot = np.float32(0.0)
+            for j in range(hd):
+                dot += a[j] * Kg[s, j]
+            att[s] = dot * scale
+            m = max(m, att[s])
+        tot = np.float32(0.0)
+        for s in range(S):
+            att[s] = np.exp(att[s] - m)
+            tot += att[s]
+        for j in range(hd):
+            y[hh, j] = 0.0
+        for s in range(S):
+            p = att[s] / tot
+            for j in range(hd):
+                y[hh, j] += p * Vg[s, j]
