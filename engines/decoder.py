@@ -129,8 +129,9 @@ class Decoder(GatedDeltaNet, Engine):
     # ------------------------------------------------------------ blocks
 
     def rms_norm(self, x, w):
-        x32 = x.astype(self.xp.float32)
-        return w * (x32 / self.xp.sqrt(self.xp.mean(x32 * x32, axis=-1, keepdims=True) + self.spec.rms_norm_eps))
+        x32 = x.astype(self.xp.float32)     # sum / n: np.mean's bits without its Python overhead (~3 us a call)
+        ms = (x32 * x32).sum(axis=-1, keepdims=True) / x32.shape[-1]
+        return w * (x32 / self.xp.sqrt(ms + self.spec.rms_norm_eps))
 
     def silu(self, x):
         return x / (1.0 + self.xp.exp(-x))

@@ -13,7 +13,9 @@ same bytes.
 
 Numerics: the kernels compute scale * (codes . x) + bias * sum(x) per group of 64 in float32, where the
 numpy reference dequantizes first and multiplies in BLAS: the two agree to float32 rounding (the tests state
-the tolerance). Non-expert weights are computed as the numpy engine computes them (f32, dequantized at load).
+the tolerance). Non-expert weights are computed as the numpy engine computes them (f32, dequantized at load):
+at the demo's shapes f32 BLAS is faster than the packed kernels on q4/q8 copies (results/kernels.md). A decoded
+token's attention, after its projections, is one kernel call (K.decode_attention) where the family allows.
 """
 from __future__ import annotations
 

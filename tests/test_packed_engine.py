@@ -53,6 +53,27 @@ def test_every_family_matches_numpy(tiny_models, family):
         np.testing.assert_allclose(out, ref, atol=ATOL, rtol=0, err_msg=f"{family} {preset}")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_attention_kernel_is_the_decoders(tiny_models, family):
+    """A decoded token's attention in one kernel call (families with per-head or no qk-norm; OLMoE's full qk-norm
+    and latent attention keep the decoder's numpy) gives the decoder's output and KV cache, to float32 rounding."""
+    from engines.decoder import Decoder
+    with Session(str(tiny_models[family]), "resident", engine="packed") as s:
+        e = s.engine
+        assert e.fused_attention == (family in ("qwen3_moe", "qwen2_moe", "mixtral", "dots1"))
+        e.reset()
+        s.step(TOKENS[:SPLIT], "prefill")
+        x = np.random.default_rng(0).standard_normal((1, e.spec.hidden_size)).astype(np.float32)
+        for i in range(e.spec.num_layers):
+            saved = [a.copy() for a in e.kv[i]]
+            out, kv = e.attention(i, x), [a[:, :e.pos + 1].copy() for a in e.kv[i]]
+            e.kv[i] = saved
+            ref = Decoder.attention(e, i, x)
+            np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+            for a, b in zip(kv, e.kv[i]):
+                np.testing.assert_allclose(a, b[:, :e.pos + 1], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("experts,rest,layout", [("q2", "q4", "contiguous"), ("q3", "q4", "native"),
                                                  ("q4", "q8", "native"), ("q8", "q4", "contiguous"),
                                                  ("bf16", "bf16", "contiguous")])
