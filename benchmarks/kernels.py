@@ -259,6 +259,63 @@ def bench_dense(repeat, rng):
     return rows
 
 
+SPLIT_NOTE = ("Each part timed alone, repeatedly, in a resident session that has decoded a few tokens (min and median "
+              "us; x count per token). The min is the part's cost without the other jobs on the machine; the parts do "
+              "not add up exactly to the step (Python glue between them, and caches: alone, a part's weights stay hot).")
+
+
+def token_split(repeat) -> list[tuple[str, int, float, float]]:
+    """Where a resident decode token of the demo goes on the packed engine (SPLIT_NOTE)."""
+    from engines import packed_kernels as K
+    from engines.decoder import Decoder
+    from workbench.routing import route
+    from workbench.session import Session
+
+    def t(fn, n=repeat):
+        for _ in range(10):
+            fn()
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return float(np.min(ts)) * 1e6, float(np.median(ts)) * 1e6
+    with Session("demo", "resident", engine="packed") as s:
+        e, sp = s.engine, s.spec
+        e.reset()
+        s.step([3, 17, 42, 99], "prefill")
+        for tok in range(8):
+            s.step([5 + tok], "decode")
+        x = np.random.default_rng(0).standard_normal((1, sp.hidden_size)).astype(np.float32)
+        W, L, nm = e.W, sp.num_layers, len(sp.moe_layers)
+
+        def step():
+            s.step([5], "decode")
+            e.pos -= 1                          # the same position every time: the KV cache does not grow
+        idx = np.array([[1, 5, 9, 20]])[:, :sp.top_k]
+        offs = np.array([s.cache.peek((sp.moe_layers[0], int(j))) for j in idx[0]])
+        Y = np.empty((sp.top_k, sp.hidden_size), np.float32)
+        kernel = (e.streamer.arena.blocks[sp.moe_layers[0]], offs, np.zeros(sp.top_k, np.int64),
+                  np.arange(sp.top_k), np.full(sp.top_k, 1 / sp.top_k, np.float32), x, Y, e.experts.parts,
+                  sp.hidden_size, sp.moe_intermediate_size, K.F16)
+        lg = x @ W(f"layers.{sp.moe_layers[0]}.router").T
+        rows = [("whole decode step", 1, *t(step)),
+                ("MoE block: route, streamer, experts, combine", nm, *t(lambda: e.moe(sp.moe_layers[0], x, x, "decode"))),
+                ("  of which the experts: one moe_layer call (top-k)", nm, *t(lambda: K.moe_layer(*kernel))),
+                ("  of which route()", nm, *t(lambda: route(sp, lg))),
+                ("attention (kernel after the projections)", L, *t(lambda: e.attention(0, x))),
+                ("attention (the decoder's numpy, for comparison)", 0, *t(lambda: Decoder.attention(e, 0, x))),
+                ("rms_norm", 2 * L + 1, *t(lambda: e.rms_norm(x, W("norm")))),
+                ("lm_head (f32 BLAS)", 1, *t(lambda: x @ W("lm_head").T))]
+    return rows
+
+
+def split_table(rows) -> str:
+    out = ["| part | x per token | min us | median us | min us per token |", "|---|---:|---:|---:|---:|"]
+    out += [f"| {name} | {n} | {lo:.1f} | {med:.1f} | {n * lo:.0f} |" for name, n, lo, med in rows]
+    return "\n".join(out)
+
+
 def dense_table(rows) -> str:
     out = ["| matrix | shape | kernel | format | bytes | us / token |", "|---|---|---|---|---:|---:|"]
     out += [f"| {r['matrix']} | {r['shape'][0]}x{r['shape'][1]} | {r['kernel']} | {r['format']} | {r['bytes']:,} | "
@@ -333,13 +390,17 @@ def main(argv=None):
     for name, (d, ff) in SHAPES.items():
         rows += bench_shape(name, d, ff, a.repeat, ggml, rng, top_k=4 if name == "demo" else 8)
     dense = bench_dense(a.repeat, rng)
+    split = token_split(a.repeat)
     command = f"python benchmarks/kernels.py --repeat {a.repeat}"
-    res = {"command": command, "rows": rows, "dense": dense, "ggml": ggml is not None, "load": os.getloadavg()}
+    res = {"command": command, "rows": rows, "dense": dense, "token_split": split, "ggml": ggml is not None,
+           "load": os.getloadavg()}
     atomic_write(a.out / "kernels.json", json.dumps(res, indent=1) + "\n")
     md = "\n".join([f"# Kernels: time per expert, one thread\n\n`{command}`\n",
                     f"Shared machine, load average {res['load'][0]:.1f} while measuring (2 cores, other engineers' jobs "
                     f"running): absolute times are inflated; kernels were timed interleaved in one process.\n",
                     table(rows), "", decision(rows), "",
+                    "## Where a resident decode token goes (demo, packed engine)\n", SPLIT_NOTE, "",
+                    split_table(split), "",
                     "## Non-expert weights (demo, one token)\n", dense_table(dense), "", dense_decision(dense), ""])
     atomic_write(a.out / "kernels.md", md)
     print(md)

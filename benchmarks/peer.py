@@ -51,7 +51,8 @@ def main(argv=None):
         lo, hi = min(r["ratios_by_round"]), max(r["ratios_by_round"])
         lines.append(f"| {r['peer']} | {r['ratio']:.2f} | {lo:.2f}-{hi:.2f} | {TARGET} | "
                      f"{'yes' if r['ratio'] >= TARGET else 'no'} |")
-    md = res.pop("markdown").replace("`python -m workbench bench-peer", "\n".join(lines) + "\n\n`python -m workbench bench-peer", 1)
+    head = "`python -m workbench bench-peer"
+    md = res.pop("markdown").replace(head, "\n".join(lines) + "\n\n" + head, 1)
     atomic_write(a.out / "peer.json", json.dumps(res, indent=1, default=str) + "\n")
     atomic_write(a.out / "peer.md", md)
     print(md)

@@ -47,12 +47,16 @@ class PackedExperts:
         X = np.ascontiguousarray(x, dtype=np.float32)
         self.Y = Y = np.empty((T * k, self.d), np.float32)
         block = self.arena.blocks[i]
+        n_routed = len(set(flat.tolist()))
 
         def compute(es, offsets):
             self.slot_of[es] = offsets
-            self.in_batch[:] = False
-            self.in_batch[es] = True
-            pairs = np.flatnonzero(self.in_batch[flat])
+            if len(es) == n_routed:             # the whole layer in one batch (resident, or all of it cached)
+                pairs = np.arange(T * k)
+            else:
+                self.in_batch[:] = False
+                self.in_batch[es] = True
+                pairs = np.flatnonzero(self.in_batch[flat])
             K.moe_layer(block, self.slot_of[flat[pairs]], pairs // k, pairs, w[pairs], X, Y, self.parts,
                         self.d, self.ff, K.F16)
         return compute
