@@ -38,7 +38,7 @@ GGML_TYPES = {"f32": 0, "q4_0": 2, "q4_1": 3, "q8_0": 8, "q2_K": 10, "q3_K": 11,
 PACK_KINDS = ("q2", "q3", "q4", "q8", "bf16")
 
 
-def median_us(fn, repeat: int) -> float:
+def timings_us(fn, repeat: int) -> np.ndarray:
     for _ in range(max(3, repeat // 10)):
         fn()
     ts = []
@@ -46,7 +46,11 @@ def median_us(fn, repeat: int) -> float:
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) * 1e6
+    return np.array(ts) * 1e6
+
+
+def median_us(fn, repeat: int) -> float:
+    return float(np.median(timings_us(fn, repeat)))
 
 
 # ---------------------------------------------------------------- ggml through ctypes
@@ -271,15 +275,9 @@ def token_split(repeat) -> list[tuple[str, int, float, float]]:
     from workbench.routing import route
     from workbench.session import Session
 
-    def t(fn, n=repeat):
-        for _ in range(10):
-            fn()
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return float(np.min(ts)) * 1e6, float(np.median(ts)) * 1e6
+    def t(fn):
+        ts = timings_us(fn, repeat)
+        return float(ts.min()), float(np.median(ts))
     with Session("demo", "resident", engine="packed") as s:
         e, sp = s.engine, s.spec
         e.reset()
