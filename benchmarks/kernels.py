@@ -289,7 +289,7 @@ def token_split(repeat) -> list[tuple[str, int, float, float]]:
 
         def step():
             s.step([5], "decode")
-            e.pos -= 1                          # the same position every time: the KV cache does not grow
+            e.truncate(e.pos - 1)               # the same position every time: the KV cache does not grow
         idx = np.array([[1, 5, 9, 20]])[:, :sp.top_k]
         offs = np.array([s.cache.peek((sp.moe_layers[0], int(j))) for j in idx[0]])
         Y = np.empty((sp.top_k, sp.hidden_size), np.float32)
