@@ -1,9 +1,9 @@
 """Compiled kernels (numba) that compute straight from the pack's encoded bytes: MLX's affine group-64
 q2/q3/q4/q8 (codes, then float16 scales, then float16 biases; workbench/store/quant.py) and bf16.
 
-No kernel library covers this layout on the CPU (ggml's q4_1 is affine but in 32-blocks with scale and min
-interleaved per block and nibbles in another order; MLX's own CPU gather_qmm is the exact format but slow here:
-results/kernels.md). So these are hand-written, and small: per group of 64 inputs,
+No kernel library computes this layout exactly on the CPU: ggml's q4_1 takes the q4 bytes rearranged, but
+quantizes the activations to q8_1 (about 1e-2 off the exact result); MLX's own CPU gather_qmm is the exact format
+but slow here (results/kernels.md). So these are hand-written, and small: per group of 64 inputs,
     y[o] += scale[o, g] * sum_j q[o, g, j] x[g, j]  +  bias[o, g] * sum_j x[g, j]
 (the affine form, so the codes are never turned into floats beside the dot product). float16 scales and biases
 are looked up in a 65536-entry float32 table (exact); a bf16 value is its bits shifted into a float32's high half.
@@ -12,7 +12,8 @@ bytes (_phases), and each group's codes are sliced before the loop, so LLVM vect
 
 `moe_layer` runs (token, expert) pairs a layer routed, gathered from their slots of a slot arena, in one call:
 gate and up, silu * up, down, times the routing weight, each pair's result into its own row of `Y`, so the
-caller sums them in a fixed order whatever order the experts arrived in.
+caller sums them in a fixed order whatever order the experts arrived in. `decode_attention` is a decoded
+token's attention after its projections (engines/packed_engine.py).
 """
 from __future__ import annotations
 
