@@ -109,23 +109,29 @@ class Decoder(GatedDeltaNet, Engine):
         self.pos = 0
         self.reset_linear()
 
-    def kv_append(self, i: int, k, v):
+    def kv_room(self, i: int, end: int):
+        """Layer i's KV buffers, grown (doubling) to hold `end` positions."""
         K, V = self.kv[i]
-        end = self.pos + k.shape[1]
         if end > K.shape[1]:
             grow = max(end, 2 * K.shape[1])
             K2, V2 = (self.xp.zeros((a.shape[0], grow, a.shape[2]), dtype=self.xp.float32) for a in (K, V))
             K2[:, :self.pos], V2[:, :self.pos] = K[:, :self.pos], V[:, :self.pos]
             K, V = K2, V2
             self.kv[i] = [K, V]
+        return K, V
+
+    def kv_append(self, i: int, k, v):
+        end = self.pos + k.shape[1]
+        K, V = self.kv_room(i, end)
         K[:, self.pos:end], V[:, self.pos:end] = k, v
         return K[:, :end], V[:, :end]
 
     # ------------------------------------------------------------ blocks
 
     def rms_norm(self, x, w):
-        x32 = x.astype(self.xp.float32)
-        return w * (x32 / self.xp.sqrt(self.xp.mean(x32 * x32, axis=-1, keepdims=True) + self.spec.rms_norm_eps))
+        x32 = x.astype(self.xp.float32)     # sum / n: np.mean's bits without its Python overhead (~3 us a call)
+        ms = (x32 * x32).sum(axis=-1, keepdims=True) / x32.shape[-1]
+        return w * (x32 / self.xp.sqrt(ms + self.spec.rms_norm_eps))
 
     def silu(self, x):
         return x / (1.0 + self.xp.exp(-x))

@@ -13,7 +13,9 @@ same bytes.
 
 Numerics: the kernels compute scale * (codes . x) + bias * sum(x) per group of 64 in float32, where the
 numpy reference dequantizes first and multiplies in BLAS: the two agree to float32 rounding (the tests state
-the tolerance). Non-expert weights are computed as the numpy engine computes them (f32, dequantized at load).
+the tolerance). Non-expert weights are computed as the numpy engine computes them (f32, dequantized at load):
+at the demo's shapes f32 BLAS is faster than the packed kernels on q4/q8 copies (results/kernels.md). A decoded
+token's attention, after its projections, is one kernel call (K.decode_attention) where the family allows.
 """
 from __future__ import annotations
 
@@ -45,14 +47,18 @@ class PackedExperts:
         X = np.ascontiguousarray(x, dtype=np.float32)
         self.Y = Y = np.empty((T * k, self.d), np.float32)
         block = self.arena.blocks[i]
+        n_routed = len(set(flat.tolist()))
 
         def compute(es, offsets):
             self.slot_of[es] = offsets
-            self.in_batch[:] = False
-            self.in_batch[es] = True
-            pairs = np.flatnonzero(self.in_batch[flat])
+            if len(es) == n_routed:             # the whole layer in one batch (resident, or all of it cached)
+                pairs = np.arange(T * k)
+            else:
+                self.in_batch[:] = False
+                self.in_batch[es] = True
+                pairs = np.flatnonzero(self.in_batch[flat])
             K.moe_layer(block, self.slot_of[flat[pairs]], pairs // k, pairs, w[pairs], X, Y, self.parts,
-                        self.d, self.ff, K.F16, K.BF16)
+                        self.d, self.ff, K.F16)
         return compute
 
     def combine(self, needed):
@@ -84,5 +90,27 @@ class PackedEngine(Decoder):
         if streamer.arena is None:
             raise ValueError("--engine packed computes from slots: its streamer must be given the cache's slot arena")
         threadpool_limits(limits=1, user_api="blas")
+        sp = pack.spec        # the attention K.decode_attention computes in one call (else the decoder's numpy)
+        self.fused_attention = (sp.attention != "mla" and sp.qk_norm in ("none", "head") and sp.clip_qkv is None
+                                and not sp.attn_output_gate and not self.deltas)
         self.setup(dense_weights(pack) if weights is None else weights, max_context,
                    PackedExperts(self, pack, streamer.arena))
+
+    def attention(self, i: int, x):
+        """A decoded token's attention: projections in BLAS, the rest (qk-norm, RoPE, KV append, softmax, the
+        weighted values) in one kernel call instead of some twenty small numpy operations."""
+        s = self.spec
+        if not self.fused_attention or x.shape[0] != 1 or s.is_linear(i):
+            return super().attention(i, x)
+        W, p, hd = self.W, f"layers.{i}.", s.head_dim
+        q, k, v = x @ W(p + "q").T, x @ W(p + "k").T, x @ W(p + "v").T
+        if s.attention_bias:
+            q, k, v = q + W(p + "q_bias"), k + W(p + "k_bias"), v + W(p + "v_bias")
+        norm = s.qk_norm == "head"
+        q_norm, k_norm = (W(p + "q_norm"), W(p + "k_norm")) if norm else (self.cos[0], self.cos[0])   # unread
+        Kc, Vc = self.kv_room(i, self.pos + 1)
+        y = np.empty((s.num_heads, hd), np.float32)
+        K.decode_attention(q.reshape(s.num_heads, hd), k.reshape(s.num_kv_heads, hd), v.reshape(s.num_kv_heads, hd),
+                           q_norm, k_norm, np.float32(s.rms_norm_eps), norm, self.cos[self.pos], self.sin[self.pos],
+                           Kc, Vc, self.pos, np.float32(1.0 / np.sqrt(hd)), y)
+        return y.reshape(1, -1) @ W(p + "o").T

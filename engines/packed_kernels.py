@@ -1,16 +1,19 @@
 """Compiled kernels (numba) that compute straight from the pack's encoded bytes: MLX's affine group-64
 q2/q3/q4/q8 (codes, then float16 scales, then float16 biases; workbench/store/quant.py) and bf16.
 
-No kernel library covers this layout on the CPU (ggml's q4_1 is affine but in 32-blocks with scale and min
-interleaved per block and nibbles in another order; MLX's own CPU gather_qmm is the exact format but slow here:
-results/kernels.md). So these are hand-written, and small: per group of 64 inputs,
+No kernel library computes this layout exactly on the CPU: ggml's q4_1 takes the q4 bytes rearranged, but
+quantizes the activations to q8_1 (about 1e-2 off the exact result); MLX's own CPU gather_qmm is the exact format
+but slow here (results/kernels.md). So these are hand-written, and small: per group of 64 inputs,
     y[o] += scale[o, g] * sum_j q[o, g, j] x[g, j]  +  bias[o, g] * sum_j x[g, j]
-(the affine form, so the codes are never turned into floats beside the dot product). float16 and bf16 values
-are looked up in 65536-entry float32 tables: exact, and cheaper than converting bit fields in the loop.
+(the affine form, so the codes are never turned into floats beside the dot product). float16 scales and biases
+are looked up in a 65536-entry float32 table (exact); a bf16 value is its bits shifted into a float32's high half.
+What makes them fast (results/kernels.md): x is reordered once per call to the order the codes lie in their
+bytes (_phases), and each group's codes are sliced before the loop, so LLVM vectorizes unpack and dot product.
 
 `moe_layer` runs (token, expert) pairs a layer routed, gathered from their slots of a slot arena, in one call:
 gate and up, silu * up, down, times the routing weight, each pair's result into its own row of `Y`, so the
-caller sums them in a fixed order whatever order the experts arrived in.
+caller sums them in a fixed order whatever order the experts arrived in. `decode_attention` is a decoded
+token's attention after its projections (engines/packed_engine.py).
 """
 from __future__ import annotations
 
@@ -21,7 +24,6 @@ from workbench.store import quant
 
 GROUP = quant.GROUP
 F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-BF16 = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
 BITS = {"q2": 2, "q3": 3, "q4": 4, "q8": 8, "bf16": 16}
 
 
@@ -29,87 +31,124 @@ def part_nbytes(shape, kind: str) -> int:
     return quant.encoded_nbytes(tuple(shape), kind)
 
 
+PHASES = {2: 4, 3: 8, 4: 2, 8: 1, 16: 1}     # codes a byte (3 bits: a 3-byte word) holds, one per phase
+
+
 @njit(cache=True, fastmath=True, nogil=True)
-def _group_sums(x, out):
-    for g in range(out.shape[0]):
+def _phases(x, bits, xp, xs):
+    """x in the order the codes lie in their bytes, per group of 64: phase-major (q4: the 32 inputs of the low
+    nibbles, then the 32 of the high ones), so each phase's inner loop reads codes and x contiguously and
+    vectorizes; and each group's sum of x (the bias term). bf16 rows are not grouped: x is copied as it is."""
+    if bits == 16:
+        xp[:] = x
+        return
+    nph = 8 if bits == 3 else 8 // bits
+    step = GROUP // nph
+    for g in range(xs.shape[0]):
         s = np.float32(0.0)
         for j in range(GROUP):
             s += x[g * GROUP + j]
-        out[g] = s
+        xs[g] = s
+        for c in range(nph):
+            for k in range(step):
+                xp[g * GROUP + c * step + k] = x[g * GROUP + k * nph + c]
+
+
+def _affine_kernel(bits: int):
+    """The affine group-64 matrix at buf[off:] times x, for one code width: each group's codes and inputs are
+    sliced before the inner loop (no index arithmetic in it) and the width is fixed, so LLVM vectorizes the
+    unpack and the dot product."""
+    gb = GROUP * bits // 8                      # bytes of one group's codes
+
+    @njit(cache=True, fastmath=True, nogil=True)
+    def kernel(buf, off, rows, cols, xp, xs, y, f16):
+        groups = cols // GROUP
+        sc = off + rows * groups * gb           # float16 scales, then biases, (rows, groups) each
+        bi = sc + 2 * rows * groups
+        for o in range(rows):
+            acc = np.float32(0.0)
+            for g in range(groups):
+                c = buf[off + (o * groups + g) * gb: off + (o * groups + g + 1) * gb]
+                xg = xp[g * GROUP: (g + 1) * GROUP]
+                dot = np.float32(0.0)
+                if bits == 4:
+                    for k in range(32):
+                        dot += np.float32(c[k] & np.uint8(15)) * xg[k] + np.float32(c[k] >> np.uint8(4)) * xg[32 + k]
+                elif bits == 8:
+                    for k in range(64):
+                        dot += np.float32(c[k]) * xg[k]
+                elif bits == 2:
+                    for k in range(16):
+                        dot += (np.float32(c[k] & np.uint8(3)) * xg[k]
+                                + np.float32((c[k] >> np.uint8(2)) & np.uint8(3)) * xg[16 + k]
+                                + np.float32((c[k] >> np.uint8(4)) & np.uint8(3)) * xg[32 + k]
+                                + np.float32(c[k] >> np.uint8(6)) * xg[48 + k])
+                else:                           # 3 bits: 8 codes in each 3-byte little-endian word
+                    for k in range(8):
+                        w = (np.uint32(c[3 * k]) | (np.uint32(c[3 * k + 1]) << np.uint32(8))
+                             | (np.uint32(c[3 * k + 2]) << np.uint32(16)))
+                        for q in range(8):
+                            dot += np.float32((w >> np.uint32(3 * q)) & np.uint32(7)) * xg[8 * q + k]
+                i = 2 * (o * groups + g)
+                s = f16[np.uint32(buf[sc + i]) | (np.uint32(buf[sc + i + 1]) << np.uint32(8))]
+                b = f16[np.uint32(buf[bi + i]) | (np.uint32(buf[bi + i + 1]) << np.uint32(8))]
+                acc += s * dot + b * xs[g]
+            y[o] = acc
+    return kernel
+
+
+_q2, _q3, _q4, _q8 = (_affine_kernel(b) for b in (2, 3, 4, 8))
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def qmv(buf, off, rows, cols, bits, x, xs, y, f16, bf16):
+def qmv(buf, off, rows, cols, bits, xp, xs, y, f16, words):
     """y[:rows] = W x for the matrix encoded at buf[off:] (affine group-64 at `bits`, or bf16 when bits == 16);
-    xs holds x's group sums."""
-    if bits == 16:
-        for o in range(rows):
-            base = off + 2 * o * cols
-            acc = np.float32(0.0)
-            for j in range(cols):
-                acc += bf16[buf[base + 2 * j] | (np.uint32(buf[base + 2 * j + 1]) << 8)] * x[j]
-            y[o] = acc
+    xp, xs: x in phase order and its group sums (_phases). words: uint32 scratch of `cols` (bf16 rows widened
+    to float32 bit patterns, then read as float32)."""
+    if bits == 4:
+        _q4(buf, off, rows, cols, xp, xs, y, f16)
+    elif bits == 8:
+        _q8(buf, off, rows, cols, xp, xs, y, f16)
+    elif bits == 3:
+        _q3(buf, off, rows, cols, xp, xs, y, f16)
+    elif bits == 2:
+        _q2(buf, off, rows, cols, xp, xs, y, f16)
+    if bits != 16:
         return
-    groups = cols // GROUP
-    row_bytes = cols * bits // 8
-    sc = off + rows * row_bytes                 # float16 scales, then biases, (rows, groups) each
-    bi = sc + 2 * rows * groups
+    wf = words.view(np.float32)
     for o in range(rows):
+        row = buf[off + 2 * o * cols: off + 2 * (o + 1) * cols]
+        for j in range(cols):
+            words[j] = (np.uint32(row[2 * j]) << np.uint32(16)) | (np.uint32(row[2 * j + 1]) << np.uint32(24))
         acc = np.float32(0.0)
-        r = off + o * row_bytes
-        for g in range(groups):
-            dot = np.float32(0.0)
-            xg = g * GROUP
-            if bits == 4:
-                b0 = r + g * 32
-                for k in range(32):
-                    b = buf[b0 + k]
-                    dot += np.float32(b & 15) * x[xg + 2 * k] + np.float32(b >> 4) * x[xg + 2 * k + 1]
-            elif bits == 8:
-                b0 = r + g * 64
-                for k in range(64):
-                    dot += np.float32(buf[b0 + k]) * x[xg + k]
-            elif bits == 2:
-                b0 = r + g * 16
-                for k in range(16):
-                    b = buf[b0 + k]
-                    dot += (np.float32(b & 3) * x[xg + 4 * k] + np.float32((b >> 2) & 3) * x[xg + 4 * k + 1]
-                            + np.float32((b >> 4) & 3) * x[xg + 4 * k + 2] + np.float32(b >> 6) * x[xg + 4 * k + 3])
-            else:                               # 3 bits: 8 codes in each 3-byte little-endian word
-                b0 = r + g * 24
-                for k in range(8):
-                    w = (np.uint32(buf[b0 + 3 * k]) | (np.uint32(buf[b0 + 3 * k + 1]) << 8)
-                         | (np.uint32(buf[b0 + 3 * k + 2]) << 16))
-                    for c in range(8):
-                        dot += np.float32((w >> (3 * c)) & 7) * x[xg + 8 * k + c]
-            i = 2 * (o * groups + g)
-            s = f16[buf[sc + i] | (np.uint32(buf[sc + i + 1]) << 8)]
-            b = f16[buf[bi + i] | (np.uint32(buf[bi + i + 1]) << 8)]
-            acc += s * dot + b * xs[g]
+        for j in range(cols):
+            acc += wf[j] * xp[j]
         y[o] = acc
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def moe_layer(arena, slot_off, tok, dst, weight, X, Y, parts, d, ff, f16, bf16):
+def moe_layer(arena, slot_off, tok, dst, weight, X, Y, parts, d, ff, f16):
     """For each pair p: Y[dst[p]] = weight[p] * down(silu(gate x) * up x), x = X[tok[p]], the expert's bytes at
     arena[slot_off[p]:]. parts: (3, 2) int64 of (byte offset in the slot, bits) for gate, up, down."""
     g = np.empty(ff, np.float32)
     u = np.empty(ff, np.float32)
     y = np.empty(d, np.float32)
+    xp = np.empty(d, np.float32)
+    hp = np.empty(ff, np.float32)
     xs = np.empty(max(d // GROUP, 1), np.float32)
     hs = np.empty(max(ff // GROUP, 1), np.float32)
+    words = np.empty(max(d, ff), np.uint32)
     for p in range(slot_off.shape[0]):
-        x = X[tok[p]]
         base = slot_off[p]
-        if parts[0, 1] != 16 or parts[1, 1] != 16:
-            _group_sums(x, xs)
-        qmv(arena, base + parts[0, 0], ff, d, parts[0, 1], x, xs, g, f16, bf16)
-        qmv(arena, base + parts[1, 0], ff, d, parts[1, 1], x, xs, u, f16, bf16)
+        _phases(X[tok[p]], parts[0, 1], xp, xs)
+        qmv(arena, base + parts[0, 0], ff, d, parts[0, 1], xp, xs, g, f16, words)
+        if parts[1, 1] != parts[0, 1]:
+            _phases(X[tok[p]], parts[1, 1], xp, xs)
+        qmv(arena, base + parts[1, 0], ff, d, parts[1, 1], xp, xs, u, f16, words)
         for j in range(ff):
             g[j] = g[j] / (np.float32(1.0) + np.exp(-g[j])) * u[j]
-        if parts[2, 1] != 16:
-            _group_sums(g, hs)
-        qmv(arena, base + parts[2, 0], d, ff, parts[2, 1], g, hs, y, f16, bf16)
+        _phases(g, parts[2, 1], hp, hs)
+        qmv(arena, base + parts[2, 0], d, ff, parts[2, 1], hp, hs, y, f16, words)
         w = weight[p]
         r = dst[p]
         for j in range(d):
@@ -129,9 +168,64 @@ def matvec(buf: np.ndarray, shape, kind: str, x: np.ndarray) -> np.ndarray:
     """W x for one encoded matrix (rows, cols) = shape; x (cols,) float32. For tests and the kernel benchmark."""
     rows, cols = shape
     x = np.ascontiguousarray(x, dtype=np.float32)
-    xs = np.empty(max(cols // GROUP, 1), np.float32)
-    if kind != "bf16":
-        _group_sums(x, xs)
+    xp, xs = np.empty(cols, np.float32), np.empty(max(cols // GROUP, 1), np.float32)
+    _phases(x, BITS[kind], xp, xs)
     y = np.empty(rows, np.float32)
-    qmv(np.ascontiguousarray(buf).view(np.uint8).reshape(-1), 0, rows, cols, BITS[kind], x, xs, y, F16, BF16)
+    qmv(np.ascontiguousarray(buf).view(np.uint8).reshape(-1), 0, rows, cols, BITS[kind], xp, xs, y, F16,
+        np.empty(cols, np.uint32))
     return y
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def _head_norm_rope(a, w, eps, cos, sin, norm):
+    """One head in place: RMSNorm with weight w (when norm), then rotate-half RoPE on its first len(cos) dims."""
+    hd, rd = a.shape[0], cos.shape[0]
+    if norm:
+        ss = np.float32(0.0)
+        for j in range(hd):
+            ss += a[j] * a[j]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(hd) + eps)
+        for j in range(hd):
+            a[j] = w[j] * (a[j] * r)
+    h = rd // 2
+    for j in range(h):
+        lo, hi = a[j], a[j + h]
+        a[j] = lo * cos[j] - hi * sin[j]
+        a[j + h] = hi * cos[j + h] + lo * sin[j + h]
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def decode_attention(q, k, v, q_norm, k_norm, eps, norm, cos, sin, K, V, pos, scale, y):
+    """One token's grouped-query attention after its q/k/v projections: per-head RMSNorm (Qwen3's qk-norm, when
+    norm) and RoPE on q and k, k and v appended to the KV cache K, V (kv heads, capacity, head dim) at `pos`, then
+    softmax(q K^T * scale) V over the pos + 1 keys. q: (heads, hd), k, v: (kv heads, hd); y: (heads, hd)."""
+    H, hd = q.shape
+    Hk = k.shape[0]
+    rep = H // Hk
+    for g in range(Hk):
+        _head_norm_rope(k[g], k_norm, eps, cos, sin, norm)
+        K[g, pos] = k[g]
+        V[g, pos] = v[g]
+    S = pos + 1
+    att = np.empty(S, np.float32)
+    for hh in range(H):
+        a = q[hh]
+        _head_norm_rope(a, q_norm, eps, cos, sin, norm)
+        Kg, Vg = K[hh // rep], V[hh // rep]
+        m = -np.inf
+        for s in range(S):
+            dot = np.float32(0.0)
+            for j in range(hd):
+                dot += a[j] * Kg[s, j]
+            att[s] = dot * scale
+            m = max(m, att[s])
+        tot = np.float32(0.0)
+        for s in range(S):
+            att[s] = np.exp(att[s] - m)
+            tot += att[s]
+        for j in range(hd):
+            y[hh, j] = 0.0
+        for s in range(S):
+            p = att[s] / tot
+            for j in range(hd):
+                y[hh, j] += p * Vg[s, j]

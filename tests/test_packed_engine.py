@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import FAMILIES
+from hybrid_fixtures import HYBRID
 from engines import packed_kernels as K
 from workbench.arena import slot_bytes
 from workbench.errors import WorkbenchError
@@ -51,6 +52,37 @@ def test_every_family_matches_numpy(tiny_models, family):
         ref, _ = run(tiny_models[family], preset, "numpy", **kw)
         out, _ = run(tiny_models[family], preset, **kw)
         np.testing.assert_allclose(out, ref, atol=ATOL, rtol=0, err_msg=f"{family} {preset}")
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_every_hybrid_family_matches_numpy(hybrid_models, family):
+    """Gated DeltaNet layers, gated attention and a resident shared expert around the packed experts."""
+    for preset, kw in [("resident", {}), ("on_demand", dict(budget="0.25"))]:
+        ref, _ = run(hybrid_models[family], preset, "numpy", **kw)
+        out, s = run(hybrid_models[family], preset, **kw)
+        assert s.engine.name == "packed"
+        np.testing.assert_allclose(out, ref, atol=ATOL, rtol=0, err_msg=f"{family} {preset}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_attention_kernel_is_the_decoders(tiny_models, family):
+    """A decoded token's attention in one kernel call (families with per-head or no qk-norm; OLMoE's full qk-norm
+    and latent attention keep the decoder's numpy) gives the decoder's output and KV cache, to float32 rounding."""
+    from engines.decoder import Decoder
+    with Session(str(tiny_models[family]), "resident", engine="packed") as s:
+        e = s.engine
+        assert e.fused_attention == (family in ("qwen3_moe", "qwen2_moe", "mixtral", "dots1"))
+        e.reset()
+        s.step(TOKENS[:SPLIT], "prefill")
+        x = np.random.default_rng(0).standard_normal((1, e.spec.hidden_size)).astype(np.float32)
+        for i in range(e.spec.num_layers):
+            saved = [a.copy() for a in e.kv[i]]
+            out, kv = e.attention(i, x), [a[:, :e.pos + 1].copy() for a in e.kv[i]]
+            e.kv[i] = saved
+            ref = Decoder.attention(e, i, x)
+            np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+            for a, b in zip(kv, e.kv[i]):
+                np.testing.assert_allclose(a, b[:, :e.pos + 1], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("experts,rest,layout", [("q2", "q4", "contiguous"), ("q3", "q4", "native"),

@@ -10,11 +10,17 @@ import numpy as np
 from workbench.spec import MoESpec
 
 
+def along_rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """np.take_along_axis(a, idx, -1) by one fancy index (a tenth of its Python overhead: this runs per layer)."""
+    flat, fi = a.reshape(-1, a.shape[-1]), idx.reshape(-1, idx.shape[-1])
+    return flat[np.arange(flat.shape[0])[:, None], fi].reshape(idx.shape)
+
+
 def topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest per row, largest first."""
     idx = np.argpartition(-scores, k - 1, axis=-1)[..., :k]
-    order = np.argsort(-np.take_along_axis(scores, idx, -1), axis=-1, kind="stable")
-    return np.take_along_axis(idx, order, -1)
+    order = np.argsort(-along_rows(scores, idx), axis=-1, kind="stable")
+    return along_rows(idx, order)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -45,7 +51,7 @@ def select(scores, k, norm_topk_prob, scaling=1.0, n_group=1, topk_group=1, grou
     if n_group > 1:
         choice = best_groups(choice, n_group, topk_group, group_rank)
     idx = topk_desc(choice, k)
-    w = np.take_along_axis(scores, idx, -1)
+    w = along_rows(scores, idx)
     if norm_topk_prob:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
     return idx, (w if scaling == 1.0 else w * np.float32(scaling))
