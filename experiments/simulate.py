@@ -454,12 +454,14 @@ def shape_spec(shape: str, meta: dict, traced: MoESpec) -> tuple[MoESpec, str]:
                   f"{r * meta['num_experts']} experts ({r} x the trace's) on the trace's {len(traced.moe_layers)} MoE layers")
 
 
-def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -> ComputeProfile:
+def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, engine: str | None = None) -> ComputeProfile:
     """This engine's compute, measured: the model resident for dense/router/other per layer and token; expert
-    compute and dequant timed on this spec's expert shape with the engine's own kernels (numpy matmuls, the codec)."""
+    compute and what a reader thread does per expert timed on this spec's expert shape with the engine's own
+    kernels: the numpy engine's matmuls and codec (dequant), or the packed engine's compiled kernels on the encoded
+    bytes, one call per layer's top-k, and the crc its readers check (`dequant_s` is then that check)."""
     from workbench.session import Session
     from workbench.store import quant
-    with Session(model, "resident") as s:
+    with Session(model, "resident", engine=engine, experts=experts) as s:     # the kernels of this precision
         s.generate([1, 2, 3, 4], tokens=tokens)
         dec = [t for t in s.tel.tokens if t.phase == "decode"]
         evs = [e for e in s.tel.events if e.phase == "decode"]
@@ -469,22 +471,25 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
         other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
         expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
         issue = _issue_cost(s)
-        measured_model, mlp = s.spec, s.engine.mlp        # the numpy engine's expert kernel
+        measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
     rng = np.random.default_rng(0)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
          "up": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
          "down": rng.standard_normal((d, ff), dtype=np.float32) * 0.02}
+    packed = name == "packed"
+    kernel = (lambda d_, ff_: _packed_time(d_, ff_, experts, spec.top_k)) if packed else (lambda d_, ff_: _mlp_time(mlp, d_, ff_))
     expert = expert_measured
     if (measured_model.hidden_size, measured_model.moe_intermediate_size) != (d, ff):
         # another expert shape: the kernel timed at both shapes, the engine's per-expert overhead carried over
-        expert += _mlp_time(mlp, d, ff) - _mlp_time(mlp, measured_model.hidden_size, measured_model.moe_intermediate_size)
+        expert += kernel(d, ff) - kernel(measured_model.hidden_size, measured_model.moe_intermediate_size)
     reps = 20
     enc = {p: (quant.encode(w[p], expert_kind(w[p].shape, experts)) if expert_kind(w[p].shape, experts) != "bf16"
                else None) for p in PARTS}
+    reader_work = (lambda: _crc(enc)) if packed else (lambda: _dequant(enc, w, experts))
     t0 = time.perf_counter()
     for _ in range(reps):
-        _dequant(enc, w, experts)
+        reader_work()
     deq = (time.perf_counter() - t0) / reps
     if measured_model.to_dict() != spec.to_dict():
         # another shape: attention projections and the router timed at both shapes, the difference added
@@ -492,11 +497,11 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
         router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
                                                                                   measured_model.hidden_size)
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
-                          dequant_busy_s=_contended(lambda: _dequant(enc, w, experts), lambda: mlp(
+                          dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
                               np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
-                                 f"loaded): {model} resident for dense/router/other; expert and {experts} dequant at "
-                                 f"d={d}, ff={ff} with the engine's kernels")
+                                 f"loaded), {name} engine: {model} resident for dense/router/other; expert and {experts} "
+                                 f"{'crc check' if packed else 'dequant'} at d={d}, ff={ff} with the engine's kernels")
 
 
 def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> ComputeProfile:
@@ -520,6 +525,36 @@ def _dequant(enc, w, experts):
         if enc[p] is not None:
             zlib.crc32(enc[p])
             quant.decode(enc[p], w[p].shape, expert_kind(w[p].shape, experts))
+
+
+def _crc(enc):
+    """What the packed engine's reader thread does per expert (Pack.decode_expert(raw=True)): the checksum."""
+    crc = 0
+    for p in PARTS:
+        if enc[p] is not None:
+            crc = zlib.crc32(enc[p], crc)
+    return crc
+
+
+def _packed_time(d: int, ff: int, experts: str, k: int, reps: int = 10) -> float:
+    """Per expert: the packed engine's kernel (engines/packed_kernels.moe_layer) on k experts' encoded bytes in
+    one call, as the engine calls it per layer."""
+    from engines import packed_kernels as K
+    from workbench.store import quant
+    rng = np.random.default_rng(0)
+    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    kinds = {p: expert_kind(shapes[p], experts) for p in PARTS}
+    parts, nbytes = K.expert_parts(shapes, kinds)
+    slot = np.concatenate([quant.encode(rng.standard_normal(shapes[p], dtype=np.float32) * 0.02, kinds[p]) for p in PARTS])
+    arena = np.tile(slot, k)
+    off, idx = np.arange(k, dtype=np.int64) * nbytes, np.arange(k, dtype=np.int64)
+    X, Y, w = np.ones((1, d), np.float32), np.empty((k, d), np.float32), np.ones(k, np.float32)
+    call = lambda: K.moe_layer(arena, off, np.zeros(k, np.int64), idx, w, X, Y, parts, d, ff, K.F16, K.BF16)
+    call()                                           # compiled (cached) before timing
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        call()
+    return (time.perf_counter() - t0) / reps / k
 
 
 def _contended(dequant, compute, n: int = 40) -> float:

@@ -166,3 +166,19 @@ def test_bad_simulate_input_is_a_one_line_error(tmp_path, capsys):
     assert "changes routing" in capsys.readouterr().err
     assert main(["simulate", "--trace", trace, "--shape", "qwen3-next-80b-a3b", "--no-record"]) == 2
     assert "top-10 is not a multiple" in capsys.readouterr().err
+
+
+def test_compute_profile_is_measured_on_the_engine_that_runs():
+    """The packed engine computes from the bytes read: its profile times its compiled kernel and, per expert read,
+    the crc its reader checks (nothing is dequantized); the numpy engine's times its codec. Both are positive
+    measurements labelled with the engine."""
+    from experiments.simulate import measure_compute
+    from workbench.store.pack import Pack
+    from workbench.registry import resolve_pack
+    spec = Pack(resolve_pack("demo", "contiguous", "q4", "q4")).spec
+    packed = measure_compute("demo", spec, "q4", tokens=3, engine="packed")
+    numpy_ = measure_compute("demo", spec, "q4", tokens=3, engine="numpy")
+    assert "packed engine" in packed.source and "crc check" in packed.source
+    assert "numpy engine" in numpy_.source and "dequant" in numpy_.source
+    for cp in (packed, numpy_):
+        assert cp.expert_s > 0 and cp.dequant_s > 0 and cp.dense_s > 0
