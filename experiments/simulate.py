@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engines.base import Engine
-from workbench.cache import ExpertCache
+from workbench.cache import ExpertCache, warm_set
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
 from workbench.presets import Budget, CacheScope, Order, Router
@@ -196,11 +196,8 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
             for e in range(spec.num_experts):
                 cache.pin((L, e), landed)
     elif preset.cache.warm:
-        per = min(cache.capacity.values()) if preset.cache.scope is CacheScope.PER_LAYER else \
-            cache.capacity[spec.moe_layers[0]] // len(spec.moe_layers)
-        for L in spec.moe_layers:
-            for e in np.argsort(-np.asarray(drive.usage[L]), kind="stable")[:per]:
-                cache.reserve((L, int(e)), landed)
+        for k in warm_set(cache, drive.usage):
+            cache.reserve(k, landed)
 
     pos = _Position()
     predictor = drive.predictor()

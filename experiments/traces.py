@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.cache import warm_set
 from workbench.capture import RoutingCapture
 from workbench.errors import WorkbenchError
-from workbench.presets import Budget, CacheScope, Predictor, Prefetch
+from workbench.presets import Budget, Predictor, Prefetch
 from workbench.runs import write_table
 from workbench.spec import MoESpec
 
@@ -140,22 +141,18 @@ class _Ctx:
 
 
 def _predictor(design: str, preset, spec, weights, trace: dict, usage: dict):
-    from workbench.predict import History, Lookahead, Oracle, Shuffled, make_predictor
+    from workbench.predict import make_predictor
     if design == "on_demand":
         return None
-    if design == "history":
-        return History(spec)
-    if design == "shuffled":
-        return Shuffled(spec, usage)
-    if design == "oracle":
-        layers, topk = trace["moe_layers"], trace["topk"]
-        table = {(t, L): sorted(set(topk[t, j].tolist())) for t in range(topk.shape[0]) for j, L in enumerate(layers)}
-        return Oracle(spec, table)
-    look = preset.prefetch if preset.prefetch.predictor is Predictor.LOOKAHEAD else \
-        Prefetch(Predictor.LOOKAHEAD, depth=1, width=2)
-    p = make_predictor(look, spec, weights)
-    assert isinstance(p, Lookahead)
-    return p
+    if design == "lookahead":
+        pf = preset.prefetch if preset.prefetch.predictor is Predictor.LOOKAHEAD else \
+            Prefetch(Predictor.LOOKAHEAD, depth=1, width=2)
+    else:
+        pf = Prefetch(Predictor(design))
+    layers, topk = trace["moe_layers"], trace["topk"]
+    oracle = {(t, L): sorted(set(topk[t, j].tolist())) for t in range(topk.shape[0]) for j, L in enumerate(layers)} \
+        if design == "oracle" else None
+    return make_predictor(pf, spec, weights, usage=usage, trace=oracle)
 
 
 def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weights: dict, usage: dict,
@@ -170,11 +167,8 @@ def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weigh
     cache = ExpertCache(budget_bytes, item, layers, policy=preset.cache.policy.value, scope=preset.cache.scope.value,
                         min_slots_per_layer=spec.top_k)
     if preset.cache.warm:                                 # the most-used experts of each layer (this trace's counts)
-        per = min(cache.capacity.values()) if preset.cache.scope is CacheScope.PER_LAYER \
-            else cache.capacity[layers[0]] // len(layers)
-        for L in layers:
-            for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per]:
-                cache.reserve((L, int(e)), True)
+        for k in warm_set(cache, usage):
+            cache.reserve(k, True)
     pred = _predictor(design, preset, spec, weights, trace, usage)
     ectx = _Ctx()
     predicted_for: dict = {}

@@ -116,3 +116,12 @@ class ExpertCache:
         if layer is None:
             return [k for p in self._distinct for k in p]
         return [k for k in self.pools[layer] if k[0] == layer]
+
+
+def warm_set(cache: ExpertCache, usage: dict) -> list[tuple[int, int]]:
+    """The warm start: each MoE layer's most-used experts (usage: {layer: counts per expert}), as many as its pool
+    holds (per-layer scope) or an even share of the global pool."""
+    import numpy as np
+    layers = list(cache.pools)
+    per = min(cache.capacity.values()) if cache.scope == "per_layer" else cache.capacity[layers[0]] // len(layers)
+    return [(L, int(e)) for L in layers for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per]]
