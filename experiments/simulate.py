@@ -15,7 +15,12 @@ adjacent reads merged as Reader.submit merges them). What is modelled, mirroring
                   takes the device profile's read_s(bytes, n); the pool thread then dequantizes each expert
                   of that read (as the streamer's read callback does), so an expert is ready after both
   compute         a measured profile of this engine (ComputeProfile): dense and router time per layer, expert
-                  compute per expert, dequant per expert at the pack's precision, other time per token
+                  compute per expert, dequant (the packed engine: the crc check) per expert read, other per token
+  speculative     (a preset with speculative n) a step verifies the input token and the trace's recorded draft
+                  (up to n tokens) in one batch: the layer reads the union of the batch's experts once; dense and
+                  router are charged per row, expert compute per (token, expert) pair; the accepted draft tokens
+                  (where the trace's text continues with them) and the step's own token are produced
+  prerouter       Edge0's heads, recorded in the trace, name the next token's experts (prefetched a token ahead)
 
 Not modelled: CPU contention between the reader threads and the compute thread (the real run shares cores),
 page-cache effects (reads are O_DIRECT), Python scheduling jitter. The Belady bound replays the same accesses
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engines.base import Engine
-from workbench.cache import ExpertCache, warm_set
+from workbench.cache import ExpertCache, reserve_ahead, warm_set
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
 from workbench.presets import Budget, CacheScope, Order, Router
@@ -202,7 +207,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     pos = _Position()
     predictor = drive.predictor()
     layers = {L: _layer_event(L) for L in spec.moe_layers}
-    n = dict(bytes=0, wait=0.0, issued=0, used=0, predicted=0, demand=0)
+    n = dict(bytes=0, wait=0.0, issued=0, used=0, predicted=0, demand=0, spec_steps=0, spec_accepted=0)
     prefetched: set = set()
 
     def work(seconds):
@@ -248,28 +253,33 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     at_decode = list(cache.keys())                   # what any policy starts decoding with (Belady too)
     pool.dequants = []                               # the prompt's dequants are done before decoding starts
     steps = max(0, tokens - 1)
-    for step in range(1, steps + 1):
-        ctx = pos.step(step)
+    produced, step, n_spec = 0, 1, preset.execution.speculative
+    while produced < steps:
+        # one decode step: one token, or (speculative) the last token and its draft verified in one batch
+        draft, accepted = drive.draft(step, min(n_spec, steps - produced)) if n_spec else ([], 0)
+        batch = range(step, step + len(draft) + 1)
+        n["spec_steps"] += 1
+        n["spec_accepted"] += accepted
         for L in spec.moe_layers:
             ev = layers[L]
-            work(compute.dense_s + compute.router_s)
-            needed = sorted(set(int(e) for e in drive.route(L, np.zeros((1, 1)), ctx)[0].reshape(-1)))
+            work((compute.dense_s + compute.router_s) * len(batch))
+            routed = [set(int(e) for e in drive.route(L, np.zeros((1, 1)), pos.step(b))[0].reshape(-1)) for b in batch]
+            uses = {e: sum(e in r for r in routed) for e in set().union(*routed)}     # (token, expert) pairs
+            needed = sorted(uses)
             protect = {(L, e) for e in needed}
-            if predictor is not None:
-                for target, experts in predictor.predict(L, ctx).items():
-                    n["predicted"] += len(experts)
-                    keys = []
-                    for e in experts:
-                        k = (target, int(e))
-                        if k in cache:
-                            continue
-                        if not cache.reserve(k, None, protect):
-                            break
-                        keys.append(k)
-                    if keys:
-                        issue(keys, clock.now, True)
-                        prefetched.update(keys)
-                        n["issued"] += len(keys)
+            named: dict = {}
+            for b in batch if predictor is not None else ():
+                for target, experts in predictor.predict(L, pos.step(b)).items():
+                    # a later layer of this token, or (layer, token) of a later token (Edge0's prerouter)
+                    named.setdefault(target[0] if isinstance(target, tuple) else target, []).extend(experts)
+            for target, experts in named.items():
+                experts = list(dict.fromkeys(int(e) for e in experts))
+                n["predicted"] += len(experts)
+                keys = reserve_ahead(cache, [(target, e) for e in experts], None, protect)
+                if keys:
+                    issue(keys, clock.now, True)
+                    prefetched.update(keys)
+                    n["issued"] += len(keys)
             ready, pending, backlog = [], {}, []
             for e in needed:
                 k = (L, e)
@@ -298,8 +308,8 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                         pending[k[1]] = cache.peek(k)
 
             def run(e):
-                work(compute.expert_s)
-                ev["compute_s"] += compute.expert_s
+                work(compute.expert_s * uses[e])
+                ev["compute_s"] += compute.expert_s * uses[e]
                 protect.discard((L, e))
 
             issue_backlog()
@@ -331,6 +341,8 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     ev["wait_s"] += wait
                     n["wait"] += wait
         work(compute.other_s)
+        produced = min(steps, produced + accepted + 1)
+        step += accepted + 1
     decode_s = clock.now - t_decode
     hits = sum(r["hits"] for r in layers.values())
     misses = sum(r["misses"] for r in layers.values())
@@ -340,7 +352,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
             "hits": hits, "misses": misses, "bytes_read": n["bytes"], "bytes_read_per_token": n["bytes"] / max(1, steps),
             "flash_wait_s": n["wait"], "flash_wait_per_token_s": n["wait"] / max(1, steps), "decode_s": decode_s,
             "decode_steps": steps, "prefetch_issued": n["issued"], "prefetch_used": n["used"],
-            "experts_read": n["demand"] + n["issued"],
+            "experts_read": n["demand"] + n["issued"], "spec_steps": n["spec_steps"], "spec_accepted": n["spec_accepted"],
             "budget_bytes": budget_bytes, "cache_slots": cache.capacity[spec.moe_layers[0]], "cache_at_decode": at_decode,
             "per_layer": [layers[L] for L in spec.moe_layers]}
 
@@ -387,7 +399,8 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
 
 def run(trace_path: str, preset, budget: str | None, device: str, shape: str | None = None,
         tokens: int = 64, prompt: int = 4, compute: ComputeProfile | None = None, workers: int | None = None,
-        model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None) -> dict:
+        model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None,
+        predictor: str | None = None) -> dict:
     """One design over a trace. The simulated model: `spec` if given, else the traced model at `shape`'s expert
     shape, else the traced model itself. preset: a name or a Preset (a ladder rung). rung: {ladder, rung,
     rung_index, model} for the run record, so the dashboard's ladders page shows a simulated ladder beside the rest."""
@@ -396,8 +409,11 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     from experiments.routing_trace import TraceDrive
     from experiments.traces import read_trace
     p = get_preset(preset) if isinstance(preset, str) else preset
-    if p.routing.router is not Router.EXACT or p.execution.speculative:
-        raise WorkbenchError(f"simulate: preset {p.name} changes routing or decodes speculatively; the trace replays exact routing")
+    if predictor:
+        p = p.with_(predictor=predictor)
+    if p.routing.router is not Router.EXACT:
+        raise WorkbenchError(f"simulate: preset {p.name} changes routing; the trace replays exact routing (to replay "
+                             f"what its predictor named as prefetches, pass another preset and --predictor)")
     budget = str(budget if budget is not None else p.cache.budget)
     dev = devices.load(device) if isinstance(device, str) else device     # a name, a profile, or devices.Slowest
     trace = read_trace(trace_path)          # read once: its metadata here, its rows in the drive

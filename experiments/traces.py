@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.cache import warm_set
+from workbench.cache import reserve_ahead, warm_set
 from workbench.capture import RoutingCapture
 from workbench.errors import WorkbenchError
 from workbench.presets import Budget, Predictor, Prefetch
@@ -39,9 +39,11 @@ DESIGNS = ("on_demand", "history", "shuffled", "lookahead", "oracle")
 
 # ---------------------------------------------------------------- file format
 
-def write_trace(path, trace: dict, ids: list[int], meta: dict, predictions: dict | None = None) -> Path:
+def write_trace(path, trace: dict, ids: list[int], meta: dict, predictions: dict | None = None,
+                drafts: np.ndarray | None = None) -> Path:
     """trace: topk (T, L, k), logits (T, L, E), router_input (T, L, d), moe_layers. Written atomically.
-    predictions: {predictor: (T, L, width) expert ids, -1 = none} (experiments/routing_trace.py), one column each."""
+    predictions: {predictor: (T, L, width) expert ids, -1 = none} (experiments/routing_trace.py), one column each.
+    drafts: (T, n) the speculative draft proposed after each token (-1 = none), in every row of that token."""
     import pyarrow as pa
     topk, logits, h = (np.asarray(trace[k]) for k in ("topk", "logits", "router_input"))
     T, NL, k = topk.shape
@@ -59,9 +61,11 @@ def write_trace(path, trace: dict, ids: list[int], meta: dict, predictions: dict
         "logits": fixed(logits.astype(np.float32), E, pa.float32()),
         "router_input": fixed(h.astype(np.float32), d, pa.float32()),
         **{f"pred:{name}": fixed(np.asarray(a, np.int32), a.shape[2], pa.int32()) for name, a in (predictions or {}).items()},
+        **({"draft": fixed(np.repeat(np.asarray(drafts, np.int32), NL, 0), drafts.shape[1], pa.int32())}
+           if drafts is not None else {}),
     })
     meta = {**meta, "n_tokens": T, "moe_layers": layers.tolist(), "top_k": k, "num_experts": E, "hidden_size": d,
-            "predictions": sorted(predictions or {}),
+            "predictions": sorted(predictions or {}), "draft": None if drafts is None else int(drafts.shape[1]),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
     return write_table(table, path)
@@ -91,7 +95,8 @@ def read_trace(path) -> dict:
             "topk": col("topk", meta["top_k"]), "logits": col("logits", meta["num_experts"]),
             "router_input": col("router_input", meta["hidden_size"]),
             "predictions": {n: col(f"pred:{n}", table.schema.field(f"pred:{n}").type.list_size)
-                            for n in meta.get("predictions", [])}}
+                            for n in meta.get("predictions", [])},
+            "drafts": col("draft", meta["draft"])[:, 0] if meta.get("draft") else None}
 
 
 # ---------------------------------------------------------------- capture with the numpy engine
@@ -203,12 +208,7 @@ def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weigh
                 for target, experts in pred.predict(L, ctx).items():
                     experts = list(map(int, experts))
                     predicted_for[(target, t)] = experts
-                    for e in experts:
-                        key = (target, e)
-                        if key in cache:
-                            continue
-                        if not cache.reserve(key, True, protect):
-                            break
+                    for key in reserve_ahead(cache, [(target, e) for e in experts], True, protect):
                         outstanding[key] = t
                         n["issued"] += count
             for k in keys:                                # the layer's misses are read now (never evicting its own)

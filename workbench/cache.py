@@ -125,3 +125,16 @@ def warm_set(cache: ExpertCache, usage: dict) -> list[tuple[int, int]]:
     layers = list(cache.pools)
     per = min(cache.capacity.values()) if cache.scope == "per_layer" else cache.capacity[layers[0]] // len(layers)
     return [(L, int(e)) for L in layers for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per]]
+
+
+def reserve_ahead(cache: ExpertCache, keys, value, protect=()) -> list:
+    """Reserve the keys not yet in the cache, in order, until one finds no slot (a prefetch never evicts what
+    `protect` holds); returns those reserved."""
+    out = []
+    for k in keys:
+        if k in cache:
+            continue
+        if not cache.reserve(k, value, protect):
+            break
+        out.append(k)
+    return out
