@@ -1,31 +1,29 @@
 """Shared dashboard pieces: the registry of background runs, the numbers we show, and Altair charts.
 
-A DesignRun owns one worker thread, which creates its own Session, generates, and writes the run
-record. The page only reads telemetry (under `tel.lock`), so Streamlit reruns never touch the engine.
+A DesignRun owns one worker process (dashboards/worker.py), which creates its own Session, generates, and writes
+the run record, sending the telemetry it copied under `tel.lock`; Streamlit reruns never touch an engine.
 The registry is module level: it outlives reruns and is shared by the pages of one server.
 """
 from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
 import os
 import secrets
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import altair as alt
 import pyarrow as pa
 
-from experiments.routing_trace import TraceDrive
+from dashboards import worker
 from workbench.presets import PRESETS, Budget, budget_for
 from workbench.registry import model_dir
 from workbench.runs import list_runs, read_run, write_run
-from workbench.session import Session
 from workbench.errors import WorkbenchError
-from workbench.telemetry import Telemetry
 
 REFRESH_S = 0.5          # live numbers redraw this often
 CHARTS_REFRESH_S = 1.0   # and the live charts this often
@@ -89,33 +87,12 @@ class Snapshot:
 EMPTY = Snapshot([], [], {"per_layer": []})      # a design still starting
 
 
-def _snapshot(s: Session) -> Snapshot:
-    """Copy the telemetry under its lock, then aggregate the copy with Session.summary."""
-    tel = s.tel
-    with tel.lock:
-        tokens, ring, events = list(tel.tokens), list(tel.ring), list(tel.events)
-        counters = dict(prefetch_issued=tel.prefetch_issued, prefetch_used=tel.prefetch_used,
-                        prefetch_wasted=tel.prefetch_wasted, wasted_bytes=tel.wasted_bytes)
-    copy = Telemetry(tel.num_layers, events=events, tokens=tokens, **counters)
-    return Snapshot(tokens, ring, s.summary(copy))
-
-
-class _Stopped(Exception):
-    pass
-
-
-WORKER_NICE = 19    # tests/test_dashboard_e2e.py on 2 cores: longest redraw gap 0.9-1.3 s at nice 0, 0.7-0.85 s at 19
-
-
-def _yield_cpu_to_the_page():
-    """Lower this worker thread's priority, and so its reader pool's (Linux threads inherit it). The server's
-    script thread and a browser on the same machine then draw on time while four designs generate."""
-    if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
+WORKER_NICE = worker.WORKER_NICE
 
 
 class DesignRun:
-    """One design generating in a background thread; `snapshot()` is safe to call from the page."""
+    """One design generating in its own process (dashboards/worker.py); a listener thread here takes its messages,
+    and `snapshot()` is safe to call from the page."""
 
     _init_locks: dict = {}          # one per stored form of a model: its conversion and usage profile are made once
 
@@ -129,11 +106,16 @@ class DesignRun:
         self.budget = budget_for(PRESETS[design], budget)
         self.status, self.error, self.record = "queued", None, None
         self.text, self.generated, self.summary, self.started, self.finished = "", 0, None, time.time(), None
-        self.session: Session | None = None
         self._final: Snapshot | None = None
         self._last: Snapshot | None = None
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._work, name=f"workbench-{design}-{self.id}", daemon=True)
+        ctx = multiprocessing.get_context("spawn")       # a fresh interpreter: no locks forked from the server's threads
+        self._conn, child = ctx.Pipe(duplex=False)
+        self._stop = ctx.Event()
+        self.process = ctx.Process(target=worker.run_design, name=f"workbench-{design}-{self.id}", daemon=True,
+                                   args=(child, self._stop, model, design, self.budget, prompt, self.tokens, device,
+                                         routing_trace))
+        self._child = child
+        self.thread = threading.Thread(target=self._listen, name=f"workbench-{design}-{self.id}", daemon=True)
 
     @property
     def active(self) -> bool:
@@ -147,58 +129,47 @@ class DesignRun:
         self._stop.set()
 
     def snapshot(self) -> Snapshot | None:
-        """The finished run's numbers, or a copy of the live telemetry (reused until a token lands)."""
-        if self._final is not None:
-            return self._final
-        s, last = self.session, self._last
-        if s is None:
-            return None
-        if last is None or len(s.tel.tokens) != len(last.tokens):
-            last = self._last = _snapshot(s)
-        return last
+        """The finished run's numbers, or the latest copy of the live telemetry."""
+        return self._final if self._final is not None else self._last
 
-    def _on_token(self, session, token_id, text):
-        self.text, self.generated = text, self.generated + 1
-        if self._stop.is_set():
-            raise _Stopped()
+    def _take(self, msg):
+        kind, *rest = msg
+        if kind == "status":
+            self.status = rest[0]
+        elif kind == "token":
+            self.text, self.generated = rest[0], self.generated + 1
+            if rest[1] is not None:
+                self._last = Snapshot(*rest[1])
+        elif kind == "done":
+            self.text, self.summary, self._final, self.record = rest[0], rest[1], Snapshot(*rest[2]), Path(rest[3])
+            self.status = "done"
+        else:       # stopped, error
+            if rest[-1] is not None:
+                self._final = Snapshot(*rest[-1])
+            self.error = rest[0] if kind == "error" else None
+            self.status = kind
 
-    def _work(self):
-        s = None
-        _yield_cpu_to_the_page()
+    def _listen(self):
+        storage = PRESETS[self.design].storage
         try:
-            self.status = "starting"
-            p = PRESETS[self.design]
-            with self._init_locks.setdefault((self.model, p.storage), threading.Lock()):
+            with self._init_locks.setdefault((self.model, storage), threading.Lock()):
                 if self._stop.is_set():
-                    raise _Stopped()
-                drive = functools.partial(TraceDrive, self.routing_trace) if self.routing_trace else None
-                s = Session(self.model, self.design, budget=self.budget, device=self.device, drive=drive)
-            self.session, self.status = s, "running"
-            out = s.generate(self.prompt, tokens=self.tokens, on_token=self._on_token)
-            # one dict: what the page shows for a finished run is exactly what summary.json holds
-            summary = {**s.summary(), "tokens": len(out["tokens"]), "text": out["text"], "preset": s.preset.name,
-                       "budget": s.budget_text}
-            config = {**s.config(), "tokens": self.tokens, "prompt": self.prompt, "source": "dashboard"}
-            record = write_run(s.preset.name, config, summary, summary["per_layer"], s.tel.event_rows(),
-                               s.tel.token_rows())
-            self.text, self.summary = out["text"], summary
-            self._final = Snapshot(list(s.tel.tokens), list(s.tel.ring), summary)
-            self.record, self.status = record, "done"
-        except _Stopped:
-            self.status = "stopped"
-        except WorkbenchError as e:
-            self.error, self.status = str(e), "error"
-        except Exception as e:  # noqa: BLE001 - shown as one line; the traceback goes to the server log
-            if sys.is_finalizing():
-                return      # the server is exiting under a running design: its reader pool is already gone
-            traceback.print_exc(file=sys.stderr)
-            self.error, self.status = f"{self.design}: unexpected {type(e).__name__}: {e}", "error"
+                    self.status = "stopped"
+                    return
+                self.process.start()
+                self._child.close()
+                while self.status in ("queued", "starting"):      # its Session made (or failed) before the next's
+                    self._take(self._conn.recv())
+            while self.active:
+                self._take(self._conn.recv())
+        except (EOFError, OSError):
+            if self.active:
+                self.error, self.status = f"{self.design}: its process ended without a result", "error"
         finally:
-            if s is not None:
-                if self._final is None:
-                    self._final = _snapshot(s)
-                s.close()
-            self.session, self.finished = None, time.time()
+            self._conn.close()
+            if self.process.pid is not None:
+                self.process.join(timeout=10)
+            self.finished = time.time()
 
 
 _RUNS: dict[str, DesignRun] = {}
@@ -217,6 +188,19 @@ def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens:
     for r in runs:
         r.start()
     return [r.id for r in runs]
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cores_note(designs: int, n_cores: int | None = None) -> str:
+    """What the page says about the designs' processes and this machine's cores."""
+    n_cores = n_cores or cores()
+    if designs > n_cores:
+        return (f"Each design runs in its own process: {designs} designs on {n_cores} cores share cores, so each "
+                f"design's tok/s here also depends on the others' work (not what it gets alone).")
+    return f"Each design runs in its own process: {designs} design(s) on {n_cores} cores, at most one each."
 
 
 def get_runs(ids) -> list[DesignRun]:

@@ -5,7 +5,7 @@
 Booth mode, unattended: add ?booth=1 to the URL (optional: &designs=on_demand,les &tokens=48 &pause=6
 &model=demo; without designs it alternates between two comparisons).
 
-Generation runs in background threads (dashboards/common.py); this page only reads telemetry.
+Each design generates in its own process (dashboards/worker.py); this page only reads the telemetry they send.
 """
 import sys
 import time
@@ -180,11 +180,12 @@ else:
 runs = C.get_runs(state.run_ids)
 if not runs and not BOOTH:
     st.info("Pick designs and a budget in the sidebar, then press **Start**. Each design generates the same "
-            "prompt in its own worker; the charts follow the tokens as they come.")
+            "prompt in its own process; the charts follow the tokens as they come.")
 elif runs:
     if len({r.prompt for r in runs}) == 1 and BOOTH:
         st.markdown(f"### “{runs[0].prompt}”")
     ids, live = [r.id for r in runs], any(r.active for r in runs)
+    st.caption(C.cores_note(len(runs)))
     if runs[0].device:
         st.caption(f"Flash: EMULATED {runs[0].device} (this machine's reads, each slowed to the profile's time in "
                    "data/devices); its tok/s are not this machine's.")

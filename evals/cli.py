@@ -3,7 +3,7 @@
 """
 from __future__ import annotations
 
-from workbench.commands import command, emit, group, running
+from workbench.commands import command, emit, flash, group, running
 
 group("eval", "quality: perplexity, teacher comparison, lm-eval, comparisons, report")
 
@@ -28,23 +28,28 @@ def _bos_flag(p):
     p.add_argument("--bos", action="store_true", help="BOS at the start of every chunk (llama.cpp add_bos)")
 
 
-@command("eval ppl", "perplexity (llama.cpp's method or strided)", running, _text_flags(None), _record_flags, _bos_flag)
+@command("eval ppl", "perplexity (llama.cpp's method or strided)", running, flash, _text_flags(None), _record_flags,
+         _bos_flag)
 def cmd_ppl(args):
+    from evals.common import emulated
     from evals.ppl import run
     r = run(args.model, args.preset, args.budget, args.data, args.ctx, args.chunks, args.stride, args.bos,
-            progress=not args.quiet, record=not args.no_record, engine=args.engine, direct=not args.page_cache)
-    emit(args, r, f"{r['preset']} {r['data']}: PPL = {r['ppl']:.4f} +/- {r['ppl_stderr']:.5f} "
+            progress=not args.quiet, record=not args.no_record, engine=args.engine, direct=not args.page_cache,
+            device=args.device)
+    emit(args, r, f"{emulated(r)}{r['preset']} {r['data']}: PPL = {r['ppl']:.4f} +/- {r['ppl_stderr']:.5f} "
                   f"({r['tokens']} tokens, {r['chunks']} chunks of {r['ctx']}, {r['method']})")
 
 
-@command("eval teacher", "KL, top-1, ppl and routing agreement against the teacher preset", running, _text_flags(4),
-         _record_flags)
+@command("eval teacher", "KL, top-1, ppl and routing agreement against the teacher preset", running, flash,
+         _text_flags(4), _record_flags)
 def cmd_teacher(args):
+    from evals.common import emulated
     from evals.teacher import run
     r = run(args.model, args.preset, args.budget, args.data, args.ctx, args.chunks, args.stride,
-            progress=not args.quiet, record=not args.no_record, engine=args.engine, direct=not args.page_cache)
+            progress=not args.quiet, record=not args.no_record, engine=args.engine, direct=not args.page_cache,
+            device=args.device)
     ra = " ".join(f"{a:.3f}" for a in r["routing_agreement"])
-    emit(args, r, f"{r['preset']} vs teacher on {r['data']} ({r['tokens']} tokens):\n"
+    emit(args, r, f"{emulated(r)}{r['preset']} vs teacher on {r['data']} ({r['tokens']} tokens):\n"
                   f"  KL {r['kl']:.6f} +/- {r['kl_stderr']:.6f}  top-1 {r['top1']:.4f}\n"
                   f"  ppl {r['ppl']:.4f} (teacher {r['ppl_teacher']:.4f}, ratio {r['ppl_ratio']:.4f})\n"
                   f"  routing agreement per layer: {ra}")
@@ -59,15 +64,17 @@ def _lm_flags(p):
     p.add_argument("--max-length", type=int, default=None, help="context tokens (default: the model's)")
 
 
-@command("eval lm", "lm-eval on local benchmark copies (evals/tasks)", running, _record_flags, _lm_flags)
+@command("eval lm", "lm-eval on local benchmark copies (evals/tasks)", running, flash, _record_flags, _lm_flags)
 def cmd_lm(args):
+    from evals.common import emulated
     from evals.lm import run
     limit = args.limit
     if limit is not None and float(limit).is_integer():
         limit = int(limit)
     r = run(args.model, args.preset, args.budget, args.tasks, limit, args.num_fewshot, record=not args.no_record,
-            engine=args.engine, direct=not args.page_cache, progress=not args.quiet, max_length=args.max_length)
-    lines = []
+            engine=args.engine, direct=not args.page_cache, progress=not args.quiet, max_length=args.max_length,
+            device=args.device)
+    lines = [emulated(r).rstrip(": ")] if r.get("emulated") else []
     for task, m in r["results"].items():
         vals = "  ".join(f"{k} {v:.4f}" for k, v in m.items() if isinstance(v, float) and "stderr" not in k)
         lines.append(f"{task:24s} {vals}  (n={m.get('samples')})")

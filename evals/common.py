@@ -14,9 +14,16 @@ REPO = Path(__file__).resolve().parents[1]
 PRESET_ORDER = ("teacher", "resident", "on_demand", "les", "smol", "smol_bias", "edge0")
 
 
-def open_session(model: str, preset: str, budget=None, engine: str = "numpy", direct: bool = True):
+def open_session(model: str, preset: str, budget=None, engine: str = "numpy", direct: bool = True,
+                 device: str | None = None):
+    """device: a device profile whose flash the reads emulate (workbench.devices); the results say so."""
     from workbench.session import Session
-    return Session(model, preset, budget=budget, engine=engine, direct=direct)
+    return Session(model, preset, budget=budget, engine=engine, direct=direct, device=device)
+
+
+def emulated(res: dict) -> str:
+    """The prefix of a result line whose reads emulated a device's flash."""
+    return f"EMULATED {res['device']['name']} flash: " if res.get("emulated") else ""
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -99,16 +99,16 @@ def items(samples: list[dict]) -> dict:
 
 def run(model: str, preset: str, budget=None, tasks="lambada_openai,arc_easy,piqa", limit=None, num_fewshot=None,
         record: bool = True, engine: str = "numpy", direct: bool = True, progress: bool = True,
-        max_length: int | None = None, per_item: bool = False) -> dict:
+        max_length: int | None = None, per_item: bool = False, device: str | None = None) -> dict:
     """per_item: the record keeps each task's per-item scores (evaluate's "items"), for paired comparisons."""
     from evals.common import open_session, record as write_record
     require_lm_eval()
     from evals.lm_eval_adapter import WorkbenchLM
-    with open_session(model, preset, budget, engine, direct) as s:
+    with open_session(model, preset, budget, engine, direct, device) as s:
         lm = WorkbenchLM(session=s, model=model, max_length=max_length, progress=progress)
         results = evaluate(lm, tasks, limit, num_fewshot, per_item=per_item)
         out = {"model": model, "preset": s.preset.name, "budget": s.budget_text, "tasks": local_task_names(tasks),
-               "limit": limit, "num_fewshot": num_fewshot, "results": results}
+               "limit": limit, "num_fewshot": num_fewshot, "results": results, **s.labels()}
         params = {"tasks": out["tasks"], "limit": limit, "num_fewshot": num_fewshot}
         out["run"] = write_record("lm", s, params, {k: v for k, v in out.items() if k != "run"}, enabled=record)
     return out

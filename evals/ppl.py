@@ -92,15 +92,15 @@ def perplexity(session, ids: list[int], n_ctx: int = 512, chunks: int | None = N
 
 def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: int = 512, chunks: int | None = None,
         stride: int | None = None, bos: bool = False, progress: bool = True, record: bool = True,
-        engine: str = "numpy", direct: bool = True) -> dict:
+        engine: str = "numpy", direct: bool = True, device: str | None = None) -> dict:
     from evals.common import open_session, record as write_record
-    with open_session(model, preset, budget, engine, direct) as s:
+    with open_session(model, preset, budget, engine, direct, device) as s:
         need = tokens_needed(n_ctx, chunks, stride)
         ids = text_ids(s.tokenizer, data, need)
         if need:
             ids = ids[:need]
         res = perplexity(s, ids, n_ctx, chunks, stride, bos, progress)
-        res.update(model=model, preset=s.preset.name, budget=s.budget_text, data=data)
+        res.update(model=model, preset=s.preset.name, budget=s.budget_text, data=data, **s.labels())
         params = {"data": data, "ctx": n_ctx, "chunks": chunks, "stride": stride, "bos": bos}
         res["run"] = write_record("ppl", s, params, {k: v for k, v in res.items() if k != "run"}, enabled=record)
     return res

@@ -92,9 +92,10 @@ def compare(student, trace: TeacherTrace, progress: bool = True) -> dict:
 
 def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: int = 512, chunks: int | None = 4,
         stride: int | None = None, progress: bool = True, record: bool = True, engine: str = "numpy",
-        direct: bool = True, trace: TeacherTrace | None = None) -> dict:
+        direct: bool = True, trace: TeacherTrace | None = None, device: str | None = None) -> dict:
+    """device: the preset's reads emulate that device's flash (the teacher, the reference, reads this machine's)."""
     from evals.common import open_session, record as write_record
-    with open_session(model, preset, budget, engine, direct) as s:
+    with open_session(model, preset, budget, engine, direct, device) as s:
         if trace is None:
             need = tokens_needed(n_ctx, chunks, stride)
             ids = text_ids(s.tokenizer, data, need)
@@ -102,7 +103,8 @@ def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: in
             with open_session(model, "teacher", None, engine, direct) as t:
                 trace = TeacherTrace(t, ids, n_ctx, chunks, stride, progress, data)
         res = compare(s, trace, progress)
-        res.update(model=model, preset=s.preset.name, budget=s.budget_text, data=trace.data, teacher_pack=trace.pack_id)
+        res.update(model=model, preset=s.preset.name, budget=s.budget_text, data=trace.data, teacher_pack=trace.pack_id,
+                   **s.labels())
         params = {"data": trace.data, "ctx": trace.n_ctx, "chunks": trace.chunks, "stride": trace.stride}
         layers = [{"layer": L, "routing_agreement": a, "routing_exact": x}
                   for L, a, x in zip(res["routing_layers"], res["routing_agreement"], res["routing_exact"])]

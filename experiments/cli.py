@@ -115,11 +115,14 @@ def cmd_trace(args):
         ids = _trace_ids(args, lambda t: tok.encode(t).ids)
         tr, meta = capture_numpy(args.model, ids, args.preset)
         meta["data"] = args.data
-    from experiments.routing_trace import named_predictions
+    from experiments.routing_trace import drafts, named_predictions, trained_heads
     from experiments.traces import _weights_for
     from workbench.spec import MoESpec
     spec = MoESpec.from_dict(meta["spec"])
-    out = write_trace(args.out, tr, ids, meta, predictions=named_predictions(tr, spec, _weights_for(meta, None, spec)))
+    heads = trained_heads(meta, spec)
+    meta["prerouter"] = str(heads.path) if heads else None
+    preds = named_predictions(tr, spec, _weights_for(meta, None, spec), heads)
+    out = write_trace(args.out, tr, ids, meta, predictions=preds, drafts=drafts(ids))
     obj = {"path": str(out), "engine": args.engine, "tokens": len(ids), "moe_layers": tr["moe_layers"],
            "top_k": int(tr["topk"].shape[2]), "rows": len(ids) * len(tr["moe_layers"])}
     emit(args, obj, f"wrote {out}: {len(ids)} tokens x {len(tr['moe_layers'])} layers ({args.engine})")
@@ -156,6 +159,8 @@ def _simulate_flags(p):
     p.add_argument("--workers", type=int, default=None, help="reader threads (default: the profile's queue depth)")
     p.add_argument("--model", default=None, help="measure the compute profile on this model (default: the trace's)")
     p.add_argument("--compute", default=None, help="a compute profile JSON instead of measuring one")
+    p.add_argument("--predictor", default=None, help="prefetch with this recorded predictor instead of the preset's "
+                                                    "(e.g. prerouter, where the trace recorded Edge0's heads)")
     p.add_argument("--no-record", action="store_true")
 
 
@@ -164,7 +169,7 @@ def cmd_simulate(args):
     from experiments.simulate import load_compute, run
     res = run(args.trace, args.preset, args.budget, args.device, shape=args.shape, tokens=args.tokens,
               prompt=args.prompt_tokens, compute=load_compute(args.compute) if args.compute else None,
-              workers=args.workers, model=args.model, record=not args.no_record)
+              workers=args.workers, model=args.model, record=not args.no_record, predictor=args.predictor)
     emit(args, res, f"SIMULATED {res['preset']} on {res['device']['label']} ({res['shape_note']}): "
                     f"{res['tok_s']:.2f} tok/s, hit {res['hit_rate']:.3f}; Belady bound: hit {res['belady_hit_rate']:.3f}, "
                     f"{res['belady_tok_s']:.2f} tok/s")

@@ -6,7 +6,11 @@
 A trace (experiments/traces.py) holds per token and MoE layer the experts routed; `named_predictions` adds what
 each predictor named for that (token, layer), computed when the trace is written (from the recorded router inputs
 and the traced model's own routers for lookahead): lookahead at depth 1 and 2, width k and 2k; history (the
-previous token's experts at that layer); the oracle (the true routing). Edge0's prerouter is not recorded.
+previous token's experts at that layer); the oracle (the true routing); and, where an Edge0 head is trained for the
+traced model (<model dir>/edge0/prerouter.safetensors), `prerouter`: what the heads name for (token t, layer j) from
+token t-1 at layer j-1, as the engine's Prerouter names it one token ahead. `drafts` adds, per token, the
+prompt-lookup draft (workbench.speculative) proposed after it, for replaying LES's speculative batch verification:
+a draft token is accepted while it equals the trace's next token (the traced text plays the model's greedy output).
 
 `TraceDrive` replaces a Session's router and predictor, so the run reads real experts of the model's own size
 and computes for real, but routes and prefetches as the traced model did. Mapping when shapes differ (stated in
@@ -28,10 +32,44 @@ from workbench.routing import topk_desc
 from workbench.spec import MoESpec
 
 PREDICTORS = ("lookahead:1:k", "lookahead:1:2k", "lookahead:2:k", "lookahead:2:2k", "history", "oracle")
+DRAFT = 4               # draft tokens recorded per position: LES's speculative rung (experiments.ladder.les_rungs)
 
 
-def named_predictions(trace: dict, spec: MoESpec, weights: dict) -> dict:
-    """{predictor: (T, NL, width) int32}: the experts each predictor named for (token, layer); -1 where none."""
+def drafts(ids: list[int], n: int = DRAFT) -> np.ndarray:
+    """(T, n) int32: the prompt-lookup draft proposed after token t (context ids[:t+1]), -1 past its end."""
+    from workbench.speculative import prompt_lookup_draft
+    out = np.full((len(ids), n), -1, np.int32)
+    for t in range(len(ids)):
+        d = prompt_lookup_draft(list(ids[:t + 1]), n)
+        out[t, :len(d)] = d
+    return out
+
+
+def prerouter_predictions(trace: dict, spec: MoESpec, weights: dict, heads) -> np.ndarray:
+    """(T, NL, k) int32: what Edge0's heads (workbench.edge0.serve.Heads) name for token t at MoE layer j, computed at
+    token t-1 from layer j-1's normed input, routing and the routing of token t-2 there; -1 where no head names it."""
+    from workbench.edge0.serve import features
+    from workbench.predict import _rms
+    from workbench.routing import route
+    topk, h, layers = trace["topk"], trace["router_input"], list(trace["moe_layers"])
+    T, NL, k = topk.shape
+    out = np.full((T, NL, k), -1, np.int32)
+    for j in range(1, NL):
+        owner, target = layers[j - 1], layers[j]
+        if owner not in heads.owners:
+            continue
+        x = _rms(h[:, j - 1].astype(np.float32), weights[f"layers.{owner}.mlp_norm"], spec.rms_norm_eps)
+        prev = np.concatenate([np.zeros((1, k), topk.dtype), topk[:-1, j - 1]])
+        f = features(x, topk[:, j - 1], prev, spec.num_experts)
+        f[0, spec.hidden_size + spec.num_experts:] = 0.0            # the first token has no previous one
+        idx, _ = route(spec, heads.logits(owner, f), weights.get(f"layers.{target}.router_bias"))
+        out[1:, j] = idx[:-1]
+    return out
+
+
+def named_predictions(trace: dict, spec: MoESpec, weights: dict, heads=None) -> dict:
+    """{predictor: (T, NL, width) int32}: the experts each predictor named for (token, layer); -1 where none.
+    heads: Edge0's trained prerouter heads for the traced model, when it has them."""
     from workbench.predict import Lookahead
     topk, h, layers = trace["topk"], trace["router_input"], list(trace["moe_layers"])
     T, NL, k = topk.shape
@@ -52,6 +90,8 @@ def named_predictions(trace: dict, spec: MoESpec, weights: dict) -> dict:
     hist[1:] = topk[:-1]
     out["history"] = hist
     out["oracle"] = topk.astype(np.int32)
+    if heads is not None:
+        out["prerouter"] = prerouter_predictions(trace, spec, weights, heads)
     return out
 
 
@@ -75,6 +115,7 @@ class TraceDrive:
         tr = trace or read_trace(path)      # trace: the file already read
         self.path, self.spec = str(path), spec
         self.topk, self.preds = tr["topk"], tr.get("predictions", {})
+        self.ids, self.drafts = tr["ids"], tr.get("drafts")
         meta = tr["meta"]
         self.T, tl = self.topk.shape[0], tr["moe_layers"]
         self.r, rule = expert_map(path, {"num_experts": meta["num_experts"], "top_k": meta["top_k"]}, spec)
@@ -84,6 +125,8 @@ class TraceDrive:
         self.source = {"path": self.path, "engine": meta.get("engine"), "model": meta.get("gguf") or meta.get("model"),
                        "tokens": self.T, "data": meta.get("data"), "mapping": self.mapping}
         self.predictor_name = predictor
+        if predictor and predictor.split(":")[0] == "prerouter":     # prerouter:SKIP names the layers from SKIP on
+            predictor = "prerouter"
         if predictor and predictor not in self.preds:
             have = ", ".join(self.preds) or "none (a trace written before predictions were recorded)"
             raise WorkbenchError(f"{path}: predictor {predictor!r} is not recorded in this trace (it has: {have})")
@@ -113,22 +156,49 @@ class TraceDrive:
     def predictor(self):
         return None if not self.predictor_name else _Recorded(self)
 
+    def draft(self, token_index: int, n: int) -> tuple[list[int], int]:
+        """The recorded draft after decode step `token_index`'s input token (at most n tokens) and how many of it
+        the trace's next tokens accept. A rejected draft token is routed as the trace's token at its place."""
+        if self.drafts is None:
+            raise WorkbenchError(f"{self.path}: no speculative drafts recorded (a trace written before they were): "
+                                 f"write it again with `trace`")
+        r = (self.prompt_len - 1 + token_index) % self.T
+        d = [int(t) for t in self.drafts[r][:n] if t >= 0]
+        accepted = 0
+        while accepted < len(d) and d[accepted] == self.ids[(r + 1 + accepted) % self.T]:
+            accepted += 1
+        return d, accepted
+
 
 class _Recorded:
     """A predictor that names what the trace recorded for the target layer at this token."""
 
     def __init__(self, drive: TraceDrive):
         name = drive.predictor_name
-        self.d, self.table = drive, drive.preds[name]
+        self.d, self.table = drive, drive.preds[name.split(":")[0] if name.startswith("prerouter") else name]
+        self.skip = int(name.split(":")[1]) if name.startswith("prerouter:") else 1
         self.depth = int(name.split(":")[1]) if name.startswith("lookahead") else 1
+        self.ahead = int(name.startswith("prerouter"))       # Edge0's heads name the next token's layer
         self.moe = drive.spec.moe_layers
 
     def predict(self, layer: int, ctx) -> dict:
         i = self.moe.index(layer) + self.depth
-        if ctx["phase"] != "decode" or i >= len(self.moe):
+        if ctx["phase"] != "decode" or i >= len(self.moe) or (self.ahead and i < self.skip):
             return {}
         target = self.moe[i]
-        row = self.d.rows(ctx["engine"], 1)[0]
-        named = self.d.experts(self.table[row, self.d.row_layer[target]])
-        return {target: [int(e) for e in named if e >= 0]}
+        row = (self.d.rows(ctx["engine"], 1)[0] + self.ahead) % self.d.T
+        named = [int(e) for e in self.d.experts(self.table[row, self.d.row_layer[target]]) if e >= 0]
+        return {(target, ctx["engine"].token_index + 1): named} if self.ahead else {target: named}
 
+
+
+def trained_heads(meta: dict, spec: MoESpec):
+    """Edge0's prerouter heads for the traced model (its pack's, or beside its GGUF), or None where none is trained."""
+    from workbench.edge0.artifacts import artifact_path
+    from workbench.edge0.serve import Heads
+    from workbench.store.pack import Pack
+    ref = meta.get("pack") or meta.get("gguf")
+    if not ref or not str(ref).endswith(".pack"):
+        return None
+    pack = Pack(ref)
+    return Heads.load(spec, pack) if artifact_path(pack, "prerouter").is_file() else None

@@ -15,7 +15,12 @@ adjacent reads merged as Reader.submit merges them). What is modelled, mirroring
                   takes the device profile's read_s(bytes, n); the pool thread then dequantizes each expert
                   of that read (as the streamer's read callback does), so an expert is ready after both
   compute         a measured profile of this engine (ComputeProfile): dense and router time per layer, expert
-                  compute per expert, dequant per expert at the pack's precision, other time per token
+                  compute per expert, dequant (the packed engine: the crc check) per expert read, other per token
+  speculative     (a preset with speculative n) a step verifies the input token and the trace's recorded draft
+                  (up to n tokens) in one batch: the layer reads the union of the batch's experts once; dense and
+                  router are charged per row, expert compute per (token, expert) pair; the accepted draft tokens
+                  (where the trace's text continues with them) and the step's own token are produced
+  prerouter       Edge0's heads, recorded in the trace, name the next token's experts (prefetched a token ahead)
 
 Not modelled: CPU contention between the reader threads and the compute thread (the real run shares cores),
 page-cache effects (reads are O_DIRECT), Python scheduling jitter. The Belady bound replays the same accesses
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engines.base import Engine
-from workbench.cache import ExpertCache
+from workbench.cache import ExpertCache, reserve_ahead, warm_set
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
 from workbench.presets import Budget, CacheScope, Order, Router
@@ -196,16 +201,13 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
             for e in range(spec.num_experts):
                 cache.pin((L, e), landed)
     elif preset.cache.warm:
-        per = min(cache.capacity.values()) if preset.cache.scope is CacheScope.PER_LAYER else \
-            cache.capacity[spec.moe_layers[0]] // len(spec.moe_layers)
-        for L in spec.moe_layers:
-            for e in np.argsort(-np.asarray(drive.usage[L]), kind="stable")[:per]:
-                cache.reserve((L, int(e)), landed)
+        for k in warm_set(cache, drive.usage):
+            cache.reserve(k, landed)
 
     pos = _Position()
     predictor = drive.predictor()
     layers = {L: _layer_event(L) for L in spec.moe_layers}
-    n = dict(bytes=0, wait=0.0, issued=0, used=0, predicted=0, demand=0)
+    n = dict(bytes=0, wait=0.0, issued=0, used=0, predicted=0, demand=0, spec_steps=0, spec_accepted=0)
     prefetched: set = set()
 
     def work(seconds):
@@ -251,28 +253,33 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     at_decode = list(cache.keys())                   # what any policy starts decoding with (Belady too)
     pool.dequants = []                               # the prompt's dequants are done before decoding starts
     steps = max(0, tokens - 1)
-    for step in range(1, steps + 1):
-        ctx = pos.step(step)
+    produced, step, n_spec = 0, 1, preset.execution.speculative
+    while produced < steps:
+        # one decode step: one token, or (speculative) the last token and its draft verified in one batch
+        draft, accepted = drive.draft(step, min(n_spec, steps - produced)) if n_spec else ([], 0)
+        batch = range(step, step + len(draft) + 1)
+        n["spec_steps"] += 1
+        n["spec_accepted"] += accepted
         for L in spec.moe_layers:
             ev = layers[L]
-            work(compute.dense_s + compute.router_s)
-            needed = sorted(set(int(e) for e in drive.route(L, np.zeros((1, 1)), ctx)[0].reshape(-1)))
+            work((compute.dense_s + compute.router_s) * len(batch))
+            routed = [set(int(e) for e in drive.route(L, np.zeros((1, 1)), pos.step(b))[0].reshape(-1)) for b in batch]
+            uses = {e: sum(e in r for r in routed) for e in set().union(*routed)}     # (token, expert) pairs
+            needed = sorted(uses)
             protect = {(L, e) for e in needed}
-            if predictor is not None:
-                for target, experts in predictor.predict(L, ctx).items():
-                    n["predicted"] += len(experts)
-                    keys = []
-                    for e in experts:
-                        k = (target, int(e))
-                        if k in cache:
-                            continue
-                        if not cache.reserve(k, None, protect):
-                            break
-                        keys.append(k)
-                    if keys:
-                        issue(keys, clock.now, True)
-                        prefetched.update(keys)
-                        n["issued"] += len(keys)
+            named: dict = {}
+            for b in batch if predictor is not None else ():
+                for target, experts in predictor.predict(L, pos.step(b)).items():
+                    # a later layer of this token, or (layer, token) of a later token (Edge0's prerouter)
+                    named.setdefault(target[0] if isinstance(target, tuple) else target, []).extend(experts)
+            for target, experts in named.items():
+                experts = list(dict.fromkeys(int(e) for e in experts))
+                n["predicted"] += len(experts)
+                keys = reserve_ahead(cache, [(target, e) for e in experts], None, protect)
+                if keys:
+                    issue(keys, clock.now, True)
+                    prefetched.update(keys)
+                    n["issued"] += len(keys)
             ready, pending, backlog = [], {}, []
             for e in needed:
                 k = (L, e)
@@ -301,8 +308,8 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                         pending[k[1]] = cache.peek(k)
 
             def run(e):
-                work(compute.expert_s)
-                ev["compute_s"] += compute.expert_s
+                work(compute.expert_s * uses[e])
+                ev["compute_s"] += compute.expert_s * uses[e]
                 protect.discard((L, e))
 
             issue_backlog()
@@ -334,6 +341,8 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     ev["wait_s"] += wait
                     n["wait"] += wait
         work(compute.other_s)
+        produced = min(steps, produced + accepted + 1)
+        step += accepted + 1
     decode_s = clock.now - t_decode
     hits = sum(r["hits"] for r in layers.values())
     misses = sum(r["misses"] for r in layers.values())
@@ -343,7 +352,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
             "hits": hits, "misses": misses, "bytes_read": n["bytes"], "bytes_read_per_token": n["bytes"] / max(1, steps),
             "flash_wait_s": n["wait"], "flash_wait_per_token_s": n["wait"] / max(1, steps), "decode_s": decode_s,
             "decode_steps": steps, "prefetch_issued": n["issued"], "prefetch_used": n["used"],
-            "experts_read": n["demand"] + n["issued"],
+            "experts_read": n["demand"] + n["issued"], "spec_steps": n["spec_steps"], "spec_accepted": n["spec_accepted"],
             "budget_bytes": budget_bytes, "cache_slots": cache.capacity[spec.moe_layers[0]], "cache_at_decode": at_decode,
             "per_layer": [layers[L] for L in spec.moe_layers]}
 
@@ -389,15 +398,18 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
 
 
 def simulable(p):
-    """The preset, if the simulator can replay it (a trace records exact routing, one token at a time)."""
-    if p.routing.router is not Router.EXACT or p.execution.speculative:
-        raise WorkbenchError(f"simulate: preset {p.name} changes routing or decodes speculatively; the trace replays exact routing")
+    """The preset, if the simulator can replay it: a trace records exact routing (what a predictor named is
+    replayed as prefetches, LES's speculative verification as the batch's union of experts)."""
+    if p.routing.router is not Router.EXACT:
+        raise WorkbenchError(f"simulate: preset {p.name} changes routing; the trace replays exact routing (to replay "
+                             f"what its predictor named as prefetches, pass another preset and --predictor)")
     return p
 
 
 def run(trace_path: str, preset, budget: str | None, device: str, shape: str | None = None,
         tokens: int = 64, prompt: int = 4, compute: ComputeProfile | None = None, workers: int | None = None,
-        model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None) -> dict:
+        model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None,
+        predictor: str | None = None) -> dict:
     """One design over a trace. The simulated model: `spec` if given, else the traced model at `shape`'s expert
     shape, else the traced model itself. preset: a name or a Preset (a ladder rung). rung: {ladder, rung,
     rung_index, model} for the run record, so the dashboard's ladders page shows a simulated ladder beside the rest."""
@@ -405,7 +417,10 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     from workbench.presets import get_preset
     from experiments.routing_trace import TraceDrive
     from experiments.traces import read_trace
-    p = simulable(get_preset(preset) if isinstance(preset, str) else preset)
+    p = get_preset(preset) if isinstance(preset, str) else preset
+    if predictor:
+        p = p.with_(predictor=predictor)
+    p = simulable(p)
     budget = str(budget if budget is not None else p.cache.budget)
     dev = devices.load(device) if isinstance(device, str) else device     # a name, a profile, or devices.Slowest
     trace = read_trace(trace_path)          # read once: its metadata here, its rows in the drive
@@ -459,12 +474,14 @@ def shape_spec(shape: str, meta: dict, traced: MoESpec) -> tuple[MoESpec, str]:
                   f"{r * meta['num_experts']} experts ({r} x the trace's) on the trace's {len(traced.moe_layers)} MoE layers")
 
 
-def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -> ComputeProfile:
+def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, engine: str | None = None) -> ComputeProfile:
     """This engine's compute, measured: the model resident for dense/router/other per layer and token; expert
-    compute and dequant timed on this spec's expert shape with the engine's own kernels (numpy matmuls, the codec)."""
+    compute and what a reader thread does per expert timed on this spec's expert shape with the engine's own
+    kernels: the numpy engine's matmuls and codec (dequant), or the packed engine's compiled kernels on the encoded
+    bytes, one call per layer's top-k, and the crc its readers check (`dequant_s` is then that check)."""
     from workbench.session import Session
     from workbench.store import quant
-    with Session(model, "resident") as s:
+    with Session(model, "resident", engine=engine, experts=experts) as s:     # the kernels of this precision
         s.generate([1, 2, 3, 4], tokens=tokens)
         dec = [t for t in s.tel.tokens if t.phase == "decode"]
         evs = [e for e in s.tel.events if e.phase == "decode"]
@@ -474,22 +491,25 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
         other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
         expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
         issue = _issue_cost(s)
-        measured_model, mlp = s.spec, s.engine.mlp        # the numpy engine's expert kernel
+        measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
     rng = np.random.default_rng(0)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
          "up": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
          "down": rng.standard_normal((d, ff), dtype=np.float32) * 0.02}
+    packed = name == "packed"
+    kernel = (lambda d_, ff_: _packed_time(d_, ff_, experts, spec.top_k)) if packed else (lambda d_, ff_: _mlp_time(mlp, d_, ff_))
     expert = expert_measured
     if (measured_model.hidden_size, measured_model.moe_intermediate_size) != (d, ff):
         # another expert shape: the kernel timed at both shapes, the engine's per-expert overhead carried over
-        expert += _mlp_time(mlp, d, ff) - _mlp_time(mlp, measured_model.hidden_size, measured_model.moe_intermediate_size)
+        expert += kernel(d, ff) - kernel(measured_model.hidden_size, measured_model.moe_intermediate_size)
     reps = 20
     enc = {p: (quant.encode(w[p], expert_kind(w[p].shape, experts)) if expert_kind(w[p].shape, experts) != "bf16"
                else None) for p in PARTS}
+    reader_work = (lambda: _crc(enc)) if packed else (lambda: _dequant(enc, w, experts))
     t0 = time.perf_counter()
     for _ in range(reps):
-        _dequant(enc, w, experts)
+        reader_work()
     deq = (time.perf_counter() - t0) / reps
     if measured_model.to_dict() != spec.to_dict():
         # another shape: attention projections and the router timed at both shapes, the difference added
@@ -497,11 +517,11 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16) -
         router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
                                                                                   measured_model.hidden_size)
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
-                          dequant_busy_s=_contended(lambda: _dequant(enc, w, experts), lambda: mlp(
+                          dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
                               np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
-                                 f"loaded): {model} resident for dense/router/other; expert and {experts} dequant at "
-                                 f"d={d}, ff={ff} with the engine's kernels")
+                                 f"loaded), {name} engine: {model} resident for dense/router/other; expert and {experts} "
+                                 f"{'crc check' if packed else 'dequant'} at d={d}, ff={ff} with the engine's kernels")
 
 
 def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> ComputeProfile:
@@ -525,6 +545,36 @@ def _dequant(enc, w, experts):
         if enc[p] is not None:
             zlib.crc32(enc[p])
             quant.decode(enc[p], w[p].shape, expert_kind(w[p].shape, experts))
+
+
+def _crc(enc):
+    """What the packed engine's reader thread does per expert (Pack.decode_expert(raw=True)): the checksum."""
+    crc = 0
+    for p in PARTS:
+        if enc[p] is not None:
+            crc = zlib.crc32(enc[p], crc)
+    return crc
+
+
+def _packed_time(d: int, ff: int, experts: str, k: int, reps: int = 10) -> float:
+    """Per expert: the packed engine's kernel (engines/packed_kernels.moe_layer) on k experts' encoded bytes in
+    one call, as the engine calls it per layer."""
+    from engines import packed_kernels as K
+    from workbench.store import quant
+    rng = np.random.default_rng(0)
+    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    kinds = {p: expert_kind(shapes[p], experts) for p in PARTS}
+    parts, nbytes = K.expert_parts(shapes, kinds)
+    slot = np.concatenate([quant.encode(rng.standard_normal(shapes[p], dtype=np.float32) * 0.02, kinds[p]) for p in PARTS])
+    arena = np.tile(slot, k)
+    off, idx = np.arange(k, dtype=np.int64) * nbytes, np.arange(k, dtype=np.int64)
+    X, Y, w = np.ones((1, d), np.float32), np.empty((k, d), np.float32), np.ones(k, np.float32)
+    call = lambda: K.moe_layer(arena, off, np.zeros(k, np.int64), idx, w, X, Y, parts, d, ff, K.F16, K.BF16)
+    call()                                           # compiled (cached) before timing
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        call()
+    return (time.perf_counter() - t0) / reps / k
 
 
 def _contended(dequant, compute, n: int = 40) -> float:

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.cache import reserve_ahead, warm_set
 from workbench.capture import RoutingCapture
 from workbench.errors import WorkbenchError
-from workbench.presets import Budget, CacheScope, Predictor, Prefetch
+from workbench.presets import Budget, Predictor, Prefetch
 from workbench.runs import write_table
 from workbench.spec import MoESpec
 
@@ -38,9 +39,11 @@ DESIGNS = ("on_demand", "history", "shuffled", "lookahead", "oracle")
 
 # ---------------------------------------------------------------- file format
 
-def write_trace(path, trace: dict, ids: list[int], meta: dict, predictions: dict | None = None) -> Path:
+def write_trace(path, trace: dict, ids: list[int], meta: dict, predictions: dict | None = None,
+                drafts: np.ndarray | None = None) -> Path:
     """trace: topk (T, L, k), logits (T, L, E), router_input (T, L, d), moe_layers. Written atomically.
-    predictions: {predictor: (T, L, width) expert ids, -1 = none} (experiments/routing_trace.py), one column each."""
+    predictions: {predictor: (T, L, width) expert ids, -1 = none} (experiments/routing_trace.py), one column each.
+    drafts: (T, n) the speculative draft proposed after each token (-1 = none), in every row of that token."""
     import pyarrow as pa
     topk, logits, h = (np.asarray(trace[k]) for k in ("topk", "logits", "router_input"))
     T, NL, k = topk.shape
@@ -58,9 +61,11 @@ def write_trace(path, trace: dict, ids: list[int], meta: dict, predictions: dict
         "logits": fixed(logits.astype(np.float32), E, pa.float32()),
         "router_input": fixed(h.astype(np.float32), d, pa.float32()),
         **{f"pred:{name}": fixed(np.asarray(a, np.int32), a.shape[2], pa.int32()) for name, a in (predictions or {}).items()},
+        **({"draft": fixed(np.repeat(np.asarray(drafts, np.int32), NL, 0), drafts.shape[1], pa.int32())}
+           if drafts is not None else {}),
     })
     meta = {**meta, "n_tokens": T, "moe_layers": layers.tolist(), "top_k": k, "num_experts": E, "hidden_size": d,
-            "predictions": sorted(predictions or {}),
+            "predictions": sorted(predictions or {}), "draft": None if drafts is None else int(drafts.shape[1]),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     table = table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
     return write_table(table, path)
@@ -90,7 +95,8 @@ def read_trace(path) -> dict:
             "topk": col("topk", meta["top_k"]), "logits": col("logits", meta["num_experts"]),
             "router_input": col("router_input", meta["hidden_size"]),
             "predictions": {n: col(f"pred:{n}", table.schema.field(f"pred:{n}").type.list_size)
-                            for n in meta.get("predictions", [])}}
+                            for n in meta.get("predictions", [])},
+            "drafts": col("draft", meta["draft"])[:, 0] if meta.get("draft") else None}
 
 
 # ---------------------------------------------------------------- capture with the numpy engine
@@ -140,22 +146,18 @@ class _Ctx:
 
 
 def _predictor(design: str, preset, spec, weights, trace: dict, usage: dict):
-    from workbench.predict import History, Lookahead, Oracle, Shuffled, make_predictor
+    from workbench.predict import make_predictor
     if design == "on_demand":
         return None
-    if design == "history":
-        return History(spec)
-    if design == "shuffled":
-        return Shuffled(spec, usage)
-    if design == "oracle":
-        layers, topk = trace["moe_layers"], trace["topk"]
-        table = {(t, L): sorted(set(topk[t, j].tolist())) for t in range(topk.shape[0]) for j, L in enumerate(layers)}
-        return Oracle(spec, table)
-    look = preset.prefetch if preset.prefetch.predictor is Predictor.LOOKAHEAD else \
-        Prefetch(Predictor.LOOKAHEAD, depth=1, width=2)
-    p = make_predictor(look, spec, weights)
-    assert isinstance(p, Lookahead)
-    return p
+    if design == "lookahead":
+        pf = preset.prefetch if preset.prefetch.predictor is Predictor.LOOKAHEAD else \
+            Prefetch(Predictor.LOOKAHEAD, depth=1, width=2)
+    else:
+        pf = Prefetch(Predictor(design))
+    layers, topk = trace["moe_layers"], trace["topk"]
+    oracle = {(t, L): sorted(set(topk[t, j].tolist())) for t in range(topk.shape[0]) for j, L in enumerate(layers)} \
+        if design == "oracle" else None
+    return make_predictor(pf, spec, weights, usage=usage, trace=oracle)
 
 
 def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weights: dict, usage: dict,
@@ -170,11 +172,8 @@ def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weigh
     cache = ExpertCache(budget_bytes, item, layers, policy=preset.cache.policy.value, scope=preset.cache.scope.value,
                         min_slots_per_layer=spec.top_k)
     if preset.cache.warm:                                 # the most-used experts of each layer (this trace's counts)
-        per = min(cache.capacity.values()) if preset.cache.scope is CacheScope.PER_LAYER \
-            else cache.capacity[layers[0]] // len(layers)
-        for L in layers:
-            for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per]:
-                cache.reserve((L, int(e)), True)
+        for k in warm_set(cache, usage):
+            cache.reserve(k, True)
     pred = _predictor(design, preset, spec, weights, trace, usage)
     ectx = _Ctx()
     predicted_for: dict = {}
@@ -209,12 +208,7 @@ def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weigh
                 for target, experts in pred.predict(L, ctx).items():
                     experts = list(map(int, experts))
                     predicted_for[(target, t)] = experts
-                    for e in experts:
-                        key = (target, e)
-                        if key in cache:
-                            continue
-                        if not cache.reserve(key, True, protect):
-                            break
+                    for key in reserve_ahead(cache, [(target, e) for e in experts], True, protect):
                         outstanding[key] = t
                         n["issued"] += count
             for k in keys:                                # the layer's misses are read now (never evicting its own)

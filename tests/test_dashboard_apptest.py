@@ -178,20 +178,26 @@ def test_a_starting_design_already_has_its_running_layout(runs_root):
     poll(at, finished)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are read from /proc")
-def test_designs_generate_at_a_lower_priority_than_the_page(runs_root):
-    before = set(threading.enumerate())
-    at = start(app(LIVE), ["on_demand"], tokens=2000)
-    run = C.get_runs(at.session_state["run_ids"])[0]
-    poll(at, lambda a: run.generated > 2, timeout=60)
-    readers = [t for t in set(threading.enumerate()) - before if t.name.startswith("io-reader")]
-    assert readers, "the design reads its experts through a reader pool"
-    tids = {run.thread.native_id} | {t.native_id for t in readers}
-    nice = {int(Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16]) for tid in tids}
+@pytest.mark.skipif(sys.platform != "linux", reason="process priorities are read from /proc")
+def test_each_design_generates_in_its_own_process_at_a_lower_priority_than_the_page(runs_root):
+    at = start(app(LIVE), ["on_demand", "les"], tokens=2000)
+    runs = C.get_runs(at.session_state["run_ids"])
+    poll(at, lambda a: all(r.generated > 2 for r in runs), timeout=90)
+    pids = {r.process.pid for r in runs}
+    tasks = [stat for pid in pids for stat in Path(f"/proc/{pid}/task").glob("*/stat")]
+    nice = {int(stat.read_text().rsplit(")", 1)[1].split()[16]) for stat in tasks}
+    assert C.cores_note(2) in [c.value for c in at.caption]
     ok(at.button(key="stop").click().run())
     poll(at, finished, timeout=30)
-    assert nice == {C.WORKER_NICE}, "the worker and its reader pool yield the CPU to the page"
+    assert len(pids) == 2 and os.getpid() not in pids, "one process per design, none of them the page's"
+    assert len(tasks) > 2 * 2, "each design reads its experts through its own reader pool"
+    assert nice == {C.WORKER_NICE}, "the designs and their reader pools yield the CPU to the page"
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0, "the page itself is not lowered"
+
+
+def test_the_page_says_when_designs_share_a_core():
+    assert "share cores" in C.cores_note(3, 2) and "3 designs on 2 cores" in C.cores_note(3, 2)
+    assert "share" not in C.cores_note(2, 2) and "at most one each" in C.cores_note(2, 2)
 
 
 def test_unknown_model_path_shows_an_error_not_a_traceback():

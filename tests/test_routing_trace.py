@@ -23,7 +23,8 @@ def demo_trace():
 
 
 def test_the_shipped_demo_trace_records_every_predictor_and_its_provenance(demo_trace):
-    assert set(demo_trace["predictions"]) == set(PREDICTORS)
+    assert set(demo_trace["predictions"]) == set(PREDICTORS) | {"prerouter"}      # the demo's Edge0 heads are trained
+    assert demo_trace["drafts"].shape == (len(demo_trace["ids"]), 4)
     assert demo_trace["meta"]["engine"] == "numpy" and demo_trace["meta"]["model"] == "demo"
     assert (REPO / "data" / "traces" / "PROVENANCE.md").read_text().count("demo-tinystories-256.parquet")
     np.testing.assert_array_equal(demo_trace["predictions"]["oracle"], demo_trace["topk"])
@@ -61,8 +62,11 @@ def test_trace_files_round_trip(tmp_path):
     tr = {"topk": rng.integers(0, E, (T, NL, k)), "logits": rng.standard_normal((T, NL, E)),
           "router_input": rng.standard_normal((T, NL, d)), "moe_layers": [0, 1, 2]}
     preds = {"oracle": tr["topk"].astype(np.int32), "lookahead:1:2k": rng.integers(-1, E, (T, NL, 2 * k)).astype(np.int32)}
-    write_trace(tmp_path / "t.parquet", tr, list(range(10, 15)), {"engine": "test", "model": "m"}, predictions=preds)
+    drafts = rng.integers(-1, 20, (T, 4)).astype(np.int32)
+    write_trace(tmp_path / "t.parquet", tr, list(range(10, 15)), {"engine": "test", "model": "m"}, predictions=preds,
+                drafts=drafts)
     back = read_trace(tmp_path / "t.parquet")
+    np.testing.assert_array_equal(back["drafts"], drafts)
     np.testing.assert_array_equal(back["topk"], tr["topk"])
     np.testing.assert_array_equal(back["logits"], tr["logits"].astype(np.float32))
     np.testing.assert_array_equal(back["router_input"], tr["router_input"].astype(np.float32))
@@ -115,3 +119,76 @@ def test_bench_with_a_missing_or_unmappable_trace_is_a_one_line_error(tmp_path, 
     assert "no such trace file" in capsys.readouterr().err
     assert main(["bench", "--preset", "smol_bias", "--routing-trace", str(DEMO_TRACE), "--no-record", "--tokens", "2"]) == 2
     assert "changes routing" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def edge0_trace(tmp_path_factory):
+    """A short trace of the demo, whose Edge0 heads are trained (data/models/demo-moe/edge0), written by `trace`."""
+    from workbench.cli import main
+    out = tmp_path_factory.mktemp("t") / "t.parquet"
+    assert main(["trace", "--engine", "numpy", "--model", "demo", "--data", "tinystories", "--tokens", "48",
+                 "--out", str(out)]) in (0, None)
+    return read_trace(out)
+
+
+def test_the_prerouter_is_recorded_as_edge0s_heads_name_it_one_token_ahead(edge0_trace):
+    """The recorded column equals what the engine's own Prerouter (workbench.edge0.serve) names when it is fed the
+    recorded inputs token by token, layer by layer."""
+    from experiments.traces import _weights_for
+    from workbench.edge0.serve import Heads, Prerouter
+    from workbench.predict import _rms
+    from workbench.store.pack import Pack
+    tr = edge0_trace
+    spec = MoESpec.from_dict(tr["meta"]["spec"])
+    w = _weights_for(tr["meta"], None, spec)
+    pre = Prerouter(spec, w, Heads.load(spec, Pack(tr["meta"]["pack"])), skip_layers=1)
+    layers, got = tr["moe_layers"], np.full_like(tr["predictions"]["prerouter"], -1)
+
+    class Engine:
+        pos = 1
+    eng = Engine()
+    for t in range(len(tr["ids"]) - 1):
+        eng.token_index = t
+        for j, L in enumerate(layers[:-1]):
+            x = _rms(tr["router_input"][t, j][None].astype(np.float32), w[f"layers.{L}.mlp_norm"], spec.rms_norm_eps)
+            for (target, t1), idx in pre.predict(L, {"engine": eng, "routed": tr["topk"][t, j][None], "x": x,
+                                                      "phase": "decode"}).items():
+                got[t1, layers.index(target)] = idx
+    np.testing.assert_array_equal(got, tr["predictions"]["prerouter"])
+    assert (got[1:, 1:] >= 0).all() and tr["meta"]["prerouter"].endswith("prerouter.safetensors")
+
+
+def test_the_recorded_drafts_are_prompt_lookups_and_a_drive_accepts_what_the_text_continues(edge0_trace):
+    from workbench.speculative import prompt_lookup_draft
+    tr, spec = edge0_trace, MoESpec.from_dict(edge0_trace["meta"]["spec"])
+    ids = tr["ids"]
+    for t in range(len(ids)):
+        d = prompt_lookup_draft(ids[:t + 1], 4)
+        assert tr["drafts"][t].tolist() == d + [-1] * (4 - len(d))
+    drive = TraceDrive("t", spec, None, trace=tr)
+    drive.prompt_len = 1                         # decode step n's input token is trace row n
+    for n in range(1, len(ids) - 5):
+        draft, accepted = drive.draft(n, 4)
+        assert draft[:accepted] == ids[n + 1:n + 1 + accepted]
+        assert accepted == len(draft) or draft[accepted] != ids[n + 1 + accepted]
+
+
+def test_simulate_replays_the_prerouter_and_the_speculative_rung(edge0_trace, tmp_path):
+    from experiments.traces import write_trace
+    from experiments.simulate import ComputeProfile, run
+    tr = edge0_trace
+    path = tmp_path / "t.parquet"
+    write_trace(path, {k: tr[k] for k in ("topk", "logits", "router_input", "moe_layers")}, tr["ids"], tr["meta"],
+                predictions=tr["predictions"], drafts=tr["drafts"])
+    cp = ComputeProfile(dense_s=1e-4, router_s=1e-5, expert_s=1e-4, dequant_s=1e-5)
+    pre = run(str(path), "oracle", "0.25", "ufs22-phone", tokens=24, compute=cp, record=False, predictor="prerouter")
+    assert pre["prefetch_issued"] > 0 and pre["simulated"]
+    plain = run(str(path), "les", "0.25", "ufs22-phone", tokens=40, compute=cp, record=False)
+    spec4 = run(str(path), get_les_speculative(), "0.25", "ufs22-phone", tokens=40, compute=cp, record=False)
+    assert plain["spec_steps"] == 39 and spec4["spec_accepted"] > 0       # 39 decode tokens: fewer steps
+    assert spec4["spec_steps"] + spec4["spec_accepted"] in (39, 40)       # 40: the last step's extra token dropped
+
+
+def get_les_speculative():
+    from workbench.presets import get_preset
+    return get_preset("les").with_(name="les+speculative", speculative=4)

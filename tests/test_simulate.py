@@ -166,3 +166,38 @@ def test_bad_simulate_input_is_a_one_line_error(tmp_path, capsys):
     assert "changes routing" in capsys.readouterr().err
     assert main(["simulate", "--trace", trace, "--shape", "qwen3-next-80b-a3b", "--no-record"]) == 2
     assert "top-10 is not a multiple" in capsys.readouterr().err
+
+
+def test_compute_profile_is_measured_on_the_engine_that_runs():
+    """The packed engine computes from the bytes read: its profile times its compiled kernel and, per expert read,
+    the crc its reader checks (nothing is dequantized); the numpy engine's times its codec. Both are positive
+    measurements labelled with the engine."""
+    from experiments.simulate import measure_compute
+    from workbench.store.pack import Pack
+    from workbench.registry import resolve_pack
+    spec = Pack(resolve_pack("demo", "contiguous", "q4", "q4")).spec
+    packed = measure_compute("demo", spec, "q4", tokens=3, engine="packed")
+    numpy_ = measure_compute("demo", spec, "q4", tokens=3, engine="numpy")
+    assert "packed engine" in packed.source and "crc check" in packed.source
+    assert "numpy engine" in numpy_.source and "dequant" in numpy_.source
+    for cp in (packed, numpy_):
+        assert cp.expert_s > 0 and cp.dequant_s > 0 and cp.dense_s > 0
+
+
+def test_speculative_verification_reads_the_batchs_union_once_and_computes_each_token_expert_pair():
+    """LES's speculative rung, one layer: step 1 verifies its input token (row 1: experts 0, 2) and a one-token draft
+    (row 2: experts 0, 1) in one batch, and the draft is accepted: 2 tokens in one step. The router runs per row:
+    0 -> 1 ms. The union {0, 1, 2}: 1 is cached (prompt), 0 and 2 are read once each from 1 ms on two threads:
+    1 -> 3 and (one in flight) 1 -> 4 ms (room for 3 experts: 2 evicts 3). wait_all waits to 4 ms, then computes
+    4 (token, expert) pairs: -> 5 ms."""
+    class Speculative(Drive):
+        def draft(self, token_index, n):
+            return [99], 1
+    drive = Speculative([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 1]}])
+    p = get_preset("on_demand").with_(layout="contiguous", speculative=1)
+    res = simulate_run(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, CPU, tokens=3, prompt=1, workers=2, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(5 * MS, abs=1e-12)
+    assert res["tok_s"] == pytest.approx(2 / (5 * MS))
+    assert res["flash_wait_s"] == pytest.approx(3 * MS, abs=1e-12)
+    assert (res["hits"], res["misses"], res["bytes_read"]) == (1, 2, 2 * KB)
+    assert (res["spec_steps"], res["spec_accepted"]) == (1, 1)

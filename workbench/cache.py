@@ -116,3 +116,25 @@ class ExpertCache:
         if layer is None:
             return [k for p in self._distinct for k in p]
         return [k for k in self.pools[layer] if k[0] == layer]
+
+
+def warm_set(cache: ExpertCache, usage: dict) -> list[tuple[int, int]]:
+    """The warm start: each MoE layer's most-used experts (usage: {layer: counts per expert}), as many as its pool
+    holds (per-layer scope) or an even share of the global pool."""
+    import numpy as np
+    layers = list(cache.pools)
+    per = min(cache.capacity.values()) if cache.scope == "per_layer" else cache.capacity[layers[0]] // len(layers)
+    return [(L, int(e)) for L in layers for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per]]
+
+
+def reserve_ahead(cache: ExpertCache, keys, value, protect=()) -> list:
+    """Reserve the keys not yet in the cache, in order, until one finds no slot (a prefetch never evicts what
+    `protect` holds); returns those reserved."""
+    out = []
+    for k in keys:
+        if k in cache:
+            continue
+        if not cache.reserve(k, value, protect):
+            break
+        out.append(k)
+    return out

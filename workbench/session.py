@@ -16,13 +16,13 @@ from engines import default_engine, engine_class
 from engines.base import Hooks
 from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
-from workbench.cache import ExpertCache
+from workbench.cache import ExpertCache, warm_set
 from workbench.capture import RoutingCapture
 from workbench.io import slot_readers
 from workbench.devices import open_reader
 from workbench.memory import check_fits, memory_needs
 from workbench.predict import make_predictor
-from workbench.presets import Budget, CacheScope, Predictor, Preset, Router, get_preset
+from workbench.presets import Budget, Predictor, Preset, Router, get_preset
 from workbench.registry import cache_dir, resolve_pack, tokenizer_for
 from workbench.routing import route
 from workbench.shapes import random_label
@@ -137,11 +137,7 @@ class Session:
 
     def warm_start(self, usage: dict):
         """Fill each layer's pool (or the global cache, evenly) with its most-used experts."""
-        s = self.spec
-        per_layer = min(self.cache.capacity.values()) if self.preset.cache.scope is CacheScope.PER_LAYER \
-            else self.cache.capacity[s.moe_layers[0]] // len(s.moe_layers)
-        keys = [(L, int(e)) for L in s.moe_layers for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per_layer]]
-        self.streamer.load_resident(keys, pin=False)
+        self.streamer.load_resident(warm_set(self.cache, usage), pin=False)
 
     # ------------------------------------------------------------ running
 
