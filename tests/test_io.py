@@ -240,3 +240,12 @@ def test_bandwidth_at_picks_best_depth_at_nearest_size():
     assert wio.bandwidth_at(probe, 8192) == 30e6
     assert wio.bandwidth_at(probe, 200_000) == 500e6
     assert wio.bandwidth_at(probe, 10 * 1024 * 1024) == 500e6
+
+
+def test_bandwidth_at_a_queue_depth_takes_the_best_depth_up_to_it():
+    probe = {"points": [{"size": 4096, "depth": 1, "mb_s": 10.0}, {"size": 4096, "depth": 2, "mb_s": 20.0},
+                        {"size": 4096, "depth": 4, "mb_s": 30.0}]}
+    assert wio.bandwidth_at(probe, 4096, depth=2) == 20e6
+    assert wio.bandwidth_at(probe, 4096, depth=3) == 20e6
+    assert wio.bandwidth_at(probe, 4096, depth=8) == 30e6
+    assert wio.bandwidth_at({"points": probe["points"][1:]}, 4096, depth=1) == 20e6   # none that low: the lowest

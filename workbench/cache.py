@@ -46,6 +46,7 @@ class ExpertCache:
         self.uses: Counter = Counter()
         self.peak_bytes = 0
         self.evictions = 0
+        self.last_evicted: list = []        # the keys the latest reserve() evicted (their memory is free again)
 
     def _pool(self, key) -> OrderedDict:
         return self.pools[key[0]]
@@ -87,12 +88,14 @@ class ExpertCache:
             pool[key] = value
             return True
         cap = self.capacity[key[0]]
+        self.last_evicted = []
         while len(pool) >= cap:
             v = self._victim(pool, protect)
             if v is None:
                 return False
             del pool[v]
             self.evictions += 1
+            self.last_evicted.append(v)
         pool[key] = value
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         assert self.bytes <= self.budget_bytes, "expert cache exceeded its budget"

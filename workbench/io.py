@@ -68,6 +68,19 @@ def drop_page_cache(path) -> None:
         os.close(fd)
 
 
+def _merge(spans, gap: int) -> list:
+    """(start, end, member) spans -> [start, end, [members]] groups in file order: a span joins the group before it
+    when it starts at most `gap` bytes past that group's end (overlapping and touching spans always do)."""
+    groups = []
+    for start, end, member in sorted(spans, key=lambda s: (s[0], s[1])):
+        if groups and start <= groups[-1][1] + gap:
+            groups[-1][1] = max(groups[-1][1], end)
+            groups[-1][2].append(member)
+        else:
+            groups.append([start, end, [member]])
+    return groups
+
+
 class Reader:
     """Positional reader of one file; safe to use from many threads."""
 
@@ -192,15 +205,7 @@ class Reader:
                 raise ValueError(f"bad range for {key!r}: offset={offset} length={length}")
             futures[key] = cf.Future()
             spans.append((*_align_out(offset, length), key, offset, length))
-        spans.sort(key=lambda s: (s[0], s[1]))
-
-        groups = []  # [start, end, [(key, offset, length), ...]]
-        for start, end, key, offset, length in spans:
-            if groups and start <= groups[-1][1] + merge_gap:
-                groups[-1][1] = max(groups[-1][1], end)
-                groups[-1][2].append((key, offset, length))
-            else:
-                groups.append([start, end, [(key, offset, length)]])
+        groups = _merge([(start, end, (key, offset, length)) for start, end, key, offset, length in spans], merge_gap)
         with self._lock:
             self.merged += len(spans) - len(groups)
             if self._pool is None:
@@ -218,15 +223,8 @@ class Reader:
         for key, parts in requests:
             fut = futures[key] = cf.Future()
             fut.bufs, fut.left = [b for _, b in parts], len(parts)
-            ranges += [(off, buf, key) for off, buf in parts]
-        ranges.sort(key=lambda r: r[0])
-        groups = []
-        for off, buf, key in ranges:
-            if groups and off == groups[-1][1]:
-                groups[-1][1] += buf.nbytes
-                groups[-1][2].append((buf, key))
-            else:
-                groups.append([off, off + buf.nbytes, [(buf, key)]])
+            ranges += [(off, off + buf.nbytes, (buf, key)) for off, buf in parts]
+        groups = _merge(ranges, 0)        # distinct experts' ranges never overlap: merged ranges touch
         with self._lock:
             self.merged += len(ranges) - len(groups)
             while len(self._threads) < self.workers:
@@ -421,10 +419,13 @@ def probe_disk(path, sizes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB), de
             "best_mb_s": max((p["mb_s"] for p in points), default=0.0)}
 
 
-def bandwidth_at(probe: dict, size: int) -> float:
-    """Bytes/s for reads of `size`: best depth at the probed size nearest (in log scale)."""
+def bandwidth_at(probe: dict, size: int, depth: int | None = None) -> float:
+    """Bytes/s for reads of `size` at most `depth` in flight (None: any): the best probed depth up to `depth` (the
+    lowest probed if none is that low) at the probed size nearest (in log scale)."""
     points = probe["points"]
     if not points:
         raise ValueError("probe has no points")
     nearest = min({p["size"] for p in points}, key=lambda s: abs(np.log(s / size)))
-    return max(p["mb_s"] for p in points if p["size"] == nearest) * 1e6
+    at = [p for p in points if p["size"] == nearest]
+    lowest = min(p["depth"] for p in at)
+    return max(p["mb_s"] for p in at if depth is None or p["depth"] <= max(depth, lowest)) * 1e6

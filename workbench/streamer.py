@@ -44,6 +44,13 @@ class ExpertStreamer:
 
     # ------------------------------------------------------------ reads
 
+    def _reserve(self, key, protect=frozenset(), pin=False) -> bool:
+        """A cache slot for key (evicting as the cache decides); the arena frees the slots of what was evicted."""
+        ok = self.cache.pin(key, None) if pin else self.cache.reserve(key, None, protect)
+        if self.arena is not None and self.cache.last_evicted:
+            self.arena.release(self.cache.last_evicted)
+        return ok
+
     def _issue(self, keys: list[tuple], priority: int = 0) -> int:
         """Start reads for keys (slots already reserved); returns bytes requested. priority: 0 demand, 1 prefetch."""
         reads = {key: self.pack.expert_reads(*key) for key in keys}
@@ -120,7 +127,7 @@ class ExpertStreamer:
             key = (layer, int(e))
             if key in self.cache:
                 continue
-            if not self.cache.reserve(key, None, protect):
+            if not self._reserve(key, protect):
                 break
             keys.append(key)
         if keys:
@@ -134,8 +141,7 @@ class ExpertStreamer:
         """Fill the cache with these experts now (all-resident or a warm set), synchronously."""
         keys = [k for k in keys if k not in self.cache]
         for k in keys:
-            ok = self.cache.pin(k, None) if pin else self.cache.reserve(k, None)
-            if not ok:
+            if not self._reserve(k, pin=pin):
                 raise ValueError("warm set larger than the cache")
         self._issue(keys)
         for k in keys:
@@ -158,14 +164,15 @@ class ExpertStreamer:
         ctx["routed"] = idx
         ev.router_s = time.perf_counter() - t0
         ev.predicted = self.predicted_for.pop((layer, token), []) if phase == "decode" else []
-        needed = sorted(set(int(e) for e in np.unique(idx)))
+        needed = np.unique(idx).tolist()
         if engine.predictor is not None:        # name (and start reading) later layers' experts now
             t1 = time.perf_counter()
+            protect = {(layer, e) for e in needed}
             for target, experts in engine.predictor.predict(layer, ctx).items():
                 # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
                 target = target if isinstance(target, tuple) else (target, token)
-                self.predicted_for[target] = list(map(int, experts))
-                self.prefetch(target[0], experts, protect={(layer, e) for e in needed}, token=target[1])
+                self.predicted_for[target] = experts = list(map(int, experts))
+                self.prefetch(target[0], experts, protect=protect, token=target[1])
             ev.router_s += time.perf_counter() - t1
         ev.routed = needed
         return idx, weights, needed, ev
@@ -203,7 +210,7 @@ class ExpertStreamer:
             keys = []
             while backlog:
                 key = (layer, backlog[0])
-                if not self.cache.reserve(key, None, protect):
+                if not self._reserve(key, protect):
                     break
                 keys.append(key)
                 backlog.pop(0)
