@@ -10,11 +10,15 @@ import numpy as np
 from workbench.spec import MoESpec
 
 
+def along(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """np.take_along_axis(a, idx, -1); for a (rows, n) array by plain indexing (its Python costs, on every layer)."""
+    return a[np.arange(len(a))[:, None], idx] if a.ndim == 2 else np.take_along_axis(a, idx, -1)
+
+
 def topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest per row, largest first."""
     idx = np.argpartition(-scores, k - 1, axis=-1)[..., :k]
-    order = np.argsort(-np.take_along_axis(scores, idx, -1), axis=-1, kind="stable")
-    return np.take_along_axis(idx, order, -1)
+    return along(idx, np.argsort(-along(scores, idx), axis=-1, kind="stable"))
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -45,7 +49,7 @@ def select(scores, k, norm_topk_prob, scaling=1.0, n_group=1, topk_group=1, grou
     if n_group > 1:
         choice = best_groups(choice, n_group, topk_group, group_rank)
     idx = topk_desc(choice, k)
-    w = np.take_along_axis(scores, idx, -1)
+    w = along(scores, idx)
     if norm_topk_prob:
         w = w / (w.sum(-1, keepdims=True) + 1e-20)
     return idx, (w if scaling == 1.0 else w * np.float32(scaling))

@@ -192,7 +192,7 @@ class ExpertStreamer:
                 backlog.append(e)
                 ev.hit.append(False)
             elif isinstance(ent, Future):
-                if ent.done() and ent.exception() is None:   # a prefetch that landed in time: in memory
+                if ent.done():                                # a prefetch that landed in time (a failed read raises)
                     ev.hit.append(True)
                     self.cache.set(key, self._landed(key, ent))
                     ready.append(e)
