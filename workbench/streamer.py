@@ -41,6 +41,7 @@ class ExpertStreamer:
         self.arena = arena  # a SlotArena: reads land in slots, and an entry is its slot's offset
         self.prefetched: dict[tuple, tuple] = {}   # key -> (bytes, token), issued by a predictor, not yet consumed
         self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
+        self.to_prefetch: list = []     # ((layer, token index), experts) named by begin_layer, read by run_layer
 
     # ------------------------------------------------------------ reads
 
@@ -165,14 +166,13 @@ class ExpertStreamer:
         ev.router_s = time.perf_counter() - t0
         ev.predicted = self.predicted_for.pop((layer, token), []) if phase == "decode" else []
         needed = np.unique(idx).tolist()
-        if engine.predictor is not None:        # name (and start reading) later layers' experts now
+        if engine.predictor is not None:        # name later layers' experts now; run_layer reads them after its own
             t1 = time.perf_counter()
-            protect = {(layer, e) for e in needed}
             for target, experts in engine.predictor.predict(layer, ctx).items():
                 # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
                 target = target if isinstance(target, tuple) else (target, token)
                 self.predicted_for[target] = experts = list(map(int, experts))
-                self.prefetch(target[0], experts, protect=protect, token=target[1])
+                self.to_prefetch.append((target, experts))
             ev.router_s += time.perf_counter() - t1
         ev.routed = needed
         return idx, weights, needed, ev
@@ -228,6 +228,12 @@ class ExpertStreamer:
             protect.difference_update((layer, e) for e in es)   # done with them: evictable for the next wave
 
         issue_backlog()
+        if self.to_prefetch:                # the predictor's reads, queued behind this layer's demand reads
+            t0 = time.perf_counter()
+            for (target, token), experts in self.to_prefetch:
+                self.prefetch(target, experts, protect=protect, token=token)
+            self.to_prefetch.clear()
+            ev.router_s += time.perf_counter() - t0
         if self.execution == "ready_first":
             run(ready)
             ready = []
