@@ -11,7 +11,8 @@ own WORKBENCH_CACHE) alternately with today's `bench` of les, in subprocesses, -
 the numpy engine's les (f32 cache, no compiled kernels) stands in for the old engine, labelled so.
 les_no_prefetch (les's layout, order and precision, no lookahead) is the control that shows what prediction
 alone gains; on_demand (native layout, wait-all, the paper's rung) cannot beat the serial bound
-1 / (compute + read), shown beside the floor.
+1 / (compute + read), shown beside the floor. Memory: the peak RSS growth of les at the budget against the budget's
+bytes, in fresh processes (experiments/rss.py), within 10%.
 Writes results/targets.json and results/targets.md (atomically) and prints the table, with the
 flash-wait breakdown per token, so a missed target shows where the time goes.
 """
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench.atomic import atomic_write  # noqa: E402
 from workbench.registry import cache_dir  # noqa: E402
 from experiments.ladder import run_ladder, table  # noqa: E402
+from experiments.rss import growth  # noqa: E402
 
 TARGETS = {"les_over_on_demand": 1.5, "les_over_resident": 0.4, "les_over_baseline_les": 3.0,
            "min_achieved_over_floor": 0.7}
@@ -104,6 +106,14 @@ def baseline_md(base) -> str:
                       f"Ratio of medians: {base['ratio']:.2f} (worktree {base['worktree']}, its own WORKBENCH_CACHE).\n"])
 
 
+def memory_md(m) -> str:
+    return (f"## Memory (les, budget {m['budget']}; experiments/rss.py)\n\nPeak RSS over generation grows by "
+            f"{m['rss_growth_bytes'] / 2**20:.2f} MiB against the smallest budget that runs ({m['smallest_budget']} B), "
+            f"for {m['budget_growth_bytes'] / 2**20:.2f} MiB more budget: ratio {m['ratio']:.3f} (medians of "
+            f"{len(m['runs'])} alternating pairs of fresh processes; the arena is {m['arena_bytes'] / 2**20:.2f} MiB of a "
+            f"{m['budget_bytes'] / 2**20:.2f} MiB budget).\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
@@ -124,6 +134,9 @@ def main(argv=None):
     else:                   # the stand-in, labelled so in the table
         got["les_over_baseline_les"] = tok["les"] / tok["les [numpy]"]
     res["targets"] = {k: {"target": TARGETS[k], "measured": got[k], "met": got[k] >= TARGETS[k]} for k in TARGETS}
+    res["memory"] = mem = growth(a.model, "les", a.budget)
+    res["targets"]["cache_rss_growth_over_budget"] = {"target": "1 ± 0.10", "measured": mem["ratio"],
+                                                      "met": abs(mem["ratio"] - 1) <= 0.10}
     res["les_over_les_no_prefetch"] = tok["les"] / tok["les_no_prefetch"]
     command = (f"python benchmarks/targets.py --model {a.model} --budget {a.budget} --tokens {a.tokens} "
                f"--rounds {a.rounds}" + (f" --baseline-rev {a.baseline_rev}" if a.baseline_rev else ""))
@@ -138,7 +151,7 @@ def main(argv=None):
                     "reader threads' queue depth): reads overlapping compute. A design that waits for every read before "
                     "computing (on_demand: native layout, wait-all, no prefetch) cannot beat the serial bound "
                     "1 / (compute + router + read), so its achieved / floor is bounded by serial / floor.\n",
-                    baseline_md(res.get("baseline")), "## Targets\n"] +
+                    baseline_md(res.get("baseline")), memory_md(mem), "## Targets\n"] +
                    [f"- {k}: measured {v['measured']:.2f}, target {v['target']} — {'met' if v['met'] else 'NOT met'}"
                     + ("" if k != "les_over_baseline_les" or a.baseline_rev else
                        " (STAND-IN: les on the numpy engine of this tree, not main at 1a3cb38; pass --baseline-rev)")

@@ -420,12 +420,17 @@ def probe_disk(path, sizes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB), de
 
 
 def bandwidth_at(probe: dict, size: int, depth: int | None = None) -> float:
-    """Bytes/s for reads of `size` at most `depth` in flight (None: any): the best probed depth up to `depth` (the
-    lowest probed if none is that low) at the probed size nearest (in log scale)."""
+    """Bytes/s for reads of `size` at most `depth` in flight (None: any): at each probed size the best depth up to
+    `depth` (the lowest probed if none is that low), interpolated linearly in log size between the probed sizes
+    around `size` (the nearest one outside them)."""
     points = probe["points"]
     if not points:
         raise ValueError("probe has no points")
-    nearest = min({p["size"] for p in points}, key=lambda s: abs(np.log(s / size)))
-    at = [p for p in points if p["size"] == nearest]
-    lowest = min(p["depth"] for p in at)
-    return max(p["mb_s"] for p in at if depth is None or p["depth"] <= max(depth, lowest)) * 1e6
+    best = {}
+    for sz in {p["size"] for p in points}:
+        at = [p for p in points if p["size"] == sz]
+        if depth is not None:
+            at = [p for p in at if p["depth"] <= depth] or [min(at, key=lambda p: p["depth"])]
+        best[sz] = max(p["mb_s"] for p in at) * 1e6
+    sizes = sorted(best)
+    return float(np.interp(np.log(size), np.log(sizes), [best[s] for s in sizes]))
