@@ -68,6 +68,18 @@ def drop_page_cache(path) -> None:
         os.close(fd)
 
 
+def _after(bufs: list, skip: int) -> list:
+    """Views of `bufs` past their first `skip` bytes (where a short read resumes)."""
+    views = []
+    for b in bufs:
+        if skip >= b.nbytes:
+            skip -= b.nbytes
+        else:
+            views.append(memoryview(b)[skip:])
+            skip = 0
+    return views
+
+
 def _merge(spans, gap: int) -> list:
     """(start, end, member) spans -> [start, end, [members]] groups in file order: a span joins the group before it
     when it starts at most `gap` bytes past that group's end (overlapping and touching spans always do)."""
@@ -137,14 +149,7 @@ class Reader:
         got = calls = 0
         t0 = time.perf_counter()
         while got < need:
-            views, skip = [], got       # a short read resumes in the buffer where it stopped
-            for b in bufs:
-                if skip >= b.nbytes:
-                    skip -= b.nbytes
-                else:
-                    views.append(memoryview(b)[skip:])
-                    skip = 0
-            n = self._preadv_retrying(views, pos + got)
+            n = self._preadv_retrying(_after(bufs, got) if got else bufs, pos + got)
             calls += 1
             if n == 0:
                 break
