@@ -66,17 +66,18 @@ class SlotArena:
                 by_pool[id(pool)] = block
                 self._free[id(block)] = list(range(n - 1, -1, -1))
             self.blocks[L] = by_pool[id(pool)]
-        self.cache = cache
         self.nbytes = sum(b.nbytes for b in {id(b): b for b in self.blocks.values()}.values())
 
     def claim(self, key) -> list[np.ndarray]:
         """A slot for `key` (just reserved in the cache): the buffers its reads land in, one per read."""
         block = self.blocks[key[0]]
         free = self._free[id(block)]
-        if not free:
+        if key in self.where:                   # read again while the cache still holds it: the same slot
+            base = self.where[key]
+        elif free:
+            base = self.where[key] = free.pop() * self.slot_bytes
+        else:
             raise RuntimeError(f"expert {key}: every slot holds an expert the cache still has")
-        base = free.pop() * self.slot_bytes
-        self.where[key] = base
         return [block[base + off:base + off + n] for off, n in self.regions]
 
     def release(self, keys):

@@ -84,11 +84,11 @@ class ExpertCache:
     def reserve(self, key, value, protect=frozenset()) -> bool:
         """Insert key (evicting as needed); False if every slot is protected or pinned."""
         pool = self._pool(key)
+        self.last_evicted = []
         if key in pool:
             pool[key] = value
             return True
         cap = self.capacity[key[0]]
-        self.last_evicted = []
         while len(pool) >= cap:
             v = self._victim(pool, protect)
             if v is None:
