@@ -25,7 +25,9 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
     s = session.summary()
     n = max(1, s["decode_steps"])
     disk = session.device.as_probe() if session.device else probe()       # emulated: the profile's flash
-    fl = floor_tok_s(session.pack, (s["compute_s"] + s["router_s"]) / n, s["bytes_read_per_token"], disk)
+    r = session.reader.stats()
+    fl = floor_tok_s(session.pack, (s["compute_s"] + s["router_s"]) / n, s["bytes_read_per_token"], disk,
+                     size=r["bytes_read"] // r["reads"] if r["reads"] else None, depth=session.reader.workers)
     res = {k: s[k] for k in SUMMARY_KEYS}
     res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
                reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], read_retries=s["read_retries"],

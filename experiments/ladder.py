@@ -67,7 +67,8 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
         rungs = [(p, budget) for p in smol_rungs()]
         quality_tokens = quality_tokens or 192
     elif name == "designs":
-        rungs = [(get_preset(n), budget) for n in ("on_demand", "shuffled", "history", "les", "smol", "oracle")]
+        rungs = [(get_preset(n), budget) for n in ("on_demand", "les_no_prefetch", "shuffled", "history", "les", "smol",
+                                                     "oracle")]
         rungs.append((get_preset("resident"), "all"))
     elif name == "cache":
         st = get_preset("les").storage         # the pack's numbers only: no session, no experts loaded

@@ -231,12 +231,22 @@ def test_probe_disk_reads_a_large_pack_in_place(disk_dir):
     assert len(probe["points"]) == 1 and probe["points"][0]["mb_s"] > 0
 
 
-def test_bandwidth_at_picks_best_depth_at_nearest_size():
+def test_bandwidth_at_takes_the_best_depth_interpolated_in_log_size():
     probe = {"points": [
         {"size": 4096, "depth": 1, "mb_s": 10.0}, {"size": 4096, "depth": 4, "mb_s": 30.0},
         {"size": 262144, "depth": 1, "mb_s": 200.0}, {"size": 262144, "depth": 4, "mb_s": 500.0},
     ]}
-    assert wio.bandwidth_at(probe, 4096) == 30e6
-    assert wio.bandwidth_at(probe, 8192) == 30e6
-    assert wio.bandwidth_at(probe, 200_000) == 500e6
-    assert wio.bandwidth_at(probe, 10 * 1024 * 1024) == 500e6
+    assert wio.bandwidth_at(probe, 4096) == pytest.approx(30e6)
+    assert wio.bandwidth_at(probe, 32768) == pytest.approx(265e6)       # half way in log size: 2**12 .. 2**15 .. 2**18
+    assert wio.bandwidth_at(probe, 262144) == pytest.approx(500e6)
+    assert wio.bandwidth_at(probe, 1024) == pytest.approx(30e6)         # outside the probed sizes: the nearest
+    assert wio.bandwidth_at(probe, 10 * 1024 * 1024) == pytest.approx(500e6)
+
+
+def test_bandwidth_at_a_queue_depth_takes_the_best_depth_up_to_it():
+    probe = {"points": [{"size": 4096, "depth": 1, "mb_s": 10.0}, {"size": 4096, "depth": 2, "mb_s": 20.0},
+                        {"size": 4096, "depth": 4, "mb_s": 30.0}]}
+    assert wio.bandwidth_at(probe, 4096, depth=2) == pytest.approx(20e6)
+    assert wio.bandwidth_at(probe, 4096, depth=3) == pytest.approx(20e6)
+    assert wio.bandwidth_at(probe, 4096, depth=8) == pytest.approx(30e6)
+    assert wio.bandwidth_at({"points": probe["points"][1:]}, 4096, depth=1) == pytest.approx(20e6)  # the lowest

@@ -8,7 +8,8 @@ allocated per read. One arena block per cache pool (one for a global cache, one 
 cache), as many slots as the pool holds experts; the arena's bytes are the cache's bytes.
 
 A slot is free when the cache no longer holds its expert: the cache decides what stays (its policy, pins,
-protection and in-flight reads), the arena only finds the memory a newly reserved expert lands in.
+protection and in-flight reads) and the streamer hands the arena each expert the cache evicted (`release`), so
+finding the memory a newly reserved expert lands in is a pop from the pool's free list.
 """
 from __future__ import annotations
 
@@ -52,8 +53,7 @@ class SlotArena:
         self.regions, self.parts = slot_layout(pack)
         self.slot_bytes = sum(n for _, n in self.regions)
         self.blocks: dict[int, np.ndarray] = {}     # MoE layer -> its pool's block (n slots * slot_bytes)
-        self._keys: dict[int, list] = {}            # id(block) -> the expert each slot was last given
-        self._fresh: dict[int, list] = {}           # id(block) -> slots never used
+        self._free: dict[int, list] = {}            # id(block) -> its free slots
         self.where: dict = {}                       # expert key -> byte offset of its slot in its layer's block
         by_pool = {}
         for L in pack.spec.moe_layers:
@@ -64,26 +64,23 @@ class SlotArena:
                 block = aligned_empty(n * self.slot_bytes)
                 block[::ALIGN] = 0                  # touch every page now: the arena is resident from the start
                 by_pool[id(pool)] = block
-                self._keys[id(block)] = [None] * n
-                self._fresh[id(block)] = list(range(n - 1, -1, -1))
+                self._free[id(block)] = list(range(n - 1, -1, -1))
             self.blocks[L] = by_pool[id(pool)]
-        self.cache = cache
         self.nbytes = sum(b.nbytes for b in {id(b): b for b in self.blocks.values()}.values())
 
     def claim(self, key) -> list[np.ndarray]:
         """A slot for `key` (just reserved in the cache): the buffers its reads land in, one per read."""
         block = self.blocks[key[0]]
-        keys, fresh = self._keys[id(block)], self._fresh[id(block)]
-        if key in self.where:                   # evicted, now read again: its old slot is stale, and free
-            i = self.where[key] // self.slot_bytes
-        elif fresh:
-            i = fresh.pop()
+        free = self._free[id(block)]
+        if key in self.where:                   # read again while the cache still holds it: the same slot
+            base = self.where[key]
+        elif free:
+            base = self.where[key] = free.pop() * self.slot_bytes
         else:
-            i = next((j for j, k in enumerate(keys) if k not in self.cache), None)
-            if i is None:
-                raise RuntimeError(f"expert {key}: every slot holds an expert the cache still has")
-            self.where.pop(keys[i], None)
-        keys[i] = key
-        base = i * self.slot_bytes
-        self.where[key] = base
+            raise RuntimeError(f"expert {key}: every slot holds an expert the cache still has")
         return [block[base + off:base + off + n] for off, n in self.regions]
+
+    def release(self, keys):
+        """The cache evicted these experts: their slots are free."""
+        for key in keys:
+            self._free[id(self.blocks[key[0]])].append(self.where.pop(key) // self.slot_bytes)

@@ -46,6 +46,7 @@ class ExpertCache:
         self.uses: Counter = Counter()
         self.peak_bytes = 0
         self.evictions = 0
+        self.last_evicted: list = []        # the keys the latest reserve() evicted (their memory is free again)
 
     def _pool(self, key) -> OrderedDict:
         return self.pools[key[0]]
@@ -83,6 +84,7 @@ class ExpertCache:
     def reserve(self, key, value, protect=frozenset()) -> bool:
         """Insert key (evicting as needed); False if every slot is protected or pinned."""
         pool = self._pool(key)
+        self.last_evicted = []
         if key in pool:
             pool[key] = value
             return True
@@ -93,6 +95,7 @@ class ExpertCache:
                 return False
             del pool[v]
             self.evictions += 1
+            self.last_evicted.append(v)
         pool[key] = value
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         assert self.bytes <= self.budget_bytes, "expert cache exceeded its budget"

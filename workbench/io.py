@@ -69,6 +69,31 @@ def drop_page_cache(path) -> None:
         os.close(fd)
 
 
+def _after(bufs: list, skip: int) -> list:
+    """Views of `bufs` past their first `skip` bytes (where a short read resumes)."""
+    views = []
+    for b in bufs:
+        if skip >= b.nbytes:
+            skip -= b.nbytes
+        else:
+            views.append(memoryview(b)[skip:])
+            skip = 0
+    return views
+
+
+def _merge(spans, gap: int) -> list:
+    """(start, end, member) spans -> [start, end, [members]] groups in file order: a span joins the group before it
+    when it starts at most `gap` bytes past that group's end (overlapping and touching spans always do)."""
+    groups = []
+    for start, end, member in sorted(spans, key=lambda s: (s[0], s[1])):
+        if groups and start <= groups[-1][1] + gap:
+            groups[-1][1] = max(groups[-1][1], end)
+            groups[-1][2].append(member)
+        else:
+            groups.append([start, end, [member]])
+    return groups
+
+
 class Reader:
     """Positional reader of one file; safe to use from many threads."""
 
@@ -124,14 +149,7 @@ class Reader:
         got = calls = 0
         t0 = time.perf_counter()
         while got < need:
-            views, skip = [], got       # a short read resumes in the buffer where it stopped
-            for b in bufs:
-                if skip >= b.nbytes:
-                    skip -= b.nbytes
-                else:
-                    views.append(memoryview(b)[skip:])
-                    skip = 0
-            n = self._preadv_retrying(views, pos + got)
+            n = self._preadv_retrying(_after(bufs, got) if got else bufs, pos + got)
             calls += 1
             if n == 0:
                 break
@@ -192,15 +210,7 @@ class Reader:
                 raise ValueError(f"bad range for {key!r}: offset={offset} length={length}")
             futures[key] = cf.Future()
             spans.append((*_align_out(offset, length), key, offset, length))
-        spans.sort(key=lambda s: (s[0], s[1]))
-
-        groups = []  # [start, end, [(key, offset, length), ...]]
-        for start, end, key, offset, length in spans:
-            if groups and start <= groups[-1][1] + merge_gap:
-                groups[-1][1] = max(groups[-1][1], end)
-                groups[-1][2].append((key, offset, length))
-            else:
-                groups.append([start, end, [(key, offset, length)]])
+        groups = _merge([(start, end, (key, offset, length)) for start, end, key, offset, length in spans], merge_gap)
         with self._lock:
             self.merged += len(spans) - len(groups)
             self._queue([partial(self._run_group, start, end, members, futures) for start, end, members in groups])
@@ -215,15 +225,8 @@ class Reader:
         for key, parts in requests:
             fut = futures[key] = cf.Future()
             fut.bufs, fut.left = [b for _, b in parts], len(parts)
-            ranges += [(off, buf, key) for off, buf in parts]
-        ranges.sort(key=lambda r: r[0])
-        groups = []
-        for off, buf, key in ranges:
-            if groups and off == groups[-1][1]:
-                groups[-1][1] += buf.nbytes
-                groups[-1][2].append((buf, key))
-            else:
-                groups.append([off, off + buf.nbytes, [(buf, key)]])
+            ranges += [(off, off + buf.nbytes, (buf, key)) for off, buf in parts]
+        groups = _merge(ranges, 0)        # distinct experts' ranges never overlap: merged ranges touch
         with self._lock:
             self.merged += len(ranges) - len(groups)
             self._queue([partial(self._read_group, g, futures, verify) for g in groups], priority)
@@ -418,10 +421,18 @@ def probe_disk(path, sizes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB), de
             "best_mb_s": max((p["mb_s"] for p in points), default=0.0)}
 
 
-def bandwidth_at(probe: dict, size: int) -> float:
-    """Bytes/s for reads of `size`: best depth at the probed size nearest (in log scale)."""
+def bandwidth_at(probe: dict, size: int, depth: int | None = None) -> float:
+    """Bytes/s for reads of `size` at most `depth` in flight (None: any): at each probed size the best depth up to
+    `depth` (the lowest probed if none is that low), interpolated linearly in log size between the probed sizes
+    around `size` (the nearest one outside them)."""
     points = probe["points"]
     if not points:
         raise ValueError("probe has no points")
-    nearest = min({p["size"] for p in points}, key=lambda s: abs(np.log(s / size)))
-    return max(p["mb_s"] for p in points if p["size"] == nearest) * 1e6
+    best = {}
+    for sz in {p["size"] for p in points}:
+        at = [p for p in points if p["size"] == sz]
+        if depth is not None:
+            at = [p for p in at if p["depth"] <= depth] or [min(at, key=lambda p: p["depth"])]
+        best[sz] = max(p["mb_s"] for p in at) * 1e6
+    sizes = sorted(best)
+    return float(np.interp(np.log(size), np.log(sizes), [best[s] for s in sizes]))

@@ -275,6 +275,9 @@ PRESETS = {p.name: p for p in [
     _preset("history", "prefetch the previous token's experts at each layer", execution="ready_first", predictor="history"),
     _preset("les", "LES: router lookahead 1 layer (top-k), ready-first, contiguous layout, experts q3 / rest q4",
             experts="q3", rest="q4", execution="ready_first", predictor="lookahead:1:k"),
+    _preset("les_no_prefetch", "control: LES with its lookahead taken out (contiguous layout, ready-first, experts q3 / "
+            "rest q4, each miss read on demand): les over it is the prediction's gain alone, not a layout or "
+            "precision gain", experts="q3", rest="q4", execution="ready_first"),
     _preset("smol", "smolmaxxing pager: per-layer LRU pools warmed from each layer's most-used list, "
             "prefetch 2 layers ahead, parallel whole-expert reads, experts q2 / rest q4",
             experts="q2", rest="q4", cache_scope="per_layer", warm=True, execution="ready_first", predictor="lookahead:2:k"),

@@ -41,8 +41,16 @@ class ExpertStreamer:
         self.arena = arena  # a SlotArena: reads land in slots, and an entry is its slot's offset
         self.prefetched: dict[tuple, tuple] = {}   # key -> (bytes, token), issued by a predictor, not yet consumed
         self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
+        self.to_prefetch: list = []     # ((layer, token index), experts) named by begin_layer, read by run_layer
 
     # ------------------------------------------------------------ reads
+
+    def _reserve(self, key, protect=frozenset(), pin=False) -> bool:
+        """A cache slot for key (evicting as the cache decides); the arena frees the slots of what was evicted."""
+        ok = self.cache.pin(key, None) if pin else self.cache.reserve(key, None, protect)
+        if self.arena is not None and self.cache.last_evicted:
+            self.arena.release(self.cache.last_evicted)
+        return ok
 
     def _issue(self, keys: list[tuple], priority: int = 0) -> int:
         """Start reads for keys (slots already reserved); returns bytes requested. priority: 0 demand, 1 prefetch."""
@@ -124,7 +132,7 @@ class ExpertStreamer:
             key = (layer, int(e))
             if key in self.cache:
                 continue
-            if not self.cache.reserve(key, None, protect):
+            if not self._reserve(key, protect):
                 break
             keys.append(key)
         if keys:
@@ -138,8 +146,7 @@ class ExpertStreamer:
         """Fill the cache with these experts now (all-resident or a warm set), synchronously."""
         keys = [k for k in keys if k not in self.cache]
         for k in keys:
-            ok = self.cache.pin(k, None) if pin else self.cache.reserve(k, None)
-            if not ok:
+            if not self._reserve(k, pin=pin):
                 raise ValueError("warm set larger than the cache")
         self._issue(keys)
         for k in keys:
@@ -162,14 +169,14 @@ class ExpertStreamer:
         ctx["routed"] = idx
         ev.router_s = time.perf_counter() - t0
         ev.predicted = self.predicted_for.pop((layer, token), []) if phase == "decode" else []
-        needed = sorted(set(int(e) for e in np.unique(idx)))
-        if engine.predictor is not None:        # name (and start reading) later layers' experts now
+        needed = np.unique(idx).tolist()
+        if engine.predictor is not None:        # name later layers' experts now; run_layer reads them after its own
             t1 = time.perf_counter()
             for target, experts in engine.predictor.predict(layer, ctx).items():
                 # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
                 target = target if isinstance(target, tuple) else (target, token)
-                self.predicted_for[target] = list(map(int, experts))
-                self.prefetch(target[0], experts, protect={(layer, e) for e in needed}, token=target[1])
+                self.predicted_for[target] = experts = list(map(int, experts))
+                self.to_prefetch.append((target, experts))
             ev.router_s += time.perf_counter() - t1
         ev.routed = needed
         return idx, weights, needed, ev
@@ -192,7 +199,7 @@ class ExpertStreamer:
                 backlog.append(e)
                 ev.hit.append(False)
             elif isinstance(ent, Future):
-                if ent.done() and ent.exception() is None:   # a prefetch that landed in time: in memory
+                if ent.done():                                # a prefetch that landed in time (a failed read raises)
                     ev.hit.append(True)
                     self.cache.set(key, self._landed(key, ent))
                     ready.append(e)
@@ -210,7 +217,7 @@ class ExpertStreamer:
             keys = []
             while backlog:
                 key = (layer, backlog[0])
-                if not self.cache.reserve(key, None, protect):
+                if not self._reserve(key, protect):
                     break
                 keys.append(key)
                 backlog.pop(0)
@@ -228,6 +235,12 @@ class ExpertStreamer:
             protect.difference_update((layer, e) for e in es)   # done with them: evictable for the next wave
 
         issue_backlog()
+        if self.to_prefetch:                # the predictor's reads, queued behind this layer's demand reads
+            t0 = time.perf_counter()
+            for (target, token), experts in self.to_prefetch:
+                self.prefetch(target, experts, protect=protect, token=token)
+            self.to_prefetch.clear()
+            ev.router_s += time.perf_counter() - t0
         if self.execution == "ready_first":
             run(ready)
             ready = []

@@ -341,11 +341,19 @@ class Pack:
         if "span" in ent:
             base = ent["span"][0]
             parts = {p: chunks[0][o - base:o - base + n] for p, (o, n) in ent["parts"].items()}
+            runs = []               # the parts in order, adjacent ones as one run: one crc32 call (one GIL release)
+            for o, n in (ent["parts"][p] for p in PARTS):
+                if runs and runs[-1][1] == o:
+                    runs[-1][1] = o + n
+                else:
+                    runs.append([o, o + n])
+            pieces = [chunks[0][a - base:b - base] for a, b in runs]
         else:
             parts = dict(zip(PARTS, chunks))
+            pieces = [parts[p] for p in PARTS]
         crc = 0
-        for p in PARTS:
-            crc = zlib.crc32(parts[p], crc)
+        for piece in pieces:
+            crc = zlib.crc32(piece, crc)
         if f"{crc & 0xFFFFFFFF:08x}" != ent["crc32"]:
             raise WorkbenchError(f"{self.path}: checksum mismatch in expert {e} of layer {layer} (corrupt pack)")
         if raw:
