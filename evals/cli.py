@@ -116,15 +116,16 @@ def cmd_report(args):
 
 
 def _report_command(args) -> str:
-    """The command line that makes this report: the options that differ from their defaults, and --out."""
+    """The command line that makes this report: --model, --out and the options that differ from their defaults."""
     import argparse
     import shlex
     p = argparse.ArgumentParser()
     _record_flags(p)
     _report_flags(p)
     default = vars(p.parse_args([]))
-    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(str(v))}")
-             for k, v in vars(args).items() if k in default and (v != default[k] or k == "out") and k != "quiet"]
+    given = {k: v for k, v in vars(args).items()
+             if k in default and k != "quiet" and (v != default[k] or k in ("model", "out"))}
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(str(v))}") for k, v in given.items()]
     return " ".join(["python -m workbench eval report", *flags])
 
 

@@ -103,8 +103,9 @@ def markdown(rep: dict) -> str:
     tasks = rep["tasks"]
     metric = lambda t: next((r["tasks"][t]["metric"] for r in rep["rows"] if r["tasks"].get(t, {}).get("metric")), "")
     lines = [f"# Quality: {rep['model']} — teacher vs presets", "",
-             *([f"Made by `{rep['command']}` in {rep['seconds'] / 60:.0f} minutes of wall time on the machine "
-                "that ran it, under whatever else ran there (each preset's cells at the end)."] if rep.get("command") else []),
+             *([f"Made by `{rep['command']}` in {rep['seconds'] / 60:.1f} minutes of wall time on the machine "
+                "that ran it, under whatever else ran there (each preset's cells at the end).", ""]
+               if rep.get("command") else []),
              f"Model pack `{rep['teacher_pack']}` (teacher), {rep['created']}, commit `{(rep.get('git_commit') or '')[:10]}`.",
              f"Held-out perplexity, KL(teacher‖preset) and top-1 agreement: {rep['data']}, {rep['chunks']} chunks of "
              f"{rep['ctx']} tokens, second half of each scored (llama.cpp's method), {rep['tokens']} tokens. "
