@@ -117,8 +117,23 @@ def cmd_report(args):
     rep = build(args.model, presets, args.budget, args.data, args.ctx, args.chunks, args.tasks.split(","), args.limit,
                 record=not args.no_record, progress=not args.quiet, engine=args.engine, direct=not args.page_cache,
                 log=lambda m: print(m, file=sys.stderr, flush=True))
+    rep["command"] = _report_command(args)
     md, js = write(rep, args.out)
     emit(args, {"markdown": str(md), "json": str(js), **rep}, f"wrote {md} and {js}\n\n" + md.read_text())
+
+
+def _report_command(args) -> str:
+    """The command line that makes this report: --model, --out and the options that differ from their defaults."""
+    import argparse
+    import shlex
+    p = argparse.ArgumentParser()
+    _record_flags(p)
+    _report_flags(p)
+    default = vars(p.parse_args([]))
+    given = {k: v for k, v in vars(args).items()
+             if k in default and k != "quiet" and (v != default[k] or k in ("model", "out"))}
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(str(v))}") for k, v in given.items()]
+    return " ".join(["python -m workbench eval report", *flags])
 
 
 def _serve_flags(p):

@@ -41,13 +41,13 @@ def items_of(run: dict) -> dict:
     """{column: (doc ids, per-item scores of the column's metric)} of an lm-eval record that kept them."""
     if run["eval"] != "lm":
         return {}
-    from evals.lm import primary
+    from evals.lm import primaries
+    results = run["summary"].get("results")
     out = {}
-    for task, m in (run["summary"].get("results") or {}).items():
-        name, _, _ = primary({f"{k},none": x for k, x in m.items()})
-        it = m.get("items") or {}
-        if name and name in it:
-            out[f"{task.removesuffix('_local')} {name}"] = (it["doc_id"], it[name])
+    for task, p in primaries(results).items():
+        it = results[task].get("items") or {}
+        if p.metric in it:
+            out[p.column] = (it["doc_id"], it[p.metric])
     return out
 
 
@@ -60,13 +60,8 @@ def metrics_of(run: dict) -> dict:
         return {f"kl {tag}": s.get("kl"), f"top1 {tag}": s.get("top1"), f"route {tag}": s.get("routing_agreement_mean"),
                 f"ppl {tag}": s.get("ppl")}
     if run["eval"] == "lm":
-        from evals.lm import primary
-        out = {}
-        for task, m in (s.get("results") or {}).items():
-            name, v, _ = primary({f"{k},none": x for k, x in m.items()})
-            if name:
-                out[f"{task.removesuffix('_local')} {name}"] = v
-        return out
+        from evals.lm import primaries
+        return {p.column: p.value for p in primaries(s.get("results")).values()}
     return {}
 
 

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from workbench.errors import WorkbenchError
 
@@ -52,6 +53,23 @@ def primary(metrics: dict) -> tuple[str, float | None, float | None]:
         if f"{m},none" in metrics:
             return m, metrics[f"{m},none"], metrics.get(f"{m}_stderr,none")
     return "", None, None
+
+
+class Primary(NamedTuple):
+    column: str                 # "<task> <metric>", the task named without "_local"
+    metric: str
+    value: float | None
+    stderr: float | None
+
+
+def primaries(results: dict | None) -> dict[str, Primary]:
+    """{task: its primary metric} of `evaluate`'s results (as kept in an `eval lm` record); tasks with none left out."""
+    out = {}
+    for task, m in (results or {}).items():
+        name, v, se = primary({f"{k},none": x for k, x in m.items()})
+        if name:
+            out[task] = Primary(f"{task.removesuffix('_local')} {name}", name, v, se)
+    return out
 
 
 def evaluate(lm, tasks, limit=None, num_fewshot=None, tm=None, verbose: bool = False, per_item: bool = False) -> dict:

@@ -28,7 +28,7 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
     import json
     import tempfile
 
-    from evals.lm import local_task_names, primary, require_lm_eval
+    from evals.lm import local_task_names, primaries, require_lm_eval
     from evals.paired import paired
     from evals.sweep import RUNNERS
     from experiments.grid import Cell, Grid
@@ -56,7 +56,8 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
         if failed:
             raise WorkbenchError(f"eval report: {failed[0]['kind']} {failed[0]['design']} failed: {failed[0]['error']}")
         recs = {(r["kind"], r["preset"]): {k: json.loads((Path(r["run"]) / f"{k}.json").read_text())
-                                          for k in ("config", "summary")} | {"run": r["run"]} for r in res["rows"]}
+                                          for k in ("config", "summary")}
+                | {"run": r["run"], "seconds": sum(b - a for a, b in r["intervals"])} for r in res["rows"]}
     rows = []
     teacher_lm = recs.get(("eval lm", "teacher"))    # per-item scores (kept in the lm run records, not here)
     teacher_items = {t: m.get("items") for t, m in teacher_lm["summary"]["results"].items()} if teacher_lm else {}
@@ -68,11 +69,14 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
                "ppl": cmp["ppl"], "ppl_stderr": cmp["ppl_stderr"], "ppl_ratio": cmp["ppl_ratio"],
                "kl": cmp["kl"], "kl_stderr": cmp["kl_stderr"], "top1": cmp["top1"], "top1_stderr": cmp["top1_stderr"],
                "routing_agreement": cmp["routing_agreement"], "routing_agreement_mean": cmp["routing_agreement_mean"],
-               "tasks": {}, "runs": [t["run"], lm["run"]] if record else []}
+               "tasks": {}, "runs": [t["run"], lm["run"]] if record else [],
+               "seconds": {"teacher": t["seconds"], "lm": lm["seconds"]}}
         acc = lm["summary"]["results"]
+        scores = primaries(acc)
         for task in tasks:
             m = acc.get(task, {})
-            name, v, se = primary({f"{k},none": x for k, x in m.items()})
+            p = scores.get(task)
+            name, v, se = (p.metric, p.value, p.stderr) if p else ("", None, None)
             cell = {"metric": name, "value": v, "stderr": se, "samples": m.get("samples"),
                     "acc_norm": m.get("acc_norm"), "acc_mutual_info": m.get("acc_mutual_info")}
             gold = teacher_items.get(task)
@@ -99,6 +103,9 @@ def markdown(rep: dict) -> str:
     tasks = rep["tasks"]
     metric = lambda t: next((r["tasks"][t]["metric"] for r in rep["rows"] if r["tasks"].get(t, {}).get("metric")), "")
     lines = [f"# Quality: {rep['model']} — teacher vs presets", "",
+             *([f"Made by `{rep['command']}` in {rep['seconds'] / 60:.1f} minutes of wall time on the machine "
+                "that ran it, under whatever else ran there (each preset's cells at the end).", ""]
+               if rep.get("command") else []),
              f"Model pack `{rep['teacher_pack']}` (teacher), {rep['created']}, commit `{(rep.get('git_commit') or '')[:10]}`.",
              f"Held-out perplexity, KL(teacher‖preset) and top-1 agreement: {rep['data']}, {rep['chunks']} chunks of "
              f"{rep['ctx']} tokens, second half of each scored (llama.cpp's method), {rep['tokens']} tokens. "
@@ -108,8 +115,6 @@ def markdown(rep: dict) -> str:
              "| preset | experts/rest | budget | ppl ± se | ppl vs teacher | KL ± se | top-1 | routing | "
              + " | ".join(tasks) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(tasks)]
-    if rep.get("note"):
-        lines[4:4] = ["", rep["note"]]
     for r in rep["rows"]:
         cells = [f"`{r['preset']}`", f"{r['experts']}/{r['rest']}", r["budget"],
                  f"{r['ppl']:.3f} ± {r['ppl_stderr']:.3f}", f"{r['ppl_ratio'] - 1:+.2%}",
@@ -150,7 +155,10 @@ def markdown(rep: dict) -> str:
                       + "; ".join(needed) + "."]
         lines.append("")
     for r in rep["rows"]:
-        lines.append(f"- `{r['preset']}`: {r['description']}")
+        t = r.get("seconds")
+        lines.append(f"- `{r['preset']}`: {r['description']}"
+                     + (f" (cells: teacher comparison {t['teacher'] / 60:.1f} min, lm-eval {t['lm'] / 60:.1f} min)"
+                        if t else ""))
     return "\n".join(lines) + "\n"
 
 

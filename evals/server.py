@@ -105,6 +105,7 @@ class Engine:
         self.eos = session.spec.eos_token_id
         self.created = int(time.time())
         self.template = session.pack.header.get("chat_template")     # the model's own, when it has one
+        self.served = {"prefills": 0, "prompt_tokens": 0, "decode_tokens": 0, "forward_seconds": 0.0}
 
     def chat_prompt(self, messages: list[dict]) -> str:
         if not self.template:
@@ -126,11 +127,22 @@ class Engine:
         return self.s.decode([int(i)])
 
     def prefill(self, ids) -> np.ndarray:
+        t0 = time.perf_counter()
         self.s.engine.reset()
-        return self.s.step(list(map(int, ids)), "prefill")
+        logits = self.s.step(list(map(int, ids)), "prefill")
+        self._count(prefills=1, prompt_tokens=len(ids), forward_seconds=time.perf_counter() - t0)
+        return logits
 
     def decode_step(self, tok: int) -> np.ndarray:
-        return self.s.step([int(tok)], "decode")[-1]
+        t0 = time.perf_counter()
+        row = self.s.step([int(tok)], "decode")[-1]
+        self._count(decode_tokens=1, forward_seconds=time.perf_counter() - t0)
+        return row
+
+    def _count(self, **kw):
+        """The totals /health reports (runs under `lock`, as every forward pass)."""
+        for k, v in kw.items():
+            self.served[k] += v
 
     def top(self, lp_row: np.ndarray, n: int) -> dict:
         if n <= 0:
@@ -324,7 +336,7 @@ class Handler(BaseHTTPRequestHandler):
     def health(self):
         s = self.eng.s
         self._send_json(200, {"status": "ok", "model": self.eng.model_id, "preset": s.preset.name,
-                              "budget": s.budget_text, "context": self.eng.ctx})
+                              "budget": s.budget_text, "context": self.eng.ctx, "served": dict(self.eng.served)})
 
     def models(self):
         self._send_json(200, {"object": "list", "data": [{"id": self.eng.model_id, "object": "model",

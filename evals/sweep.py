@@ -36,12 +36,8 @@ def run_lm(cell: Cell) -> dict:
 
 def lm_columns(summary: dict) -> dict:
     """One column per task: its primary metric (lambada_openai acc, arc_easy acc_norm, ...)."""
-    from evals.lm import primary
-    out = {}
-    for task, m in (summary.get("results") or {}).items():
-        name, v, _ = primary({f"{k},none": x for k, x in m.items()})
-        out[f"{task.removesuffix('_local')} {name}"] = v
-    return out
+    from evals.lm import primaries
+    return {p.column: p.value for p in primaries(summary.get("results")).values()}
 
 
 RUNNERS = {"eval ppl": Runner(run_ppl), "eval teacher": Runner(run_teacher), "eval lm": Runner(run_lm, lm_columns)}

@@ -98,6 +98,10 @@ def test_report_writes_markdown_and_json(monkeypatch, tmp_path, capsys):
         assert p["diff"] == pytest.approx(sum(s) / 2 - sum(t) / 2)
     md = out.read_text()
     assert "| `smol` |" in md and "arc_easy" in md and "## Paired against the teacher" in md
+    cmd = rep["command"]                                 # the one command that remakes it, at the top
+    assert f"Made by `{cmd}`" in md.splitlines()[2]
+    assert cmd.startswith(f"python -m workbench eval report --model {tiny} ") and f"--out {out}" in cmd
+    assert "--presets teacher,smol" in cmd and "--limit 2" in cmd and "--page-cache" in cmd and "--quiet" not in cmd
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]      # no temporary files left
     kinds = sorted(json.loads((p / "config.json").read_text())["eval"] for p in list_runs(tmp_path / "runs"))
     assert kinds == ["lm", "lm", "teacher", "teacher"]

@@ -54,10 +54,22 @@ def engine_logprobs(session, ids):
 
 
 def test_health_and_models(server):
-    assert jcall(server, "GET", "/health") == (200, {"status": "ok", "model": "tiny", "preset": "les",
-                                                     "budget": "0.25", "context": CTX})
+    st, health = jcall(server, "GET", "/health")
+    assert st == 200 and {k: v for k, v in health.items() if k != "served"} == {
+        "status": "ok", "model": "tiny", "preset": "les", "budget": "0.25", "context": CTX}
     st, body = jcall(server, "GET", "/v1/models")
     assert st == 200 and [m["id"] for m in body["data"]] == ["tiny"]
+
+
+def test_health_counts_what_the_engine_served(server):
+    before = jcall(server, "GET", "/health")[1]["served"]
+    st, body = jcall(server, "POST", "/v1/completions", {"model": "tiny", "prompt": ["Once upon a time", "Tom ran"],
+                                                         "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 0})
+    after = jcall(server, "GET", "/health")[1]["served"]
+    assert st == 200 and after["prefills"] - before["prefills"] == 2
+    assert after["prompt_tokens"] - before["prompt_tokens"] == body["usage"]["prompt_tokens"]
+    assert 0 < after["decode_tokens"] - before["decode_tokens"] < body["usage"]["completion_tokens"]   # the last is not run
+    assert after["forward_seconds"] > before["forward_seconds"]
 
 
 def test_echo_logprobs_equal_the_engines(server):

@@ -1,0 +1,55 @@
+"""evals/opencompass/local_data.py: OpenCompass's ARC and PIQA data laid out from the local copies, the same bytes
+each time, and read by OpenCompass's own loaders (in its environment, when there is one) as the rows they came from."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from evals.opencompass.local_data import SHARED, build, write
+from test_opencompass_model import OC_PYTHON
+
+pytestmark = pytest.mark.skipif(not (SHARED / "arc").is_dir(), reason=f"no local copies at {SHARED}")
+
+
+def test_the_layout_is_deterministic_and_keeps_the_rows():
+    files = build()
+    assert files == build()
+    assert files["data/ARC/ARC-e/ARC-Easy-Dev.jsonl"] == (SHARED / "arc/ARC-Easy/ARC-Easy-Dev.jsonl").read_bytes()
+    dev = [json.loads(x) for x in files["data/piqa/dev.jsonl"].decode().splitlines()]
+    valid = [json.loads(x) for x in (SHARED / "piqa/valid.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in r.items() if k != "id"} for r in dev] == valid
+    assert len({r["id"] for r in dev}) == len(dev)
+    assert files["data/piqa/dev-labels.lst"].decode().split() == (SHARED / "piqa/valid-labels.lst").read_text().split()
+    assert b"valid.jsonl" in files["PROVENANCE.txt"]
+
+
+def test_a_missing_copy_is_named_and_nothing_is_written(tmp_path):
+    from workbench.errors import WorkbenchError
+    with pytest.raises(WorkbenchError, match="arc/ARC-Easy/ARC-Easy-Dev.jsonl: not found"):
+        write(tmp_path / "out", tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+LOAD = """
+import json
+from opencompass.datasets import ARCDataset, PIQADataset
+arc = ARCDataset.load(path='opencompass/ai2_arc-easy-dev', name='ARC-Easy')
+piqa = PIQADataset.load(path='opencompass/piqa')['validation']
+print(json.dumps({"arc": [r['answerKey'] for r in arc], "piqa": [r['label'] for r in piqa], "goal": piqa[0]['goal']}))
+"""
+
+
+@pytest.mark.skipif(not OC_PYTHON.exists(), reason=f"no OpenCompass environment at {OC_PYTHON}")
+def test_opencompass_reads_them_from_compass_data_cache(tmp_path):
+    write(tmp_path)
+    env = {**os.environ, "COMPASS_DATA_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = subprocess.run([str(OC_PYTHON), "-c", LOAD], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    arc = [json.loads(x) for x in (SHARED / "arc/ARC-Easy/ARC-Easy-Dev.jsonl").read_text().splitlines()]
+    four = [r for r in arc if len(r["question"]["choices"]) == 4]       # OpenCompass keeps the 4-choice items
+    assert got["arc"] == ["ABCD"[[c["label"] for c in r["question"]["choices"]].index(r["answerKey"])] for r in four]
+    assert got["piqa"] == [int(x) for x in (SHARED / "piqa/valid-labels.lst").read_text().split()]
+    assert got["goal"] == json.loads((SHARED / "piqa/valid.jsonl").read_text().splitlines()[0])["goal"]
