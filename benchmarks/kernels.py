@@ -398,8 +398,8 @@ def main(argv=None):
            "load": os.getloadavg()}
     atomic_write(a.out / "kernels.json", json.dumps(res, indent=1) + "\n")
     md = "\n".join([f"# Kernels: time per expert, one thread\n\n`{command}`\n",
-                    f"Shared machine, load average {res['load'][0]:.1f} while measuring (2 cores, other engineers' jobs "
-                    f"running): absolute times are inflated; kernels were timed interleaved in one process.\n",
+                    f"Load average {res['load'][0]:.1f} while measuring (2 cores; above about 1, other jobs shared them and "
+                    f"absolute times are inflated); kernels were timed interleaved in one process.\n",
                     table(rows), "", decision(rows), "",
                     "## Where a resident decode token goes (demo, packed engine)\n", SPLIT_NOTE, "",
                     split_table(split), "",

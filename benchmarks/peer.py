@@ -77,8 +77,8 @@ def main(argv=None):
     res.update(ratios=rows, steps=steps, target=TARGET, load_before=before, load_after=after,
                command=f"python benchmarks/peer.py --model {a.model} --tokens {a.tokens} --rounds {a.rounds}")
     lines = [f"`{res['command']}` (runs `bench-peer`, below)\n",
-             f"Load average (1 min) {before[0]:.1f} before, {after[0]:.1f} after: a shared 2-core machine with other "
-             f"engineers' jobs running; the arms alternate, so each ran under the same load.\n",
+             f"Load average (1 min) {before[0]:.1f} before, {after[0]:.1f} after: 2 cores (above about 1, other jobs "
+             f"shared them); the arms alternate, so each ran under the same load.\n",
              "| workbench resident / | median ratio | per round (min-max) | target | met? |", "|---|---:|---:|---:|---|"]
     for r in rows:
         lo, hi = min(r["ratios_by_round"]), max(r["ratios_by_round"])

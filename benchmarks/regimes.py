@@ -106,9 +106,9 @@ def reading(res: dict) -> str:
   3-bit experts are only 22% smaller), so at the profile's bandwidth the reads alone take
   {od['floor_read_s_per_token'] * 1e3:.1f} and {les['floor_read_s_per_token'] * 1e3:.1f} ms a token. What overlap can
   save is the smaller of compute and flash: les's time without its flash wait is {ms(les):.1f} ms a token (expert
-  kernels {les['expert_s_per_token'] * 1e3:.1f} ms: this engine's packed kernel on a 35B expert, about ten times
+  kernels {les['expert_s_per_token'] * 1e3:.1f} ms: this engine's packed kernel on a 35B expert, slower than
   ggml's per results/kernels.md), on_demand's {ms(od):.1f} ms (kernels {od['expert_s_per_token'] * 1e3:.1f} ms for
-  the same routed experts a token: a difference between the two is not the designs' work; the machine was loaded) plus {od['flash_wait_per_token_s'] * 1e3:.1f} ms waiting. So les cannot beat
+  the same routed experts a token: a difference between the two is not the designs' work) plus {od['flash_wait_per_token_s'] * 1e3:.1f} ms waiting. So les cannot beat
   its floor ({les['floor_tok_s']:.2f} tok/s, {x['les_floor_over_on_demand']:.2f}x the measured on_demand), and 3x
   would need les at {od['per_token_s'] / 3 * 1e3:.1f} ms a token. With equal bytes the ratio is bounded by
   (compute + flash wait of on_demand) / max(compute, flash of les): at equal compute C and flash F, (C + F) / max(C, F),
@@ -265,8 +265,8 @@ def ufs35b(rounds, tokens, model_dir, log=print):
 
 def markdown(res: dict, cmd: str) -> str:
     L = [f"# The papers' regime: calibration and ladders", "",
-         f"`{cmd}` ({res['when']}, load average at start {res['load']}). This machine is shared and loaded "
-         "(six engineers on 2 cores): every timing below is under that load; emulated numbers are this machine's "
+         f"`{cmd}` ({res['when']}, load average at start {res['load']}). 2 cores (above about 1, other jobs "
+         "shared them and every timing below is under that load); emulated numbers are this machine's "
          "reads slowed to a device profile (`data/devices/`), simulated numbers come from `simulate` (no model run).", ""]
     for cal in res.get("calibrate", []):
         L += [f"## Calibration: simulated vs measured, {'EMULATED ' if cal['emulated'] else ''}{cal['device']}", "",

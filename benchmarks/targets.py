@@ -142,9 +142,9 @@ def main(argv=None):
                f"--rounds {a.rounds}" + (f" --baseline-rev {a.baseline_rev}" if a.baseline_rev else ""))
     load = os.getloadavg()
     md = "\n".join([f"# Design targets, measured\n\n`{command}`\n",
-                    f"Measured on a shared 2-core machine while other engineers' jobs ran (load average {load[0]:.1f} "
-                    f"at the end): tok/s are medians of alternating rounds with min-max, and every arm ran under the "
-                    f"same load, but absolute numbers are lower and noisier than on a quiet machine.\n",
+                    f"Measured on a 2-core machine, load average {load[0]:.1f} at the end (above about 1, other jobs shared "
+                    f"the cores): tok/s are medians of alternating rounds with min-max, so every arm ran under the "
+                    f"same load.\n",
                     "```", table(res), "```", "",
                     "## Where the time goes (per generated token, median round)\n", breakdown(res["rungs"]), "",
                     "floor = 1 / max(compute + router, bytes read / disk bandwidth at the run's mean read size and its "
