@@ -241,11 +241,11 @@ def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = Non
 
 
 def fingerprint(path) -> str:
-    """A short id of a model directory or file (names, sizes, mtimes), for cache file names."""
+    """A short id of a model directory or file (paths, sizes, mtimes), for cache file names."""
     p = Path(path)
     files = [p] if p.is_file() else sorted(f for f in p.glob("*") if f.suffix in (".json", ".safetensors") or f.name.endswith(".pack"))
     h = 0
     for f in files:
         st = f.stat()
-        h = zlib.crc32(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode(), h)
+        h = zlib.crc32(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode(), h)
     return f"{h & 0xFFFFFFFF:08x}"

@@ -41,7 +41,7 @@ def _fingerprint(d: Path) -> str:
     for f in ([d] if d.is_file() else sorted(d.glob("*"))):   # a .gguf file is its own fingerprint
         if f.suffix in (".json", ".safetensors", ".gguf"):
             st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())   # two models never share a pack
     return h.hexdigest()[:12]
 
 
