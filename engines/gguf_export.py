@@ -16,7 +16,6 @@ and streamed to a temporary file that is renamed into place.
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -239,13 +238,3 @@ def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = Non
             w.close()
     return out
 
-
-def fingerprint(path) -> str:
-    """A short id of a model directory or file (paths, sizes, mtimes), for cache file names."""
-    p = Path(path)
-    files = [p] if p.is_file() else sorted(f for f in p.glob("*") if f.suffix in (".json", ".safetensors") or f.name.endswith(".pack"))
-    h = 0
-    for f in files:
-        st = f.stat()
-        h = zlib.crc32(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode(), h)
-    return f"{h & 0xFFFFFFFF:08x}"

@@ -264,8 +264,8 @@ def quantize_gguf(src, dst, qtype: str, threads: int = 1) -> Path:
 def resolve_gguf(model: str, qtype: str = "f16", progress: bool = False) -> Path:
     """A GGUF for `model`: a .gguf path as it is; `demo`, a model directory or a pack exported once
     (cached under $WORKBENCH_CACHE/gguf, keyed by the source's fingerprint and the type)."""
-    from engines.gguf_export import export_gguf, fingerprint
-    from workbench.registry import cache_dir, is_pack, model_dir
+    from engines.gguf_export import export_gguf
+    from workbench.registry import cache_dir, fingerprint, is_pack, model_dir
     if str(model).endswith(".gguf"):
         p = Path(model)
         if not p.is_file():
@@ -448,8 +448,8 @@ class LlamaCppEngine(Engine):
 
     def __init__(self, pack, streamer, telemetry, hooks: Hooks = Hooks(), weights: dict | None = None,
                  threads: int = 1, max_context: int | None = None):
-        from engines.gguf_export import PackModel, export_gguf, fingerprint
-        from workbench.registry import cache_dir
+        from engines.gguf_export import PackModel, export_gguf
+        from workbench.registry import cache_dir, fingerprint
         super().__init__(pack, streamer, telemetry, hooks)
         path = cache_dir() / "gguf" / f"{Path(pack.path).name}-{fingerprint(pack.path)}-f16.gguf"
         if not path.exists():

@@ -1,8 +1,7 @@
-"""Cache file names (workbench/registry.py's packs, engines/gguf_export.py's GGUFs): two models never share one."""
+"""Cache file names (workbench/registry.fingerprint: packs and exported GGUFs): two models never share one."""
 import os
 
-from engines.gguf_export import fingerprint
-from workbench.registry import _fingerprint
+from workbench.registry import fingerprint
 
 SAME_TIME = (1_700_000_000_000_000_000, 1_700_000_000_000_000_000)
 
@@ -23,8 +22,8 @@ def test_two_ggufs_with_the_same_name_size_and_time_get_their_own_packs(tmp_path
     """The tiny Qwen3.5-MoE and MiniCPM-V 4.7 language models, exported in the same second as m.gguf in two
     folders, have the same size: alike fingerprints would run the second on the first one's pack."""
     a, b = twins(tmp_path, "m.gguf")
-    assert _fingerprint(a) != _fingerprint(b)
-    assert _fingerprint(a) == _fingerprint(a)          # and the same model keeps its pack
+    assert fingerprint(a) != fingerprint(b)
+    assert fingerprint(a) == fingerprint(a)          # and the same model keeps its pack
 
 
 def test_two_model_folders_alike_in_names_sizes_and_times_get_their_own_ggufs(tmp_path):

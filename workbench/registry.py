@@ -36,12 +36,15 @@ def model_dir(model: str) -> Path:
     return p
 
 
-def _fingerprint(d: Path) -> str:
+def fingerprint(path) -> str:
+    """A short id of a model directory or file (each file's full path, size and mtime), for cache file names:
+    two models never share a pack or an exported GGUF, and a changed model converts afresh."""
+    p = Path(path)
     h = hashlib.sha256()
-    for f in ([d] if d.is_file() else sorted(d.glob("*"))):   # a .gguf file is its own fingerprint
-        if f.suffix in (".json", ".safetensors", ".gguf"):
+    for f in ([p] if p.is_file() else sorted(p.glob("*"))):   # a .gguf or a pack is its own fingerprint
+        if p.is_file() or f.suffix in (".json", ".safetensors", ".gguf"):
             st = f.stat()
-            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())   # two models never share a pack
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:12]
 
 
@@ -52,7 +55,7 @@ def resolve_pack(model: str, layout: str, experts: str, rest: str, progress: boo
         return p
     if p.is_file() and p.suffix != ".gguf":       # a GGUF converts like a model directory
         raise WorkbenchError(f"{p}: not an expert pack (bad magic) and not a model directory")
-    name = f"{p.name}-{_fingerprint(p)}-{layout}-{experts}-{rest}-f{FORMAT}.pack"   # a new format converts afresh
+    name = f"{p.name}-{fingerprint(p)}-{layout}-{experts}-{rest}-f{FORMAT}.pack"   # a new format converts afresh
     dst = cache_dir() / "packs" / name
     if not dst.exists():
         convert(p, dst, layout=layout, experts=experts, rest=rest, progress=progress)
