@@ -357,9 +357,8 @@ def main(argv=None):
     if "smol" in parts:
         res["smol"] = smol_misses(args.tokens)
     if "ufs35b" in parts:
-        from workbench.registry import cache_dir
-        from workbench.shapes import make_model
-        model = args.model35b or cache_dir() / "models" / "qwen3.6-35b-a3b-4L-64E-random"
+        from workbench.shapes import checkpoint_path, make_model
+        model = args.model35b or checkpoint_path("qwen3.6-35b-a3b", 4, 64)
         if not Path(model).exists():
             make_model("qwen3.6-35b-a3b", 4, model, experts=64)
         res["ufs35b"] = ufs35b(args.rounds, args.tokens, str(model))

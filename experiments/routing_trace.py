@@ -95,6 +95,16 @@ def named_predictions(trace: dict, spec: MoESpec, weights: dict, heads=None) -> 
     return out
 
 
+def replay_experts(path, trace_spec: dict, top_k: int) -> int:
+    """The experts per layer a model of this top-k needs to replay the trace (r x the trace's, r = top_k / the
+    trace's top-k: the rule expert_map applies), or a one-line refusal."""
+    E, k = trace_spec["num_experts"], trace_spec["top_k"]
+    if top_k < k or top_k % k:
+        raise WorkbenchError(f"{path}: a trace of {E} experts top-{k} maps onto a model only when the model's top-k "
+                             f"is a multiple of {k}; this model's is top-{top_k}")
+    return top_k // k * E
+
+
 def expert_map(path, trace_spec: dict, spec: MoESpec) -> tuple[int, str]:
     """The expansion r (trace expert e -> model experts r*e..r*e+r-1) and the stated rule, or a one-line refusal."""
     E, k = trace_spec["num_experts"], trace_spec["top_k"]

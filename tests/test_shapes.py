@@ -46,3 +46,21 @@ def test_bad_requests_are_one_line_errors(tmp_path, capsys):
     assert main(["make-model", "--shape", "qwen3-30b-a3b", "--layers", "1", "--experts", "4",
                  "--out", str(tmp_path / "y")]) == 2
     assert "--experts 4" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_the_default_place_and_size_of_a_checkpoint(tmp_path, monkeypatch, capsys):
+    from workbench.shapes import checkpoint_bytes, checkpoint_path
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    assert main(["make-model", "--shape", "qwen3-30b-a3b", "--layers", "1", "--experts", "8"]) == 0
+    out = checkpoint_path("qwen3-30b-a3b", 1, 8)
+    assert out == tmp_path / "cache" / "models" / "qwen3-30b-a3b-1L-8E-random" and str(out) in capsys.readouterr().out
+    tensors = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert 0 <= tensors - checkpoint_bytes("qwen3-30b-a3b", 1, 8) < 2 ** 16, "safetensors headers only"
+
+
+def test_no_room_on_disk_is_a_one_line_refusal_before_anything_is_written(tmp_path, monkeypatch):
+    import workbench.shapes as shapes
+    monkeypatch.setattr(shapes, "free_bytes", lambda path: 10 ** 6)
+    with pytest.raises(WorkbenchError, match=r"needs 0\.\d+ GB, the disk has 0\.00 GB free"):
+        make_model("qwen3-30b-a3b", layers=1, out=tmp_path / "z", experts=8)
+    assert not list(tmp_path.iterdir())

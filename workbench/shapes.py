@@ -73,8 +73,23 @@ def random_label(model_dir) -> str | None:
     return json.loads(p.read_text())["label"] if p.is_file() else None
 
 
+def checkpoint_path(shape: str, layers: int, experts: int | None = None) -> Path:
+    """Where make-model writes a checkpoint by default: one directory per (shape, layers, experts) in the cache."""
+    from workbench.registry import cache_dir
+    return cache_dir() / "models" / f"{shape}-{layers}L-{experts or 'all'}E-random"
+
+
+def checkpoint_bytes(shape: str, layers: int, experts: int | None = None) -> int:
+    """The checkpoint's size on disk (float16 tensors; the JSON files and the tokenizer left out)."""
+    s, V = SHAPES[shape], json.loads((DEMO / "config.json").read_text())["vocab_size"]
+    d, ff, hd = s["hidden_size"], s["moe_intermediate_size"], s["head_dim"]
+    attention = (2 * s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * hd * d
+    per_layer = attention + (experts or s["num_experts"]) * (3 * d * ff + d) + 2 * d + 2 * hd
+    return 2 * (2 * V * d + d + layers * per_layer)
+
+
 def make_model(shape: str, layers: int, out, experts: int | None = None, seed: int = 0) -> Path:
-    """Write the checkpoint to `out` (one float16 safetensors shard per layer)."""
+    """Write the checkpoint to `out` (one float16 safetensors shard per layer); refused when its disk lacks room."""
     if shape not in SHAPES:
         raise WorkbenchError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")
     s = SHAPES[shape]
@@ -86,6 +101,10 @@ def make_model(shape: str, layers: int, out, experts: int | None = None, seed: i
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise WorkbenchError(f"{out}: exists and is not empty")
+    need, free = checkpoint_bytes(shape, layers, experts), free_bytes(out)
+    if need > free:
+        raise WorkbenchError(f"{out}: {shape} at {layers} layers and {experts} experts needs {need / 1e9:.2f} GB, "
+                             f"the disk has {free / 1e9:.2f} GB free")
     cfg = json.loads((DEMO / "config.json").read_text())
     cfg.update({k: s[k] for k in ("hidden_size", "moe_intermediate_size", "num_experts_per_tok", "num_attention_heads",
                                   "num_key_value_heads", "head_dim")},
@@ -109,6 +128,14 @@ def make_model(shape: str, layers: int, out, experts: int | None = None, seed: i
         out.rmdir()
     tmp.rename(out)            # the directory appears whole or not at all
     return out
+
+
+def free_bytes(path) -> int:
+    """Free bytes on the disk that holds `path` (its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
 
 
 def _write(tmp: Path, cfg: dict, rng):

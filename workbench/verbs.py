@@ -121,9 +121,8 @@ def _make_model_flags(p):
 
 @command("make-model", "write a random-weight checkpoint with a real model's expert shape", _make_model_flags)
 def cmd_make_model(args):
-    from workbench.registry import cache_dir
-    from workbench.shapes import make_model
-    out = args.out or cache_dir() / "models" / f"{args.shape}-{args.layers}L-{args.experts or 'all'}E-random"
+    from workbench.shapes import checkpoint_path, make_model
+    out = args.out or checkpoint_path(args.shape, args.layers, args.experts)
     path = make_model(args.shape, args.layers, out, experts=args.experts, seed=args.seed)
     c = json.loads((path / "random_weights.json").read_text())
     emit(args, {"path": str(path), **c}, f"wrote {path}: {c['label']}")
