@@ -57,9 +57,9 @@ def default_designs(model: str = "demo") -> list[str]:
     return [d for d in ("on_demand", "les", "smol", "edge0" if edge0_ready(model) else "resident") if d in PRESETS]
 
 
-def booth_round(i: int) -> tuple[str, list[str]]:
+def booth_round(i: int, model: str = "demo") -> tuple[str, list[str]]:
     """Round i of booth mode: the next story opening and the next set of designs."""
-    sets = [default_designs(), [d for d in ("on_demand", "history", "oracle", "les") if d in PRESETS]]
+    sets = [default_designs(model), [d for d in ("on_demand", "history", "oracle", "les") if d in PRESETS]]
     return BOOTH_PROMPTS[i % len(BOOTH_PROMPTS)], sets[i % len(sets)]
 
 

@@ -3,7 +3,8 @@
     streamlit run dashboards/live.py
 
 Booth mode, unattended: add ?booth=1 to the URL (optional: &designs=on_demand,les &tokens=48 &pause=6
-&model=demo; without designs it alternates between two comparisons).
+&model=demo &device=ufs22-phone &shape=qwen3.6-35b-a3b; without designs it alternates between two comparisons; a
+shape replaces the model, as the sidebar's model size does; an unknown device or shape is ignored, with a caption).
 
 Each design generates in its own process (dashboards/worker.py); this page only reads the telemetry they send.
 """
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import streamlit as st  # noqa: E402
 
 from dashboards import common as C  # noqa: E402
+from dashboards import model_size as M  # noqa: E402
 from workbench.presets import PRESETS  # noqa: E402
 from workbench.errors import WorkbenchError  # noqa: E402
 
@@ -98,10 +100,22 @@ def charts_view(ids: list[str]):
                                if recall is None else f"prefetch recall, all layers: {recall:.1%}")
 
 
-def start(model, designs, budget, prompt, tokens, device=None, routing_trace=None):
+def shape_model(shape: str, trace: str | None) -> tuple[str, str]:
+    """(model, routing trace) for a model size: its random-weight checkpoint, made here the first time (a spinner
+    meanwhile), and the trace that drives it (the demo trace unless one is given)."""
+    p = M.plan(shape, trace)
+    if not M.made(p):
+        with st.spinner(f"making the RANDOM-weight checkpoint of {p.label} (once: later runs reuse it) ..."):
+            M.make(p)
+    return str(p.path), p.trace
+
+
+def start(model, designs, budget, prompt, tokens, device=None, routing_trace=None, shape=None):
     C.stop_runs(state.run_ids)
     state.run_ids, state.numbers, state.records = [], {}, {}
     try:
+        if shape:
+            model, routing_trace = shape_model(shape, routing_trace)
         C.check_inputs(model, designs, budget, prompt, tokens)
     except WorkbenchError as e:
         st.error(str(e))
@@ -116,8 +130,14 @@ def sidebar():
     """The controls; returns the settings when Start was pressed, else None."""
     with st.sidebar:
         st.header("Compare designs")
-        model = st.text_input("model", "demo", key="model",
-                              help="`demo` (data/models/demo-moe), a Hugging Face directory, or a pack")
+        size = st.selectbox("model size", M.choices(), key="shape",
+                            help="demo: the model named below. A real model's shape: a RANDOM-weight checkpoint of its "
+                                 f"expert size ({M.LAYERS} layers; made once, in the workbench cache) that every "
+                                 "design runs with its routing replayed from the routing trace (the demo trace "
+                                 "unless one is given below)")
+        model = st.text_input("model", "demo", key="model", disabled=size != M.DEMO,
+                              help="`demo` (data/models/demo-moe), a Hugging Face directory, or a pack "
+                                   "(model size demo only)")
         designs = st.multiselect("designs to compare", list(PRESETS), default=C.default_designs(), key="designs",
                                  help="presets from workbench/presets.py")
         budget = st.text_input("expert budget", "0.25", key="budget",
@@ -135,25 +155,42 @@ def sidebar():
         if halt.button("Stop", key="stop", width="stretch"):
             C.stop_runs(state.run_ids)
         st.caption("Designs whose preset keeps every expert resident (resident, teacher) ignore the budget.")
-    device = None if flash == THIS_MACHINE else flash
-    return (model.strip(), designs, budget.strip(), prompt, int(tokens), device, trace.strip() or None) if pressed else None
+    device, shape = None if flash == THIS_MACHINE else flash, None if size == M.DEMO else size
+    return ((model.strip(), designs, budget.strip(), prompt, int(tokens), device, trace.strip() or None, shape)
+            if pressed else None)
 
 
 def booth_settings() -> dict:
+    """The booth's settings from the URL; `notes` says what was ignored, and why."""
+    from workbench.devices import names
     q = st.query_params
     try:
         tokens, pause = int(q.get("tokens", 48)), float(q.get("pause", 6))
     except ValueError:
         tokens, pause = 48, 6.0
     designs = [d for d in q.get("designs", "").split(",") if d in PRESETS]
-    return {"model": q.get("model", "demo"), "tokens": max(1, tokens), "pause": pause, "designs": designs}
+    cfg = {"model": q.get("model", "demo"), "tokens": max(1, tokens), "pause": pause, "designs": designs,
+           "device": q.get("device") or None, "routing_trace": None, "notes": []}
+    if cfg["device"] == "this-machine":
+        cfg["device"] = None
+    elif cfg["device"] and cfg["device"] not in names():
+        cfg["notes"].append(f"device={cfg['device']!r} ignored: not a device profile in data/devices (one of "
+                            f"{', '.join(names())}); the flash is this machine's")
+        cfg["device"] = None
+    shape = q.get("shape") or M.DEMO
+    if shape != M.DEMO:
+        try:
+            cfg["model"], cfg["routing_trace"] = shape_model(shape, None)
+        except WorkbenchError as e:
+            cfg["notes"].append(f"shape={shape!r} ignored ({e}); the model is {cfg['model']}")
+    return cfg
 
 
 @st.fragment(run_every=1.0)
 def booth_controller():
     """Booth: start the next round (prompt and designs) a few seconds after the last one ends."""
     b = state.setdefault("booth", {"round": -1, "done_at": None})
-    runs, cfg, now = C.get_runs(state.run_ids), booth_settings(), time.time()
+    runs, cfg, now = C.get_runs(state.run_ids), state.booth_cfg, time.time()
     st.caption(f"booth · round {b['round'] + 1} · a new round starts {cfg['pause']:g} s after every design finishes")
     if any(r.active for r in runs):
         return
@@ -161,8 +198,9 @@ def booth_controller():
         b["done_at"] = now
     if not runs or now - b["done_at"] >= cfg["pause"]:
         b["round"], b["done_at"] = b["round"] + 1, None
-        prompt, designs = C.booth_round(b["round"])
-        state.run_ids = C.start_runs(cfg["model"], cfg["designs"] or designs, "0.25", prompt, cfg["tokens"])
+        prompt, designs = C.booth_round(b["round"], cfg["model"])
+        state.run_ids = C.start_runs(cfg["model"], cfg["designs"] or designs, "0.25", prompt, cfg["tokens"],
+                                     cfg["device"], cfg["routing_trace"])
         st.rerun()
 
 
@@ -171,6 +209,9 @@ if BOOTH:
                 "[data-testid=stHeader],[data-testid=stToolbar]{display:none} "
                 "[data-testid=stMetricValue]{font-size:2.4rem}</style>", unsafe_allow_html=True)
     st.title("Experts streaming from flash, live")
+    state.booth_cfg = booth_settings()
+    for note in state.booth_cfg["notes"]:
+        st.caption(note)
 else:
     st.title("Live: MoE experts streaming from flash")
     settings = sidebar()
@@ -189,8 +230,12 @@ elif runs:
     if runs[0].device:
         st.caption(f"Flash: EMULATED {runs[0].device} (this machine's reads, each slowed to the profile's time in "
                    "data/devices); its tok/s are not this machine's.")
-    if runs[0].routing_trace:
-        st.caption(f"Routing and prefetches replayed from {runs[0].routing_trace} (the text is not the model's).")
+    random_weights = M.caption(runs[0].model, runs[0].routing_trace)
+    if random_weights:
+        st.caption(random_weights)
+    elif runs[0].routing_trace:
+        st.caption(f"Routing and prefetches replayed from {M.shown(runs[0].routing_trace)} (the text is not the "
+                   "model's).")
     (st.fragment(run_every=C.REFRESH_S)(numbers_view) if live else numbers_view)(ids, live)
     (st.fragment(run_every=C.CHARTS_REFRESH_S)(charts_view) if live else charts_view)(ids)
 if BOOTH:

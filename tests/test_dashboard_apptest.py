@@ -345,3 +345,122 @@ assert not bad, bad
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(REPO), "WORKBENCH_RUNS": str(tmp_path / "runs")})
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- model size, booth device and shape
+
+from dashboards import model_size as M  # noqa: E402
+from workbench.shapes import SHAPES, checkpoint_path  # noqa: E402
+
+SHAPE = "qwen3.6-35b-a3b"       # the smallest expert of the shapes (d 2048, ff 512); top-8: 64 experts for the trace
+
+
+@pytest.fixture(scope="module")
+def shape_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def shape_cache(shape_dir, monkeypatch):
+    """One workbench cache for the model-size tests that make a checkpoint (1 layer, not the page's 4)."""
+    monkeypatch.setenv("WORKBENCH_CACHE", str(shape_dir))       # the design processes inherit it
+    monkeypatch.setattr(M, "LAYERS", 1)
+    return shape_dir
+
+
+def test_model_size_offers_the_demo_and_every_shape():
+    at = ok(app(LIVE))
+    assert at.selectbox(key="shape").value == "demo" and at.selectbox(key="shape").options == ["demo", *SHAPES]
+    assert not at.text_input(key="model").disabled
+    at.selectbox(key="shape").set_value(SHAPE)
+    assert ok(at.run()).text_input(key="model").disabled, "a shape replaces the free-text model"
+
+
+def test_a_shape_is_made_once_through_the_selector_and_every_design_runs_it(shape_cache, runs_root, monkeypatch):
+    at = app(LIVE)
+    at.selectbox(key="shape").set_value(SHAPE)
+    at.selectbox(key="device").set_value("ufs22-phone")
+    at = poll(start(at, ["on_demand", "les"], tokens=2), finished, timeout=240)
+    assert not at.error, errors(at)
+    made = checkpoint_path(SHAPE, 1, 64)
+    assert (made / "random_weights.json").is_file() and made.parent == shape_cache / "models"
+    runs = C.get_runs(at.session_state["run_ids"])
+    assert [(r.model, r.routing_trace, r.device) for r in runs] == [(str(made), str(M.DEMO_TRACE), "ufs22-phone")] * 2
+    assert ("Model size qwen3.6-35b-a3b expert shape (1 layers, 64 experts): RANDOM weights, routing replayed from "
+            "data/traces/demo-tinystories-256.parquet (the text is not the model's).") in [c.value for c in at.caption]
+    for design in ("on_demand", "les"):
+        rec = read_run(at.session_state["records"][design])
+        assert "RANDOM" in rec["summary"]["random_weights"] and rec["config"]["device"]["name"] == "ufs22-phone"
+        assert rec["config"]["routing_trace"]["path"] == str(M.DEMO_TRACE)
+        assert "top-4 -> top-8" in rec["config"]["routing_trace"]["mapping"]
+    monkeypatch.setattr(M, "make_model", lambda *a, **k: pytest.fail("made a second time"))
+    at = ok(at.button(key="start").click().run())     # the same settings again: the checkpoint is there
+    assert not at.error, errors(at)
+    assert [r.model for r in C.get_runs(at.session_state["run_ids"])] == [str(made)] * 2
+    poll(at, finished, timeout=120)
+
+
+def test_a_shape_without_room_on_disk_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(M, "free_bytes", lambda path: 10 ** 8)
+    at = app(LIVE)
+    at.selectbox(key="shape").set_value("qwen3-30b-a3b")
+    at = start(at, ["on_demand"])
+    assert len(at.error) == 1 and "no room for qwen3-30b-a3b (4 layers, 64 experts" in errors(at)
+    assert "0.1 GB free" in errors(at) and not at.session_state["run_ids"]
+    assert not (tmp_path / "cache" / "models").exists()
+
+
+def test_a_shape_whose_top_k_cannot_replay_the_trace_is_refused_in_one_line():
+    at = app(LIVE)
+    at.selectbox(key="shape").set_value("qwen3-next-80b-a3b")
+    at = start(at, ["on_demand"])
+    assert "model size qwen3-next-80b-a3b" in errors(at) and "multiple of 4" in errors(at)
+    assert not at.session_state["run_ids"]
+
+
+def test_booth_params_pick_the_device_and_the_shape(shape_cache):
+    at = ok(app(LIVE, booth="1", designs="on_demand", tokens="2", pause="600", device="ufs22-phone", shape=SHAPE))
+    try:
+        runs = C.get_runs(at.session_state["run_ids"])
+        made = str(checkpoint_path(SHAPE, 1, 64))
+        assert [(r.model, r.device, r.routing_trace) for r in runs] == [(made, "ufs22-phone", str(M.DEMO_TRACE))]
+        at = poll(at, finished, timeout=180)
+        captions = " ".join(c.value for c in at.caption)
+        assert "EMULATED ufs22-phone" in captions and "RANDOM weights, routing replayed from" in captions
+        assert "ignored" not in captions and not at.error, errors(at)
+    finally:
+        C.stop_runs(at.session_state["run_ids"])
+
+
+def test_booth_ignores_an_unknown_device_or_shape_with_a_caption():
+    at = ok(app(LIVE, booth="1", designs="on_demand", tokens="2", pause="600", device="nokia-3310", shape="gpt-5"))
+    try:
+        captions = [c.value for c in at.caption]
+        assert any(c.startswith("device='nokia-3310' ignored") and "ufs22-phone" in c for c in captions)
+        assert any(c.startswith("shape='gpt-5' ignored") and SHAPE in c for c in captions)
+        runs = C.get_runs(at.session_state["run_ids"])
+        assert [(r.model, r.device, r.routing_trace) for r in runs] == [("demo", None, None)]
+    finally:
+        C.stop_runs(at.session_state["run_ids"])
+
+
+# ---------------------------------------------------------------- the simulated ladder
+
+def test_ladders_page_shows_the_simulated_les_ladder_beside_the_paper():
+    at = ok(app(LADDERS))
+    assert "SIMULATED: LES's ladder on the iPhone profile" in [h.value for h in at.header]
+    table = next(d.value for d in at.dataframe if "SIMULATED tok/s" in d.value.columns)
+    assert table["paper tok/s"].tolist() == [3.38, 6.57, 11.34, 17.16, 20.51]
+    assert table["rung"].iloc[0] == "on_demand" and (table["SIMULATED tok/s"] > 0).all()
+    assert any(c.value.startswith("SIMULATED, not measured: `simulate` on the iphone-les profile") for c in at.caption)
+
+
+def test_ladders_page_without_regimes_json_names_the_command(tmp_path, monkeypatch):
+    from dashboards import simulated as S
+    monkeypatch.setattr(S, "REGIMES", tmp_path / "regimes.json")
+    at = ok(app(LADDERS))
+    assert any("No simulated ladder" in i.value for i in at.info) and S.COMMAND in [c.value for c in at.code]
+    (tmp_path / "regimes.json").write_text('{"les": {"rows": "not rows"}}')
+    at = ok(app(LADDERS))
+    assert len(at.error) == 1 and "regimes.json: not a regimes result with an LES ladder" in at.error[0].value

@@ -1,4 +1,5 @@
-"""Ablation ladders: one knob added per rung. Ours from saved run records, the papers' beside them."""
+"""Ablation ladders: one knob added per rung. Ours from saved run records, the papers' beside them; below, LES's
+ladder SIMULATED on the iPhone profile (results/regimes.json)."""
 import sys
 from pathlib import Path
 
@@ -9,7 +10,9 @@ import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from dashboards import common as C  # noqa: E402
+from dashboards import simulated as S  # noqa: E402
 from dashboards.published import LADDERS  # noqa: E402
+from workbench.errors import WorkbenchError  # noqa: E402
 from workbench.runs import runs_dir  # noqa: E402
 
 COMMAND = "python -m workbench ladder les --model demo --json"
@@ -109,3 +112,38 @@ else:
     for i, ((ladder, model), rungs) in enumerate(groups.items()):
         with cols[i % len(cols)]:
             show_group(ladder, model, rungs)
+
+
+def simulated_ladder():
+    """LES's ladder SIMULATED on the iPhone profile (results/regimes.json), the paper's numbers beside it."""
+    st.header("SIMULATED: LES's ladder on the iPhone profile")
+    try:
+        found = S.les_ladder()
+    except WorkbenchError as e:
+        st.error(str(e))
+        return
+    if found is None:
+        st.info(f"No simulated ladder in `{S.REGIMES}` yet. Make it (simulate, a few minutes) with:")
+        st.code(S.COMMAND, language="bash")
+        return
+    cfg, rows = found
+    st.caption(f"SIMULATED, not measured: `simulate` on the {cfg['device']} profile, {cfg['shape_note'] or cfg['shape']}, "
+               f"budget {cfg['budget']}, {cfg['tokens']} tokens, driven by the demo trace; compute is this engine's, "
+               f"measured on this machine (not the iPhone's), so compare the speed-ups. From {S.REGIMES.name} "
+               f"({cfg['when']}, benchmarks/regimes.py).")
+    both = pd.concat([rows.assign(source=f"SIMULATED ({cfg['device']} profile)", x=rows["SIMULATED ×"]),
+                      rows.assign(source="LES paper (iPhone, measured)", x=rows["paper ×"])])
+    both["rung #"] = [f"{i}: {r}" for i, r in zip(list(range(len(rows))) * 2, both["rung"])]
+    st.altair_chart(alt.Chart(both, title="SIMULATED vs the paper: speed-up over the first rung").mark_bar().encode(
+        x=alt.X("rung #:N", title=None, sort=None, axis=alt.Axis(labelAngle=-30, labelLimit=150, labelOverlap=False)),
+        xOffset="source:N", y=alt.Y("x:Q", title="× first rung"),
+        color=alt.Color("source:N", legend=alt.Legend(orient="bottom", title=None, columns=1, labelLimit=400)),
+        tooltip=["source", "rung", alt.Tooltip("x:Q", format=".2f")]), width="stretch", height=330)
+    st.markdown(f"**SIMULATED** on the {cfg['device']} profile · **paper**: LES, MiniCPM-V 4.7 LES on an iPhone")
+    st.dataframe(rows, hide_index=True, column_config={
+        c: st.column_config.NumberColumn(format=f) for c, f in (
+            ("paper tok/s", "%.2f"), ("paper ×", "%.2f×"), ("SIMULATED tok/s", "%.2f"), ("SIMULATED ×", "%.2f×"),
+            ("SIMULATED hit rate", "percent"), ("SIMULATED Belady tok/s", "%.2f"))})
+
+
+simulated_ladder()
