@@ -169,7 +169,7 @@ class ExpertStreamer:
         ctx["routed"] = idx
         ev.router_s = time.perf_counter() - t0
         ev.predicted = self.predicted_for.pop((layer, token), []) if phase == "decode" else []
-        needed = np.unique(idx).tolist()
+        needed = sorted(set(idx.ravel().tolist()))     # np.unique's list, at a fifth of its cost per layer
         if engine.predictor is not None:        # name later layers' experts now; run_layer reads them after its own
             t1 = time.perf_counter()
             for target, experts in engine.predictor.predict(layer, ctx).items():
