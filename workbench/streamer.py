@@ -16,7 +16,6 @@ import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-import numpy as np
 
 from workbench.cache import ExpertCache
 from workbench.errors import WorkbenchError
