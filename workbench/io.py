@@ -21,7 +21,6 @@ import random
 import tempfile
 import threading
 import time
-from collections import Counter
 from functools import partial
 
 import numpy as np
@@ -278,7 +277,9 @@ class Reader:
 
     def _read_group(self, group, futures, verify):
         start, end, members = group
-        parts = Counter(key for _, key in members)     # a key's buffers in this group
+        parts = {}                                      # a key's buffers in this group
+        for _, key in members:
+            parts[key] = parts.get(key, 0) + 1
         try:
             got = self._pread([buf for buf, _ in members], start, end - start)
             if got < end - start:

@@ -109,7 +109,7 @@ class ExpertStreamer:
 
     def _issue_into_slots(self, keys, reads, priority) -> int:
         def verify(key, bufs):          # the crc, on the reader thread; nothing is decoded
-            self.pack.decode_expert(key[0], key[1], [b[:n] for b, (_, n) in zip(bufs, reads[key])], raw=True)
+            self.pack.check_expert(key[0], key[1], bufs)
 
         requests = [(key, [(off, buf) for (off, _), buf in zip(reads[key], self.arena.claim(key))]) for key in keys]
         for key, fut in self.reader.submit_into(requests, priority, verify).items():
