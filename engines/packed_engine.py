@@ -38,27 +38,23 @@ class PackedExperts:
         self.parts, _ = K.expert_parts(pack.expert_shapes, pack.expert_kinds, arena.parts)
         self.d, self.ff = s.hidden_size, s.moe_intermediate_size
         self.slot_of = np.zeros(s.num_experts, np.int64)     # this layer's experts -> their slot offsets
-        self.in_batch = np.zeros(s.num_experts, bool)
+        self.ready = np.zeros(s.num_experts, bool)             # the experts of the batch being computed
 
     def begin(self, i: int, x, idx, weights):
-        """compute(experts, slot offsets) for the streamer: one kernel call per batch."""
-        T, k = idx.shape
-        flat, w = idx.reshape(-1), np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
+        """compute(experts, slot offsets) for the streamer: one kernel call per batch, which picks the batch's
+        (token, expert) pairs itself (no per-batch index arrays in Python)."""
+        k = idx.shape[1]
+        flat = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
+        w = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
         X = np.ascontiguousarray(x, dtype=np.float32)
-        self.Y = Y = np.empty((T * k, self.d), np.float32)
+        self.Y = Y = np.empty((flat.shape[0], self.d), np.float32)
         block = self.arena.blocks[i]
-        n_routed = len(set(flat.tolist()))
 
         def compute(es, offsets):
             self.slot_of[es] = offsets
-            if len(es) == n_routed:             # the whole layer in one batch (resident, or all of it cached)
-                pairs = np.arange(T * k)
-            else:
-                self.in_batch[:] = False
-                self.in_batch[es] = True
-                pairs = np.flatnonzero(self.in_batch[flat])
-            K.moe_layer(block, self.slot_of[flat[pairs]], pairs // k, pairs, w[pairs], X, Y, self.parts,
-                        self.d, self.ff, K.F16)
+            self.ready[:] = False
+            self.ready[es] = True
+            K.moe_ready(block, self.slot_of, flat, self.ready, k, w, X, Y, self.parts, self.d, self.ff, K.F16)
         return compute
 
     def combine(self, needed):

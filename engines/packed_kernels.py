@@ -138,11 +138,15 @@ def moe_layer(arena, slot_off, tok, dst, weight, X, Y, parts, d, ff, f16):
     xs = np.empty(max(d // GROUP, 1), np.float32)
     hs = np.empty(max(ff // GROUP, 1), np.float32)
     words = np.empty(max(d, ff), np.uint32)
+    same = parts[1, 1] == parts[0, 1]
+    last = -1                                   # the token whose x is in xp (a token's top-k pairs share it)
     for p in range(slot_off.shape[0]):
         base = slot_off[p]
-        _phases(X[tok[p]], parts[0, 1], xp, xs)
+        if tok[p] != last or not same:
+            _phases(X[tok[p]], parts[0, 1], xp, xs)
+            last = tok[p]
         qmv(arena, base + parts[0, 0], ff, d, parts[0, 1], xp, xs, g, f16, words)
-        if parts[1, 1] != parts[0, 1]:
+        if not same:
             _phases(X[tok[p]], parts[1, 1], xp, xs)
         qmv(arena, base + parts[1, 0], ff, d, parts[1, 1], xp, xs, u, f16, words)
         for j in range(ff):
@@ -153,6 +157,20 @@ def moe_layer(arena, slot_off, tok, dst, weight, X, Y, parts, d, ff, f16):
         r = dst[p]
         for j in range(d):
             Y[r, j] = w * y[j]
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def moe_ready(arena, slot_of, flat, ready, k, weight, X, Y, parts, d, ff, f16):
+    """moe_layer on the pairs of a layer whose expert is ready (ready[expert]): pair p of the flat top-k is token
+    p // k, its expert's slot is at slot_of[expert], and its result goes to row p of Y."""
+    pairs = np.empty(flat.shape[0], np.int64)
+    n = 0
+    for p in range(flat.shape[0]):
+        if ready[flat[p]]:
+            pairs[n] = p
+            n += 1
+    pairs = pairs[:n]
+    moe_layer(arena, slot_of[flat[pairs]], pairs // k, pairs, weight[pairs], X, Y, parts, d, ff, f16)
 
 
 def expert_parts(shapes: dict, kinds: dict, offsets: dict | None = None) -> tuple[np.ndarray, int]:

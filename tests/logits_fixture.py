@@ -5,7 +5,9 @@ prompt: prefill, then greedy decode steps. `tests/test_logits_fixture.py` checks
     PYTHONPATH=$PWD python tests/logits_fixture.py        # rewrites tests/fixtures/logits.npz
 
 The fixture keeps a sha256 of every logit (bit-identity) and the last decode row (to say how far off a
-failure is). The demo model is in it for the edge0 preset, which needs the shipped prerouter and LoRA.
+failure is), and the machine it was recorded on (`machine()`): BLAS and numpy pick their SIMD kernels by CPU, so
+the same code gives other bits on another CPU (the demo's teacher differed by 1.9e-6 between an AVX-512 and an AVX2
+machine). The demo model is in it for the edge0 preset, which needs the shipped prerouter and LoRA.
 """
 from __future__ import annotations
 
@@ -46,6 +48,18 @@ def logits_of(model: Path, preset: str) -> np.ndarray:
         return np.concatenate(rows, 0)
 
 
+def machine() -> str:
+    """What decides the bits besides the code: the CPU architecture, the BLAS kernel set, numpy's SIMD level."""
+    import platform
+
+    from threadpoolctl import threadpool_info
+    np.ones((2, 2)) @ np.ones((2, 2))                  # load the BLAS, so threadpoolctl sees it
+    blas = sorted(f"{i.get('internal_api')}:{i.get('architecture')}" for i in threadpool_info() if i["user_api"] == "blas")
+    simd = [f for f in ("AVX512_SKX", "AVX512F", "X86_V3", "X86_V2", "ASIMD")
+            if np._core._multiarray_umath.__cpu_features__.get(f)]
+    return f"{platform.machine()} {','.join(blas)} {simd[0] if simd else 'baseline'}"
+
+
 def digest(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a, np.float32).tobytes()).hexdigest()
 
@@ -54,7 +68,7 @@ def record(root: Path, out: Path = FIXTURE):
     import io
 
     from workbench.atomic import atomic_write
-    arrays = {}
+    arrays = {"machine": np.array(machine())}
     for name, path in models(root).items():
         for preset in presets_for(name):
             lg = logits_of(path, preset)

@@ -276,6 +276,7 @@ class Pack:
         self.expert_layer_kinds = {int(k): v for k, v in ex.get("layer_kinds", {}).items()}  # raw GGUF packs
         self.expert_nbytes = ex["nbytes"]           # on-disk bytes of one expert (unpadded; raw GGUF: the largest)
         self.expert_layers = {int(k): v for k, v in ex["layers"].items()}
+        self._runs: dict = {}            # (layer, expert) -> its crc ranges (_crc_runs)
         self.num_expert_total = sum(len(v) for v in self.expert_layers.values())
 
     def _check(self, size: int):
@@ -334,28 +335,43 @@ class Pack:
             return [tuple(ent["span"])]
         return [tuple(ent["parts"][p]) for p in PARTS]
 
+    def _crc_runs(self, layer: int, e: int) -> list[tuple[int, int, int]]:
+        """(chunk, start, end) ranges of expert e's parts in order, in the chunks expert_reads gives; adjacent parts
+        as one range: one crc32 call (one GIL release) for a contiguous expert."""
+        runs = self._runs.get((layer, e))
+        if runs is None:
+            ent = self.expert_layers[layer][e]
+            if "span" in ent:
+                runs, base = [], ent["span"][0]
+                for o, n in (ent["parts"][p] for p in PARTS):
+                    if runs and runs[-1][2] == o - base:
+                        runs[-1][2] = o - base + n
+                    else:
+                        runs.append([0, o - base, o - base + n])
+            else:
+                runs = [[i, 0, ent["parts"][p][1]] for i, p in enumerate(PARTS)]
+            runs = self._runs[(layer, e)] = [tuple(r) for r in runs]
+        return runs
+
+    def check_expert(self, layer: int, e: int, chunks) -> None:
+        """Raise unless expert e's bytes (chunks: the buffers of expert_reads(layer, e), in order, each at least
+        its read long) have the pack's crc32. What a reader thread does to a read that lands in a slot."""
+        crc = 0
+        for i, a, b in self._crc_runs(layer, e):
+            crc = zlib.crc32(chunks[i][a:b], crc)
+        if f"{crc & 0xFFFFFFFF:08x}" != self.expert_layers[layer][e]["crc32"]:
+            raise WorkbenchError(f"{self.path}: checksum mismatch in expert {e} of layer {layer} (corrupt pack)")
+
     def decode_expert(self, layer: int, e: int, chunks: list[np.ndarray], raw: bool = False) -> dict[str, np.ndarray]:
         """chunks: the bytes of expert_reads(layer, e), in order. Checks the crc, returns f32 matrices
         (raw=True: each part's encoded bytes, for an engine that computes from the packed format)."""
+        self.check_expert(layer, e, chunks)
         ent = self.expert_layers[layer][e]
         if "span" in ent:
             base = ent["span"][0]
             parts = {p: chunks[0][o - base:o - base + n] for p, (o, n) in ent["parts"].items()}
-            runs = []               # the parts in order, adjacent ones as one run: one crc32 call (one GIL release)
-            for o, n in (ent["parts"][p] for p in PARTS):
-                if runs and runs[-1][1] == o:
-                    runs[-1][1] = o + n
-                else:
-                    runs.append([o, o + n])
-            pieces = [chunks[0][a - base:b - base] for a, b in runs]
         else:
             parts = dict(zip(PARTS, chunks))
-            pieces = [parts[p] for p in PARTS]
-        crc = 0
-        for piece in pieces:
-            crc = zlib.crc32(piece, crc)
-        if f"{crc & 0xFFFFFFFF:08x}" != ent["crc32"]:
-            raise WorkbenchError(f"{self.path}: checksum mismatch in expert {e} of layer {layer} (corrupt pack)")
         if raw:
             return parts
         kinds = self.expert_layer_kinds.get(layer, self.expert_kinds)
