@@ -14,6 +14,7 @@ depth and read merging then behave as on that device. Everything it produces is 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -99,7 +100,6 @@ def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), 
     """This machine as the engine's reader sees it now: one read at a time through a Reader pool (submit, wait for
     the future), random aligned offsets in `path`, the median time per size, fitted to latency + size / bandwidth.
     Under a shared, loaded machine this is slower than probe-disk's tight loops (thread wake-ups, other I/O)."""
-    import os
     import random
     import statistics
     size_of = os.path.getsize(path)
@@ -149,6 +149,7 @@ class EmulatedReader(Reader):
         self._flight = threading.Lock()
         self.in_flight = 0
         self.emulated_wait_s = 0.0
+        self._late = 100e-6         # how late time.sleep wakes (learned; _wait_until)
         self.log: list[tuple[int, int, float, float]] | None = None   # (bytes, depth, start, end) when a test asks
 
     def _pread(self, buf, pos: int, need: int) -> int:
@@ -160,9 +161,7 @@ class EmulatedReader(Reader):
         try:
             got = super()._pread(buf, pos, need)
             real = time.perf_counter()
-            deadline = t0 + self.profile.read_s(size, depth)
-            while (left := deadline - time.perf_counter()) > 0:
-                time.sleep(left)
+            self._wait_until(t0 + self.profile.read_s(size, depth))
             t1 = time.perf_counter()
         finally:
             with self._flight:
@@ -172,6 +171,17 @@ class EmulatedReader(Reader):
             if self.log is not None:
                 self.log.append((size, depth, t0, t1))
         return got
+
+    def _wait_until(self, deadline: float):
+        """Sleep, then yield the last stretch: time.sleep wakes late (timer slack: about 0.1 ms on these VMs, as
+        long as a small read's whole profile time, so every emulated read was that much slower than its profile).
+        The stretch yielded is the lateness seen so far, plus 20 us."""
+        while (left := deadline - time.perf_counter()) > self._late + 20e-6:
+            want = time.perf_counter() + left - self._late - 20e-6
+            time.sleep(left - self._late - 20e-6)
+            self._late += 0.1 * (max(0.0, time.perf_counter() - want) - self._late)
+        while time.perf_counter() < deadline:
+            os.sched_yield()        # releases the GIL: another thread may run
 
     def stats(self) -> dict:
         return {**super().stats(), "device": self.profile.describe(), "emulated_wait_s": self.emulated_wait_s}
