@@ -73,3 +73,24 @@ def test_cache_bias_changes_selection_not_weights():
 
 def test_topk_desc_orders_largest_first():
     assert topk_desc(np.array([[1.0, 5.0, 3.0, 4.0]]), 3).tolist() == [[1, 3, 2]]
+
+
+def test_compiled_topk_and_select_equal_a_stable_numpy_sort():
+    """The compiled top-k (per layer, every token) is a stable descending sort's first k, ties to the lower index,
+    for every rank and float type; select's weights are numpy's: the chosen scores, renormalised, scaled."""
+    from workbench.routing import select
+    rng = np.random.default_rng(0)
+    for shape, k in [((1, 32), 4), ((7, 64), 8), ((3, 5, 128), 10), ((2, 8), 8), ((4, 6), 1)]:
+        for dtype in (np.float32, np.float64):
+            s = np.round(rng.standard_normal(shape) * 3).astype(dtype)          # rounded: many ties
+            want = np.argsort(-s, axis=-1, kind="stable")[..., :k]
+            assert (topk_desc(s, k) == want).all(), (shape, k, dtype)
+    for T, E, k in [(1, 32, 4), (5, 128, 8), (3, 64, 6)]:
+        for norm, scaling in [(True, 1.0), (False, 2.5), (True, 2.5)]:
+            s = rng.random((T, E), dtype=np.float32)
+            idx, w = select(s, k, norm, scaling)
+            want = np.take_along_axis(s, np.argsort(-s, axis=-1, kind="stable")[:, :k], -1)
+            if norm:
+                want = want / (want.sum(-1, keepdims=True) + 1e-20)
+            assert (idx == np.argsort(-s, axis=-1, kind="stable")[:, :k]).all()
+            np.testing.assert_allclose(w, want * np.float32(scaling), rtol=2e-7, atol=0)
