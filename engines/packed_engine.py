@@ -37,8 +37,6 @@ class PackedExperts:
         self.decoder, self.arena, s = decoder, arena, decoder.spec
         self.parts, _ = K.expert_parts(pack.expert_shapes, pack.expert_kinds, arena.parts)
         self.d, self.ff = s.hidden_size, s.moe_intermediate_size
-        self.slot_of = np.zeros(s.num_experts, np.int64)     # this layer's experts -> their slot offsets
-        self.ready = np.zeros(s.num_experts, bool)             # the experts of the batch being computed
 
     def begin(self, i: int, x, idx, weights):
         """compute(experts, slot offsets) for the streamer: one kernel call per batch, which picks the batch's
@@ -51,10 +49,8 @@ class PackedExperts:
         block = self.arena.blocks[i]
 
         def compute(es, offsets):
-            self.slot_of[es] = offsets
-            self.ready[:] = False
-            self.ready[es] = True
-            K.moe_ready(block, self.slot_of, flat, self.ready, k, w, X, Y, self.parts, self.d, self.ff, K.F16)
+            K.moe_ready(block, np.array(es, np.int64), np.array(offsets, np.int64), flat, k, w, X, Y, self.parts,
+                        self.d, self.ff, K.F16)
         return compute
 
     def combine(self, needed):

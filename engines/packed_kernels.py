@@ -160,16 +160,23 @@ def moe_layer(arena, slot_off, tok, dst, weight, X, Y, parts, d, ff, f16):
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def moe_ready(arena, slot_of, flat, ready, k, weight, X, Y, parts, d, ff, f16):
-    """moe_layer on the pairs of a layer whose expert is ready (ready[expert]): pair p of the flat top-k is token
-    p // k, its expert's slot is at slot_of[expert], and its result goes to row p of Y."""
-    pairs = np.empty(flat.shape[0], np.int64)
+def moe_ready(arena, experts, offsets, flat, k, weight, X, Y, parts, d, ff, f16):
+    """moe_layer on the pairs of a layer whose expert is in a batch that is in memory (experts[i], its slot at byte
+    offsets[i]): pair p of the flat top-k is token p // k, and its result goes to row p of Y."""
     n = 0
     for p in range(flat.shape[0]):
-        if ready[flat[p]]:
-            pairs[n] = p
-            n += 1
-    pairs = pairs[:n]
+        n = max(n, flat[p] + 1)
+    slot_of = np.full(n, -1, np.int64)
+    for i in range(experts.shape[0]):
+        if experts[i] < n:
+            slot_of[experts[i]] = offsets[i]
+    pairs = np.empty(flat.shape[0], np.int64)
+    m = 0
+    for p in range(flat.shape[0]):
+        if slot_of[flat[p]] >= 0:
+            pairs[m] = p
+            m += 1
+    pairs = pairs[:m]
     moe_layer(arena, slot_of[flat[pairs]], pairs // k, pairs, weight[pairs], X, Y, parts, d, ff, f16)
 
 
