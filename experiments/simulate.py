@@ -482,6 +482,8 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     from workbench.session import Session
     from workbench.store import quant
     with Session(model, "resident", engine=engine, experts=experts) as s:     # the kernels of this precision
+        s.generate([1, 2, 3, 4], tokens=4)          # warm-up, as bench's: kernels compiled or loaded untimed
+        s.reset_telemetry()
         s.generate([1, 2, 3, 4], tokens=tokens)
         dec = [t for t in s.tel.tokens if t.phase == "decode"]
         evs = [e for e in s.tel.events if e.phase == "decode"]
