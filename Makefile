@@ -24,6 +24,15 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 	CFLAGS="$(NO_AMX) $$CFLAGS" CXXFLAGS="$(NO_AMX) $$CXXFLAGS" $(BIN)/pip install -q -e ".[test]"
 	touch $@
 
+# OpenCompass (tests/test_opencompass_*.py) runs in its own environment: it needs numpy<2 and pyarrow<19, which the
+# workbench's own environment cannot hold (evals/opencompass/README.md).
+OC_VENV := .venv-opencompass
+$(OC_VENV)/.ok:
+	$(PY) -m venv $(OC_VENV)
+	$(OC_VENV)/bin/pip install -q --upgrade pip
+	$(OC_VENV)/bin/pip install -q "opencompass==0.5.4" "numpy<2" "pyarrow<19" "torch==2.13.0"
+	touch $@
+
 # The browser test (tests/test_dashboard_e2e.py) drives Debian's chromium: installed here when root, else said loudly.
 CHROMIUM := /usr/bin/chromium
 browser:
@@ -36,7 +45,7 @@ venv: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(BIN)/python -m streamlit run dashboards/live.py --server.headless true --server.port $(PORT)
 
-test: $(VENV)/.test browser
+test: $(VENV)/.test $(OC_VENV)/.ok browser
 	$(BIN)/python -m pytest -q
 
 $(VENV)/.notebooks: pyproject.toml | $(BIN)/python

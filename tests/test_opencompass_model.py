@@ -11,7 +11,10 @@ import pytest
 from eval_tiny import REPO
 from test_eval_server import engine_logprobs, server  # noqa: F401  (the fixture)
 
-OC_PYTHON = Path(os.environ.get("WORKBENCH_OPENCOMPASS_PYTHON", Path.home() / "venvs" / "opencompass" / "bin" / "python"))
+# OpenCompass's environment: $WORKBENCH_OPENCOMPASS_PYTHON, else the one `make test` builds, else the README's ~/venvs
+_MADE = Path(__file__).resolve().parents[1] / ".venv-opencompass" / "bin" / "python"
+OC_PYTHON = Path(os.environ.get("WORKBENCH_OPENCOMPASS_PYTHON") or
+                 (_MADE if _MADE.exists() else Path.home() / "venvs" / "opencompass" / "bin" / "python"))
 pytestmark = pytest.mark.skipif(not OC_PYTHON.exists(), reason=f"no OpenCompass environment at {OC_PYTHON}")
 
 SCRIPT = """
