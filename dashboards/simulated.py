@@ -14,7 +14,7 @@ from workbench.errors import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]
 REGIMES = REPO / "results" / "regimes.json"
-COMMAND = "python benchmarks/regimes.py --only les --tokens 32"
+COMMAND = "python benchmarks/regimes.py --rounds 3 --tokens 32"   # --only les would drop the other parts
 COLUMNS = {"rung": "rung", "paper_rung": "paper's rung", "paper_tok_s": "paper tok/s", "paper_speedup": "paper ×",
            "tok_s": "SIMULATED tok/s", "speedup": "SIMULATED ×", "hit_rate": "SIMULATED hit rate",
            "belady_tok_s": "SIMULATED Belady tok/s"}
