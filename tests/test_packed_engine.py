@@ -9,6 +9,8 @@ of every expert resident, bit for bit.
 """
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -16,7 +18,7 @@ from conftest import FAMILIES
 from engines import packed_kernels as K
 from workbench.arena import slot_bytes
 from workbench.errors import WorkbenchError
-from workbench.io import ALIGN, Reader, aligned_empty
+from workbench.io import ALIGN, ChecksumError, Reader, aligned_empty
 from workbench.session import Session
 from workbench.store import quant
 
@@ -132,26 +134,41 @@ def test_budget_counts_packed_bytes(tiny_models):
     assert slots["q3"] >= 1.25 * slots["q4"]
 
 
-def test_reads_land_in_their_buffers_and_demand_goes_first(tmp_path):
+class ThroughPython(Reader):
+    """A reader that changes how a read is made (as the emulated and faulty ones do) reads on Python threads."""
+    def _preadv(self, views, pos):
+        return super()._preadv(views, pos)
+
+
+@pytest.mark.parametrize("kind", [Reader, ThroughPython], ids=["gil-free", "python"])
+def test_reads_land_in_their_buffers_checked_and_demand_goes_first(tmp_path, kind):
     data = np.random.default_rng(0).integers(0, 256, 256 * ALIGN, dtype=np.uint8)
     path = tmp_path / "f.bin"
     path.write_bytes(data.tobytes())
-    with Reader(path, workers=1) as r:
+    with kind(path, workers=1) as r:
         bufs = [aligned_empty(ALIGN) for _ in range(3)]       # adjacent ranges: one preadv, scattered
-        got = r.submit_into([("a", [(0, bufs[0]), (ALIGN, bufs[1])]), ("b", [(2 * ALIGN, bufs[2])])])
+        crc = zlib.crc32(data[ALIGN + 8:ALIGN + 100])     # a run of a's second buffer
+        got = r.submit_into([("a", [(0, bufs[0]), (ALIGN, bufs[1])]), ("b", [(2 * ALIGN, bufs[2])])],
+                            checks={"a": ([(1, 8, 100)], crc)})
         assert got["a"].result() == bufs[:2] and got["b"].result() == bufs[2:]
         np.testing.assert_array_equal(np.concatenate(bufs), data[:3 * ALIGN])
-        assert r.merged >= 2
-        order = []
-        prefetch = r.submit_into([(i, [(2 * i * ALIGN, aligned_empty(ALIGN))]) for i in range(100)], priority=1,
-                                 verify=lambda k, b: order.append(k))
-        demand = r.submit_into([("d", [(ALIGN, aligned_empty(ALIGN))])], priority=0, verify=lambda k, b: order.append(k))
-        demand["d"].result()
-        [f.result() for f in prefetch.values()]
-        assert order.index("d") < len(order) - 1, "the demand read waited behind every prefetch"
-        bad = r.submit_into([("x", [(0, aligned_empty(ALIGN))])], verify=lambda k, b: 1 / 0)
-        with pytest.raises(ZeroDivisionError):
+        assert r.merged >= 2 and r.stats()["bytes_read"] == 3 * ALIGN
+        prefetch = r.submit_into([(i, [(2 * i * ALIGN, aligned_empty(ALIGN))]) for i in range(100)], priority=1)
+        demand = r.submit_into([("d", [(ALIGN, aligned_empty(ALIGN))])], priority=0)
+        r.wait([*prefetch.values(), demand["d"]], 10, every=True)
+        landed = sorted(f.t_end for f in prefetch.values())
+        assert demand["d"].t_end < landed[-1], "the demand read waited behind every prefetch"
+        whole = ([(0, 0, ALIGN)], zlib.crc32(data[:ALIGN]))   # in two runs, crc order across the buffers
+        split = ([(0, 0, 5), (0, 5, ALIGN)], whole[1])
+        ok = r.submit_into([("w", [(0, aligned_empty(ALIGN))]), ("s", [(ALIGN * 9, aligned_empty(ALIGN))])],
+                           checks={"w": whole, "s": (split[0], zlib.crc32(data[9 * ALIGN:10 * ALIGN]))})
+        assert ok["w"].result() and ok["s"].result()
+        bad = r.submit_into([("x", [(0, aligned_empty(ALIGN))])], checks={"x": ([(0, 0, ALIGN)], whole[1] ^ 1)})
+        with pytest.raises(ChecksumError, match="crc32 of 'x'"):
             bad["x"].result()
+        past = r.submit_into([("e", [(256 * ALIGN, aligned_empty(ALIGN))])])
+        with pytest.raises(EOFError, match="read past end of file"):
+            past["e"].result()
 
 
 def test_a_corrupt_expert_is_an_error_not_garbage(tiny_models, tmp_path):

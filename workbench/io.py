@@ -21,9 +21,13 @@ import random
 import tempfile
 import threading
 import time
+import zlib
 from functools import partial
 
 import numpy as np
+
+from workbench import slot_reads
+from workbench.slot_reads import IOV, ChecksumError, SlotRead, SlotReads
 
 ALIGN = 4096
 KiB, MiB = 1024, 1024 * 1024
@@ -93,6 +97,14 @@ def _merge(spans, gap: int) -> list:
     return groups
 
 
+def _check(path, key, bufs, runs, crc: int) -> None:
+    got = 0
+    for i, a, z in runs:
+        got = zlib.crc32(bufs[i][a:z], got)
+    if got != crc:
+        raise ChecksumError(f"{path}: crc32 of {key!r} is {got:08x}, not {crc:08x}")
+
+
 class Reader:
     """Positional reader of one file; safe to use from many threads."""
 
@@ -110,13 +122,13 @@ class Reader:
         self._seq = itertools.count()
         self._landed = threading.Condition(threading.Lock())   # notified each time a job's futures are set
         self._threads: list[threading.Thread] = []
-        self.bytes_read = 0
-        self.reads = 0
+        self._bytes = self._reads = 0           # the Python path's; stats() adds the GIL-free readers'
         self.merged = 0
-        self.read_s = 0.0
+        self._read_s = 0.0
         self.retries = 0          # transient errors that a later try of the same read got past
         self._busy = 0            # groups reading on the pool now
         self._closed = False
+        self._slots: SlotReads | None = None
 
     def _open_direct(self) -> int:
         """O_DIRECT fd, or -1 if the filesystem refuses O_DIRECT (EINVAL)."""
@@ -160,9 +172,9 @@ class Reader:
                 break
         dt = time.perf_counter() - t0
         with self._lock:
-            self.reads += calls
-            self.bytes_read += got
-            self.read_s += dt
+            self._reads += calls
+            self._bytes += got
+            self._read_s += dt
         return got
 
     def _preadv(self, views: list, pos: int) -> int:
@@ -216,21 +228,52 @@ class Reader:
             self._queue([partial(self._run_group, start, end, members, futures) for start, end, members in groups])
         return futures
 
-    def submit_into(self, requests, priority: int = 0, verify=None) -> dict:
+    def submit_into(self, requests, priority: int = 0, checks: dict | None = None) -> dict:
         """Read `(key, [(offset, buf), ...])` requests straight into their buffers (offsets, lengths and buffer
         addresses 4096-aligned): ranges that touch in the file share one preadv, scattered into their buffers.
         Lower `priority` is read first (demand 0 before prefetch 1; FIFO within one). A key's future resolves to
-        its buffers once all have landed and `verify(key, buffers)` (run on the reader thread) passed."""
+        its buffers once all have landed, and fails with a ChecksumError unless the crc32 of its `checks[key]`
+        = (runs, crc32) is crc32, runs being (buffer index, start, end) in crc order.
+
+        A plain Reader reads them on GIL-free threads (workbench/slot_reads.py, where it runs: Linux on x86-64);
+        a subclass that changes how a read is made (an emulated device, injected faults) on Python threads."""
+        checks = checks or {}
+        native = slot_reads.AVAILABLE and type(self)._pread is Reader._pread and type(self)._preadv is Reader._preadv
+        slots = self._slot_reads() if native else None
         futures, ranges = {}, []
         for key, parts in requests:
-            fut = futures[key] = cf.Future()
-            fut.bufs, fut.left = [b for _, b in parts], len(parts)
-            ranges += [(off, off + buf.nbytes, (buf, key)) for off, buf in parts]
-        groups = _merge(ranges, 0)        # distinct experts' ranges never overlap: merged ranges touch
+            if native:
+                fut = SlotRead(slots, key, [b for _, b in parts], checks.get(key))
+            else:
+                fut = cf.Future()
+                fut.bufs, fut.left, fut.check = [b for _, b in parts], len(parts), checks.get(key)
+            futures[key] = fut
+            ranges += [(off, off + buf.nbytes, (off, buf, key, i)) for i, (off, buf) in enumerate(parts)]
+        groups = [[ms[0][0], ms[-1][0] + ms[-1][1].nbytes, ms] for _, _, members in _merge(ranges, 0)
+                  for ms in (members[at:at + IOV] for at in range(0, len(members), IOV))]
         with self._lock:
             self.merged += len(ranges) - len(groups)
-            self._queue([partial(self._read_group, g, futures, verify) for g in groups], priority)
+            if not native:
+                self._queue([partial(self._read_group, g, futures) for g in groups], priority)
+        if native:
+            slots.submit(groups, priority, futures)
         return futures
+
+    def _slot_reads(self) -> SlotReads:
+        """The GIL-free readers, started on first use. Each is busy (holds the file open) until close stops it."""
+        with self._lock:
+            if self._slots is None:
+                self._slots = SlotReads(self)
+                for i in range(self.workers):
+                    threading.Thread(target=self._serve_slots, args=(i,), name="io-slot-reader", daemon=True).start()
+                    self._busy += 1
+        return self._slots
+
+    def _serve_slots(self, i: int):
+        try:
+            self._slots.serve(i)
+        finally:
+            self._done_reading()
 
     def _queue(self, jobs, priority: int = 0):
         """Queue reads for the reader threads (started on first use; the lock is held). They are daemon threads:
@@ -264,6 +307,8 @@ class Reader:
         """The done ones of `futures` (this reader's), once any is done (every: all are), or at `timeout` seconds.
         One condition that the reader threads notify after each read, instead of concurrent.futures.wait's waiter
         objects installed on every future per call (~80 us of CPU a call here, a dozen calls a token)."""
+        if futures and isinstance(futures[0], SlotRead):
+            return self._slots.wait(futures, timeout, every)
         deadline = time.monotonic() + timeout
         with self._landed:
             while True:
@@ -275,13 +320,14 @@ class Reader:
                     return done
                 self._landed.wait(left)
 
-    def _read_group(self, group, futures, verify):
+    def _read_group(self, group, futures):
         start, end, members = group
+        t0 = time.perf_counter_ns()
         parts = {}                                      # a key's buffers in this group
-        for _, key in members:
+        for *_, key, _ in members:
             parts[key] = parts.get(key, 0) + 1
         try:
-            got = self._pread([buf for buf, _ in members], start, end - start)
+            got = self._pread([buf for _, buf, _, _ in members], start, end - start)
             if got < end - start:
                 raise self._eof_error(start, end - start, start + got)
         except BaseException as e:
@@ -294,10 +340,12 @@ class Reader:
             with self._lock:
                 fut.left -= n
                 last = fut.left == 0
+                fut.t_start = min(getattr(fut, "t_start", t0), t0)
+                fut.t_end = time.perf_counter_ns()
             if last:
                 try:
-                    if verify is not None:
-                        verify(key, fut.bufs)
+                    if fut.check is not None:
+                        _check(self.path, key, fut.bufs, *fut.check)
                     fut.set_result(fut.bufs)
                 except BaseException as e:
                     fut.set_exception(e)
@@ -330,9 +378,14 @@ class Reader:
     # -- bookkeeping -------------------------------------------------------------
 
     def stats(self) -> dict:
+        b, n, s = self._slots.totals() if self._slots is not None else (0, 0, 0.0)
         with self._lock:
-            return {"path": self.path, "mode": self.mode, "bytes_read": self.bytes_read,
-                    "reads": self.reads, "merged": self.merged, "read_s": self.read_s, "retries": self.retries}
+            return {"path": self.path, "mode": self.mode, "bytes_read": self._bytes + b,
+                    "reads": self._reads + n, "merged": self.merged, "read_s": self._read_s + s, "retries": self.retries}
+
+    @property
+    def bytes_read(self) -> int:
+        return self.stats()["bytes_read"]
 
     def drop_cache(self) -> None:
         drop_page_cache(self.path)
@@ -347,6 +400,8 @@ class Reader:
             self._ready.notify_all()
             self._threads = []
             self._closed = True
+            if self._slots is not None:
+                self._slots.stop()
             if not self._busy:
                 self._close_fd()
 
@@ -354,6 +409,8 @@ class Reader:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self._slots is not None:
+            self._slots.close()
 
     def __enter__(self):
         return self

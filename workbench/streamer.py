@@ -19,13 +19,15 @@ from concurrent.futures import Future
 
 from workbench.cache import ExpertCache
 from workbench.errors import WorkbenchError
-from workbench.io import Reader
+from workbench.io import ChecksumError, Reader
+from workbench.slot_reads import SlotRead
 from workbench.store.pack import Pack
 from workbench.routing import route
 from workbench.telemetry import LayerEvent, Telemetry
 
 # A read of an expert not back after this many seconds fails the run (a stalled disk; set WORKBENCH_READ_TIMEOUT)
 READ_TIMEOUT_S = 60.0
+IN_FLIGHT = (Future, SlotRead)      # a cache entry whose read has not been taken in yet
 
 
 class ExpertStreamer:
@@ -90,6 +92,8 @@ class ExpertStreamer:
         expert's first, unless given)."""
         try:
             return f.result()
+        except ChecksumError:
+            raise self.pack.checksum_error(*key) from None
         except (OSError, EOFError) as e:
             read = read or self.pack.expert_reads(*key)[0]
             why = f"past the end of the file ({str(e).rsplit(', ', 1)[-1]})" if isinstance(e, EOFError) \
@@ -108,11 +112,9 @@ class ExpertStreamer:
         return done
 
     def _issue_into_slots(self, keys, reads, priority) -> int:
-        def verify(key, bufs):          # the crc, on the reader thread; nothing is decoded
-            self.pack.check_expert(key[0], key[1], bufs)
-
         requests = [(key, [(off, buf) for (off, _), buf in zip(reads[key], self.arena.claim(key))]) for key in keys]
-        for key, fut in self.reader.submit_into(requests, priority, verify).items():
+        checks = {key: self.pack.expert_check(*key) for key in keys}    # the crc, by the reader; nothing is decoded
+        for key, fut in self.reader.submit_into(requests, priority, checks).items():
             self.cache.set(key, fut)
         return sum(n for key in keys for _, n in reads[key])
 
@@ -192,13 +194,13 @@ class ExpertStreamer:
             if key in self.prefetched:
                 self.tel.prefetch_used += 1
                 self.prefetched.pop(key)
-            if isinstance(ent, Future) and ent.done() and ent.exception() is not None:
+            if isinstance(ent, IN_FLIGHT) and ent.done() and ent.exception() is not None:
                 self.cache.drop(key)        # a read that failed earlier (a prefetch, a failed request): read it again
                 ent = None
             if ent is None:
                 backlog.append(e)
                 ev.hit.append(False)
-            elif isinstance(ent, Future):
+            elif isinstance(ent, IN_FLIGHT):
                 if ent.done():                                # a prefetch that landed in time (a failed read raises)
                     ev.hit.append(True)
                     self.cache.set(key, self._landed(key, ent))
@@ -263,7 +265,7 @@ class ExpertStreamer:
 
     def _wait_for_a_slot(self, layer, e, ev):
         """Every free slot is taken by reads in flight (prefetches): wait for one to land, then it can go."""
-        flying = {k: v for k in self.cache.keys() if isinstance(v := self.cache.peek(k), Future) and not v.done()}
+        flying = {k: v for k in self.cache.keys() if isinstance(v := self.cache.peek(k), IN_FLIGHT) and not v.done()}
         if not flying:
             raise RuntimeError(f"layer {layer}: no cache slot for expert {e}: pinned experts fill the budget")
         t0 = time.perf_counter()

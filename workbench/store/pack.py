@@ -353,14 +353,23 @@ class Pack:
             runs = self._runs[(layer, e)] = [tuple(r) for r in runs]
         return runs
 
+    def expert_check(self, layer: int, e: int) -> tuple[list, int]:
+        """(runs, crc32): expert e's bytes in the buffers of expert_reads(layer, e) are good when the crc32 over
+        runs ((buffer, start, end) in order) is crc32. What a reader checks as a read lands in a slot."""
+        return self._crc_runs(layer, e), int(self.expert_layers[layer][e]["crc32"], 16)
+
     def check_expert(self, layer: int, e: int, chunks) -> None:
         """Raise unless expert e's bytes (chunks: the buffers of expert_reads(layer, e), in order, each at least
-        its read long) have the pack's crc32. What a reader thread does to a read that lands in a slot."""
+        its read long) have the pack's crc32."""
+        runs, want = self.expert_check(layer, e)
         crc = 0
-        for i, a, b in self._crc_runs(layer, e):
+        for i, a, b in runs:
             crc = zlib.crc32(chunks[i][a:b], crc)
-        if f"{crc & 0xFFFFFFFF:08x}" != self.expert_layers[layer][e]["crc32"]:
-            raise WorkbenchError(f"{self.path}: checksum mismatch in expert {e} of layer {layer} (corrupt pack)")
+        if crc != want:
+            raise self.checksum_error(layer, e)
+
+    def checksum_error(self, layer: int, e: int) -> WorkbenchError:
+        return WorkbenchError(f"{self.path}: checksum mismatch in expert {e} of layer {layer} (corrupt pack)")
 
     def decode_expert(self, layer: int, e: int, chunks: list[np.ndarray], raw: bool = False) -> dict[str, np.ndarray]:
         """chunks: the bytes of expert_reads(layer, e), in order. Checks the crc, returns f32 matrices

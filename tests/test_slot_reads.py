@@ -1,0 +1,59 @@
+"""The GIL-free readers (workbench/slot_reads.py): what a plain Reader does with reads into slots."""
+from __future__ import annotations
+
+import sys
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from workbench import slot_reads
+from workbench.io import ALIGN, Reader, aligned_empty
+from workbench.slot_reads import SlotReads
+
+pytestmark = pytest.mark.skipif(not slot_reads.AVAILABLE, reason="GIL-free readers run on Linux x86-64 only")
+
+
+def _file(tmp_path, blocks=512):
+    data = np.random.default_rng(1).integers(0, 256, blocks * ALIGN, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    return path, data
+
+
+def test_reads_land_while_the_compute_thread_holds_the_gil(tmp_path):
+    """A Python reader thread cannot start or finish a read while another thread runs Python without a break;
+    these readers do: the read is stamped done before the busy thread lets go of the GIL."""
+    path, data = _file(tmp_path)
+    with Reader(path, workers=1) as r:
+        r.submit_into([("warm", [(0, aligned_empty(ALIGN))])])["warm"].result()    # threads started, code loaded
+        buf = aligned_empty(16 * ALIGN)
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(30.0)                 # no thread may take the GIL from this one for 30 s
+        try:
+            fut = r.submit_into([("k", [(32 * ALIGN, buf)])], checks={"k": ([(0, 0, buf.nbytes)],
+                                                                          zlib.crc32(data[32 * ALIGN:48 * ALIGN]))})["k"]
+            end = time.perf_counter() + 0.5
+            while time.perf_counter() < end:       # pure Python: holds the GIL throughout
+                pass
+            held_until = time.perf_counter_ns()
+        finally:
+            sys.setswitchinterval(old)
+        assert fut.result() == [buf] and fut.t_end < held_until
+        np.testing.assert_array_equal(buf, data[32 * ALIGN:48 * ALIGN])
+
+
+def test_more_reads_than_job_rows_wait_for_room_and_all_land(tmp_path, monkeypatch):
+    monkeypatch.setattr(SlotReads, "CAPACITY", 4)
+    path, data = _file(tmp_path)
+    with Reader(path, workers=2) as r:
+        bufs = {i: aligned_empty(ALIGN) for i in range(0, 400, 2)}      # none adjacent: one read each
+        futs = r.submit_into([(i, [(i * ALIGN, b)]) for i, b in bufs.items()], priority=1,
+                             checks={i: ([(0, 0, ALIGN)], zlib.crc32(data[i * ALIGN:(i + 1) * ALIGN])) for i in bufs})
+        assert len(r.wait(list(futs.values()), 30, every=True)) == len(bufs)
+        for i, f in futs.items():
+            assert f.exception() is None
+            np.testing.assert_array_equal(bufs[i], data[i * ALIGN:(i + 1) * ALIGN])
+        assert sorted(r._slots.free) == list(range(4))          # every job row given back
+        assert r.stats()["reads"] == len(bufs) and r.stats()["bytes_read"] == len(bufs) * ALIGN
