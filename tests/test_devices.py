@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workbench import devices
+from workbench import devices, slot_reads
 from workbench.errors import WorkbenchError
+from workbench.io import aligned_empty
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,6 +60,27 @@ def test_emulated_reader_never_completes_a_read_earlier_than_its_profile_allows(
         for nbytes, depth, t0, t1 in r.log:
             assert t1 - t0 >= prof.read_s(nbytes, depth), (nbytes, depth, t1 - t0)
         assert r.stats()["device"]["emulated"] and "emulated:slow" in r.mode
+
+
+@pytest.mark.skipif(not slot_reads.AVAILABLE, reason="GIL-free readers run on Linux x86-64 only")
+def test_emulated_reads_into_slots_run_in_the_gil_free_readers_and_never_end_early(data_file):
+    """The packed engine's reads (into slots) are emulated inside the compiled reader loop, as the real device's
+    reads run there: same bytes, each read no shorter than the profile's time at the depth it started at."""
+    path, payload = data_file
+    prof = devices.DeviceProfile("slow", "test", latency_s=2e-3, read_bw=50e6, peak_bw=80e6, queue_depth=3)
+    n = 64 * 1024
+    with devices.EmulatedReader(path, prof) as r:
+        r.log = []
+        bufs = {i: aligned_empty(n) for i in range(9)}
+        futs = r.submit_into([(i, [(2 * i * n, b)]) for i, b in bufs.items()])      # apart: one read each
+        assert len(r.wait(list(futs.values()), 30, every=True)) == 9
+        for i, b in bufs.items():
+            assert b.tobytes() == payload[2 * i * n:(2 * i + 1) * n]
+        assert r._slots is not None, "read on Python threads, not the compiled loop"
+        assert len(r.log) == 9 and max(d for _, d, _, _ in r.log) > 1       # reads overlapped on the pool
+        for nbytes, depth, t0, t1 in r.log:
+            assert 1 <= depth <= prof.queue_depth and t1 - t0 >= prof.read_s(nbytes, depth), (nbytes, depth, t1 - t0)
+        assert r.stats()["emulated_wait_s"] > 0 and r.stats()["bytes_read"] == 9 * n
 
 
 def test_profile_fitted_to_a_probe_reproduces_its_lone_reads():

@@ -9,7 +9,9 @@ The three numbers (and the queue depth the device saturates at) come with their 
 
 `EmulatedReader` does every read for real (O_DIRECT, so the bytes and the byte counts are real) and then waits
 out whatever the profile says is left, so a read never completes earlier than the device allows. Overlap, queue
-depth and read merging then behave as on that device. Everything it produces is labelled emulated.
+depth and read merging then behave as on that device. Reads into slots (the packed engine's) do this in the
+GIL-free readers' compiled loop (workbench/slot_reads.py), as the real device's reads do; other reads here.
+Everything it produces is labelled emulated.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from workbench import slot_reads
 from workbench.io import KiB, MiB, Reader
 from workbench.errors import WorkbenchError
 
@@ -172,6 +175,12 @@ class EmulatedReader(Reader):
                 self.log.append((size, depth, t0, t1))
         return got
 
+    def _reads_gil_free(self) -> bool:
+        return slot_reads.AVAILABLE and type(self)._preadv is Reader._preadv
+
+    def emulation(self):
+        return slot_reads.emulation(self.profile)
+
     def _wait_until(self, deadline: float):
         """Sleep, then yield the last stretch: time.sleep wakes late (timer slack: about 0.1 ms on these VMs, as
         long as a small read's whole profile time, so every emulated read was that much slower than its profile).
@@ -184,7 +193,8 @@ class EmulatedReader(Reader):
             os.sched_yield()        # releases the GIL: another thread may run
 
     def stats(self) -> dict:
-        return {**super().stats(), "device": self.profile.describe(), "emulated_wait_s": self.emulated_wait_s}
+        waited = self._slots.totals()[3] if self._slots is not None else 0.0
+        return {**super().stats(), "device": self.profile.describe(), "emulated_wait_s": self.emulated_wait_s + waited}
 
 
 def open_reader(path, device: str | None = None, direct: bool = True, workers: int | None = None) -> Reader:

@@ -238,7 +238,7 @@ class Reader:
         A plain Reader reads them on GIL-free threads (workbench/slot_reads.py, where it runs: Linux on x86-64);
         a subclass that changes how a read is made (an emulated device, injected faults) on Python threads."""
         checks = checks or {}
-        native = slot_reads.AVAILABLE and type(self)._pread is Reader._pread and type(self)._preadv is Reader._preadv
+        native = self._reads_gil_free()
         slots = self._slot_reads() if native else None
         futures, ranges = {}, []
         for key, parts in requests:
@@ -258,6 +258,15 @@ class Reader:
         if native:
             slots.submit(groups, priority, futures)
         return futures
+
+    def _reads_gil_free(self) -> bool:
+        """Whether submit_into reads on the GIL-free readers: not where a subclass changes how a read is made
+        (faults injected into _pread or _preadv), unless the compiled loop does what it changes (emulation)."""
+        return slot_reads.AVAILABLE and type(self)._pread is Reader._pread and type(self)._preadv is Reader._preadv
+
+    def emulation(self) -> np.ndarray:
+        """The device the GIL-free readers emulate (slot_reads.emulation), or none."""
+        return slot_reads.NO_DEVICE
 
     def _slot_reads(self) -> SlotReads:
         """The GIL-free readers, started on first use. Each is busy (holds the file open) until close stops it."""
@@ -378,7 +387,7 @@ class Reader:
     # -- bookkeeping -------------------------------------------------------------
 
     def stats(self) -> dict:
-        b, n, s = self._slots.totals() if self._slots is not None else (0, 0, 0.0)
+        b, n, s, _ = self._slots.totals() if self._slots is not None else (0, 0, 0.0, 0.0)
         with self._lock:
             return {"path": self.path, "mode": self.mode, "bytes_read": self._bytes + b,
                     "reads": self._reads + n, "merged": self.merged, "read_s": self._read_s + s, "retries": self.retries}

@@ -8,6 +8,7 @@ nogil) that never returns to Python until the reader closes:
     sleep until a ticket comes (an eventfd counting queued jobs, read as a semaphore: one ticket a read)
     take a job id from a pipe (the demand pipe before the prefetch pipe; the kernel hands each id to one thread)
     preadv the job's range into its buffers (the slots' memory), crc32 each checked run (libz), stamp the times
+    (an emulated device: sleep until the profile's time for the read's size and the reads in flight has passed)
     mark the job done in an array, and count it on an eventfd that a waiting thread polls
 
 A job is one merged read (one preadv). Its row in preallocated arrays is written before its id goes into a pipe,
@@ -50,10 +51,23 @@ _read = types.ExternalFunction("read", _i64(_i32, _u64, _u64))
 _write = types.ExternalFunction("write", _i64(_i32, _u64, _u64))
 _clock = types.ExternalFunction("clock_gettime", _i32(_i32, _u64))
 _crc32 = types.ExternalFunction("crc32", _u64(_u64, _u64, types.uint32))
+_sleep_until = types.ExternalFunction("clock_nanosleep", _i32(_i32, _i32, _u64, _u64))
+_lock = types.ExternalFunction("pthread_mutex_lock", _i32(_u64))
+_unlock = types.ExternalFunction("pthread_mutex_unlock", _i32(_u64))
+_yield = types.ExternalFunction("sched_yield", _i32())
 if AVAILABLE:
     crc32_combine = ctypes.CDLL(LIBZ).crc32_combine
     crc32_combine.argtypes, crc32_combine.restype = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_long], ctypes.c_ulong
-CLOCK_MONOTONIC = 1                 # time.perf_counter_ns's clock on Linux
+CLOCK_MONOTONIC, TIMER_ABSTIME = 1, 1      # time.perf_counter_ns's clock on Linux
+PR_SET_TIMERSLACK = 29
+MUTEX_BYTES = 64                    # >= glibc's pthread_mutex_t (40 B on x86-64), whose all-zero bytes are unlocked
+NO_DEVICE = np.array([-1.0, 0.0, 0.0])
+
+
+def emulation(profile) -> np.ndarray:
+    """What the compiled loop needs of a device profile (workbench/devices.py): latency in ns, one read's bandwidth
+    and the bandwidth all reads in flight share, in bytes per ns."""
+    return np.array([profile.latency_s * 1e9, profile.read_bw / 1e9, profile.peak_bw / 1e9])
 
 
 @njit(cache=True, nogil=True)
@@ -63,12 +77,16 @@ def _now(ts):
 
 
 @njit(cache=True, nogil=True)
-def _serve(fd, tickets, demand, prefetch, done, jobs, state, stamps, iov, runs, stats):
-    """One reader thread's loop; returns when it takes a negative job id."""
+def _serve(fd, tickets, demand, prefetch, done, jobs, state, stamps, depths, iov, runs, stats, device, mutex, flight):
+    """One reader thread's loop; returns when it takes a negative job id. device: emulation() of a profile, or
+    NO_DEVICE; then each read counts itself in flight (under mutex) and ends no earlier than the profile says."""
     jid = np.zeros(1, np.int32)
     one = np.ones(1, np.uint64)
     ticket = np.zeros(1, np.uint64)
     ts = np.zeros(2, np.int64)
+    wake = np.zeros(2, np.int64)
+    late = 100_000              # ns a sleep wakes after its time (learned)
+    emulated = device[0] >= 0
     while True:
         _read(tickets, ticket.ctypes.data, 8)       # sleeps until a job is queued; takes one ticket
         if _read(demand, jid.ctypes.data, 4) != 4 and _read(prefetch, jid.ctypes.data, 4) != 4:
@@ -76,17 +94,41 @@ def _serve(fd, tickets, demand, prefetch, done, jobs, state, stamps, iov, runs, 
         j = jid[0]
         if j < 0:
             return
+        depth = 1
+        if emulated:
+            _lock(mutex.ctypes.data)
+            flight[0] += 1
+            depth = flight[0]
+            _unlock(mutex.ctypes.data)
         t0 = _now(ts)
         got = _preadv(fd, iov[j].ctypes.data, jobs[j, NIOV], jobs[j, OFF])
         if got == jobs[j, LEN]:
             for r in range(jobs[j, NRUN]):
                 runs[j, r, 2] = _crc32(0, runs[j, r, 0], runs[j, r, 1])
-        t1 = _now(ts)
+        t1 = real = _now(ts)
+        if emulated:            # latency + size / min(read_bw, peak_bw / depth), as DeviceProfile.read_s
+            end = t0 + np.int64(np.ceil(device[0] + jobs[j, LEN] / min(device[1], device[2] / depth)))
+            # Sleep to the lateness wake-ups have shown (20-50 us on these VMs even with 1 ns of timer slack), then
+            # yield the last stretch, as EmulatedReader._wait_until does: the read ends on its time, never before.
+            while end - t1 > late + 20_000:
+                want = end - late - 20_000
+                wake[0], wake[1] = want // 1_000_000_000, want % 1_000_000_000
+                _sleep_until(CLOCK_MONOTONIC, TIMER_ABSTIME, wake.ctypes.data, 0)
+                t1 = _now(ts)
+                late += (max(t1 - want, 0) - late) // 10
+            while t1 < end:
+                _yield()
+                t1 = _now(ts)
+            _lock(mutex.ctypes.data)
+            flight[0] -= 1
+            _unlock(mutex.ctypes.data)
         stamps[j, 0] = t0
         stamps[j, 1] = t1
+        depths[j] = depth
         stats[0] += max(got, 0)
         stats[1] += 1
-        stats[2] += t1 - t0
+        stats[2] += real - t0
+        stats[3] += t1 - real
         state[j] = DONE if got == jobs[j, LEN] else RETRY
         _write(done, one.ctypes.data, 8)
 
@@ -140,12 +182,13 @@ class SlotReads:
         self._jobs = np.zeros((capacity, 4), np.int64)              # offset, bytes, buffers, checked runs
         self._state = np.zeros(capacity, np.int64)
         self._stamps = np.zeros((capacity, 2), np.int64)            # read started, landed (ns)
+        self._depths = np.zeros(capacity, np.int64)                 # reads in flight as it started (emulation)
         self._iov = np.zeros((capacity, IOV, 2), np.uint64)         # struct iovec {base, len}
         self._runs = np.zeros((capacity, RUNS, 3), np.uint64)       # (address, bytes, crc32)
         # flat views: an element costs a third of numpy's indexing from Python
-        self.jobs, self.state, self.stamps, self.iov, self.runs = (
-            memoryview(a).cast("B").cast(a.dtype.char) for a in (self._jobs, self._state, self._stamps, self._iov,
-                                                                  self._runs))
+        self.jobs, self.state, self.stamps, self.depths, self.iov, self.runs = (
+            memoryview(a).cast("B").cast(a.dtype.char) for a in (self._jobs, self._state, self._stamps, self._depths,
+                                                                  self._iov, self._runs))
         self.members: dict[int, list] = {}              # job -> the SlotReads in it not yet settled; the rest free
         self.free = list(range(capacity - 1, -1, -1))
         self.groups: dict[int, tuple] = {}              # job -> (start, end, buffers) for a Python retry
@@ -159,11 +202,16 @@ class SlotReads:
         self.done_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.poller = select.poll()
         self.poller.register(self.done_fd, select.POLLIN)
-        self.stats = np.zeros((reader.workers, 3), np.int64)    # per thread: bytes, reads, ns in preadv
+        self.stats = np.zeros((reader.workers, 4), np.int64)    # per thread: bytes, reads, ns in preadv, ns waited
+        self.device = reader.emulation()            # an emulated device's profile for the loop, or NO_DEVICE
+        self.mutex, self.flight = np.zeros(MUTEX_BYTES, np.uint8), np.zeros(1, np.int64)
+        self.log = None         # [(bytes, depth, start s, end s)] of each read settled, when a test asks
 
     def serve(self, i: int) -> None:
+        if self.device[0] >= 0:     # this thread's sleeps end on time, not up to the default 50 us of timer slack late
+            ctypes.CDLL(None).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
         _serve(self.reader.fd, self.tickets, self.demand, self.prefetch, self.done_fd, self._jobs, self._state,
-               self._stamps, self._iov, self._runs, self.stats[i])
+               self._stamps, self._depths, self._iov, self._runs, self.stats[i], self.device, self.mutex, self.flight)
 
     def submit(self, groups, priority: int, futures: dict) -> None:
         """groups: [start, end, [(offset, buf, key, index of buf in the key's), ...]] merged reads, each at most IOV
@@ -238,10 +286,14 @@ class SlotReads:
             fut.settled = True
             fut.t_start = min(self.stamps[2 * j] for j in fut.jobs)
             fut.t_end = max(self.stamps[2 * j + 1] for j in fut.jobs)
+            log = getattr(self.reader, "log", None)
             for j in fut.jobs:
                 left = self.members[j]
                 left.remove(fut)
                 if not left:
+                    if log is not None:
+                        log.append((self.jobs[4 * j + LEN], self.depths[j], self.stamps[2 * j] / 1e9,
+                                    self.stamps[2 * j + 1] / 1e9))
                     del self.members[j], self.groups[j]
                     self.free.append(j)
 
@@ -279,9 +331,10 @@ class SlotReads:
             except BlockingIOError:
                 pass
 
-    def totals(self) -> tuple[int, int, float]:
-        b, n, ns = self.stats.sum(axis=0)
-        return int(b), int(n), float(ns) / 1e9
+    def totals(self) -> tuple[int, int, float, float]:
+        """Bytes read, reads, seconds in preadv, seconds waited out for an emulated device."""
+        b, n, ns, waited = self.stats.sum(axis=0)
+        return int(b), int(n), float(ns) / 1e9, float(waited) / 1e9
 
     def stop(self) -> None:
         """Queued reads are dropped; each reader thread takes a stop and returns."""
