@@ -61,7 +61,8 @@ def reading(res: dict) -> str:
                  "profile and the run it predicts. Method A can meet 15% only where that spread is well under 15%; "
                  "C removes the compute measurement and checks the flash model (reads, queue depth, waits, overlap) alone.")
     L.append("""- **What the simulator models of this engine.** The packed engine (the default) computes from the bytes
-  read: a reader thread only checks the expert's crc (zlib releases the GIL), so the simulator's per-expert reader
+  read: a reader thread only reads and checks the expert's crc, in a compiled loop without the GIL (emulated
+  devices too: workbench/slot_reads.py), so the simulator's per-expert reader
   work (`dequant_s`, `dequant_busy_s` in each compute profile in regimes.json) is that check, timed alone and beside
   the engine's kernel on another thread; expert compute is the engine's compiled kernel on encoded bytes of the
   simulated shape, one call per layer's top-k, and dense, router and other time come from the model itself run

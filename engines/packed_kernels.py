@@ -71,9 +71,10 @@ def _affine_kernel(bits: int):
                 c = buf[off + (o * groups + g) * gb: off + (o * groups + g + 1) * gb]
                 xg = xp[g * GROUP: (g + 1) * GROUP]
                 dot = np.float32(0.0)
-                # q4 and q2 codes are split off their byte in float32, exactly (integers below 256; the floor of a
-                # product by a power of two): c = 16 hi + lo. Integer shifts and masks are widened to 64-bit lanes
-                # by numba's integer typing, 8 a vector instead of 16: 1.25-1.4x slower (q2 1.1-1.6x).
+                # Codes are split off their byte (q3: a 3-byte word) in float32, exactly (integers below 2^24; the
+                # floor of a product by a power of two): c = 16 hi + lo. Integer shifts and masks are widened to
+                # 64-bit lanes by numba's integer typing, 8 a vector instead of 16: q4 1.2-1.5x, q2 1.4-1.6x, q3
+                # 1.1x slower so (one thread, per matrix).
                 if bits == 4:
                     for k in range(32):
                         f = np.float32(c[k])
