@@ -41,10 +41,11 @@ def split_kv_b(spec, kv_b):
     return kv_b[:, :spec.qk_nope_head_dim], kv_b[:, spec.qk_nope_head_dim:]
 
 
-def dense_weights(pack) -> dict[str, np.ndarray]:
-    """The pack's non-expert weights as the decoder uses them (f32): lm_head tied to embed when the model ties
-    them, and latent attention's kv_b in its two halves (the absorbed form uses them apart)."""
-    w = {name: pack.tensor(name) for name in pack.tensors}
+def dense_weights(pack, load=None) -> dict[str, np.ndarray]:
+    """The pack's non-expert weights as the decoder uses them (f32, or what `load(name)` makes of a tensor):
+    lm_head tied to embed when the model ties them, and latent attention's kv_b in its two halves (the absorbed
+    form uses them apart)."""
+    w = {name: (load or pack.tensor)(name) for name in pack.tensors}
     if "lm_head" not in w:
         w["lm_head"] = w["embed"]
     if pack.spec.attention == "mla":

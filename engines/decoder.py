@@ -72,6 +72,10 @@ class Decoder(GatedDeltaNet, Engine):
         """Weight `name` as the backend computes with it (self.w holds the numpy arrays)."""
         return self.w[name]
 
+    def linear(self, x, name: str):
+        """x W^T for the projection `name` (a backend may keep W encoded and compute from its bytes)."""
+        return x @ self.W(name).T
+
     def to_numpy(self, a):
         return a
 
@@ -163,7 +167,7 @@ class Decoder(GatedDeltaNet, Engine):
             return self.gated_delta_net(i, x)
         s, W, p = self.spec, self.W, f"layers.{i}."
         T = x.shape[0]
-        q, k, v = x @ W(p + "q").T, x @ W(p + "k").T, x @ W(p + "v").T
+        q, k, v = self.linear(x, p + "q"), self.linear(x, p + "k"), self.linear(x, p + "v")
         if self.deltas:
             q, k, v = (self.delta(p + n, x, a) for n, a in zip("qkv", (q, k, v)))
         if s.attn_output_gate:      # each query head is followed by as many gate dims for its output
@@ -190,17 +194,17 @@ class Decoder(GatedDeltaNet, Engine):
         y = y.transpose(1, 0, 2).reshape(T, -1)
         if s.attn_output_gate:
             y = y / (1.0 + self.xp.exp(-gate))
-        return self.delta(p + "o", y, y @ W(p + "o").T)
+        return self.delta(p + "o", y, self.linear(y, p + "o"))
 
     def latent_attention(self, i: int, x):
         """DeepSeek's MLA in its absorbed form: the cache holds the normalised latent c and the rotary key;
         q_nope @ k_b scores against c directly, and the weighted latents are lifted to values by v_b."""
         s, W, p = self.spec, self.W, f"layers.{i}."
         T, nope = x.shape[0], s.qk_nope_head_dim
-        q = x @ W(p + "q").T if not s.q_lora_rank else \
-            self.rms_norm(x @ W(p + "q_a").T, W(p + "q_a_norm")) @ W(p + "q_b").T
+        q = self.linear(x, p + "q") if not s.q_lora_rank else \
+            self.linear(self.rms_norm(self.linear(x, p + "q_a"), W(p + "q_a_norm")), p + "q_b")
         q = q.reshape(T, s.num_heads, s.head_dim).transpose(1, 0, 2)              # (H, T, nope+rope)
-        ckv = x @ W(p + "kv_a").T                                               # (T, latent+rope)
+        ckv = self.linear(x, p + "kv_a")                                              # (T, latent+rope)
         c = self.rms_norm(ckv[:, :s.kv_lora_rank], W(p + "kv_a_norm"))
         cos, sin = self.cos_b[self.pos:self.pos + T], self.sin_b[self.pos:self.pos + T]
         q_pe = self.rope(deinterleave(q[..., nope:]), cos, sin)
@@ -209,10 +213,14 @@ class Decoder(GatedDeltaNet, Engine):
         att = (q[..., :nope] @ W(p + "k_b")) @ C[0].T + q_pe @ K_pe[0].T         # (H, T, S)
         att = self.causal_softmax(att * self.latent_scale, T)
         y = (att @ C[0]) @ W(p + "v_b").transpose(0, 2, 1)                       # (H, T, v)
-        return y.transpose(1, 0, 2).reshape(T, -1) @ W(p + "o").T
+        return self.linear(y.transpose(1, 0, 2).reshape(T, -1), p + "o")
 
     def mlp(self, x, gate, up, down):
         return (self.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+    def dense_mlp(self, x, p: str):
+        """A resident MLP (a dense layer's, a shared expert) by its weights' names."""
+        return self.linear(self.silu(self.linear(x, p + "gate")) * self.linear(x, p + "up"), p + "down")
 
     def moe(self, i: int, x, h, phase: str):
         """Route (the streamer: hooks, prefetches), bring the experts in, and let the backend's expert-compute
@@ -220,15 +228,15 @@ class Decoder(GatedDeltaNet, Engine):
         s, W, p = self.spec, self.W, f"layers.{i}."
         t0 = time.perf_counter()
         idx, weights, needed, ev = self.streamer.begin_layer(self, i, self.to_numpy(x), self.to_numpy(h),
-                                                             self.to_numpy(x @ W(p + "router").T), phase, t0)
+                                                             self.to_numpy(self.linear(x, p + "router")), phase, t0)
         compute = self.experts.begin(i, x, idx, weights)
         self.streamer.run_layer(i, needed, compute, ev)
         t0 = time.perf_counter()
         out = self.experts.combine(needed)
         if s.shared_expert_size:
-            y = self.mlp(x, W(p + "shared.gate"), W(p + "shared.up"), W(p + "shared.down"))
+            y = self.dense_mlp(x, p + "shared.")
             if s.shared_expert_gate:
-                y = y / (1.0 + self.xp.exp(-(x @ W(p + "shared_gate").T)))
+                y = y / (1.0 + self.xp.exp(-self.linear(x, p + "shared_gate")))
             out = out + y
         self.sync(out)
         ev.compute_s += time.perf_counter() - t0
@@ -254,14 +262,14 @@ class Decoder(GatedDeltaNet, Engine):
             x = x + self.attention(i, self.rms_norm(x, W(p + "attn_norm")))
             xn = self.rms_norm(x, W(p + "mlp_norm"))
             if i in s.dense_layers:
-                x = x + self.mlp(xn, W(p + "dense.gate"), W(p + "dense.up"), W(p + "dense.down"))
+                x = x + self.dense_mlp(xn, p + "dense.")
             else:
                 self.sync(x, xn)                # the dense work is done before the layer's clock starts
                 self.dense_compute_s += clock() - t0
                 x = x + self.moe(i, xn, x, phase)
                 t0 = clock()
         self.pos += len(ids)
-        logits = self.to_numpy(self.rms_norm(x, W("norm")) @ W("lm_head").T)
+        logits = self.to_numpy(self.linear(self.rms_norm(x, W("norm")), "lm_head"))
         self.dense_compute_s += clock() - t0
         return logits
 

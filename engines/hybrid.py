@@ -69,7 +69,7 @@ class GatedDeltaNet:
         L, T = s.linear, x.shape[0]
         hk, hv, dk, dv = L["num_key_heads"], L["num_value_heads"], L["key_head_dim"], L["value_head_dim"]
         conv, S = self.lin[i]
-        xs = xp.concatenate([conv, x @ W(p + "lin_qkv").T], axis=0)          # (K-1+T, channels)
+        xs = xp.concatenate([conv, self.linear(x, p + "lin_qkv")], axis=0)          # (K-1+T, channels)
         kern = W(p + "lin_conv").reshape(xs.shape[1], -1)                    # (channels, K): depthwise, causal
         K = kern.shape[1]
         mixed = self.silu(sum(xs[j:j + T] * kern[:, j] for j in range(K)))
@@ -77,8 +77,8 @@ class GatedDeltaNet:
         k = self.l2norm(mixed[:, hk * dk:2 * hk * dk].reshape(T, hk, dk))
         v = mixed[:, 2 * hk * dk:].reshape(T, hv, dv)
         q, k = xp.repeat(q, hv // hk, axis=1), xp.repeat(k, hv // hk, axis=1)  # each key head serves hv/hk value heads
-        beta = 1.0 / (1.0 + xp.exp(-(x @ W(p + "lin_b").T)))
-        decay = xp.exp(-xp.exp(W(p + "lin_A_log")) * xp.logaddexp(self.scalar(0.0), x @ W(p + "lin_a").T + W(p + "lin_dt_bias")))
+        beta = 1.0 / (1.0 + xp.exp(-self.linear(x, p + "lin_b")))
+        decay = xp.exp(-xp.exp(W(p + "lin_A_log")) * xp.logaddexp(self.scalar(0.0), self.linear(x, p + "lin_a") + W(p + "lin_dt_bias")))
         out = []
         for t in range(T):
             S = S * decay[t][:, None, None]
@@ -88,5 +88,5 @@ class GatedDeltaNet:
             if T - t <= CHECKPOINT_WINDOW:
                 self.checkpoint(i, self.pos + t + 1, (xs[t + 1:t + K], S), last=t == T - 1, multi=T > 1)
         self.lin[i] = (xs[T:T + K - 1], S)
-        y = self.rms_norm(xp.stack(out), W(p + "lin_norm")) * self.silu((x @ W(p + "lin_z").T).reshape(T, hv, dv))
-        return y.reshape(T, hv * dv) @ W(p + "lin_out").T
+        y = self.rms_norm(xp.stack(out), W(p + "lin_norm")) * self.silu(self.linear(x, p + "lin_z").reshape(T, hv, dv))
+        return self.linear(y.reshape(T, hv * dv), p + "lin_out")

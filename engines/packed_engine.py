@@ -11,11 +11,17 @@ The budget counts packed bytes: an expert costs its slot (the pack's bytes for i
 `--budget 0.25` is a quarter of the packed experts and a q3 pack holds more experts than a q4 pack in the
 same bytes.
 
+Non-expert matrices stay as the pack stores them too (`rest` q4/q8: attention, the head, shared experts, dense
+layers; Encoded), so they cost their packed bytes in memory, not 7x that in f32, and a decoded token's projections
+run in the same kernels (K.dense): faster than f32 BLAS on a decode step at every shape measured, 1.0 against 1.9 ms
+for a 4096 x 2048 q4 matrix, and up to 16 rows (a speculative batch); a longer prompt multiplies a dequantized
+copy in BLAS instead (at 64 rows the kernel's 64 passes over the bytes cost about as much as dequantizing once).
+Embeddings (a lookup), the router, norms, biases and tensors the loader splits stay f32.
+
 Numerics: the kernels compute scale * (codes . x) + bias * sum(x) per group of 64 in float32, where the
 numpy reference dequantizes first and multiplies in BLAS: the two agree to float32 rounding (the tests state
-the tolerance). Non-expert weights are computed as the numpy engine computes them (f32, dequantized at load):
-at the demo's shapes f32 BLAS is faster than the packed kernels on q4/q8 copies (results/kernels.md). A decoded
-token's attention, after its projections, is one kernel call (K.decode_attention) where the family allows.
+the tolerance). A decoded token's attention, after its projections, is one kernel call (K.decode_attention)
+where the family allows.
 """
 from __future__ import annotations
 
@@ -27,9 +33,43 @@ from engines.base import Hooks, dense_weights
 from engines.decoder import Decoder
 from workbench.arena import slot_bytes
 from workbench.errors import WorkbenchError
+from workbench.store import quant
 from workbench.store.pack import PARTS, Pack
 from workbench.streamer import ExpertStreamer
 from workbench.telemetry import Telemetry
+
+
+KERNEL_ROWS = 16       # rows of x up to which a projection runs in the kernel (more: BLAS on a dequantized copy)
+SPLIT_BY_LOADER = ("kv_b", "lin_qkvz", "lin_ba")      # dense_weights reshapes these in f32
+
+
+class Encoded:
+    """A resident matrix kept as the pack encodes it (affine group-64 codes, float16 scales and biases). Read as
+    an array (np.asarray, .T) it is dequantized: a copy, for the few readers outside the decode step."""
+
+    def __init__(self, buf: np.ndarray, shape, kind: str):
+        self.buf, self.shape, self.kind, self.bits = buf, tuple(shape), kind, K.BITS[kind]
+        self.nbytes = buf.nbytes
+
+    def __array__(self, dtype=None, copy=None):
+        a = quant.decode(self.buf, self.shape, self.kind)
+        return a if dtype is None else a.astype(dtype)
+
+    @property
+    def T(self):
+        return np.asarray(self).T
+
+
+def packed_weights(pack) -> dict:
+    """dense_weights with every affine matrix outside the experts left Encoded, but the embedding table (a lookup:
+    kept f32, as the head when the model ties it) and what the loader splits."""
+    def load(name):
+        t = pack.tensors[name]
+        if (t["kind"] in K.BITS and t["kind"] != "bf16" and len(t["shape"]) == 2 and name != "embed"
+                and not name.endswith(SPLIT_BY_LOADER)):
+            return Encoded(pack.tensor_bytes(name), t["shape"], t["kind"])
+        return pack.tensor(name)
+    return dense_weights(pack, load)
 
 
 class PackedExperts:
@@ -66,6 +106,10 @@ class PackedEngine(Decoder):
     def expert_bytes(cls, pack) -> int:
         return slot_bytes(pack)
 
+    @classmethod
+    def needed_weights(cls, pack) -> dict:
+        return packed_weights(pack)
+
     @staticmethod
     def computes(pack) -> bool:
         """Whether the kernels read this pack's experts: one affine or bf16 kind per part, the same in every layer."""
@@ -85,8 +129,18 @@ class PackedEngine(Decoder):
         sp = pack.spec        # the attention K.decode_attention computes in one call (else the decoder's numpy)
         self.fused_attention = (sp.attention != "mla" and sp.qk_norm in ("none", "head") and sp.clip_qkv is None
                                 and not sp.attn_output_gate and not self.deltas)
-        self.setup(dense_weights(pack) if weights is None else weights, max_context,
+        self.setup(packed_weights(pack) if weights is None else weights, max_context,
                    PackedExperts(self, pack, streamer.arena))
+
+    def linear(self, x, name: str):
+        w = self.w[name]
+        if not isinstance(w, Encoded):
+            return x @ w.T
+        if x.shape[0] > KERNEL_ROWS:
+            return x @ np.asarray(w).T
+        y = np.empty((x.shape[0], w.shape[0]), np.float32)
+        K.dense(w.buf, w.shape[0], w.shape[1], w.bits, np.ascontiguousarray(x, dtype=np.float32), y, K.F16)
+        return y
 
     def attention(self, i: int, x):
         """A decoded token's attention: projections in BLAS, the rest (qk-norm, RoPE, KV append, softmax, the
@@ -95,7 +149,7 @@ class PackedEngine(Decoder):
         if not self.fused_attention or x.shape[0] != 1 or s.is_linear(i):
             return super().attention(i, x)
         W, p, hd = self.W, f"layers.{i}.", s.head_dim
-        q, k, v = x @ W(p + "q").T, x @ W(p + "k").T, x @ W(p + "v").T
+        q, k, v = self.linear(x, p + "q"), self.linear(x, p + "k"), self.linear(x, p + "v")
         if s.attention_bias:
             q, k, v = q + W(p + "q_bias"), k + W(p + "k_bias"), v + W(p + "v_bias")
         norm = s.qk_norm == "head"
@@ -105,4 +159,4 @@ class PackedEngine(Decoder):
         K.decode_attention(q.reshape(s.num_heads, hd), k.reshape(s.num_kv_heads, hd), v.reshape(s.num_kv_heads, hd),
                            q_norm, k_norm, np.float32(s.rms_norm_eps), norm, self.cos[self.pos], self.sin[self.pos],
                            Kc, Vc, self.pos, np.float32(1.0 / np.sqrt(hd)), y)
-        return y.reshape(1, -1) @ W(p + "o").T
+        return self.linear(y.reshape(1, -1), p + "o")

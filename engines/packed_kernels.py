@@ -138,6 +138,17 @@ def qmv(buf, off, rows, cols, bits, xp, xs, y, f16, words):
 
 
 @njit(cache=True, fastmath=True, nogil=True)
+def dense(buf, rows, cols, bits, X, Y, f16):
+    """Y[t] = W X[t] for each row t of X, W the (rows, cols) matrix encoded in buf (a resident projection)."""
+    xp = np.empty(cols, np.float32)
+    xs = np.empty(max(cols // GROUP, 1), np.float32)
+    words = np.empty(cols, np.uint32)
+    for t in range(X.shape[0]):
+        _phases(X[t], bits, xp, xs)
+        qmv(buf, 0, rows, cols, bits, xp, xs, Y[t], f16, words)
+
+
+@njit(cache=True, fastmath=True, nogil=True)
 def moe_layer(arena, slot_off, tok, dst, weight, X, Y, parts, d, ff, f16):
     """For each pair p: Y[dst[p]] = weight[p] * down(silu(gate x) * up x), x = X[tok[p]], the expert's bytes at
     arena[slot_off[p]:]. parts: (3, 2) int64 of (byte offset in the slot, bits) for gate, up, down."""

@@ -183,7 +183,7 @@ def run_edge0(model: str = "demo", budget: str = "0.25", tokens: int = 48, round
         heads = Heads.load(s0.spec, s0.pack)
         lora = LoRA.load(s0.spec, s0.engine.w, s0.pack)
         rest_kind = s0.pack.quant["rest"]
-        int4_w = {name: s0.engine.w[name] for name, _, _ in lora.targets()}
+        int4_w = {name: np.asarray(s0.engine.w[name]) for name, _, _ in lora.targets()}   # f32 (Encoded: dequantized)
     passes, bf16_w, spec = teacher_pass(model, text)
     t_logits = [p[0] for p in passes]
     teacher_row = {"rung": "teacher (bf16)", **finish([quality(t, t, ids) for t, ids in zip(t_logits, text)])}

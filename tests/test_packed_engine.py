@@ -46,6 +46,24 @@ def test_kernel_is_the_dequantized_matrix_times_x(kind):
         np.testing.assert_allclose(K.matvec(buf, shape, kind, x), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
 
 
+def test_resident_matrices_stay_encoded_and_project_as_their_dequantized_copies(tiny_models):
+    """rest q4: attention, head and dense MLP matrices are held as the pack's bytes (Encoded), and a projection of
+    one row, of a speculative batch and of a prompt (BLAS past KERNEL_ROWS) is x times the dequantized matrix."""
+    from engines.packed_engine import KERNEL_ROWS, Encoded
+    with Session(str(tiny_models["qwen3_moe"]), "resident", engine="packed") as s:
+        w = s.engine.w
+        encoded = {n for n, v in w.items() if isinstance(v, Encoded)}
+        assert "layers.0.q" in encoded and "layers.0.o" in encoded and not {"embed", "layers.0.router"} & encoded
+        for name in ("layers.0.q", "layers.1.o", "lm_head" if "lm_head" in encoded else "layers.0.k"):
+            f32 = s.pack.tensor(name)
+            assert w[name].nbytes == s.pack.tensors[name]["nbytes"] < f32.nbytes
+            np.testing.assert_array_equal(np.asarray(w[name]), f32)
+            for rows in (1, KERNEL_ROWS, KERNEL_ROWS + 1):
+                x = np.random.default_rng(rows).standard_normal((rows, f32.shape[1])).astype(np.float32)
+                ref = x.astype(np.float64) @ f32.T.astype(np.float64)
+                np.testing.assert_allclose(s.engine.linear(x, name), ref, atol=1e-5 * np.abs(ref).max(), rtol=0)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_matches_numpy(tiny_models, family):
     """Resident and streaming at a quarter of the experts (waves at prefill)."""

@@ -321,12 +321,17 @@ class Pack:
 
     def tensor(self, name: str) -> np.ndarray:
         t = self.tensors[name]
+        return _decode(self.tensor_bytes(name), tuple(t["shape"]), t["kind"])
+
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """Tensor `name` as the pack stores it (its kind's encoding), checked."""
+        t = self.tensors[name]
         with open(self.path, "rb") as f:
             f.seek(t["offset"])
             buf = np.frombuffer(f.read(t["nbytes"]), dtype=np.uint8)
         if _crc(buf) != t["crc32"]:
             raise WorkbenchError(f"{self.path}: checksum mismatch in tensor {name} (corrupt pack)")
-        return _decode(buf, tuple(t["shape"]), t["kind"])
+        return buf
 
     def expert_reads(self, layer: int, e: int) -> list[tuple[int, int]]:
         """The (offset, length) reads that bring in one expert: one for contiguous, three for native."""
