@@ -64,7 +64,8 @@ def reading(res: dict) -> str:
   read: a reader thread only reads and checks the expert's crc, in a compiled loop without the GIL (emulated
   devices too: workbench/slot_reads.py), so the simulator's per-expert reader
   work (`dequant_s`, `dequant_busy_s` in each compute profile in regimes.json) is that check, timed alone and beside
-  the engine's kernel on another thread; expert compute is the engine's compiled kernel on encoded bytes of the
+  the engine's kernel on another thread, and it takes none of the compute thread's time (`reader_holds_gil` false;
+  the in-situ reads of B and C go through the same readers); expert compute is the engine's compiled kernel on encoded bytes of the
   simulated shape, one call per layer's top-k, and dense, router and other time come from the model itself run
   resident at the design's expert precision. Not modelled: the OS run queue (reader threads and other engineers'
   processes taking the compute thread's core).""")
@@ -132,7 +133,7 @@ def calibrate(rounds, tokens, device=None, log=print):
     """Measured vs simulated, twice: reads timed by the stored profile (probe-disk for this machine), and by that
     profile floored at this machine's reads as the engine's reader sees them now (probe_reader, each round)."""
     from workbench import devices
-    from workbench.io import default_workers
+    from workbench.io import slot_readers
     from workbench.registry import resolve_pack
     spec = MoESpec.from_dict(read_trace(TRACE)["meta"]["spec"])
     P = prompt_tokens()
@@ -142,7 +143,8 @@ def calibrate(rounds, tokens, device=None, log=print):
     insitu_fits = []
     for r in range(rounds):
         cps = {kind: measure_compute("demo", spec, kind) for kind in {get_preset(d).storage.experts for d in DESIGNS}}
-        now = devices.probe_reader(resolve_pack("demo", "contiguous", "q4", "q4"), workers=default_workers())
+        # as many readers as the packed engine's bench runs have (their peak bandwidth: one read's times that)
+        now = devices.probe_reader(resolve_pack("demo", "contiguous", "q4", "q4"), workers=slot_readers())
         insitu_fits.append(now.sources["fit"])
         for d in DESIGNS:
             budget = "all" if d == "resident" else "0.25"

@@ -9,9 +9,10 @@ at construction and never set from outside:
   deltas       {projection name: x -> delta} added to x @ W.T (an unmerged adapter: Edge0's LoRA)
 An engine declares what it can do: `takes_hooks` (False: it is refused hooks, not handed ones it ignores)
 `raw_experts` (the streamer hands it each expert part's encoded bytes instead of f32 arrays),
-`slot_arena` (the cache's memory is a slot arena, workbench/arena.py, that reads land in) and `f32_dense` (its
-memory is the non-expert weights in f32 beside the expert cache, as workbench/memory.py counts it, so the
-session's memory guard applies); and which non-expert weights the session dequantizes for it (`needed_weights`).
+`slot_arena` (the cache's memory is a slot arena, workbench/arena.py, that reads land in) and `resident_bytes`
+(what its non-expert weights take in memory beside the expert cache, which the session's memory guard adds to
+the cache's bytes; None where the engine holds weights of its own); and which non-expert weights the session
+dequantizes for it (`needed_weights`).
 """
 from __future__ import annotations
 
@@ -61,7 +62,6 @@ class Engine(ABC):
     takes_hooks = True
     raw_experts = False
     slot_arena = False
-    f32_dense = False
 
     def __init__(self, pack, streamer, telemetry, hooks: Hooks = Hooks()):
         if hooks and not self.takes_hooks:
@@ -106,6 +106,11 @@ class Engine(ABC):
         """The non-expert weights, in f32, that the session hands this engine and its predictors and router hooks:
         all of them (dense_weights)."""
         return dense_weights(pack)
+
+    @classmethod
+    def resident_bytes(cls, pack) -> int | None:
+        """Bytes of the non-expert weights this engine holds (None: not the pack's, as llama.cpp's own GGUF)."""
+        return None
 
     @classmethod
     def expert_bytes(cls, pack) -> int:

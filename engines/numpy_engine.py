@@ -40,7 +40,10 @@ class NumpyExperts:
 
 class NumpyEngine(Decoder):
     name = "numpy"
-    f32_dense = True
+
+    @classmethod
+    def resident_bytes(cls, pack) -> int:
+        return 4 * sum(int(np.prod(t["shape"])) for t in pack.tensors.values())       # all f32
 
     def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
                  weights: dict | None = None, max_context: int | None = None):

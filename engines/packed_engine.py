@@ -60,15 +60,18 @@ class Encoded:
         return np.asarray(self).T
 
 
+def stays_encoded(name: str, t: dict) -> bool:
+    """Every affine matrix outside the experts, but the embedding table (a lookup: kept f32, as the head when the
+    model ties it) and what the loader splits."""
+    return (t["kind"] in K.BITS and t["kind"] != "bf16" and len(t["shape"]) == 2 and name != "embed"
+            and not name.endswith(SPLIT_BY_LOADER))
+
+
 def packed_weights(pack) -> dict:
-    """dense_weights with every affine matrix outside the experts left Encoded, but the embedding table (a lookup:
-    kept f32, as the head when the model ties it) and what the loader splits."""
+    """dense_weights with the matrices that stay encoded as Encoded."""
     def load(name):
         t = pack.tensors[name]
-        if (t["kind"] in K.BITS and t["kind"] != "bf16" and len(t["shape"]) == 2 and name != "embed"
-                and not name.endswith(SPLIT_BY_LOADER)):
-            return Encoded(pack.tensor_bytes(name), t["shape"], t["kind"])
-        return pack.tensor(name)
+        return Encoded(pack.tensor_bytes(name), t["shape"], t["kind"]) if stays_encoded(name, t) else pack.tensor(name)
     return dense_weights(pack, load)
 
 
@@ -100,7 +103,6 @@ class PackedExperts:
 class PackedEngine(Decoder):
     name = "packed"
     slot_arena = True       # the session gives the cache a slot arena; the streamer reads into it
-    f32_dense = True
 
     @classmethod
     def expert_bytes(cls, pack) -> int:
@@ -109,6 +111,10 @@ class PackedEngine(Decoder):
     @classmethod
     def needed_weights(cls, pack) -> dict:
         return packed_weights(pack)
+
+    @classmethod
+    def resident_bytes(cls, pack) -> int:
+        return sum(t["nbytes"] if stays_encoded(n, t) else 4 * int(np.prod(t["shape"])) for n, t in pack.tensors.items())
 
     @staticmethod
     def computes(pack) -> bool:

@@ -58,7 +58,8 @@ class ComputeProfile:
     other_s: float = 0.0      # per token: what the engine spends outside the measured parts
     issue_s: float = 0.0      # per expert read issued: the compute thread's cost of submitting it (reader pool, futures)
     dequant_busy_s: float = 0.0   # per expert, on a reader thread while the compute thread computes (GIL contention)
-    source: str = ""
+    reader_holds_gil: bool = True   # the reader's per-expert work takes the compute thread's GIL (numpy's dequant,
+    source: str = ""                # Python reader threads); not the packed engine's GIL-free readers (slot_reads)
 
 
 @dataclass(frozen=True)
@@ -433,7 +434,8 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts)
     workers = workers or dev.queue_depth
     plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
-    res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan)
+    res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
+                       shared_cpu=compute.reader_holds_gil)
     bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"))
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)
@@ -518,7 +520,9 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
         dense += _dense_time(spec) - _dense_time(measured_model)
         router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
                                                                                   measured_model.hidden_size)
+    from workbench import slot_reads
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
+                          reader_holds_gil=not (packed and slot_reads.AVAILABLE),
                           dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
                               np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
@@ -535,7 +539,7 @@ def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> Comp
     moe = sum(r["compute_s"] for r in layers)
     return ComputeProfile(dense_s=(res["compute_s"] - moe) / n / nl, router_s=res["router_s"] / n / nl,
                           expert_s=moe / max(1, sum(r["routed"] for r in layers)), dequant_s=measured.dequant_s,
-                          dequant_busy_s=measured.dequant_busy_s,
+                          dequant_busy_s=measured.dequant_busy_s, reader_holds_gil=measured.reader_holds_gil,
                           other_s=res["other_s"] / n, issue_s=0.0,
                           source="the measured run's own compute, router and other time (issue cost inside them)")
 

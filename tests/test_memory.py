@@ -109,17 +109,25 @@ def test_expert_reads_leave_no_cyclic_garbage(pack):
     assert futures == []
 
 
-def test_the_guard_applies_to_the_engines_that_hold_f32_dense_weights(pack, sizes, monkeypatch):
-    """The guard follows what an engine declares (engines/base.py, f32_dense), not its name: numpy and packed hold
-    the non-expert weights in f32 beside their expert cache; llama.cpp holds its own GGUF and is given only the
-    routers and norms."""
+def test_the_guard_counts_the_weights_as_each_engine_holds_them(pack, sizes, monkeypatch):
+    """The guard follows what an engine declares it holds (engines/base.py, resident_bytes), not its name: numpy
+    holds the non-expert weights in f32, packed its encoded matrices (q4 here) and f32 for the rest, both beside
+    their expert cache; llama.cpp holds its own GGUF and is given only the routers and norms."""
     from engines import engine_class
+    from engines.packed_engine import Encoded
     from workbench.errors import WorkbenchError
     from workbench.session import Session
-    assert [n for n in ("numpy", "packed", "llamacpp") if engine_class(n).f32_dense] == ["numpy", "packed"]
+    p = Pack(pack)
     dense, _ = sizes
-    monkeypatch.setattr(memory, "available_bytes", lambda: dense // 2)
+    held = {}
     for engine in ("numpy", "packed"):
+        with Session(str(pack), "resident", engine=engine) as s:
+            held[engine] = sum(w.nbytes for k, w in s.engine.w.items() if k != "lm_head" or "lm_head" in p.tensors)
+            assert engine_class(engine).resident_bytes(p) == held[engine]
+            assert engine == "numpy" or any(isinstance(w, Encoded) for w in s.engine.w.values())
+    assert held["numpy"] == dense and held["packed"] < dense / 2 and engine_class("llamacpp").resident_bytes(p) is None
+    for engine in ("numpy", "packed"):
+        monkeypatch.setattr(memory, "available_bytes", lambda: held[engine] // 2)
         with pytest.raises(WorkbenchError, match="needs"):
             Session(str(pack), "resident", engine=engine)
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")

@@ -201,3 +201,14 @@ def test_speculative_verification_reads_the_batchs_union_once_and_computes_each_
     assert res["flash_wait_s"] == pytest.approx(3 * MS, abs=1e-12)
     assert (res["hits"], res["misses"], res["bytes_read"]) == (1, 2, 2 * KB)
     assert (res["spec_steps"], res["spec_accepted"]) == (1, 1)
+
+
+def test_gil_free_readers_check_a_read_beside_the_work_without_taking_its_time():
+    """As above, with the packed engine's GIL-free readers (shared_cpu=False, ComputeProfile.reader_holds_gil): the
+    read of 1 ends at 2.5 ms while the hit computes (0.5 -> 3.5) and its 1 ms check runs on the reader's core, at
+    its own speed: ready at 3.5, exactly when the hit is done. No wait, no delay: 1 computes 3.5 -> 6.5."""
+    drive = Drive([{0: [0, 2]}, {0: [0, 1]}])
+    cpu = dataclasses.replace(CPU, expert_s=3 * MS, dequant_s=1 * MS, dequant_busy_s=3 * MS, reader_holds_gil=False)
+    res = simulate_run(drive, spec(), get_preset("les"), str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1,
+                       workers=1, plan=PLAN, shared_cpu=cpu.reader_holds_gil)
+    assert res["decode_s"] == pytest.approx(6.5 * MS, abs=1e-12) and res["flash_wait_s"] == pytest.approx(0, abs=1e-12)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench import slot_reads
-from workbench.io import KiB, MiB, Reader
+from workbench.io import KiB, MiB, Reader, aligned_empty
 from workbench.errors import WorkbenchError
 
 DEVICES = Path(__file__).resolve().parents[1] / "data" / "devices"
@@ -100,8 +100,9 @@ def profile_from_probe(probe: dict, name: str, label: str) -> dict:
 
 def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), reads: int = 24,
                  direct: bool = True) -> DeviceProfile:
-    """This machine as the engine's reader sees it now: one read at a time through a Reader pool (submit, wait for
-    the future), random aligned offsets in `path`, the median time per size, fitted to latency + size / bandwidth.
+    """This machine as the engine's reader sees it now: one read at a time into an aligned buffer through a Reader
+    pool (submit_into, as the packed engine reads into its slots: the GIL-free readers where they run; wait for it),
+    random aligned offsets in `path`, the median time per size, fitted to latency + size / bandwidth.
     Under a shared, loaded machine this is slower than probe-disk's tight loops (thread wake-ups, other I/O)."""
     import random
     import statistics
@@ -111,10 +112,11 @@ def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), 
         rnd = random.Random(0)
         for size in sizes:
             ts = []
+            buf = aligned_empty(size)
             for _ in range(reads):
                 off = rnd.randrange(max(1, (size_of - size) // 4096)) * 4096
                 t0 = time.perf_counter()
-                r.submit([(0, off, size)])[0].result()
+                r.submit_into([(0, [(off, buf)])])[0].result()
                 ts.append(time.perf_counter() - t0)
             pts.append((size, statistics.median(ts)))
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]

@@ -3,12 +3,12 @@ loaded), and the guard that refuses one that cannot fit before anything is loade
 mid-run. `python -m workbench info --model DIR --budget B` prints the same numbers the guard refuses with.
 
 - resident: the non-expert weights (attention, norms, routers, shared experts, embeddings, head), always in
-  memory: as the numpy engine holds them (f32) and in bf16;
+  memory: as the engine holds them (the packed engine: its encoded matrices), in f32 and in bf16;
 - experts: every routed expert, on disk, in each precision a pack can store them in;
-- cache: the expert cache at the budget, in the numpy engine's unit (experts dequantized to f32);
+- cache: the expert cache at the budget, in the engine's unit (the packed engine: packed experts; numpy: f32);
 - context: KV cache bytes per token (full-attention layers), and the fixed recurrent state of the
   linear-attention layers (Gated DeltaNet: conv and delta-rule state, whatever the context length);
-- needed: resident (f32) + the cache, at most every expert; available: /proc/meminfo's MemAvailable, capped by
+- needed: resident (as held) + the cache, at most every expert; available: /proc/meminfo's MemAvailable, capped by
   the cgroup's memory.max less its memory.current (Linux).
 """
 from __future__ import annotations
@@ -53,8 +53,11 @@ def largest_budget(resident: int, all_experts: int, available: int | None) -> st
     return f"{math.floor(100 * room / all_experts) / 100:.2f}"
 
 
-def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int | None = None) -> dict:
-    """expert_bytes: what one expert costs in the cache (the engine's Engine.expert_bytes; f32 by default)."""
+def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int | None = None,
+                 resident_bytes: int | None = None) -> dict:
+    """expert_bytes: what one expert costs in the cache (the engine's Engine.expert_bytes; f32 by default);
+    resident_bytes: what the non-expert weights take as the engine holds them (Engine.resident_bytes; f32 by
+    default)."""
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     elements = sum(math.prod(s) for s in tensor_shapes.values())
     n_experts = len(spec.moe_layers) * spec.num_experts
@@ -70,11 +73,11 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int | None = N
         channels = 2 * L["num_key_heads"] * L["key_head_dim"] + L["num_value_heads"] * L["value_head_dim"]
         linear_state = 4 * (spec.num_layers - len(full)) * (
             (L["conv_kernel"] - 1) * channels + L["num_value_heads"] * L["key_head_dim"] * L["value_head_dim"])
-    resident, all_experts = 4 * elements, item * n_experts
+    resident, all_experts = resident_bytes or 4 * elements, item * n_experts
     cache = budget.nbytes(item, n_experts)
     available = available_bytes()
     return {
-        "resident_f32_bytes": resident, "resident_bf16_bytes": 2 * elements,
+        "resident_bytes": resident, "resident_f32_bytes": 4 * elements, "resident_bf16_bytes": 2 * elements,
         "shared_expert_bytes_f32": 4 * 3 * d * spec.shared_expert_size * len(spec.moe_layers),
         "experts": n_experts, "expert_bytes": {k: v * n_experts for k, v in per_expert.items()},
         "cache_bytes": cache, "cache_budget": budget.text, "all_experts_f32_bytes": all_experts,
@@ -88,9 +91,9 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int | None = N
 def check_fits(m: dict, where: str):
     """Refuse a configuration (memory_needs) that cannot fit, naming what it needs and what is available."""
     if m["available_bytes"] is not None and m["needed_bytes"] > m["available_bytes"]:
-        cache = m["needed_bytes"] - m["resident_f32_bytes"]
+        cache = m["needed_bytes"] - m["resident_bytes"]
         raise WorkbenchError(f"{where}: needs {m['needed_bytes'] / MiB:.0f} MiB of memory "
-                             f"({m['resident_f32_bytes'] / MiB:.0f} MiB of weights + {cache / MiB:.0f} MiB of expert "
+                             f"({m['resident_bytes'] / MiB:.0f} MiB of weights + {cache / MiB:.0f} MiB of expert "
                              f"cache), {m['available_bytes'] / MiB:.0f} MiB available: choose a smaller --budget "
                              f"(largest that fits: {m['largest_budget']})")
 
@@ -100,9 +103,9 @@ def describe(m: dict) -> str:
         return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
     ex = ", ".join(f"{k} {gib(v)}" for k, v in m["expert_bytes"].items())
     avail = "unknown" if m["available_bytes"] is None else gib(m["available_bytes"])
-    return (f"memory: resident non-expert weights {gib(m['resident_f32_bytes'])} f32 ({gib(m['resident_bf16_bytes'])} bf16, "
-            f"shared experts included); {m['experts']} experts on disk: {ex}; expert cache at budget "
+    return (f"memory: resident non-expert weights {gib(m['resident_bytes'])} as the engine holds them "
+            f"({gib(m['resident_f32_bytes'])} f32, {gib(m['resident_bf16_bytes'])} bf16, shared experts included); {m['experts']} experts on disk: {ex}; expert cache at budget "
             f"{m['cache_budget']}: {gib(m['cache_bytes'])} (f32); KV cache {m['kv_bytes_per_token']} bytes per token "
             f"of context; linear-attention state {gib(m['linear_state_bytes'])} (fixed)\n"
-            f"needs {gib(m['needed_bytes'])} (numpy engine), {avail} available; largest --budget that fits: "
+            f"needs {gib(m['needed_bytes'])}, {avail} available; largest --budget that fits: "
             f"{m['largest_budget']}")

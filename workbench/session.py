@@ -64,8 +64,9 @@ class Session:
         self.budget_text = str(budget if budget is not None else p.cache.budget)
         budget = Budget(self.budget_text)
         self.budget_bytes = budget.nbytes(self.item_bytes, self.pack.num_expert_total)
-        if cls.f32_dense:
-            check_fits(memory_needs(s, {n: t["shape"] for n, t in self.pack.tensors.items()}, budget, self.item_bytes),
+        if (resident := cls.resident_bytes(self.pack)) is not None:
+            check_fits(memory_needs(s, {n: t["shape"] for n, t in self.pack.tensors.items()}, budget, self.item_bytes,
+                                    resident),
                        f"{self.pack_path} at --budget {self.budget_text}")
         self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache.policy.value,
                                  scope=p.cache.scope.value, min_slots_per_layer=s.top_k)

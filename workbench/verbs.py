@@ -36,17 +36,18 @@ def cmd_info(args):
         spec, shapes = pack.spec, {n: t["shape"] for n, t in pack.tensors.items()}
         from engines import default_engine, engine_class
         obj["engine"] = args.engine or default_engine(pack)
-        expert_bytes = engine_class(obj["engine"]).expert_bytes(pack)     # what a Session of that engine counts
+        engine = engine_class(obj["engine"])
+        expert_bytes, resident_bytes = engine.expert_bytes(pack), engine.resident_bytes(pack)  # what its Session counts
     else:
         from workbench.models.hf import HFModel
         m = HFModel(p)
         obj = {"path": str(p), "kind": "huggingface", "spec": m.spec.to_dict(), "tensors": len(m.where),
                "expert_tensors": len(m.experts)}
         spec, shapes = m.spec, {n: m.tensor_shape(n) for n in m.where}
-        expert_bytes = None         # not converted yet: experts counted in f32
+        expert_bytes = resident_bytes = None         # not converted yet: counted in f32
     from workbench.memory import describe, memory_needs
     from workbench.presets import Budget
-    obj["memory"] = memory_needs(spec, shapes, Budget(args.budget), expert_bytes)
+    obj["memory"] = memory_needs(spec, shapes, Budget(args.budget), expert_bytes, resident_bytes)
     s = obj["spec"]
     emit(args, obj, f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, "
                     f"d={s['hidden_size']}\n{describe(obj['memory'])}")
