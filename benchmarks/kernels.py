@@ -268,26 +268,27 @@ def bench_dense(repeat, rng):
 
 
 def rest_end_to_end(rounds: int = 5, steps: int = 200) -> dict:
-    """The demo's resident decode step (packed engine) with its non-expert matrices encoded, as it runs, against the
-    same engine given their dequantized f32 copies, alternating in one process: ms per token, per round."""
-    import time
-    from engines.packed_engine import Encoded
+    """The demo's resident decode step (packed engine) with its non-expert matrices encoded, as it runs, against a
+    session of the same engine given their dequantized f32 copies, alternating in one process: ms per token."""
     from workbench.session import Session
-    with Session("demo", "resident", engine="packed") as s:
-        e = s.engine
-        arms = {"encoded (q4, K.dense)": dict(e.w),
-                "f32 copies (BLAS)": {k: np.ascontiguousarray(np.asarray(v)) if isinstance(v, Encoded) else v
-                                      for k, v in e.w.items()}}
-        out = {a: [] for a in arms}
-        for _ in range(rounds):
-            for a, w in arms.items():
-                e.w = w
-                e.reset()
-                s.step([3, 17, 42, 99], "prefill")
-                t0 = time.perf_counter()
-                for i in range(steps):
-                    s.step([5 + i % 50], "decode")
-                out[a].append((time.perf_counter() - t0) / steps * 1e3)
+    with Session("demo", "resident", engine="packed") as enc:
+        f32 = {k: np.ascontiguousarray(np.asarray(v)) for k, v in enc.engine.w.items()}   # Encoded: dequantized
+        with Session("demo", "resident", engine="packed", weights=f32) as full:
+            return alternate_steps({"encoded (q4, K.dense)": enc, "f32 copies (BLAS)": full}, rounds, steps)
+
+
+def alternate_steps(arms: dict, rounds: int, steps: int) -> dict:
+    """ms per decode step of each session, `rounds` times in turn, after the same 4-token prompt."""
+    import time
+    out = {a: [] for a in arms}
+    for _ in range(rounds):
+        for a, s in arms.items():
+            s.engine.reset()
+            s.step([3, 17, 42, 99], "prefill")
+            t0 = time.perf_counter()
+            for i in range(steps):
+                s.step([5 + i % 50], "decode")
+            out[a].append((time.perf_counter() - t0) / steps * 1e3)
     return out
 
 

@@ -15,7 +15,7 @@ Non-expert matrices stay as the pack stores them too (`rest` q4/q8: attention, t
 layers; Encoded), so they cost their packed bytes in memory, not 7x that in f32, and a decoded token's projections
 run in the same kernels (K.dense), up to 16 rows (a speculative batch); a longer prompt multiplies a dequantized
 copy in BLAS instead (at 64 rows the kernel's 64 passes over the bytes cost about as much as dequantizing once).
-results/kernels.md: the demo's whole resident decode step takes 0.70x the time it takes with f32 copies, and a
+results/kernels.md: the demo's whole resident decode step takes 0.57x the time it takes with f32 copies, and a
 4096 x 2048 q4 matrix a third of f32 BLAS's; alone, one small matrix whose f32 copy stays hot in cache is faster
 in BLAS, which a decode step, reading each matrix once, never sees.
 Embeddings (a lookup), the router, norms, biases and tensors the loader splits stay f32.
