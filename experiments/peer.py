@@ -108,8 +108,8 @@ def markdown(res: dict) -> str:
     why = "yes" if res["same_text"] else "no (different weights: workbench int4/int3 packs vs the GGUF's quantization)"
     lines += ["", f"Greedy text identical across arms: {why}.",
               "", "Peak RSS is the arm's process high-water mark (VmHWM): for llama.cpp it includes the GGUF pages "
-              "it mapped and touched (RssFile); for the workbench, the non-expert weights dequantized to f32 and the "
-              "expert cache it holds (anonymous; the packed engine's cache is its slot arena of packed experts). Both "
+              "it mapped and touched (RssFile); for the workbench, the non-expert weights as the engine holds them "
+              "(packed: encoded matrices, f32 embeddings and norms) and the expert cache it holds (anonymous; the packed engine's cache is its slot arena of packed experts). Both "
               "processes carry the Python and numpy baseline, the workbench also numba's.", ""]
     cold = next((r for r in res["arms"] if r["arm"] == "llama.cpp cold"), None)
     if cold and cold.get("file_resident_after_bytes") == cold.get("file_size"):
