@@ -177,9 +177,6 @@ class EmulatedReader(Reader):
                 self.log.append((size, depth, t0, t1))
         return got
 
-    def _reads_gil_free(self) -> bool:
-        return slot_reads.AVAILABLE and type(self)._preadv is Reader._preadv
-
     def emulation(self):
         return slot_reads.emulation(self.profile)
 

@@ -27,7 +27,7 @@ from functools import partial
 import numpy as np
 
 from workbench import slot_reads
-from workbench.slot_reads import IOV, ChecksumError, SlotRead, SlotReads
+from workbench.slot_reads import IOV, ChecksumError, SlotRead, SlotReads, wait_for
 
 ALIGN = 4096
 KiB, MiB = 1024, 1024 * 1024
@@ -57,8 +57,9 @@ def default_workers() -> int:
 
 def slot_readers() -> int:
     """Reader threads when reads land in a slot arena and a reader only reads and checks the crc (in a compiled
-    loop that never takes the GIL where slot_reads runs; else zlib releases it): they barely compete with compute, and two beat one on the demo at a 25% budget on these 2 cores (les,
-    packed engine, shared machine: 134 and 107 tok/s against 54 and 77 in two alternating rounds; four: 126, 90)."""
+    loop that never takes the GIL where slot_reads runs; else zlib releases it): they barely compete with compute,
+    and two beat one on the demo at a 25% budget on these 2 cores (les, packed engine, shared machine: 134 and 107
+    tok/s against 54 and 77 in two alternating rounds; four: 126, 90)."""
     return max(2, default_workers())
 
 
@@ -97,12 +98,12 @@ def _merge(spans, gap: int) -> list:
     return groups
 
 
-def _check(path, key, bufs, runs, crc: int) -> None:
-    got = 0
+def crc_of_runs(bufs, runs) -> int:
+    """crc32 over runs (buffer index, start, end) of bufs, in order."""
+    crc = 0
     for i, a, z in runs:
-        got = zlib.crc32(bufs[i][a:z], got)
-    if got != crc:
-        raise ChecksumError(f"{path}: crc32 of {key!r} is {got:08x}, not {crc:08x}")
+        crc = zlib.crc32(bufs[i][a:z], crc)
+    return crc
 
 
 class Reader:
@@ -261,8 +262,9 @@ class Reader:
 
     def _reads_gil_free(self) -> bool:
         """Whether submit_into reads on the GIL-free readers: not where a subclass changes how a read is made
-        (faults injected into _pread or _preadv), unless the compiled loop does what it changes (emulation)."""
-        return slot_reads.AVAILABLE and type(self)._pread is Reader._pread and type(self)._preadv is Reader._preadv
+        (faults injected into _pread or _preadv), unless the compiled loop does what it changes (an emulation)."""
+        return (slot_reads.AVAILABLE and type(self)._preadv is Reader._preadv
+                and (type(self)._pread is Reader._pread or self.emulation() is not slot_reads.NO_DEVICE))
 
     def emulation(self) -> np.ndarray:
         """The device the GIL-free readers emulate (slot_reads.emulation), or none."""
@@ -318,16 +320,8 @@ class Reader:
         objects installed on every future per call (~80 us of CPU a call here, a dozen calls a token)."""
         if futures and isinstance(futures[0], SlotRead):
             return self._slots.wait(futures, timeout, every)
-        deadline = time.monotonic() + timeout
         with self._landed:
-            while True:
-                done = [f for f in futures if f.done()]
-                if done and (not every or len(done) == len(futures)):
-                    return done
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return done
-                self._landed.wait(left)
+            return wait_for(futures, timeout, every, self._landed.wait)
 
     def _read_group(self, group, futures):
         start, end, members = group
@@ -353,8 +347,8 @@ class Reader:
                 fut.t_end = time.perf_counter_ns()
             if last:
                 try:
-                    if fut.check is not None:
-                        _check(self.path, key, fut.bufs, *fut.check)
+                    if fut.check is not None and (got := crc_of_runs(fut.bufs, fut.check[0])) != fut.check[1]:
+                        raise ChecksumError(f"{self.path}: crc32 of {key!r} is {got:08x}, not {fut.check[1]:08x}")
                     fut.set_result(fut.bufs)
                 except BaseException as e:
                     fut.set_exception(e)

@@ -73,7 +73,8 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int | None = N
         channels = 2 * L["num_key_heads"] * L["key_head_dim"] + L["num_value_heads"] * L["value_head_dim"]
         linear_state = 4 * (spec.num_layers - len(full)) * (
             (L["conv_kernel"] - 1) * channels + L["num_value_heads"] * L["key_head_dim"] * L["value_head_dim"])
-    resident, all_experts = resident_bytes or 4 * elements, item * n_experts
+    resident = 4 * elements if resident_bytes is None else resident_bytes
+    all_experts = item * n_experts
     cache = budget.nbytes(item, n_experts)
     available = available_bytes()
     return {

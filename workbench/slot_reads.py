@@ -133,6 +133,20 @@ def _serve(fd, tickets, demand, prefetch, done, jobs, state, stamps, depths, iov
         _write(done, one.ctypes.data, 8)
 
 
+def wait_for(futures, timeout: float, every: bool, sleep) -> list:
+    """The done ones of `futures` once any is done (every: all are), or at `timeout` seconds; sleep(seconds)
+    until something may have landed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = [f for f in futures if f.done()]
+        if done and (not every or len(done) == len(futures)):
+            return done
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return done
+        sleep(left)
+
+
 class ChecksumError(ValueError):
     """A key's bytes landed whole but their crc32 is not the one the request gave."""
 
@@ -313,15 +327,8 @@ class SlotReads:
             self.reader.retries += 1        # the read the compiled loop did not get whole, got now
 
     def wait(self, futures, timeout: float, every: bool) -> list:
-        deadline = time.monotonic() + timeout
-        while True:
-            done = [f for f in futures if f.done()]
-            if done and (not every or len(done) == len(futures)):
-                return done
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return done
-            self._sleep(min(left, 0.002))   # another waiting thread may take the count: look again within 2 ms
+        # another waiting thread may take the count: look again within 2 ms
+        return wait_for(futures, timeout, every, lambda left: self._sleep(min(left, 0.002)))
 
     def _sleep(self, seconds: float):
         """Until a read lands (the readers count each on done_fd) or `seconds` pass."""

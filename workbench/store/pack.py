@@ -30,6 +30,7 @@ import numpy as np
 from workbench.atomic import atomic_path
 from workbench.chat import find_template
 from workbench.errors import WorkbenchError
+from workbench.io import crc_of_runs
 from workbench.spec import MoESpec
 from workbench.store import quant
 
@@ -276,7 +277,7 @@ class Pack:
         self.expert_layer_kinds = {int(k): v for k, v in ex.get("layer_kinds", {}).items()}  # raw GGUF packs
         self.expert_nbytes = ex["nbytes"]           # on-disk bytes of one expert (unpadded; raw GGUF: the largest)
         self.expert_layers = {int(k): v for k, v in ex["layers"].items()}
-        self._runs: dict = {}            # (layer, expert) -> its crc ranges (_crc_runs)
+        self._checks: dict = {}          # (layer, expert) -> expert_check's (crc ranges, crc32)
         self.num_expert_total = sum(len(v) for v in self.expert_layers.values())
 
     def _check(self, size: int):
@@ -340,11 +341,12 @@ class Pack:
             return [tuple(ent["span"])]
         return [tuple(ent["parts"][p]) for p in PARTS]
 
-    def _crc_runs(self, layer: int, e: int) -> list[tuple[int, int, int]]:
-        """(chunk, start, end) ranges of expert e's parts in order, in the chunks expert_reads gives; adjacent parts
-        as one range: one crc32 call (one GIL release) for a contiguous expert."""
-        runs = self._runs.get((layer, e))
-        if runs is None:
+    def expert_check(self, layer: int, e: int) -> tuple[list, int]:
+        """(runs, crc32): expert e's bytes in the buffers of expert_reads(layer, e) are good when the crc32 over
+        runs ((buffer, start, end) in order) is crc32. What a reader checks as a read lands in a slot. Adjacent
+        parts are one run: one crc32 call for a contiguous expert. Worked out once per expert."""
+        check = self._checks.get((layer, e))
+        if check is None:
             ent = self.expert_layers[layer][e]
             if "span" in ent:
                 runs, base = [], ent["span"][0]
@@ -355,22 +357,14 @@ class Pack:
                         runs.append([0, o - base, o - base + n])
             else:
                 runs = [[i, 0, ent["parts"][p][1]] for i, p in enumerate(PARTS)]
-            runs = self._runs[(layer, e)] = [tuple(r) for r in runs]
-        return runs
-
-    def expert_check(self, layer: int, e: int) -> tuple[list, int]:
-        """(runs, crc32): expert e's bytes in the buffers of expert_reads(layer, e) are good when the crc32 over
-        runs ((buffer, start, end) in order) is crc32. What a reader checks as a read lands in a slot."""
-        return self._crc_runs(layer, e), int(self.expert_layers[layer][e]["crc32"], 16)
+            check = self._checks[(layer, e)] = ([tuple(r) for r in runs], int(ent["crc32"], 16))
+        return check
 
     def check_expert(self, layer: int, e: int, chunks) -> None:
         """Raise unless expert e's bytes (chunks: the buffers of expert_reads(layer, e), in order, each at least
         its read long) have the pack's crc32."""
         runs, want = self.expert_check(layer, e)
-        crc = 0
-        for i, a, b in runs:
-            crc = zlib.crc32(chunks[i][a:b], crc)
-        if crc != want:
+        if crc_of_runs(chunks, runs) != want:
             raise self.checksum_error(layer, e)
 
     def checksum_error(self, layer: int, e: int) -> WorkbenchError:
