@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from engines import ggml_kernels as G
 from engines import packed_kernels as K
 from engines.base import Hooks, dense_weights
 from engines.decoder import Decoder
@@ -80,8 +81,8 @@ def packed_weights(pack) -> dict:
 class PackedExperts:
     def __init__(self, decoder: Decoder, pack: Pack, arena):
         self.decoder, self.arena, s = decoder, arena, decoder.spec
-        self.parts, _ = K.expert_parts(pack.expert_shapes, pack.expert_kinds, arena.parts)
         self.d, self.ff = s.hidden_size, s.moe_intermediate_size
+        self.kernels = {L: layer_kernel(pack, L, arena.layouts[L][1]) for L in s.moe_layers}
 
     def begin(self, i: int, x, idx, weights):
         """compute(experts, slot offsets) for the streamer: one kernel call per batch, which picks the batch's
@@ -92,14 +93,35 @@ class PackedExperts:
         X = np.ascontiguousarray(x, dtype=np.float32)
         self.Y = Y = np.empty((flat.shape[0], self.d), np.float32)
         block = self.arena.blocks[i]
+        ggml, parts = self.kernels[i]
 
         def compute(es, offsets):
-            K.moe_ready(block, np.array(es, np.int64), np.array(offsets, np.int64), flat, k, w, X, Y, self.parts,
-                        self.d, self.ff, K.F16)
+            es, offsets = np.array(es, np.int64), np.array(offsets, np.int64)
+            if ggml:
+                G.moe_ready(block, es, offsets, flat, k, w, X, Y, parts, self.d, self.ff)
+            else:
+                K.moe_ready(block, es, offsets, flat, k, w, X, Y, parts, self.d, self.ff, K.F16)
         return compute
 
     def combine(self, needed):
         return self.Y.reshape(-1, self.decoder.spec.top_k, self.d).sum(1)
+
+
+def layer_kernel(pack: Pack, layer: int, offsets: dict) -> tuple[bool, np.ndarray]:
+    """(whether ggml computes it, its parts table) for one layer's experts: affine group-64 or bf16 in this
+    module's kernels, GGUF blocks (a raw GGUF pack) in ggml's (engines/ggml_kernels.py). WorkbenchError if neither."""
+    kinds = pack.kinds_of(layer)
+    if all(kinds.get(p) in K.BITS for p in PARTS):
+        return False, K.expert_parts(pack.expert_shapes, kinds, offsets)[0]
+    why = f"layer {layer}'s are {', '.join(sorted(set(map(str, kinds.values()))))}"
+    if all(str(kinds.get(p)).startswith("gguf:") for p in PARTS):
+        try:
+            return True, G.expert_parts(pack.expert_shapes, kinds, offsets)
+        except WorkbenchError as e:
+            why += f" ({e})"
+    raise WorkbenchError(f"{pack.path}: --engine packed computes experts stored as {', '.join(K.BITS)} or in GGUF "
+                         f"blocks that ggml's CPU kernels take; {why}: convert with --experts q4 (or another of "
+                         f"those), or run it with --engine numpy")
 
 
 class PackedEngine(Decoder):
@@ -120,17 +142,20 @@ class PackedEngine(Decoder):
 
     @staticmethod
     def computes(pack) -> bool:
-        """Whether the kernels read this pack's experts: one affine or bf16 kind per part, the same in every layer."""
-        return not pack.expert_layer_kinds and all(pack.expert_kinds.get(p) in K.BITS for p in PARTS)
+        """Whether the kernels read this pack's experts: affine group-64 or bf16, or GGUF blocks that ggml's CPU
+        kernels take (llama-cpp-python installed)."""
+        try:
+            for L in pack.spec.moe_layers:
+                layer_kernel(pack, L, {p: 0 for p in PARTS})
+        except WorkbenchError:
+            return False
+        return True
 
     def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
                  weights: dict | None = None, max_context: int | None = None):
         super().__init__(pack, streamer, telemetry, hooks)
-        if not self.computes(pack):
-            odd = sorted({pack.expert_kinds.get(p, "raw") for p in PARTS} - set(K.BITS)) or ["mixed per layer"]
-            raise WorkbenchError(f"{pack.path}: --engine packed computes experts stored as {', '.join(K.BITS)}; "
-                                 f"this pack's are {', '.join(odd)}: convert with --experts q4 (or another of those), "
-                                 f"or run it with --engine numpy")
+        for L in pack.spec.moe_layers:
+            layer_kernel(pack, L, {p: 0 for p in PARTS})      # the reason, where the kernels cannot read it
         if streamer.arena is None:
             raise ValueError("--engine packed computes from slots: its streamer must be given the cache's slot arena")
         threadpool_limits(limits=1, user_api="blas")

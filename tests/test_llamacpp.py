@@ -46,6 +46,7 @@ from workbench.store.pack import Pack, convert                # noqa: E402
 IDS = [5, 17, 200, 31, 64, 99, 150, 3, 250, 12, 77, 42]
 LOGIT_TOL_F16 = 3e-2
 TIE_GAP = 2e-2
+GGUF_TOL = 3e-2    # ggml's kernels (8-bit activations) vs the dequantized blocks in f32, relative to max |logit|
 KQ_BATCH_TOL = 0.15   # llama.cpp's batched k-quant matmul vs its one-token path (0.05 seen on an AMD EPYC, logits ~3)
 PROMPT = "Tom and his mom went to the park."   # our greedy path has no near-tie (min top-2 gap 0.05)
 
@@ -416,6 +417,63 @@ def test_kquant_import_keeps_blocks(kquant_model, tmp_path, qtype, block):
     z = teacher_logits(pack.path, IDS)
     assert np.abs(z[:t0] - theirs["final_logits"][:t0]).max() < 0.15
     assert np.abs(z - teacher_logits(kquant_model, IDS)).mean() > 0.05      # quantization did change the model
+
+
+@needs_llama
+@pytest.mark.parametrize("kind,shape", [("Q4_K", (48, 512)), ("Q5_K", (16, 256)), ("Q6_K", (40, 256)),
+                                        ("Q3_K", (16, 512)), ("Q2_K", (16, 256)), ("Q8_0", (48, 96)),
+                                        ("Q4_0", (16, 128)), ("Q5_0", (24, 64)), ("F16", (16, 72)), ("BF16", (8, 64))])
+def test_ggml_dot_is_the_dequantized_matrix_times_x(kind, shape):
+    """ggml's CPU dot products, called on GGUF blocks (engines/ggml_kernels.py), against the blocks dequantized by
+    the gguf package times x in float64: within 2e-2 of max |Wx| (ggml rounds x to 8 bits for the quantized
+    types; F16 and BF16 round x to their own type)."""
+    import ctypes
+    from engines import ggml_kernels as G
+    from workbench.models.gguf_model import dequantize
+    base = ctypes.CDLL(G.library("ggml-base"))
+    base.ggml_quantize_chunk.restype = ctypes.c_size_t
+    base.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
+        ctypes.c_void_p]
+    rng = np.random.default_rng(len(kind) + shape[0])
+    w, x = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape[1]).astype(np.float32)
+    row_bytes = G.part(f"gguf:{kind}", shape[1])[0]
+    blocks = np.zeros(shape[0] * row_bytes, np.uint8)
+    assert base.ggml_quantize_chunk(G.type_id(f"gguf:{kind}"), w.ctypes.data, blocks.ctypes.data, 0, *shape,
+                                    None) == blocks.nbytes
+    ref = dequantize(blocks, kind, shape).astype(np.float64) @ x
+    np.testing.assert_allclose(G.matvec(blocks, shape, f"gguf:{kind}", x), ref, atol=2e-2 * np.abs(ref).max(), rtol=0)
+    if kind not in ("F16", "BF16"):
+        with pytest.raises(WorkbenchError, match=kind):
+            G.part(f"gguf:{kind}", 3 * 1024 + 16)       # a row that does not split into the type's blocks
+
+
+def packed_logits(path, preset, engine="packed", **kw):
+    """Prefill IDS[:8], then decode the rest one token at a time: the logits of every position."""
+    from workbench.session import Session
+    with Session(str(path), preset, engine=engine, **kw) as s:
+        s.engine.reset()
+        return np.concatenate([s.step(IDS[:8], "prefill")] + [s.step([t], "decode") for t in IDS[8:]]), s.engine.name
+
+
+@needs_llama
+@pytest.mark.parametrize("qtype", ["q4_k_m", "q3_k_m", "q2_k", "q6_k", "q4_0"])
+def test_packed_engine_computes_gguf_blocks_with_ggml(kquant_model, tmp_path, qtype):
+    """A raw GGUF pack's experts are computed by ggml's own CPU kernels from the slot bytes as read
+    (engines/ggml_kernels.py): logits within GGUF_TOL of the numpy engine on the same blocks dequantized by the gguf
+    package (ggml rounds the activations to 8 bits, as llama.cpp does), and every exact design at every budget
+    gives the logits of the packed engine all-resident, bit for bit."""
+    from engines.llamacpp_engine import quantize_gguf
+    f16 = export_gguf(HFModel(kquant_model), tmp_path / "f16.gguf", "f16")
+    q = in_child(quantize_gguf, f16, tmp_path / f"{qtype}.gguf", qtype)
+    pack = convert(q, tmp_path / "raw.pack", experts="raw", rest="raw")
+    ref, eng = packed_logits(pack, "resident", "numpy")
+    out, eng2 = packed_logits(pack, "resident")
+    assert (eng, eng2) == ("numpy", "packed")
+    assert np.abs(out - ref).max() < GGUF_TOL * np.abs(ref).max(), np.abs(out - ref).max() / np.abs(ref).max()
+    assert (out.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    for preset, budget in [("on_demand", "0.25"), ("les", "0.5"), ("smol", "0.5"), ("history", "0.5")]:
+        got, _ = packed_logits(pack, preset, budget=budget)
+        np.testing.assert_array_equal(got, out, err_msg=f"{preset} at {budget}")
 
 
 @needs_llama

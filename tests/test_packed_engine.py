@@ -207,9 +207,11 @@ def test_a_corrupt_expert_is_an_error_not_garbage(tiny_models, tmp_path):
 def test_refuses_experts_it_cannot_compute(tiny_models):
     from engines.packed_engine import PackedEngine
     with Session(str(tiny_models["mixtral"]), "resident", budget="0.5", engine="packed") as s:
-        s.pack.expert_kinds = {p: "gguf:Q4_K" for p in ("gate", "up", "down")}
-        with pytest.raises(WorkbenchError, match="--engine packed computes experts stored as"):
-            PackedEngine(s.pack, s.streamer, s.tel)
+        for kind, why in [("f32", "f32"), ("gguf:Q4_K", "does not split into its blocks")]:   # rows of 64, not 256
+            s.pack.expert_kinds = {p: kind for p in ("gate", "up", "down")}
+            with pytest.raises(WorkbenchError, match="--engine packed computes experts stored as") as e:
+                PackedEngine(s.pack, s.streamer, s.tel)
+            assert str(s.pack.path) in str(e.value) and why in str(e.value)
 
 
 @pytest.mark.parametrize("preset", ["on_demand", "les"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from workbench.errors import WorkbenchError
 from workbench.io import ALIGN, aligned_empty
 from workbench.store.pack import PARTS
 
@@ -24,16 +23,13 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def slot_layout(pack) -> tuple[list[tuple[int, int]], dict[str, int]]:
-    """Where one expert's reads and parts sit in a slot: ([(region offset, region bytes)] per read,
-    {part: byte offset of its encoded bytes}). The same for every expert of a pack with one kind per part."""
-    if pack.expert_layer_kinds:
-        raise WorkbenchError(f"{pack.path}: experts kept in their GGUF blocks (kinds vary per layer) have no "
-                             f"fixed slot layout: convert with --experts q4 (or q2, q3, q8, bf16)")
-    L = pack.spec.moe_layers[0]
-    ent = pack.expert_layers[L][0]
+def slot_layout(pack, layer: int) -> tuple[list[tuple[int, int]], dict[str, int]]:
+    """Where one expert of `layer` has its reads and parts in a slot: ([(region offset, region bytes)] per read,
+    {part: byte offset of its encoded bytes}). The same for every expert of a layer (a raw GGUF pack's layers
+    may keep different block types, so their layouts differ)."""
+    ent = pack.expert_layers[layer][0]
     regions, off = [], 0
-    for _, n in pack.expert_reads(L, 0):
+    for _, n in pack.expert_reads(layer, 0):
         regions.append((off, _aligned(n)))
         off += _aligned(n)
     if "span" in ent:
@@ -44,14 +40,14 @@ def slot_layout(pack) -> tuple[list[tuple[int, int]], dict[str, int]]:
 
 
 def slot_bytes(pack) -> int:
-    """What one expert costs in the arena: its reads' 4 KiB-aligned bytes."""
-    return sum(n for _, n in slot_layout(pack)[0])
+    """What one expert costs in the arena: the 4 KiB-aligned bytes of its reads (the largest layer's)."""
+    return max(sum(n for _, n in slot_layout(pack, L)[0]) for L in pack.spec.moe_layers)
 
 
 class SlotArena:
     def __init__(self, pack, cache):
-        self.regions, self.parts = slot_layout(pack)
-        self.slot_bytes = sum(n for _, n in self.regions)
+        self.layouts = {L: slot_layout(pack, L) for L in pack.spec.moe_layers}    # MoE layer -> (regions, parts)
+        self.slot_bytes = slot_bytes(pack)
         self.blocks: dict[int, np.ndarray] = {}     # MoE layer -> its pool's block (n slots * slot_bytes)
         self._free: dict[int, list] = {}            # id(block) -> its free slots
         self.where: dict = {}                       # expert key -> byte offset of its slot in its layer's block
@@ -78,7 +74,7 @@ class SlotArena:
             base = self.where[key] = free.pop() * self.slot_bytes
         else:
             raise RuntimeError(f"expert {key}: every slot holds an expert the cache still has")
-        return [block[base + off:base + off + n] for off, n in self.regions]
+        return [block[base + off:base + off + n] for off, n in self.layouts[key[0]][0]]
 
     def release(self, keys):
         """The cache evicted these experts: their slots are free."""

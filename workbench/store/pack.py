@@ -304,7 +304,7 @@ class Pack:
                     or not isinstance(t["crc32"], str):
                 yield f"tensor {name}"
         for L, ents in self.expert_layers.items():
-            kinds = self.expert_layer_kinds.get(L, self.expert_kinds)
+            kinds = self.kinds_of(L)
             want = {p: _nbytes(self.expert_shapes[p], kinds[p]) for p in PARTS}
             for e, ent in enumerate(ents):
                 parts = [(ent["parts"][p], want[p]) for p in PARTS]
@@ -312,6 +312,10 @@ class Pack:
                 if any(n != w or not _inside(o, n, size) or not span[0] <= o <= o + n <= span[0] + span[1]
                        for (o, n), w in parts) or not _inside(*span, size) or not isinstance(ent["crc32"], str):
                     yield f"expert {e} of layer {L}"
+
+    def kinds_of(self, layer: int) -> dict[str, str]:
+        """{part: kind} of one layer's experts (a raw GGUF pack keeps each layer's own block types)."""
+        return self.expert_layer_kinds.get(layer, self.expert_kinds)
 
     @property
     def total_expert_bytes(self) -> int:
@@ -382,5 +386,5 @@ class Pack:
             parts = dict(zip(PARTS, chunks))
         if raw:
             return parts
-        kinds = self.expert_layer_kinds.get(layer, self.expert_kinds)
+        kinds = self.kinds_of(layer)
         return {p: _decode(parts[p], self.expert_shapes[p], kinds[p]) for p in PARTS}

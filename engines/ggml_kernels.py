@@ -1,0 +1,182 @@
+"""ggml's CPU kernels on a pack's GGUF blocks: experts kept as an imported GGUF stored them (kinds "gguf:<TYPE>",
+e.g. gguf:Q4_K, Q6_K, Q8_0), computed from the slot bytes as read.
+
+The kernels are llama.cpp's own, from the libggml-base / libggml-cpu that llama-cpp-python installs: for each
+GGUF type ggml's CPU backend gives a dot product of one row of that type with a vector in a companion type
+(`ggml_get_type_traits_cpu`: vec_dot, vec_dot_type; k-quants pair with Q8_K, the 32-blocks with Q8_0) and the
+function that quantizes a float32 vector to the companion type (from_float). This module calls those two
+function pointers from a compiled loop (numba, through an LLVM intrinsic that calls an address), so a layer's
+(token, expert) pairs run in one call: quantize x once per pair and part, then one vec_dot per output row.
+
+Not exact: ggml rounds the activations to 8 bits (Q8_K / Q8_0) before its integer dot products, as llama.cpp does
+(about 1e-2 relative to the dequantized float32 product; tests/test_ggml_kernels.py states the tolerance).
+Needs llama-cpp-python (`pip install 'moe-workbench[llamacpp]'`), as raw GGUF packs already do.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from workbench.errors import WorkbenchError
+
+
+def library(name: str) -> str:
+    """The path of one of llama-cpp-python's ggml libraries ("ggml-base", "ggml-cpu")."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise WorkbenchError("experts kept in GGUF blocks are computed by ggml's CPU kernels, from "
+                             "llama-cpp-python: pip install 'moe-workbench[llamacpp]'") from None
+    found = glob.glob(str(Path(llama_cpp.__file__).parent / "lib" / f"lib{name}.so"))
+    if not found:
+        raise WorkbenchError(f"{Path(llama_cpp.__file__).parent / 'lib'}: no lib{name}.so in llama-cpp-python")
+    return found[0]
+
+
+class _Traits(ctypes.Structure):          # struct ggml_type_traits_cpu (ggml-cpu.h)
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                ("nrows", ctypes.c_int64)]
+
+
+@lru_cache(maxsize=1)
+def _libs():
+    base = ctypes.CDLL(library("ggml-base"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(library("ggml-cpu"), mode=ctypes.RTLD_GLOBAL)
+    base.ggml_row_size.restype, base.ggml_row_size.argtypes = ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]
+    base.ggml_blck_size.restype, base.ggml_blck_size.argtypes = ctypes.c_int64, [ctypes.c_int]
+    cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_Traits)
+    cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
+    cpu.ggml_cpu_init.restype, cpu.ggml_cpu_init.argtypes = None, []
+    cpu.ggml_cpu_init()                     # its conversion tables, before any kernel runs
+    return base, cpu
+
+
+def type_id(kind: str) -> int:
+    """ggml's type number of a pack kind "gguf:<TYPE>" (the gguf package's enum is ggml's)."""
+    from workbench.models.gguf_model import _gguf
+    return int(_gguf().GGMLQuantizationType[kind.removeprefix("gguf:")])
+
+
+@lru_cache(maxsize=None)
+def part(kind: str, cols: int) -> tuple[int, int, int, int]:
+    """(bytes of one row of `cols` values, vec_dot, from_float of its companion type, bytes of x in that type) for
+    a GGUF kind; WorkbenchError where ggml's CPU backend has no dot product for it or the row does not split."""
+    base, cpu = _libs()
+    t = type_id(kind)
+    tr = cpu.ggml_get_type_traits_cpu(t).contents
+    vt = tr.vec_dot_type
+    from_float = cpu.ggml_get_type_traits_cpu(vt).contents.from_float
+    if not tr.vec_dot or not from_float:
+        raise WorkbenchError(f"{kind}: ggml's CPU backend has no dot product for this type")
+    if cols % base.ggml_blck_size(t) or cols % base.ggml_blck_size(vt):
+        raise WorkbenchError(f"{kind}: a row of {cols} values does not split into its blocks")
+    return int(base.ggml_row_size(t, cols)), int(tr.vec_dot), int(from_float), int(base.ggml_row_size(vt, cols))
+
+
+def available() -> bool:
+    try:
+        _libs()
+        return True
+    except (WorkbenchError, OSError):
+        return False
+
+
+# ---------------------------------------------------------------- calling the two function pointers
+
+@intrinsic
+def _vec_dot(typingctx, fn, n, s, x, y):
+    """ggml_vec_dot_t(int n, float *s, size_t bs, const void *x, size_t bx, const void *y, size_t by, int nrc),
+    one row (nrc 1: the strides are unused)."""
+    sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        fn, n, s, x, y = args
+        p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+        fnty = ir.FunctionType(ir.VoidType(), [i32, p, i64, p, i64, p, i64, i32])
+        zero = ir.Constant(i64, 0)
+        builder.call(builder.inttoptr(fn, fnty.as_pointer()),
+                     [builder.trunc(n, i32), builder.inttoptr(s, p), zero, builder.inttoptr(x, p), zero,
+                      builder.inttoptr(y, p), zero, ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _from_float(typingctx, fn, x, y, k):
+    """ggml_from_float_t(const float *x, void *y, int64_t k)."""
+    sig = types.void(types.int64, types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        fn, x, y, k = args
+        p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [p, p, ir.IntType(64)])
+        builder.call(builder.inttoptr(fn, fnty.as_pointer()), [builder.inttoptr(x, p), builder.inttoptr(y, p), k])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+# ---------------------------------------------------------------- kernels
+
+# parts: int64 (3, 5), per gate, up, down: byte offset in the slot, row bytes, vec_dot, from_float, x bytes
+@njit(cache=True, nogil=True)
+def _matvec(addr, rows, cols, p, x, qx, y):
+    """y[:rows] = W x, W's rows of part p at address addr."""
+    _from_float(p[3], x.ctypes.data, qx.ctypes.data, cols)
+    for o in range(rows):
+        _vec_dot(p[2], cols, y.ctypes.data + 4 * o, addr + o * p[1], qx.ctypes.data)
+
+
+@njit(cache=True, nogil=True)
+def moe_ready(block, experts, offsets, flat, k, weight, X, Y, parts, d, ff):
+    """As packed_kernels.moe_ready, for GGUF blocks: the pairs of a layer whose expert is in a batch in memory
+    (experts[i], its slot at byte offsets[i] of block); pair p of the flat top-k is token p // k, its result
+    (times its routing weight) row p of Y."""
+    n = 0
+    for p in range(flat.shape[0]):
+        n = max(n, flat[p] + 1)
+    slot_of = np.full(n, -1, np.int64)
+    for i in range(experts.shape[0]):
+        if experts[i] < n:
+            slot_of[experts[i]] = offsets[i]
+    qx = np.empty(max(parts[0, 4], parts[1, 4], parts[2, 4]), np.uint8)
+    g, u, y = np.empty(ff, np.float32), np.empty(ff, np.float32), np.empty(d, np.float32)
+    for p in range(flat.shape[0]):
+        slot = slot_of[flat[p]]
+        if slot < 0:
+            continue
+        at = block.ctypes.data + slot
+        x = X[p // k]
+        _matvec(at + parts[0, 0], ff, d, parts[0], x, qx, g)
+        _matvec(at + parts[1, 0], ff, d, parts[1], x, qx, u)
+        for j in range(ff):
+            g[j] = g[j] / (np.float32(1.0) + np.exp(-g[j])) * u[j]
+        _matvec(at + parts[2, 0], d, ff, parts[2], g, qx, y)
+        for j in range(d):
+            Y[p, j] = weight[p] * y[j]
+
+
+def expert_parts(shapes: dict, kinds: dict, offsets: dict) -> np.ndarray:
+    """The (3, 5) parts table of one layer's experts: gate, up, down at `offsets` in the slot."""
+    out = np.zeros((3, 5), np.int64)
+    for i, p in enumerate(("gate", "up", "down")):
+        out[i] = (offsets[p], *part(kinds[p], shapes[p][1]))
+    return out
+
+
+def matvec(buf: np.ndarray, shape, kind: str, x: np.ndarray) -> np.ndarray:
+    """W x for one matrix in GGUF blocks (rows, cols) = shape; x (cols,) float32. For tests and benchmarks."""
+    rows, cols = shape
+    p = np.array((0, *part(kind, cols)), np.int64)
+    buf = np.ascontiguousarray(buf).view(np.uint8).reshape(-1)
+    if buf.nbytes != rows * p[1]:
+        raise ValueError(f"{kind} ({rows}, {cols}): {buf.nbytes} bytes, not {rows * p[1]}")
+    y = np.empty(rows, np.float32)
+    _matvec(buf.ctypes.data, rows, cols, p, np.ascontiguousarray(x, np.float32), np.empty(p[4], np.uint8), y)
+    return y
