@@ -45,12 +45,19 @@ class _Traits(ctypes.Structure):          # struct ggml_type_traits_cpu (ggml-cp
                 ("nrows", ctypes.c_int64)]
 
 
+class _TypeTraits(ctypes.Structure):      # struct ggml_type_traits (ggml.h)
+    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
+                ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                ("from_float_ref", ctypes.c_void_p)]
+
+
 @lru_cache(maxsize=1)
 def _libs():
     base = ctypes.CDLL(library("ggml-base"), mode=ctypes.RTLD_GLOBAL)
     cpu = ctypes.CDLL(library("ggml-cpu"), mode=ctypes.RTLD_GLOBAL)
     base.ggml_row_size.restype, base.ggml_row_size.argtypes = ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]
     base.ggml_blck_size.restype, base.ggml_blck_size.argtypes = ctypes.c_int64, [ctypes.c_int]
+    base.ggml_get_type_traits.restype, base.ggml_get_type_traits.argtypes = ctypes.POINTER(_TypeTraits), [ctypes.c_int]
     cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_Traits)
     cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
     cpu.ggml_cpu_init.restype, cpu.ggml_cpu_init.argtypes = None, []
@@ -60,8 +67,8 @@ def _libs():
 
 def type_id(kind: str) -> int:
     """ggml's type number of a pack kind "gguf:<TYPE>" (the gguf package's enum is ggml's)."""
-    from workbench.models.gguf_model import _gguf
-    return int(_gguf().GGMLQuantizationType[kind.removeprefix("gguf:")])
+    from gguf import GGMLQuantizationType      # installed with llama-cpp-python (the llamacpp extra)
+    return int(GGMLQuantizationType[kind.removeprefix("gguf:")])
 
 
 @lru_cache(maxsize=None)
@@ -80,11 +87,13 @@ def part(kind: str, cols: int) -> tuple[int, int, int, int]:
     return int(base.ggml_row_size(t, cols)), int(tr.vec_dot), int(from_float), int(base.ggml_row_size(vt, cols))
 
 
-def available() -> bool:
+def computes(kind: str, cols: int) -> bool:
+    """Whether this is a quantized GGUF kind whose rows of `cols` values ggml's dot products take (llama-cpp-python
+    installed). Not F32, F16 or BF16: ggml rounds x to their type, where float32 BLAS on them is exact and fast."""
     try:
-        _libs()
-        return True
-    except (WorkbenchError, OSError):
+        part(kind, cols)
+        return bool(_libs()[0].ggml_get_type_traits(type_id(kind)).contents.is_quantized)
+    except (WorkbenchError, KeyError, OSError):
         return False
 
 
@@ -162,6 +171,35 @@ def moe_ready(block, experts, offsets, flat, k, weight, X, Y, parts, d, ff):
             Y[p, j] = weight[p] * y[j]
 
 
+@njit(cache=True, nogil=True)
+def _dense(addr, rows, cols, p, X, Y):
+    qx = np.empty(p[4], np.uint8)
+    for r in range(X.shape[0]):
+        _matvec(addr, rows, cols, p, X[r], qx, Y[r])
+
+
+def dense(buf: np.ndarray, rows: int, cols: int, p: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
+    """Y[r] = W X[r] for each row of X (float32, C order), W (rows, cols) in GGUF blocks at buf, p = part_row()."""
+    _dense(buf.ctypes.data, rows, cols, p, X, Y)
+
+
+def part_row(kind: str, cols: int) -> np.ndarray:
+    """One matrix's row of a parts table (at offset 0)."""
+    return np.array((0, *part(kind, cols)), np.int64)
+
+
+def dequantize(buf: np.ndarray, shape, kind: str) -> np.ndarray:
+    """The matrix in float32, by ggml's own to_float (C, where the gguf package's numpy decoding is slow)."""
+    base, _ = _libs()
+    to_float = base.ggml_get_type_traits(type_id(kind)).contents.to_float
+    if not to_float:
+        raise WorkbenchError(f"{kind}: ggml has no conversion to float for this type")
+    out = np.empty(shape, np.float32)
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(to_float)(
+        np.ascontiguousarray(buf).ctypes.data, out.ctypes.data, out.size)
+    return out
+
+
 def expert_parts(shapes: dict, kinds: dict, offsets: dict) -> np.ndarray:
     """The (3, 5) parts table of one layer's experts: gate, up, down at `offsets` in the slot."""
     out = np.zeros((3, 5), np.int64)
@@ -173,7 +211,7 @@ def expert_parts(shapes: dict, kinds: dict, offsets: dict) -> np.ndarray:
 def matvec(buf: np.ndarray, shape, kind: str, x: np.ndarray) -> np.ndarray:
     """W x for one matrix in GGUF blocks (rows, cols) = shape; x (cols,) float32. For tests and benchmarks."""
     rows, cols = shape
-    p = np.array((0, *part(kind, cols)), np.int64)
+    p = part_row(kind, cols)
     buf = np.ascontiguousarray(buf).view(np.uint8).reshape(-1)
     if buf.nbytes != rows * p[1]:
         raise ValueError(f"{kind} ({rows}, {cols}): {buf.nbytes} bytes, not {rows * p[1]}")

@@ -1,5 +1,7 @@
 """The packed engine: the decoder (engines/decoder.py) in numpy, routed experts computed straight from the bytes
-read, in the slots of the cache's slot arena (workbench/arena.py), by compiled kernels (engines/packed_kernels.py).
+read, in the slots of the cache's slot arena (workbench/arena.py), by compiled kernels: the pack's affine group-64
+and bf16 formats in engines/packed_kernels.py, a raw GGUF pack's quantized blocks (Q4_K, Q6_K, Q8_0, ... as an
+imported GGUF stored them) in ggml's own CPU kernels (engines/ggml_kernels.py).
 
 Nothing is dequantized on load: a read lands in its expert's slot, the reader thread checks its crc, and the
 cache entry is the slot's offset. Each batch of a layer's experts that is in memory together (ready_first: the
@@ -22,7 +24,8 @@ Embeddings (a lookup), the router, norms, biases and tensors the loader splits s
 
 Numerics: the kernels compute scale * (codes . x) + bias * sum(x) per group of 64 in float32, where the
 numpy reference dequantizes first and multiplies in BLAS: the two agree to float32 rounding (the tests state
-the tolerance). A decoded token's attention, after its projections, is one kernel call (K.decode_attention)
+the tolerance). ggml rounds x to 8 bits for its GGUF dot products, as llama.cpp does: a few percent of the
+logits' range off the reference (tests/test_llamacpp.py). A decoded token's attention, after its projections, is one kernel call (K.decode_attention)
 where the family allows.
 """
 from __future__ import annotations
@@ -47,15 +50,17 @@ SPLIT_BY_LOADER = ("kv_b", "lin_qkvz", "lin_ba")      # dense_weights reshapes t
 
 
 class Encoded:
-    """A resident matrix kept as the pack encodes it (affine group-64 codes, float16 scales and biases). Read as
-    an array (np.asarray, .T) it is dequantized: a copy, for the few readers outside the decode step."""
+    """A resident matrix kept as the pack encodes it: affine group-64 (codes, float16 scales and biases), computed
+    in K.dense, or a raw GGUF pack's blocks (gguf:Q4_K, Q6_K, ...), in ggml's dot products (G.dense). Read as an
+    array (np.asarray, .T) it is dequantized: a copy, for the few readers outside the decode step."""
 
     def __init__(self, buf: np.ndarray, shape, kind: str):
-        self.buf, self.shape, self.kind, self.bits = buf, tuple(shape), kind, K.BITS[kind]
+        self.buf, self.shape, self.kind, self.bits = buf, tuple(shape), kind, K.BITS.get(kind)
+        self.ggml = G.part_row(kind, shape[1]) if self.bits is None else None
         self.nbytes = buf.nbytes
 
     def __array__(self, dtype=None, copy=None):
-        a = quant.decode(self.buf, self.shape, self.kind)
+        a = quant.decode(self.buf, self.shape, self.kind) if self.bits else G.dequantize(self.buf, self.shape, self.kind)
         return a if dtype is None else a.astype(dtype)
 
     @property
@@ -64,10 +69,14 @@ class Encoded:
 
 
 def stays_encoded(name: str, t: dict) -> bool:
-    """Every affine matrix outside the experts, but the embedding table (a lookup: kept f32, as the head when the
-    model ties it) and what the loader splits."""
-    return (t["kind"] in K.BITS and t["kind"] != "bf16" and len(t["shape"]) == 2 and name != "embed"
-            and not name.endswith(SPLIT_BY_LOADER))
+    """Every affine matrix outside the experts, and every GGUF-quantized one ggml computes, but the embedding
+    table (a lookup: kept f32, as the head when the model ties it) and what the loader splits."""
+    kind, shape = t["kind"], t["shape"]
+    if len(shape) != 2 or name == "embed" or name.endswith(SPLIT_BY_LOADER):
+        return False
+    if kind.startswith("gguf:"):
+        return G.computes(kind, shape[1])
+    return kind in K.BITS and kind != "bf16"
 
 
 def packed_weights(pack) -> dict:
@@ -116,11 +125,14 @@ def layer_kernel(pack: Pack, layer: int, offsets: dict) -> tuple[bool, np.ndarra
     why = f"layer {layer}'s are {', '.join(sorted(set(map(str, kinds.values()))))}"
     if all(str(kinds.get(p)).startswith("gguf:") for p in PARTS):
         try:
-            return True, G.expert_parts(pack.expert_shapes, kinds, offsets)
+            parts = G.expert_parts(pack.expert_shapes, kinds, offsets)
+            if all(G.computes(kinds[p], pack.expert_shapes[p][1]) for p in PARTS):
+                return True, parts
+            why += " (a GGUF float type: the numpy engine computes it exactly)"
         except WorkbenchError as e:
             why += f" ({e})"
-    raise WorkbenchError(f"{pack.path}: --engine packed computes experts stored as {', '.join(K.BITS)} or in GGUF "
-                         f"blocks that ggml's CPU kernels take; {why}: convert with --experts q4 (or another of "
+    raise WorkbenchError(f"{pack.path}: --engine packed computes experts stored as {', '.join(K.BITS)} or in "
+                         f"quantized GGUF blocks that ggml's CPU kernels take; {why}: convert with --experts q4 (or another of "
                          f"those), or run it with --engine numpy")
 
 
@@ -172,7 +184,11 @@ class PackedEngine(Decoder):
         if x.shape[0] > KERNEL_ROWS:
             return x @ np.asarray(w).T
         y = np.empty((x.shape[0], w.shape[0]), np.float32)
-        K.dense(w.buf, w.shape[0], w.shape[1], w.bits, np.ascontiguousarray(x, dtype=np.float32), y, K.F16)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if w.ggml is not None:
+            G.dense(w.buf, w.shape[0], w.shape[1], w.ggml, x, y)
+        else:
+            K.dense(w.buf, w.shape[0], w.shape[1], w.bits, x, y, K.F16)
         return y
 
     def attention(self, i: int, x):
