@@ -9,7 +9,8 @@ silu * up, down for one token.
             q2_K, q3_K, q4_K, bf16 (k-quants need rows that are multiples of 256: the demo's down
             projection, rows of 128, is then q4_0 beside them, and the row says so).
   packed    engines/packed_kernels.py (numba) on the pack's own formats: MLX's affine group-64 q2/q3/q4/q8
-            and bf16; one expert per call, and the same work as part of one call for a layer's top-k.
+            and bf16; one expert per call, and the same work as part of one call for a layer's top-k; and
+            engines/ggml_kernels.py on GGUF blocks (a raw GGUF pack): ggml's own dot products on the slot bytes.
   mlx       MLX's own gather_qmm on the same affine format (mlx[cpu]), one expert per call.
   numpy     today's path: dequantize the three parts to f32 (quant.decode), then three numpy matmuls.
 Reports the median of --repeat timings (after a warm-up) in microseconds per expert and GB/s of the
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
 import json
 import os
 import sys
@@ -61,13 +61,13 @@ class InitParams(ctypes.Structure):
 
 def load_ggml():
     """libggml-base and libggml-cpu from llama-cpp-python's package, or None when it is not installed."""
+    from engines import ggml_kernels as G
+    from workbench.errors import WorkbenchError
     try:
-        import llama_cpp
-    except ImportError:
+        base = ctypes.CDLL(G.library("ggml-base"), mode=ctypes.RTLD_GLOBAL)
+        cpu = ctypes.CDLL(G.library("ggml-cpu"), mode=ctypes.RTLD_GLOBAL)
+    except WorkbenchError:
         return None
-    libdir = Path(llama_cpp.__file__).parent / "lib"
-    base = ctypes.CDLL(glob.glob(str(libdir / "libggml-base.so"))[0], mode=ctypes.RTLD_GLOBAL)
-    cpu = ctypes.CDLL(glob.glob(str(libdir / "libggml-cpu.so"))[0], mode=ctypes.RTLD_GLOBAL)
     P, i64 = ctypes.c_void_p, ctypes.c_int64
     for lib, name, res, args in [
             (base, "ggml_init", P, [InitParams]), (base, "ggml_free", None, [P]),
@@ -190,6 +190,7 @@ def bench_shape(name, d, ff, repeat, ggml, rng, top_k):
                 f"vs the pack's dequantized f32: {rel_err(e.result(), exact):.1e}"
                 + (f"; one graph of {copies} experts, per expert" if copies > 1 else ""))
             e.close()
+        packed_ggml_rows(ggml, d, ff, w, x, repeat, top_k, row)
 
     from engines import packed_kernels as K
     for kind in PACK_KINDS:
@@ -242,6 +243,42 @@ def bench_shape(name, d, ff, repeat, ggml, rng, top_k):
             row("mlx gather_qmm (cpu)", kind, us, quant.encoded_nbytes((ff, d), kind) * 2 +
                 quant.encoded_nbytes((d, ff), kind), np.array(mlx_path()).reshape(-1), "scales as f32")
     return rows
+
+
+def packed_ggml_rows(ggml, d, ff, w, x, repeat, top_k, row):
+    """The packed engine on a raw GGUF pack's experts: ggml's dot products called on the slot bytes from one
+    compiled loop over a layer's pairs (engines/ggml_kernels.py), one expert and a layer's top-k per call."""
+    from engines import ggml_kernels as G
+    base, _ = ggml
+    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    for t in ("q4_0", "q8_0", "q4_K", "q6_K"):
+        down_t = t if not t.endswith("_K") or ff % 256 == 0 else "q8_0"
+        if t.endswith("_K") and d % 256:
+            continue
+        kinds = {p: f"gguf:{(down_t if p == 'down' else t).upper()}" for p in shapes}
+        blocks = {}
+        for p, (r, c) in shapes.items():
+            blocks[p] = np.zeros(r * G.part(kinds[p], c)[0], np.uint8)
+            src = np.ascontiguousarray(w[p], dtype=np.float32)
+            base.ggml_quantize_chunk(G.type_id(kinds[p]), src.ctypes.data, blocks[p].ctypes.data, 0, r, c, None)
+        nbytes = sum(b.nbytes for b in blocks.values())
+        offsets = {"gate": 0, "up": blocks["gate"].nbytes, "down": blocks["gate"].nbytes + blocks["up"].nbytes}
+        parts = G.expert_parts(shapes, kinds, offsets)
+        arena = np.concatenate([blocks[p] for p in shapes] * top_k)
+        exact = reference({p: G.dequantize(blocks[p], shapes[p], kinds[p]) for p in shapes}, x)
+        X = x[None, :].copy()
+        for n in (1, top_k):
+            Y = np.zeros((n, d), np.float32)
+            experts, offs = np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64) * nbytes
+            flat, weight = np.arange(n, dtype=np.int64), np.ones(n, np.float32) / n
+
+            def run():
+                G.moe_ready(arena, experts, offs, flat, n, weight, X, Y, parts, d, ff)
+                return Y.sum(0)
+            us = median_us(run, repeat) / n
+            row("packed (ggml vec_dot)", t, us, nbytes, run(),
+                f"vs the blocks dequantized to f32: {rel_err(run(), exact):.1e}" + ("" if down_t == t else
+                f"; down in {down_t}") + (f"; one call for {n} experts, per expert" if n > 1 else ""))
 
 
 DENSE = {"demo lm_head": (4096, 256), "demo attention q/o": (256, 256), "demo attention k/v": (128, 256),
@@ -400,7 +437,18 @@ def decision(rows) -> str:
             "reference (tests/test_packed_engine.py); and it needs a repacked copy of every expert (q4_1 is 11% "
             "larger than the pack's q4: more bytes read per expert, or a conversion per landed expert). " + gap +
             "So the exact numba kernel computes every format; ggml behind a stated tolerance (and q4_1 slots) is "
-            "the option to measure end to end where experts are large (the Qwen3-30B-A3B rows)."]
+            "the option to measure end to end where experts are large (the Qwen3-30B-A3B rows).", "",
+            "A pack converted from a GGUF with `--experts raw` keeps llama.cpp's own blocks (Q4_K, Q6_K, Q8_0, ...), "
+            "and there the packed engine calls ggml's kernels themselves: ggml's dot product and activation "
+            "quantizer for each type (ggml_get_type_traits_cpu), called from one compiled loop over a layer's "
+            "(token, expert) pairs on the slot bytes (engines/ggml_kernels.py; the 'packed (ggml vec_dot)' rows):"]
+    for shape in SHAPES:
+        for fmt in ("q4_K", "q4_0"):
+            mine, graph = get(shape, "packed (ggml vec_dot)", fmt, True), get(shape, "ggml", fmt)
+            if mine and graph:
+                out.append(f"- {shape} {fmt}: {mine['us_per_expert']:.1f} us per expert in one call for a layer "
+                           f"({mine['gb_s']:.1f} GB/s), beside ggml's own graph on one expert {graph['us_per_expert']:.1f} "
+                           f"us; {mine['note'].split(';')[0]}.")
     return "\n".join(out)
 
 
