@@ -8,6 +8,9 @@ median tok/s with min-max, the median round's other fields.
 
   workbench resident   every expert in memory, int4 (`python -m workbench bench --preset resident`)
   workbench les        the LES design at --budget, experts streamed with O_DIRECT reads
+  ..., GGUF blocks     the same two on a pack of the GGUF itself (`convert --experts raw --rest raw`: llama.cpp's
+                       own blocks byte for byte, computed by ggml's kernels in the packed engine), so the
+                       workbench and llama.cpp run the same weights
   llama.cpp cold       the GGUF (mmap on) after posix_fadvise(DONTNEED) on it: the first pass faults
                        in from disk; no warm-up run (it would warm the page cache)
   llama.cpp warm       the whole file read into the page cache first, then a 4-token warm-up run
@@ -44,9 +47,13 @@ def _workbench_arm(model, preset, budget, tokens, prompt) -> dict:
 def run_peer(model: str = "demo", budget: str = "0.25", tokens: int = 64, rounds: int = 3, gguf_type: str = "q4_k_m",
              threads: int = 1, prompt: str = "Once upon a time", out: Path | None = None, progress=None) -> dict:
     from engines.llamacpp_engine import bench_gguf, resolve_gguf
+    from workbench.registry import resolve_pack
     gguf = resolve_gguf(model, gguf_type)
+    raw = str(resolve_pack(str(gguf), "contiguous", "raw", "raw"))
     arms = [("workbench resident", lambda: _workbench_arm(model, "resident", "all", tokens, prompt)),
             (f"workbench les @{budget}", lambda: _workbench_arm(model, "les", budget, tokens, prompt)),
+            ("workbench resident, GGUF blocks", lambda: _workbench_arm(raw, "resident", "all", tokens, prompt)),
+            (f"workbench les @{budget}, GGUF blocks", lambda: _workbench_arm(raw, "les", budget, tokens, prompt)),
             ("llama.cpp cold", lambda: bench_gguf(gguf, tokens, prompt, "cold", threads)),
             ("llama.cpp warm", lambda: bench_gguf(gguf, tokens, prompt, "warm", threads))]
     results = {name: [] for name, _ in arms}
@@ -71,13 +78,14 @@ def run_peer(model: str = "demo", budget: str = "0.25", tokens: int = 64, rounds
         row.update({k: med[k] for k in keep if k in med})
         rows.append(row)
     same_text = len({r.get("text") for r in rows}) == 1
+    same_weights = {r.get("text") for r in rows if r["arm"].startswith("llama") or r["arm"].endswith("GGUF blocks")}
     command = (f"python -m workbench bench-peer --model {model} --budget {budget} --tokens {tokens} --rounds {rounds} "
                f"--type {gguf_type} --threads {threads}")
     from workbench.runs import environment
     res = {"command": command, "model": model, "budget": budget, "tokens": tokens, "rounds": rounds, "prompt": prompt,
            "gguf": str(gguf), "gguf_type": gguf_type, "gguf_size": gguf.stat().st_size, "threads": threads,
            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "env": environment(), "arms": rows,
-           "same_text": same_text}
+           "same_text": same_text, "same_text_same_weights": len(same_weights) == 1, "raw_pack": raw}
     res["markdown"] = markdown(res)
     if out is not None:
         atomic_write(Path(out) / "peer.json", json.dumps({k: v for k, v in res.items() if k != "markdown"},
@@ -106,7 +114,15 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['arm']} | {r['tok_s']:.1f} | {r['tok_s_min']:.1f}-{r['tok_s_max']:.1f} | "
                      f"{r['prefill_tok_s']:.0f} | {mib(r['peak_rss_bytes'])} | {detail} |")
     why = "yes" if res["same_text"] else "no (different weights: workbench int4/int3 packs vs the GGUF's quantization)"
+    texts = {r["arm"]: (r.get("text") or "").split() for r in res["arms"]}
+    a, b = texts.get("workbench resident, GGUF blocks", []), texts.get("llama.cpp cold", [])
+    agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    same = "yes" if res.get("same_text_same_weights") else (
+        f"no: resident on the GGUF blocks and llama.cpp agree on the first {agree} words; past the blocks the two "
+        f"compute differently (llama.cpp keeps an f16 KV cache and its own graph; the workbench f32 numpy), so a "
+        f"near-tie can break either way")
     lines += ["", f"Greedy text identical across arms: {why}.",
+              f"Greedy text identical between the arms on the same weights (GGUF blocks, llama.cpp): {same}.",
               "", "Peak RSS is the arm's process high-water mark (VmHWM): for llama.cpp it includes the GGUF pages "
               "it mapped and touched (RssFile); for the workbench, the non-expert weights as the engine holds them "
               "(packed: encoded matrices, f32 embeddings and norms) and the expert cache it holds (anonymous; the packed engine's cache is its slot arena of packed experts). Both "
