@@ -34,9 +34,10 @@ def library(name: str) -> str:
     except ImportError:
         raise WorkbenchError("experts kept in GGUF blocks are computed by ggml's CPU kernels, from "
                              "llama-cpp-python: pip install 'moe-workbench[llamacpp]'") from None
-    found = glob.glob(str(Path(llama_cpp.__file__).parent / "lib" / f"lib{name}.so"))
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    found = [f for ext in ("so", "dylib", "dll") for f in glob.glob(str(lib / f"*{name}.{ext}"))]
     if not found:
-        raise WorkbenchError(f"{Path(llama_cpp.__file__).parent / 'lib'}: no lib{name}.so in llama-cpp-python")
+        raise WorkbenchError(f"{lib}: no {name} library in llama-cpp-python")
     return found[0]
 
 
