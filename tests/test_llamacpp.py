@@ -477,6 +477,8 @@ def test_packed_engine_computes_gguf_blocks_with_ggml(kquant_model, tmp_path, qt
     f16 = export_gguf(HFModel(kquant_model), tmp_path / "f16.gguf", "f16")
     q = in_child(quantize_gguf, f16, tmp_path / f"{qtype}.gguf", qtype)
     pack = convert(q, tmp_path / "raw.pack", experts="raw", rest="raw")
+    if qtype == "q4_k_m":       # its layers keep different types (Q4_K, Q6_K downs): slots laid out per layer
+        assert len({tuple(k.values()) for k in Pack(pack).expert_layer_kinds.values()}) > 1
     (ref, ref_topk), (out, topk) = prompt_logits(pack, "numpy"), prompt_logits(pack, "packed")
     # 8-bit activations move the router's scores a little: compare the positions before the first that routes
     # differently (a flip at a near-tie changes that token's output, and through attention the later ones')
