@@ -30,6 +30,7 @@ def test_long_decode_at_a_small_budget_never_exceeds_it(tiny_models, preset, sco
         for i in range(60):
             logits = s.step([int(np.argmax(logits[-1]))], "decode")
             worst = max(worst, held_bytes(s.cache))
+            assert s.cache.bytes == len(s.cache.keys()) * s.cache.item_bytes   # its running count is what it holds
         assert worst <= s.budget_bytes
         assert s.cache.peak_bytes <= s.budget_bytes
         assert s.summary()["misses"] > 0 and s.cache.evictions > 0   # the budget was under pressure

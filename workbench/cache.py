@@ -43,6 +43,7 @@ class ExpertCache:
                 f"--budget {budget_bytes} bytes is below one layer's top-k: need at least {min_slots_per_layer} expert slots "
                 f"of {item_bytes} bytes{' per layer' if scope == 'per_layer' else ''}, the budget gives {per_layer}")
         self.pinned: set = set()
+        self.slots_used = 0                 # experts held, all pools (kept as they change: reserve runs per read)
         self.uses: Counter = Counter()
         self.peak_bytes = 0
         self.evictions = 0
@@ -50,10 +51,6 @@ class ExpertCache:
 
     def _pool(self, key) -> OrderedDict:
         return self.pools[key[0]]
-
-    @property
-    def slots_used(self) -> int:
-        return sum(len(p) for p in self._distinct)
 
     @property
     def bytes(self) -> int:
@@ -94,9 +91,11 @@ class ExpertCache:
             if v is None:
                 return False
             del pool[v]
+            self.slots_used -= 1
             self.evictions += 1
             self.last_evicted.append(v)
         pool[key] = value
+        self.slots_used += 1
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         assert self.bytes <= self.budget_bytes, "expert cache exceeded its budget"
         return True
@@ -107,7 +106,10 @@ class ExpertCache:
             pool[key] = value
 
     def drop(self, key):
-        self._pool(key).pop(key, None)
+        pool = self._pool(key)
+        if key in pool:
+            del pool[key]
+            self.slots_used -= 1
 
     def pin(self, key, value) -> bool:
         if self.reserve(key, value):
