@@ -370,7 +370,8 @@ def token_split(repeat) -> list[tuple[str, int, float, float]]:
         offs = np.array([s.cache.peek((sp.moe_layers[0], int(j))) for j in idx[0]])
         Y = np.empty((sp.top_k, sp.hidden_size), np.float32)
         kernel = (e.streamer.arena.blocks[sp.moe_layers[0]], offs, np.zeros(sp.top_k, np.int64),
-                  np.arange(sp.top_k), np.full(sp.top_k, 1 / sp.top_k, np.float32), x, Y, e.experts.kernels[sp.moe_layers[0]][1],
+                  np.arange(sp.top_k), np.full(sp.top_k, 1 / sp.top_k, np.float32), x, Y,
+                  e.experts.kernels[sp.moe_layers[0]][1],
                   sp.hidden_size, sp.moe_intermediate_size, K.F16)
         lg = x @ W(f"layers.{sp.moe_layers[0]}.router").T
         rows = [("whole decode step", 1, *t(step)),
@@ -447,8 +448,8 @@ def decision(rows) -> str:
             mine, graph = get(shape, "packed (ggml vec_dot)", fmt, True), get(shape, "ggml", fmt)
             if mine and graph:
                 out.append(f"- {shape} {fmt}: {mine['us_per_expert']:.1f} us per expert in one call for a layer "
-                           f"({mine['gb_s']:.1f} GB/s), beside ggml's own graph on one expert {graph['us_per_expert']:.1f} "
-                           f"us; {mine['note'].split(';')[0]}.")
+                           f"({mine['gb_s']:.1f} GB/s), beside ggml's own graph on one expert "
+                           f"{graph['us_per_expert']:.1f} us; {mine['note'].split(';')[0]}.")
     return "\n".join(out)
 
 

@@ -25,8 +25,8 @@ Embeddings (a lookup), the router, norms, biases and tensors the loader splits s
 Numerics: the kernels compute scale * (codes . x) + bias * sum(x) per group of 64 in float32, where the
 numpy reference dequantizes first and multiplies in BLAS: the two agree to float32 rounding (the tests state
 the tolerance). ggml rounds x to 8 bits for its GGUF dot products, as llama.cpp does: a few percent of the
-logits' range off the reference (tests/test_llamacpp.py). A decoded token's attention, after its projections, is one kernel call (K.decode_attention)
-where the family allows.
+logits' range off the reference (tests/test_llamacpp.py). A decoded token's attention, after its projections,
+is one kernel call (K.decode_attention) where the family allows.
 """
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ class Encoded:
         self.nbytes = buf.nbytes
 
     def __array__(self, dtype=None, copy=None):
-        a = quant.decode(self.buf, self.shape, self.kind) if self.bits else G.dequantize(self.buf, self.shape, self.kind)
+        a = (quant.decode(self.buf, self.shape, self.kind) if self.bits
+             else G.dequantize(self.buf, self.shape, self.kind))
         return a if dtype is None else a.astype(dtype)
 
     @property
@@ -132,8 +133,8 @@ def layer_kernel(pack: Pack, layer: int, offsets: dict) -> tuple[bool, np.ndarra
         except WorkbenchError as e:
             why += f" ({e})"
     raise WorkbenchError(f"{pack.path}: --engine packed computes experts stored as {', '.join(K.BITS)} or in "
-                         f"quantized GGUF blocks that ggml's CPU kernels take; {why}: convert with --experts q4 (or another of "
-                         f"those), or run it with --engine numpy")
+                         f"quantized GGUF blocks that ggml's CPU kernels take; {why}: convert with --experts q4 (or "
+                         f"another of those), or run it with --engine numpy")
 
 
 class PackedEngine(Decoder):
