@@ -142,10 +142,12 @@ def calibrate(rounds, tokens, device=None, log=print):
     stored = devices.load(device or "this-machine")
     insitu_fits = []
     for r in range(rounds):
-        cps = {kind: measure_compute("demo", spec, kind) for kind in {get_preset(d).storage.experts for d in DESIGNS}}
         # as many readers as the packed engine's bench runs have (their peak bandwidth: one read's times that)
         now = devices.probe_reader(resolve_pack("demo", "contiguous", "q4", "q4"), workers=slot_readers())
-        insitu_fits.append(now.sources["fit"])
+        insitu_fits.append({"reads": now.sources["fit"], "wake_s": now.sources["wake_s"]})
+        # the compute thread's wake-up after a blocking wait, measured with the reads, in every method's compute
+        cps = {kind: dataclasses.replace(measure_compute("demo", spec, kind), wake_s=now.sources["wake_s"])
+               for kind in {get_preset(d).storage.experts for d in DESIGNS}}
         for d in DESIGNS:
             budget = "all" if d == "resident" else "0.25"
             m = bench("demo", d, budget=budget, tokens=tokens, prompt=PROMPT, routing_trace=TRACE, device=device)
@@ -288,8 +290,11 @@ def markdown(res: dict, cmd: str) -> str:
             L.append(f"| {r['design']} | {f(m)} | {f(s)} | {r['sim_over_measured']:.2f} | {f(si)} | "
                      f"{r['in_situ_over_measured']:.2f} | {f(sr)} | {r['run_compute_over_measured']:.2f} | "
                      f"{r['hit_measured']:.3f} | {r['hit_simulated']:.3f} |")
-        fits = "; ".join(", ".join(f"{p['size'] // 1024} KiB {p['median_s'] * 1e3:.3f} ms" for p in f) for f in cal["in_situ_reads"])
-        L += ["", f"In-situ reads (one at a time through the engine's reader pool, median per size, each round): {fits}.", ""]
+        fits = "; ".join(", ".join(f"{p['size'] // 1024} KiB {p['median_s'] * 1e3:.3f} ms" for p in f["reads"])
+                         + f", wake-up {f['wake_s'] * 1e6:.0f} us" for f in cal["in_situ_reads"])
+        L += ["", "In-situ reads (one at a time through the engine's reader pool, median per size, from the submit to "
+              "the reader's stamp of its landing; then the waiting thread's wake-up, charged per blocking wait; each "
+              f"round): {fits}.", ""]
     if "les" in res:
         x = res["les"]
         L += ["## LES's ladder, SIMULATED on the iPhone profile at MiniCPM-V 4.7's expert size", "",

@@ -15,7 +15,8 @@ adjacent reads merged as Reader.submit merges them). What is modelled, mirroring
                   takes the device profile's read_s(bytes, n); the pool thread then dequantizes each expert
                   of that read (as the streamer's read callback does), so an expert is ready after both
   compute         a measured profile of this engine (ComputeProfile): dense and router time per layer, expert
-                  compute per expert, dequant (the packed engine: the crc check) per expert read, other per token
+                  compute per expert, dequant (the packed engine: the crc check) per expert read, other per token,
+                  and a wake-up per wait that blocked (the compute thread runs again that long after the read lands)
   speculative     (a preset with speculative n) a step verifies the input token and the trace's recorded draft
                   (up to n tokens) in one batch: the layer reads the union of the batch's experts once; dense and
                   router are charged per row, expert compute per (token, expert) pair; the accepted draft tokens
@@ -59,7 +60,9 @@ class ComputeProfile:
     issue_s: float = 0.0      # per expert read issued: the compute thread's cost of submitting it (reader pool, futures)
     dequant_busy_s: float = 0.0   # per expert, on a reader thread while the compute thread computes (GIL contention)
     reader_holds_gil: bool = True   # the reader's per-expert work takes the compute thread's GIL (numpy's dequant,
-    source: str = ""                # Python reader threads); not the packed engine's GIL-free readers (slot_reads)
+                                    # Python reader threads); not the packed engine's GIL-free readers (slot_reads)
+    wake_s: float = 0.0       # per blocking wait: from the read it waits for landing to the compute thread running
+    source: str = ""          # again (its poll returning, the settle); probe_reader measures it
 
 
 @dataclass(frozen=True)
@@ -323,6 +326,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     at = [r.ready for r in pending.values()]
                     until = max(at) if preset.execution.order is Order.WAIT_ALL else min(at)
                     wait = max(0.0, until - clock.now)
+                    wait += compute.wake_s if wait > 0 else 0.0    # it slept: it runs again a wake-up later
                     clock.now += wait
                     ev["wait_s"] += wait
                     n["wait"] += wait
@@ -337,7 +341,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     flying = [v.ready for k in cache.keys() if isinstance(v := cache.peek(k), _Read) and not v.done()]
                     if not flying:
                         raise WorkbenchError(f"layer {L}: no cache slot for expert {backlog[0]}: pinned experts fill the budget")
-                    wait = min(flying) - clock.now
+                    wait = min(flying) - clock.now + compute.wake_s
                     clock.now += wait
                     ev["wait_s"] += wait
                     n["wait"] += wait
@@ -540,7 +544,7 @@ def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> Comp
     return ComputeProfile(dense_s=(res["compute_s"] - moe) / n / nl, router_s=res["router_s"] / n / nl,
                           expert_s=moe / max(1, sum(r["routed"] for r in layers)), dequant_s=measured.dequant_s,
                           dequant_busy_s=measured.dequant_busy_s, reader_holds_gil=measured.reader_holds_gil,
-                          other_s=res["other_s"] / n, issue_s=0.0,
+                          other_s=res["other_s"] / n, issue_s=0.0, wake_s=measured.wake_s,
                           source="the measured run's own compute, router and other time (issue cost inside them)")
 
 

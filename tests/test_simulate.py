@@ -69,6 +69,23 @@ def test_one_layer_two_reads_on_demand_wait_all():
     assert (res["hits"], res["misses"], res["bytes_read"]) == (0, 2, 2 * KB)
 
 
+def test_a_wait_that_blocks_costs_one_wake_up_and_a_landed_read_none():
+    """The two schedules above and below with a 0.2 ms wake-up: wait_all sleeps once for its two reads and runs
+    again 0.2 ms after the second lands (3.7 ms); ready_first sleeps once in layer 0 (its miss) and not in layer 1,
+    whose experts had landed: each pays one wake-up, not one per read."""
+    cpu = dataclasses.replace(CPU, wake_s=0.2 * MS)
+    drive = Drive([{0: [1, 3]}, {0: [0, 2]}])
+    p = get_preset("on_demand").with_(layout="contiguous")
+    res = simulate_run(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1, workers=2, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(0.5 * MS + 3.2 * MS + 0.5 * MS, abs=1e-12)
+    assert res["flash_wait_s"] == pytest.approx(3.2 * MS, abs=1e-12)
+    drive = Drive([{0: [0, 2], 1: [2, 0]}, {0: [0, 1], 1: [2, 3]}], named=[{}, {1: [3]}])
+    res = simulate_run(drive, spec(layers=2), get_preset("oracle").with_(budget="all"), str(8 * 4 * 3 * 64 * 64 - 1),
+                       DEV, cpu, tokens=2, prompt=1, workers=1, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(5.95 * MS, abs=1e-12)
+    assert res["flash_wait_s"] == pytest.approx(3.95 * MS, abs=1e-12)
+
+
 def test_adjacent_experts_merge_into_one_read_as_the_reader_merges_them():
     """Experts 0 and 1 are adjacent in the pack: one 8 KB read, alone: 1 + 2 ms, from 0.5 ms."""
     drive = Drive([{0: [2, 3]}, {0: [0, 1]}])

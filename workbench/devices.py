@@ -98,16 +98,21 @@ def profile_from_probe(probe: dict, name: str, label: str) -> dict:
             "probe": probe}
 
 
-def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), reads: int = 24,
+def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), reads: int = 64,
                  direct: bool = True) -> DeviceProfile:
     """This machine as the engine's reader sees it now: one read at a time into an aligned buffer through a Reader
     pool (submit_into, as the packed engine reads into its slots: the GIL-free readers where they run; wait for it),
     random aligned offsets in `path`, the median time per size, fitted to latency + size / bandwidth.
-    Under a shared, loaded machine this is slower than probe-disk's tight loops (thread wake-ups, other I/O)."""
+    Under a shared, loaded machine this is slower than probe-disk's tight loops (thread wake-ups, other I/O).
+
+    Where the GIL-free readers stamp when a read landed, a read's time is from its submit to that stamp (the
+    reader's wake-up and the transfer), and the rest, until the waiting thread has it, is that thread's wake-up:
+    sources["wake_s"] (its median), which the simulator charges once per wait that blocks
+    (experiments/simulate.py ComputeProfile.wake_s), not once per read."""
     import random
     import statistics
     size_of = os.path.getsize(path)
-    pts = []
+    pts, wakes = [], []
     with Reader(path, direct=direct, workers=workers) as r:
         rnd = random.Random(0)
         for size in sizes:
@@ -115,16 +120,21 @@ def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), 
             buf = aligned_empty(size)
             for _ in range(reads):
                 off = rnd.randrange(max(1, (size_of - size) // 4096)) * 4096
-                t0 = time.perf_counter()
-                r.submit_into([(0, [(off, buf)])])[0].result()
-                ts.append(time.perf_counter() - t0)
+                t0 = time.perf_counter_ns()
+                fut = r.submit_into([(0, [(off, buf)])])[0]
+                fut.result()
+                seen = time.perf_counter_ns()
+                landed = getattr(fut, "t_end", 0) or seen      # a Python-thread read: no stamp, all of it is the read
+                ts.append((landed - t0) / 1e9)
+                wakes.append((seen - landed) / 1e9)
             pts.append((size, statistics.median(ts)))
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
     slope, icept = (float(v) for v in __import__("numpy").polyfit(xs, ys, 1))
     bw = 1 / slope if slope > 0 else float("inf")
     return DeviceProfile("this-machine-in-situ", "this machine through the engine's reader, now (measured)",
                          latency_s=max(0.0, icept), read_bw=bw, peak_bw=bw * workers, queue_depth=workers,
-                         sources={"fit": [{"size": s, "median_s": t} for s, t in pts]})
+                         sources={"fit": [{"size": s, "median_s": t} for s, t in pts],
+                                  "wake_s": statistics.median(wakes)})
 
 
 @dataclass(frozen=True)
