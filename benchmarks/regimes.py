@@ -1,6 +1,6 @@
 """The papers' regime: the simulator calibrated against real runs, then the papers' ladders on their devices.
 
-    python benchmarks/regimes.py --rounds 3 --tokens 32 [--only calibrate,les,smol,ufs35b] [--out results]
+    python benchmarks/regimes.py --rounds 3 --tokens 32 [--only calibrate,les,smol,ufs35b,ufs35b_gguf] [--out results]
 
 calibrate  on_demand, les, smol, oracle, resident on the demo model driven by the shipped demo trace, measured
            (bench --routing-trace: real reads and compute) and simulated (simulate, same trace, prompt, tokens and
@@ -11,6 +11,8 @@ smol       the pager's miss rate at about smolmaxxing's pool fraction (4 of 32 p
            the UFS phone, with the demand-only pager and Belady's bound beside it
 ufs35b     les vs on_demand under the emulated UFS phone at Qwen3.6-35B-A3B's expert size: measured on a make-model
            checkpoint (4 layers, 64 experts, random weights, trace-driven) and simulated
+ufs35b_gguf  the same, measured, on the checkpoint exported to GGUF and kept in llama.cpp's blocks (Q4_K_M for
+           on_demand, Q3_K_M for les), computed by ggml's kernels in the packed engine
 
 Writes results/regimes.json (every round) and results/regimes.md. Timings come from a shared, loaded machine.
 """
@@ -116,6 +118,20 @@ def reading(res: dict) -> str:
   (compute + flash wait of on_demand) / max(compute, flash of les): at equal compute C and flash F, (C + F) / max(C, F),
   at most 2x (when C = F); LES's published 5x over on-demand comes from reading fewer bytes (an on-demand rung with no
   cache and native three-read experts) on a device whose compute is far below its flash time.""")
+    if "ufs35b_gguf" in res:
+        x = res["ufs35b_gguf"]
+        od, les = x["on_demand"]["bucket_median"], x["les"]["bucket_median"]
+        L.append(f"""- **The same on the GGUF's own blocks, computed by ggml's kernels: les / on_demand
+  {x['measured_ratio']:.2f}x.** Compute falls (expert kernels {od['expert_s_per_token'] * 1e3:.1f} and
+  {les['expert_s_per_token'] * 1e3:.1f} ms a token, rest of compute {od['dense_s_per_token'] * 1e3:.1f} and
+  {les['dense_s_per_token'] * 1e3:.1f}), so both designs wait on flash ({od['flash_wait_per_token_s'] * 1e3:.1f} and
+  {les['flash_wait_per_token_s'] * 1e3:.1f} ms a token) and read about the same bytes
+  ({od['bytes_read_per_token'] / 1e6:.1f} and {les['bytes_read_per_token'] / 1e6:.1f} MB). on_demand reads, then
+  computes; les overlaps the two, so with les flash-bound the ratio is at most (on_demand's compute + its reads) / les's
+  reads at the profile's bandwidth: ({od['floor_compute_s_per_token'] * 1e3:.1f} +
+  {od['floor_read_s_per_token'] * 1e3:.1f}) / {les['floor_read_s_per_token'] * 1e3:.1f} =
+  {(od['floor_compute_s_per_token'] + od['floor_read_s_per_token']) / les['floor_read_s_per_token']:.2f}x. Faster
+  kernels shrink the first term; 3x needs les to read fewer bytes a token.""")
     return "\n".join(L)
 
 
@@ -256,8 +272,7 @@ def ufs35b(rounds, tokens, model_dir, log=print):
     res = {d: {"measured_tok_s": med(a["measured"]), "simulated_tok_s": med(a["simulated"]),
                "simulated_run_compute_tok_s": med(a["simulated_run_compute"]), "buckets": a["buckets"],
                "compute_profiles": a["compute_profiles"],
-               "bucket_median": {k: statistics.median(b[k] for b in a["buckets"]) for k in a["buckets"][0]
-                                 if isinstance(a["buckets"][0][k], (int, float)) and not isinstance(a["buckets"][0][k], bool)}}
+               "bucket_median": bucket_median(a["buckets"])}
            for d, a in arms.items()}
     ratio = lambda k: res["les"][k]["median"] / res["on_demand"][k]["median"]
     res["measured_ratio"], res["simulated_ratio"] = ratio("measured_tok_s"), ratio("simulated_tok_s")
@@ -266,6 +281,50 @@ def ufs35b(rounds, tokens, model_dir, log=print):
     res["les_floor_over_on_demand"] = (res["les"]["bucket_median"]["floor_tok_s"]
                                        / res["on_demand"]["measured_tok_s"]["median"])
     return {"model": str(model_dir), "device": "ufs22-phone", "rounds": rounds, "tokens": tokens, **res}
+
+
+def bucket_median(bs: list[dict]) -> dict:
+    return {k: statistics.median(b[k] for b in bs) for k in bs[0]
+            if isinstance(bs[0][k], (int, float)) and not isinstance(bs[0][k], bool)}
+
+
+def ufs35b_gguf(rounds, tokens, model_dir, log=print):
+    """ufs35b's measurement on the checkpoint's GGUFs kept in their own blocks, so that the packed engine computes
+    them with ggml's kernels (engines/ggml_kernels.py): on_demand on Q4_K_M, les on Q3_K_M (its 3-bit experts)."""
+    from engines.llamacpp_engine import resolve_gguf
+    from workbench.registry import resolve_pack
+    from workbench.store.pack import Pack
+    packs = {d: str(resolve_pack(str(resolve_gguf(model_dir, t)), "contiguous", "raw", "raw"))
+             for d, t in (("on_demand", "q4_k_m"), ("les", "q3_k_m"))}
+    runs = {d: [] for d in packs}
+    for r in range(rounds):
+        for d, pack in packs.items():
+            m = bench(pack, d, budget="0.25", tokens=tokens, prompt=[1, 2, 3, 4], routing_trace=TRACE,
+                      device="ufs22-phone")
+            runs[d].append(m)
+            log(f"ufs35b_gguf round {r + 1} {d}: measured {m['tok_s']:.2f}")
+    res = {}
+    for d, pack in packs.items():
+        p = Pack(pack)
+        kinds = sorted({k.removeprefix("gguf:") for L in p.spec.moe_layers for k in p.kinds_of(L).values()})
+        res[d] = {"pack": pack, "blocks": ", ".join(kinds), "measured_tok_s": med([m["tok_s"] for m in runs[d]]),
+                  "bucket_median": bucket_median([buckets(m) for m in runs[d]])}
+    res["measured_ratio"] = res["les"]["measured_tok_s"]["median"] / res["on_demand"]["measured_tok_s"]["median"]
+    return {"model": str(model_dir), "device": "ufs22-phone", "rounds": rounds, "tokens": tokens, **res}
+
+
+def split_table(rows: dict) -> list[str]:
+    """Where a decode token's time goes, one row per design (bucket medians)."""
+    out = ["| design | total | expert kernels | rest of compute | router | flash wait | other | MB read | experts missed "
+           "| hit | floor: reads | floor: compute | floor tok/s |", "|---|" + "---:|" * 12]
+    for d, b in rows.items():
+        out.append(f"| {d} | {b['per_token_s'] * 1e3:.1f} | {b['expert_s_per_token'] * 1e3:.1f} | "
+                   f"{b['dense_s_per_token'] * 1e3:.1f} | {b['router_s_per_token'] * 1e3:.1f} | "
+                   f"{b['flash_wait_per_token_s'] * 1e3:.1f} | {b['other_s_per_token'] * 1e3:.1f} | "
+                   f"{b['bytes_read_per_token'] / 1e6:.1f} | {b['experts_read_per_token']:.1f} | {b['hit_rate']:.3f} | "
+                   f"{b['floor_read_s_per_token'] * 1e3:.1f} | {b['floor_compute_s_per_token'] * 1e3:.1f} | "
+                   f"{b['floor_tok_s']:.2f} |")
+    return out
 
 
 def markdown(res: dict, cmd: str) -> str:
@@ -334,17 +393,21 @@ def markdown(res: dict, cmd: str) -> str:
               f"C {x['simulated_run_compute_ratio']:.2f}x.", "",
               "Where a decode token's time goes (medians over the rounds, ms per token; bytes and experts read per token; "
               "floor: the longer of the token's reads at the profile's bandwidth and its compute):", "",
-              "| design | total | expert kernels | rest of compute | router | flash wait | other | MB read | experts missed "
-              "| hit | floor: reads | floor: compute | floor tok/s |", "|---|" + "---:|" * 12]
+              *split_table({d: x[d]["bucket_median"] for d in ("on_demand", "les")}), ""]
+    if "ufs35b_gguf" in res:
+        x = res["ufs35b_gguf"]
+        f = lambda v: f"{v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"
+        L += ["## The same on the checkpoint's GGUFs, in their own blocks (ggml's kernels), EMULATED UFS phone", "",
+              f"Measured only: `bench --routing-trace` with `--device ufs22-phone`, budget 0.25, {x['tokens']} tokens, "
+              f"{x['rounds']} alternating rounds, on packs of the checkpoint exported to GGUF and kept in llama.cpp's "
+              "blocks (`convert --experts raw --rest raw`), so the packed engine computes experts and attention with "
+              "ggml's CPU kernels: on_demand on the Q4_K_M blocks, les on the Q3_K_M blocks (its 3-bit experts). A "
+              "GGUF's experts are one range each, so both packs are contiguous: this on_demand is not the native-layout "
+              "rung above.", "", "| design | blocks | measured tok/s |", "|---|---|---:|"]
         for d in ("on_demand", "les"):
-            b = x[d]["bucket_median"]
-            L.append(f"| {d} | {b['per_token_s'] * 1e3:.1f} | {b['expert_s_per_token'] * 1e3:.1f} | "
-                     f"{b['dense_s_per_token'] * 1e3:.1f} | {b['router_s_per_token'] * 1e3:.1f} | "
-                     f"{b['flash_wait_per_token_s'] * 1e3:.1f} | {b['other_s_per_token'] * 1e3:.1f} | "
-                     f"{b['bytes_read_per_token'] / 1e6:.1f} | {b['experts_read_per_token']:.1f} | {b['hit_rate']:.3f} | "
-                     f"{b['floor_read_s_per_token'] * 1e3:.1f} | {b['floor_compute_s_per_token'] * 1e3:.1f} | "
-                     f"{b['floor_tok_s']:.2f} |")
-        L.append("")
+            L.append(f"| {d} | {x[d]['blocks']} | {f(x[d]['measured_tok_s'])} |")
+        L += ["", f"les / on_demand: {x['measured_ratio']:.2f}x.", "",
+              *split_table({d: x[d]["bucket_median"] for d in ("on_demand", "les")}), ""]
     return "\n".join(L + ["## What matches, what does not, and why", "", reading(res)]) + "\n"
 
 
@@ -352,7 +415,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--only", default="calibrate,les,smol,ufs35b")
+    ap.add_argument("--only", default="calibrate,les,smol,ufs35b,ufs35b_gguf")
     ap.add_argument("--model35b", default=None, help="a make-model checkpoint (qwen3.6-35b-a3b, 4 layers, 64 experts)")
     ap.add_argument("--out", default=str(REPO / "results"))
     args = ap.parse_args(argv)
@@ -364,12 +427,15 @@ def main(argv=None):
         res["les"] = les_ladder(args.tokens)
     if "smol" in parts:
         res["smol"] = smol_misses(args.tokens)
-    if "ufs35b" in parts:
+    if {"ufs35b", "ufs35b_gguf"} & set(parts):
         from workbench.shapes import checkpoint_path, make_model
         model = args.model35b or checkpoint_path("qwen3.6-35b-a3b", 4, 64)
         if not Path(model).exists():
             make_model("qwen3.6-35b-a3b", 4, model, experts=64)
-        res["ufs35b"] = ufs35b(args.rounds, args.tokens, str(model))
+        if "ufs35b" in parts:
+            res["ufs35b"] = ufs35b(args.rounds, args.tokens, str(model))
+        if "ufs35b_gguf" in parts:
+            res["ufs35b_gguf"] = ufs35b_gguf(args.rounds, args.tokens, str(model))
     out = Path(args.out)
     cmd = "python benchmarks/regimes.py " + " ".join(argv if argv is not None else sys.argv[1:])
     atomic_write(out / "regimes.json", json.dumps(res, indent=1, default=str))
