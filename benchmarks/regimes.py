@@ -313,6 +313,11 @@ def ufs35b_gguf(rounds, tokens, model_dir, log=print):
     return {"model": str(model_dir), "device": "ufs22-phone", "rounds": rounds, "tokens": tokens, **res}
 
 
+def median_range(v: dict) -> str:
+    """A median with its min-max, as the 35B tables print tok/s."""
+    return f"{v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"
+
+
 def split_table(rows: dict) -> list[str]:
     """Where a decode token's time goes, one row per design (bucket medians)."""
     out = ["| design | total | expert kernels | rest of compute | router | flash wait | other | MB read | experts missed "
@@ -377,7 +382,6 @@ def markdown(res: dict, cmd: str) -> str:
         L.append("")
     if "ufs35b" in res:
         x = res["ufs35b"]
-        f = lambda v: f"{v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"
         L += ["## les vs on_demand, EMULATED UFS phone, Qwen3.6-35B-A3B expert size", "",
               f"Measured: `bench --routing-trace` on {x['model']} (make-model, RANDOM weights, 4 layers, 64 experts) "
               f"with `--device ufs22-phone`, budget 0.25, {x['tokens']} tokens, {x['rounds']} alternating rounds, default "
@@ -387,7 +391,7 @@ def markdown(res: dict, cmd: str) -> str:
               "|---|---:|---:|---:|---:|---:|"]
         for d in ("on_demand", "les"):
             m, sa, sc = x[d]["measured_tok_s"], x[d]["simulated_tok_s"], x[d]["simulated_run_compute_tok_s"]
-            L.append(f"| {d} | {f(m)} | {f(sa)} | {sa['median'] / m['median']:.2f} | {f(sc)} | "
+            L.append(f"| {d} | {median_range(m)} | {median_range(sa)} | {sa['median'] / m['median']:.2f} | {median_range(sc)} | "
                      f"{sc['median'] / m['median']:.2f} |")
         L += ["", f"les / on_demand: measured {x['measured_ratio']:.2f}x, simulated A {x['simulated_ratio']:.2f}x, "
               f"C {x['simulated_run_compute_ratio']:.2f}x.", "",
@@ -396,7 +400,6 @@ def markdown(res: dict, cmd: str) -> str:
               *split_table({d: x[d]["bucket_median"] for d in ("on_demand", "les")}), ""]
     if "ufs35b_gguf" in res:
         x = res["ufs35b_gguf"]
-        f = lambda v: f"{v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"
         L += ["## The same on the checkpoint's GGUFs, in their own blocks (ggml's kernels), EMULATED UFS phone", "",
               f"Measured only: `bench --routing-trace` with `--device ufs22-phone`, budget 0.25, {x['tokens']} tokens, "
               f"{x['rounds']} alternating rounds, on packs of the checkpoint exported to GGUF and kept in llama.cpp's "
@@ -405,7 +408,7 @@ def markdown(res: dict, cmd: str) -> str:
               "GGUF's experts are one range each, so both packs are contiguous: this on_demand is not the native-layout "
               "rung above.", "", "| design | blocks | measured tok/s |", "|---|---|---:|"]
         for d in ("on_demand", "les"):
-            L.append(f"| {d} | {x[d]['blocks']} | {f(x[d]['measured_tok_s'])} |")
+            L.append(f"| {d} | {x[d]['blocks']} | {median_range(x[d]['measured_tok_s'])} |")
         L += ["", f"les / on_demand: {x['measured_ratio']:.2f}x.", "",
               *split_table({d: x[d]["bucket_median"] for d in ("on_demand", "les")}), ""]
     return "\n".join(L + ["## What matches, what does not, and why", "", reading(res)]) + "\n"

@@ -24,6 +24,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from engines.packed_kernels import slots_of
 from workbench.errors import WorkbenchError
 
 
@@ -148,13 +149,7 @@ def moe_ready(block, experts, offsets, flat, k, weight, X, Y, parts, d, ff):
     """As packed_kernels.moe_ready, for GGUF blocks: the pairs of a layer whose expert is in a batch in memory
     (experts[i], its slot at byte offsets[i] of block); pair p of the flat top-k is token p // k, its result
     (times its routing weight) row p of Y."""
-    n = 0
-    for p in range(flat.shape[0]):
-        n = max(n, flat[p] + 1)
-    slot_of = np.full(n, -1, np.int64)
-    for i in range(experts.shape[0]):
-        if experts[i] < n:
-            slot_of[experts[i]] = offsets[i]
+    slot_of = slots_of(flat, experts, offsets)
     qx = np.empty(max(parts[0, 4], parts[1, 4], parts[2, 4]), np.uint8)
     g, u, y = np.empty(ff, np.float32), np.empty(ff, np.float32), np.empty(d, np.float32)
     for p in range(flat.shape[0]):

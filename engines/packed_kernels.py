@@ -181,10 +181,10 @@ def moe_layer(arena, slot_off, tok, dst, weight, X, Y, parts, d, ff, f16):
             Y[r, j] = w * y[j]
 
 
-@njit(cache=True, fastmath=True, nogil=True)
-def moe_ready(arena, experts, offsets, flat, k, weight, X, Y, parts, d, ff, f16):
-    """moe_layer on the pairs of a layer whose expert is in a batch that is in memory (experts[i], its slot at byte
-    offsets[i]): pair p of the flat top-k is token p // k, and its result goes to row p of Y."""
+@njit(cache=True, nogil=True)
+def slots_of(flat, experts, offsets):
+    """Per expert id the flat top-k routes to: its slot's byte offset if it is in this batch (experts[i] at
+    offsets[i]), else -1."""
     n = 0
     for p in range(flat.shape[0]):
         n = max(n, flat[p] + 1)
@@ -192,6 +192,14 @@ def moe_ready(arena, experts, offsets, flat, k, weight, X, Y, parts, d, ff, f16)
     for i in range(experts.shape[0]):
         if experts[i] < n:
             slot_of[experts[i]] = offsets[i]
+    return slot_of
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def moe_ready(arena, experts, offsets, flat, k, weight, X, Y, parts, d, ff, f16):
+    """moe_layer on the pairs of a layer whose expert is in a batch that is in memory (experts[i], its slot at byte
+    offsets[i]): pair p of the flat top-k is token p // k, and its result goes to row p of Y."""
+    slot_of = slots_of(flat, experts, offsets)
     pairs = np.empty(flat.shape[0], np.int64)
     m = 0
     for p in range(flat.shape[0]):
