@@ -366,7 +366,8 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
     """Optimal replacement with perfect foresight (Belady's MIN) over the same decode accesses: the fewest experts
     any policy must read at this budget. Its hit rate bounds demand fetching; a prefetching design can show a higher
     hit rate (a prefetch is a read that lands in time), never fewer reads. initial: the experts in memory when
-    decoding starts (the prompt's, a warm set), as the design had them."""
+    decoding starts (the prompt's, a warm set), as the design had them; None: the best start any policy could have
+    (the first experts decoding asks for, as many as fit), so that the bound holds whatever the prompt left."""
     item = Engine.expert_bytes(spec)
     slots = Budget(budget).nbytes(item, spec.num_experts * len(spec.moe_layers)) // item
     per_layer = preset.cache.scope is CacheScope.PER_LAYER
@@ -387,7 +388,7 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
     first = {}
     for i, k in enumerate(seq):
         first.setdefault(k, i)
-    for k in initial:
+    for k in (sorted(first, key=first.get) if initial is None else initial):
         pool = pools.setdefault(k[0] if per_layer else 0, {})
         if len(pool) < cap:
             pool[tuple(k)] = first.get(tuple(k), 2 * len(seq) + 1)

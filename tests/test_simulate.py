@@ -155,6 +155,18 @@ def test_belady_is_optimal_replacement_with_foresight():
     assert (res["accesses"], res["belady_misses"]) == (7, 5)
 
 
+def test_belady_from_the_best_start_holds_the_first_experts_asked_for():
+    """The same accesses from the best start any policy could have (initial=None): a and b already in the 2 slots,
+    so only c and d miss, and from either start MIN needs no more reads than from an empty cache."""
+    seq = "abcabda"
+    drive = Drive([{0: [0]}] + [{0: ["abcd".index(c)]} for c in seq])
+    kw = dict(spec=spec(experts=4, k=1), preset=get_preset("on_demand"), budget=str(2 * 4 * 3 * 64 * 64), prompt=1,
+              tokens=len(seq) + 1)
+    best = belady(drive, initial=None, **kw)
+    assert (best["accesses"], best["belady_misses"]) == (7, 3)
+    assert best["belady_misses"] <= belady(drive, initial=[(0, 3), (0, 2)], **kw)["belady_misses"]
+
+
 def test_simulate_on_the_demo_trace_is_marked_simulated_and_never_beats_belady(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path))
     from workbench.runs import read_run
