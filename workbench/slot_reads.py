@@ -5,24 +5,16 @@ that holds the GIL, a 48 KB read took 0.33 ms instead of 0.23, waited 0.2-0.6 ms
 switch interval (5 ms) when compute ran pure Python. Here a reader thread calls one compiled function (numba,
 nogil) that never returns to Python until the reader closes:
 
-    take a job id from a pipe (the demand pipe before the prefetch pipe; the kernel hands each id to one thread);
-    when both are empty, say so (its idle flag) and sleep on its own doorbell (an eventfd) until a submit rings it
+    sleep until a ticket comes (an eventfd counting queued jobs, read as a semaphore: one ticket a read)
+    take a job id from a pipe (the demand pipe before the prefetch pipe; the kernel hands each id to one thread)
     preadv the job's range into its buffers (the slots' memory), crc32 each checked run (libz), stamp the times
     (an emulated device: sleep until the profile's time for the read's size and the reads in flight has passed)
     mark the job done in an array, and count it on an eventfd that a waiting thread polls
 
-A job is one merged read (one preadv). Its row in preallocated arrays is written before its id goes into a pipe
-(a system call: the row is visible to the reader that takes the id).
-
-Each reader sleeps on its own doorbell. A submit rings one idle reader, which rings the next while jobs are queued
-(FIONREAD on the pipes), so the compute thread pays for one wake-up a submit: one doorbell shared by all readers woke
-every one of them for each submit, 19-40 us a write with two asleep (measured here, 3 us with none), and on two
-cores the readers woken for nothing took the compute thread's core. A reader raises its idle flag before it looks at
-the pipes a last time, and a submit looks at the flags after its ids are in a pipe (both through the pipe's lock, a
-full fence on x86), so a job is never left with every reader asleep.
-
-Anything but a whole read (an error, a short read at the end of the file) is settled by the Python path on the thread
-that asks for the result (`Reader._pread`: its retries, its end-of-file errors), so the fault paths stay one code.
+A job is one merged read (one preadv). Its row in preallocated arrays is written before its id goes into a pipe,
+and its id before its ticket (system calls: the row is visible to the reader that takes the id). Anything but a whole read
+(an error, a short read at the end of the file) is settled by the Python path on the thread that asks for the
+result (`Reader._pread`: its retries, its end-of-file errors), so the fault paths stay one code.
 """
 from __future__ import annotations
 
@@ -63,11 +55,9 @@ _sleep_until = types.ExternalFunction("clock_nanosleep", _i32(_i32, _i32, _u64, 
 _lock = types.ExternalFunction("pthread_mutex_lock", _i32(_u64))
 _unlock = types.ExternalFunction("pthread_mutex_unlock", _i32(_u64))
 _yield = types.ExternalFunction("sched_yield", _i32())
-_ioctl = types.ExternalFunction("ioctl", _i32(_i32, _u64, _u64))
 if AVAILABLE:
     crc32_combine = ctypes.CDLL(LIBZ).crc32_combine
     crc32_combine.argtypes, crc32_combine.restype = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_long], ctypes.c_ulong
-FIONREAD = 0x541B                   # bytes waiting in a pipe (Linux)
 CLOCK_MONOTONIC, TIMER_ABSTIME = 1, 1      # time.perf_counter_ns's clock on Linux
 PR_SET_TIMERSLACK = 29
 MUTEX_BYTES = 64                    # >= glibc's pthread_mutex_t (40 B on x86-64), whose all-zero bytes are unlocked
@@ -87,39 +77,23 @@ def _now(ts):
 
 
 @njit(cache=True, nogil=True)
-def _serve(me, fd, bells, idle, demand, prefetch, done, jobs, state, stamps, depths, iov, runs, stats, device, mutex,
-           flight):
-    """Reader `me`'s loop; returns when it takes a negative job id. bells, idle: every reader's doorbell and flag.
-    device: emulation() of a profile, or NO_DEVICE; then each read counts itself in flight (under mutex) and ends no
-    earlier than the profile says."""
-    queued = np.zeros(2, np.int32)
+def _serve(fd, tickets, demand, prefetch, done, jobs, state, stamps, depths, iov, runs, stats, device, mutex, flight):
+    """One reader thread's loop; returns when it takes a negative job id. device: emulation() of a profile, or
+    NO_DEVICE; then each read counts itself in flight (under mutex) and ends no earlier than the profile says."""
     jid = np.zeros(1, np.int32)
     one = np.ones(1, np.uint64)
-    rung = np.zeros(1, np.uint64)
+    ticket = np.zeros(1, np.uint64)
     ts = np.zeros(2, np.int64)
     wake = np.zeros(2, np.int64)
     late = 100_000              # ns a sleep wakes after its time (learned)
     emulated = device[0] >= 0
     while True:
+        _read(tickets, ticket.ctypes.data, 8)       # sleeps until a job is queued; takes one ticket
         if _read(demand, jid.ctypes.data, 4) != 4 and _read(prefetch, jid.ctypes.data, 4) != 4:
-            idle[me] = 1
-            if _read(demand, jid.ctypes.data, 4) != 4 and _read(prefetch, jid.ctypes.data, 4) != 4:
-                _read(bells[me], rung.ctypes.data, 8)    # sleeps until rung
-                idle[me] = 0
-                continue
-            idle[me] = 0
+            continue                                # queued reads dropped by close(): their tickets stay
         j = jid[0]
         if j < 0:
             return
-        # more queued: wake an idle reader for it (a submit wakes one; the readers wake each other)
-        _ioctl(demand, FIONREAD, queued.ctypes.data)
-        _ioctl(prefetch, FIONREAD, queued[1:].ctypes.data)
-        if queued[0] + queued[1] > 0:
-            for p in range(len(bells)):
-                if idle[p]:
-                    idle[p] = 0
-                    _write(bells[p], one.ctypes.data, 8)
-                    break
         depth = 1
         if emulated:
             _lock(mutex.ctypes.data)
@@ -238,8 +212,7 @@ class SlotReads:
         self.writers = (demand_w, prefetch_w)
         for fd in (self.demand, self.prefetch):
             os.set_blocking(fd, False)
-        self.bells = np.array([os.eventfd(0, os.EFD_CLOEXEC) for _ in range(reader.workers)], np.int32)  # doorbells
-        self.idle = np.zeros(reader.workers, np.int64)      # a reader about to sleep, or asleep (its flag)
+        self.tickets = os.eventfd(0, os.EFD_SEMAPHORE | os.EFD_CLOEXEC)    # one per queued id: wakes a reader
         self.done_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.poller = select.poll()
         self.poller.register(self.done_fd, select.POLLIN)
@@ -251,9 +224,8 @@ class SlotReads:
     def serve(self, i: int) -> None:
         if self.device[0] >= 0:     # this thread's sleeps end on time, not up to the default 50 us of timer slack late
             ctypes.CDLL(None).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
-        _serve(i, self.reader.fd, self.bells, self.idle, self.demand, self.prefetch, self.done_fd, self._jobs,
-               self._state, self._stamps, self._depths, self._iov, self._runs, self.stats[i], self.device, self.mutex,
-               self.flight)
+        _serve(self.reader.fd, self.tickets, self.demand, self.prefetch, self.done_fd, self._jobs, self._state,
+               self._stamps, self._depths, self._iov, self._runs, self.stats[i], self.device, self.mutex, self.flight)
 
     def submit(self, groups, priority: int, futures: dict) -> None:
         """groups: [start, end, [(offset, buf, key, index of buf in the key's), ...]] merged reads, each at most IOV
@@ -273,16 +245,7 @@ class SlotReads:
         for at in range(0, len(data), 4096):            # a pipe write of at most PIPE_BUF is atomic
             os.write(self.writers[priority > 0], data[at:at + 4096])
         if ids:
-            self._ring()
-
-    def _ring(self) -> None:
-        """Wake one idle reader, if any (a busy one looks at the pipes before it sleeps; a woken one wakes the next
-        while jobs are queued)."""
-        for i in range(len(self.bells)):
-            if self.idle[i]:
-                self.idle[i] = 0
-                os.eventfd_write(int(self.bells[i]), 1)
-                return
+            os.eventfd_write(self.tickets, len(ids))
 
     def _make_room(self):
         """Every job row is taken: settle the done ones whose keys nobody asked about yet, else wait for one."""
@@ -389,9 +352,8 @@ class SlotReads:
             except BlockingIOError:
                 pass
         os.write(self.writers[0], np.full(len(self.stats), -1, np.int32).tobytes())
-        for bell in self.bells:
-            os.eventfd_write(int(bell), 1)
+        os.eventfd_write(self.tickets, len(self.stats))
 
     def close(self) -> None:
-        for fd in (self.demand, self.prefetch, *self.writers, *map(int, self.bells), self.done_fd):
+        for fd in (self.demand, self.prefetch, *self.writers, self.tickets, self.done_fd):
             os.close(fd)
