@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+import statistics
 import time
 import zlib
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class ComputeProfile:
     dequant_s: float          # per expert read, at the pack's expert precision
     other_s: float = 0.0      # per token: what the engine spends outside the measured parts
     issue_s: float = 0.0      # per expert read issued: the compute thread's cost of submitting it (reader pool, futures)
+    issue_call_s: float = 0.0     # per issue (a layer's demand reads, a predictor's reads for one layer): its fixed cost
     dequant_busy_s: float = 0.0   # per expert, on a reader thread while the compute thread computes (GIL contention)
     reader_holds_gil: bool = True   # the reader's per-expert work takes the compute thread's GIL (numpy's dequant,
                                     # Python reader threads); not the packed engine's GIL-free readers (slot_reads)
@@ -230,7 +232,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
         clock.now = end
 
     def issue(keys, t, counted):
-        work(compute.issue_s * len(keys))
+        work(compute.issue_call_s + compute.issue_s * len(keys))
         t = clock.now
         groups = [(g, b) for L in sorted({k[0] for k in keys})
                   for g, b in [([(L, e) for e in run], nb) for run, nb in plan.reads([k[1] for k in keys if k[0] == L])]]
@@ -499,8 +501,8 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
         router = sum(e.router_s for e in evs) / max(1, len(evs))
         other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
         expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
-        issue = _issue_cost(s)
         measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
+    issue_call, issue = _issue_cost(model, experts, engine)
     rng = np.random.default_rng(0)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
@@ -527,12 +529,14 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                                                                                   measured_model.hidden_size)
     from workbench import slot_reads
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
+                          issue_call_s=issue_call,
                           reader_holds_gil=not (packed and slot_reads.AVAILABLE),
                           dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
                               np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
                                  f"loaded), {name} engine: {model} resident for dense/router/other; expert and {experts} "
-                                 f"{'crc check' if packed else 'dequant'} at d={d}, ff={ff} with the engine's kernels")
+                                 f"{'crc check' if packed else 'dequant'} at d={d}, ff={ff} with the engine's kernels; "
+                                 f"issues through its streamer")
 
 
 def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> ComputeProfile:
@@ -636,22 +640,30 @@ def _mlp_time(mlp, d: int, ff: int, reps: int = 20) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _issue_cost(session, n: int = 64) -> float:
-    """The compute thread's time to submit one expert's read to the session's reader pool (reads of experts
-    already in the page cache, so the transfer itself is small), per expert."""
-    from workbench.io import Reader
-    pack = session.pack
-    keys = [(L, e) for L in pack.spec.moe_layers for e in range(pack.spec.num_experts)][:n]
-    with Reader(session.pack_path, direct=False, workers=session.reader.workers) as r:
-        reqs = [((k, i), off, ln) for k in keys for i, (off, ln) in enumerate(pack.expert_reads(*k))]
-        for f in r.submit(reqs).values():
-            f.result()                                   # warm the page cache and the pool
-        t0 = time.perf_counter()
-        futs = r.submit(reqs)
-        issue = time.perf_counter() - t0
-        for f in futs.values():
-            f.result()
-    return issue / len(keys)
+def _issue_cost(model: str, experts: str, engine: str | None, reps: int = 48) -> tuple[float, float]:
+    """The compute thread's cost of an issue through the engine's own streamer (a slot reserved in the cache and
+    claimed in the arena per expert, then one submit to the reader pool), as (per call, per expert): fitted to
+    the medians of calls of one expert and of top-k experts, each read then landed and evicted before the next."""
+    from workbench.session import Session
+    with Session(model, "resident", budget="0.25", engine=engine, experts=experts) as s:
+        st, k, L = s.streamer, max(2, s.spec.top_k), s.spec.moe_layers[0]
+        took = {1: [], k: []}
+        for _ in range(reps):
+            for n in took:
+                keys = [(L, e) for e in range(n)]
+                t0 = time.perf_counter()
+                for key in keys:
+                    st._reserve(key)
+                st._issue(keys, priority=1)
+                took[n].append(time.perf_counter() - t0)
+                for key in keys:
+                    st._wait([s.cache.peek(key)], key, every=True)
+                    s.cache.drop(key)
+                if s.arena is not None:
+                    s.arena.release(keys)
+    one, many = (statistics.median(took[n]) for n in took)
+    per_expert = max(0.0, (many - one) / (k - 1))
+    return max(0.0, one - per_expert), per_expert
 
 
 def load_compute(path) -> ComputeProfile:
