@@ -278,14 +278,6 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                 for target, experts in predictor.predict(L, pos.step(b)).items():
                     # a later layer of this token, or (layer, token) of a later token (Edge0's prerouter)
                     named.setdefault(target[0] if isinstance(target, tuple) else target, []).extend(experts)
-            for target, experts in named.items():
-                experts = list(dict.fromkeys(int(e) for e in experts))
-                n["predicted"] += len(experts)
-                keys = reserve_ahead(cache, [(target, e) for e in experts], None, protect)
-                if keys:
-                    issue(keys, clock.now, True)
-                    prefetched.update(keys)
-                    n["issued"] += len(keys)
             ready, pending, backlog = [], {}, []
             for e in needed:
                 k = (L, e)
@@ -303,13 +295,22 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     ev["misses"] += 1
                     pending[e] = ent
 
-            def issue_backlog():
+            def issue_backlog(predicted=False):
+                """As the streamer's: the backlog's reads, and (predicted) the predictor's behind them in one issue."""
                 keys = []
                 while backlog and cache.reserve((L, backlog[0]), None, protect):
                     keys.append((L, backlog.pop(0)))
-                if keys:
+                then = []
+                for target, experts in (named.items() if predicted else ()):
+                    experts = list(dict.fromkeys(int(e) for e in experts))
+                    n["predicted"] += len(experts)
+                    then += reserve_ahead(cache, [(target, e) for e in experts], None, protect)
+                if keys or then:
+                    issue(keys + then, clock.now, True)
                     n["demand"] += len(keys)
-                    ev["bytes_read"] += issue(keys, clock.now, True)
+                    ev["bytes_read"] += sum(b for _, b in plan.reads([e for _, e in keys]))
+                    prefetched.update(then)
+                    n["issued"] += len(then)
                     for k in keys:
                         pending[k[1]] = cache.peek(k)
 
@@ -318,7 +319,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                 ev["compute_s"] += compute.expert_s * uses[e]
                 protect.discard((L, e))
 
-            issue_backlog()
+            issue_backlog(predicted=True)
             if preset.execution.order is Order.READY_FIRST:
                 for e in ready:
                     run(e)
