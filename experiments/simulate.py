@@ -296,23 +296,23 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     pending[e] = ent
 
             def issue_backlog(predicted=False):
-                """As the streamer's: the backlog's reads, and (predicted) the predictor's behind them in one issue."""
+                """As the streamer's: the backlog's reads, then (predicted) the predictor's, queued behind them."""
                 keys = []
                 while backlog and cache.reserve((L, backlog[0]), None, protect):
                     keys.append((L, backlog.pop(0)))
-                then = []
+                if keys:
+                    n["demand"] += len(keys)
+                    ev["bytes_read"] += issue(keys, clock.now, True)
+                    for k in keys:
+                        pending[k[1]] = cache.peek(k)
                 for target, experts in (named.items() if predicted else ()):
                     experts = list(dict.fromkeys(int(e) for e in experts))
                     n["predicted"] += len(experts)
-                    then += reserve_ahead(cache, [(target, e) for e in experts], None, protect)
-                if keys or then:
-                    issue(keys + then, clock.now, True)
-                    n["demand"] += len(keys)
-                    ev["bytes_read"] += sum(b for _, b in plan.reads([e for _, e in keys]))
-                    prefetched.update(then)
-                    n["issued"] += len(then)
-                    for k in keys:
-                        pending[k[1]] = cache.peek(k)
+                    then = reserve_ahead(cache, [(target, e) for e in experts], None, protect)
+                    if then:
+                        issue(then, clock.now, True)
+                        prefetched.update(then)
+                        n["issued"] += len(then)
 
             def run(e):
                 work(compute.expert_s * uses[e])

@@ -26,7 +26,7 @@ def test_a_layers_demand_reads_are_queued_before_its_predictors_prefetches(tiny_
         log, submit, begin_layer = [], s.reader.submit_into, s.streamer.begin_layer
 
         def logged_submit(requests, priority=0, verify=None):
-            log.extend(priority if isinstance(priority, list) else [priority] * len(requests))
+            log.append(priority)
             return submit(requests, priority, verify)
 
         def logged_begin_layer(*a):
@@ -35,6 +35,6 @@ def test_a_layers_demand_reads_are_queued_before_its_predictors_prefetches(tiny_
 
         s.reader.submit_into, s.streamer.begin_layer = logged_submit, logged_begin_layer
         s.generate([1, 2, 3, 4], tokens=8)
-    layers = "".join(str(x)[0] for x in log).split("l")     # per layer: the priorities of its reads, in order
+    layers = "".join(str(x)[0] for x in log).split("l")     # per layer: the priorities of its submits, in order
     assert any("0" in x and "1" in x for x in layers), "no layer both demanded and prefetched: nothing was checked"
     assert all("10" not in x for x in layers), layers

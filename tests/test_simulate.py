@@ -98,8 +98,8 @@ def test_adjacent_experts_merge_into_one_read_as_the_reader_merges_them():
 
 def test_ready_first_computes_the_hit_while_the_miss_arrives_and_a_prefetch_hides_a_read():
     """Two layers, two reader threads, room for everything, a 1 ms router. Token 1, layer 0: router 0 -> 1 ms; it
-    routes [0, 1]: 0 is cached (prompt), 1 is read 1 -> 3 ms (alone: 1 ms + 1 ms), and in the same issue, behind it,
-    the predictor's layer-1 expert 3 on the other thread, sharing the peak: 1 -> 4 ms (1 + 2). ready_first computes
+    routes [0, 1]: 0 is cached (prompt), 1 is read 1 -> 3 ms (alone: 1 ms + 1 ms), and behind it the predictor's
+    layer-1 expert 3 on the other thread, sharing the peak: 1 -> 4 ms (1 + 2). ready_first computes
     the hit 1 -> 1.25, waits 1.75 ms, computes 1: 3 -> 3.25. Layer 1: router -> 4.25; it routes [2, 3]: 2 from the
     prompt, 3 landed at 4: both hits; compute -> 4.75. With one reader thread the prefetch waits behind the demand
     read (3 -> 5 ms) and layer 1 waits for it: 4.5 -> 5 (as the streamer reads demand first)."""

@@ -229,38 +229,35 @@ class Reader:
             self._queue([partial(self._run_group, start, end, members, futures) for start, end, members in groups])
         return futures
 
-    def submit_into(self, requests, priority=0, checks: dict | None = None) -> dict:
+    def submit_into(self, requests, priority: int = 0, checks: dict | None = None) -> dict:
         """Read `(key, [(offset, buf), ...])` requests straight into their buffers (offsets, lengths and buffer
         addresses 4096-aligned): ranges that touch in the file share one preadv, scattered into their buffers.
-        Lower priority is read first (demand 0 before prefetch 1; FIFO within one): `priority` for every request,
-        or a list of one per request (a merged read takes its most urgent). A key's future resolves to its buffers
-        once all have landed, and fails with a ChecksumError unless the crc32 of its `checks[key]` = (runs, crc32)
-        is crc32, runs being (buffer index, start, end) in crc order.
+        Lower `priority` is read first (demand 0 before prefetch 1; FIFO within one). A key's future resolves to
+        its buffers once all have landed, and fails with a ChecksumError unless the crc32 of its `checks[key]`
+        = (runs, crc32) is crc32, runs being (buffer index, start, end) in crc order.
 
         A plain Reader reads them on GIL-free threads (workbench/slot_reads.py, where it runs: Linux on x86-64);
         a subclass that changes how a read is made (an emulated device, injected faults) on Python threads."""
         checks = checks or {}
         native = self._reads_gil_free()
         slots = self._slot_reads() if native else None
-        levels = priority if isinstance(priority, list) else [priority] * len(requests)
-        futures, ranges, level = {}, [], {}
-        for (key, parts), p in zip(requests, levels):
+        futures, ranges = {}, []
+        for key, parts in requests:
             if native:
                 fut = SlotRead(slots, key, [b for _, b in parts], checks.get(key))
             else:
                 fut = cf.Future()
                 fut.bufs, fut.left, fut.check = [b for _, b in parts], len(parts), checks.get(key)
-            futures[key], level[key] = fut, p
+            futures[key] = fut
             ranges += [(off, off + buf.nbytes, (off, buf, key, i)) for i, (off, buf) in enumerate(parts)]
-        groups = [[ms[0][0], ms[-1][0] + ms[-1][1].nbytes, ms, min(level[m[2]] for m in ms)]
-                  for _, _, members in _merge(ranges, 0) for ms in (members[at:at + IOV] for at in range(0, len(members), IOV))]
+        groups = [[ms[0][0], ms[-1][0] + ms[-1][1].nbytes, ms] for _, _, members in _merge(ranges, 0)
+                  for ms in (members[at:at + IOV] for at in range(0, len(members), IOV))]
         with self._lock:
             self.merged += len(ranges) - len(groups)
             if not native:
-                for g in groups:
-                    self._queue([partial(self._read_group, g[:3], futures)], g[3])
+                self._queue([partial(self._read_group, g, futures) for g in groups], priority)
         if native:
-            slots.submit(groups, futures)
+            slots.submit(groups, priority, futures)
         return futures
 
     def _reads_gil_free(self) -> bool:

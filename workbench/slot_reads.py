@@ -227,26 +227,25 @@ class SlotReads:
         _serve(self.reader.fd, self.tickets, self.demand, self.prefetch, self.done_fd, self._jobs, self._state,
                self._stamps, self._depths, self._iov, self._runs, self.stats[i], self.device, self.mutex, self.flight)
 
-    def submit(self, groups, futures: dict) -> None:
-        """groups: [start, end, [(offset, buf, key, index of buf in the key's), ...], priority] merged reads, each at
-        most IOV buffers and RUNS checked runs; futures: key -> SlotRead. One ticket count for all of them."""
-        ids = ([], [])                                  # demand, prefetch
+    def submit(self, groups, priority: int, futures: dict) -> None:
+        """groups: [start, end, [(offset, buf, key, index of buf in the key's), ...]] merged reads, each at most IOV
+        buffers and RUNS checked runs; futures: key -> SlotRead."""
+        ids = []
         with self._lock:
-            for start, end, members, priority in groups:
+            for start, end, members in groups:
                 if not self.free:
-                    self._queue(ids)
-                    ids = ([], [])
+                    self._queue(ids, priority)
+                    ids = []
                     self._make_room()
-                ids[priority > 0].append(self._job(start, end, members, futures))
-        self._queue(ids)
+                ids.append(self._job(start, end, members, futures))
+        self._queue(ids, priority)
 
-    def _queue(self, ids):
-        for fd, batch in zip(self.writers, ids):
-            data = np.array(batch, np.int32).tobytes()
-            for at in range(0, len(data), 4096):        # a pipe write of at most PIPE_BUF is atomic
-                os.write(fd, data[at:at + 4096])
-        if n := len(ids[0]) + len(ids[1]):
-            os.eventfd_write(self.tickets, n)
+    def _queue(self, ids, priority):
+        data = np.array(ids, np.int32).tobytes()
+        for at in range(0, len(data), 4096):            # a pipe write of at most PIPE_BUF is atomic
+            os.write(self.writers[priority > 0], data[at:at + 4096])
+        if ids:
+            os.eventfd_write(self.tickets, len(ids))
 
     def _make_room(self):
         """Every job row is taken: settle the done ones whose keys nobody asked about yet, else wait for one."""

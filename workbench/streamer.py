@@ -1,11 +1,10 @@
 """The expert streamer: brings a layer's experts into memory and hands them to compute.
 
-A layer's misses and what the predictor named for later layers go to the reader pool in one submit (adjacent
-experts merge; one submit costs the compute thread about 0.1 ms here, most of it fixed); each expert is checked
-and dequantized on the pool thread that completes its read, so reads and dequant overlap compute. With a slot
-arena (workbench/arena.py) reads land in the expert's slot instead, the reader only checks them, and demand reads
-are read before prefetches. The budget is a hard bound: when the experts a layer needs do not all fit, they are
-streamed through the cache in waves (compute, release, read the next).
+Reads go to the reader pool as one batch (adjacent experts merge); each expert is checked
+and dequantized on the pool thread that completes its read, so reads and dequant overlap
+compute. With a slot arena (workbench/arena.py) reads land in the expert's slot instead and the
+reader only checks them; demand reads are read before prefetches. The budget is a hard bound: when the experts a layer needs do not all fit, they
+are streamed through the cache in waves (compute, release, read the next).
 
 ready_first: compute the experts already in memory, then each arriving expert in arrival
 order. wait_all: wait for every issued read, then compute. Either way the results are
@@ -54,9 +53,8 @@ class ExpertStreamer:
             self.arena.release(self.cache.last_evicted)
         return ok
 
-    def _issue(self, keys: list[tuple], priority=0) -> int:
-        """Start reads for keys (slots already reserved); returns bytes requested. priority: 0 demand, 1 prefetch,
-        or one per key (the arena's reader reads demand first; the Future path reads in order)."""
+    def _issue(self, keys: list[tuple], priority: int = 0) -> int:
+        """Start reads for keys (slots already reserved); returns bytes requested. priority: 0 demand, 1 prefetch."""
         reads = {key: self.pack.expert_reads(*key) for key in keys}
         if self.arena is not None:
             return self._issue_into_slots(keys, reads, priority)
@@ -129,25 +127,22 @@ class ExpertStreamer:
             raise
         return self.arena.where[key] if self.arena is not None else w
 
-    def _reserve_predicted(self, protect, ev: LayerEvent) -> list[tuple]:
-        """Slots for what begin_layer's predictor named and is not in memory: [(key, token it is for)], each
-        target's experts in order until one finds no slot; never evicts `protect`. Its time is the router's."""
-        out = []
-        t0 = time.perf_counter()
-        for (layer, token), experts in self.to_prefetch:
-            for e in experts:
-                key = (layer, int(e))
-                if key in self.cache:
-                    continue
-                if not self._reserve(key, protect):
-                    break
-                out.append((key, token))
-        self.to_prefetch.clear()
-        ev.router_s += time.perf_counter() - t0
-        return out
-
-    def _nbytes(self, key) -> int:
-        return sum(n for _, n in self.pack.expert_reads(*key))
+    def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0) -> list[int]:
+        """Predicted experts of `layer` at `token`: start reads for those not in memory. Never evicts `protect`."""
+        keys = []
+        for e in experts:
+            key = (layer, int(e))
+            if key in self.cache:
+                continue
+            if not self._reserve(key, protect):
+                break
+            keys.append(key)
+        if keys:
+            nbytes = self._issue(keys, priority=1)
+            for k in keys:
+                self.prefetched[k] = (nbytes // len(keys), token)
+            self.tel.prefetch_issued += len(keys)
+        return [k[1] for k in keys]
 
     def load_resident(self, keys, pin=True):
         """Fill the cache with these experts now (all-resident or a warm set), synchronously."""
@@ -220,9 +215,7 @@ class ExpertStreamer:
             self.tel.prefetch_wasted += 1                 # predicted for this layer and token, not used
             self.tel.wasted_bytes += self.prefetched.pop(key)[0]
 
-        def issue_backlog(predicted=False):
-            """Read what of the backlog finds slots; predicted: and, in the same submit, queued behind them, what the
-            predictor named (a prefetch never evicts what this layer needs)."""
+        def issue_backlog():
             keys = []
             while backlog:
                 key = (layer, backlog[0])
@@ -230,15 +223,10 @@ class ExpertStreamer:
                     break
                 keys.append(key)
                 backlog.pop(0)
-            then = self._reserve_predicted(protect, ev) if predicted else []
-            if keys or then:
-                self._issue(keys + [k for k, _ in then], [0] * len(keys) + [1] * len(then))
-                ev.bytes_read += sum(map(self._nbytes, keys))
+            if keys:
+                ev.bytes_read += self._issue(keys)
                 for k in keys:
                     pending[k[1]] = self.cache.peek(k)
-                for k, token in then:
-                    self.prefetched[k] = (self._nbytes(k), token)
-                self.tel.prefetch_issued += len(then)
 
         def run(es):
             if not es:
@@ -248,7 +236,13 @@ class ExpertStreamer:
             ev.compute_s += time.perf_counter() - t0
             protect.difference_update((layer, e) for e in es)   # done with them: evictable for the next wave
 
-        issue_backlog(predicted=True)
+        issue_backlog()
+        if self.to_prefetch:                # the predictor's reads, queued behind this layer's demand reads
+            t0 = time.perf_counter()
+            for (target, token), experts in self.to_prefetch:
+                self.prefetch(target, experts, protect=protect, token=token)
+            self.to_prefetch.clear()
+            ev.router_s += time.perf_counter() - t0
         if self.execution == "ready_first":
             run(ready)
             ready = []
