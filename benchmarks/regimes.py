@@ -70,8 +70,13 @@ def reading(res: dict) -> str:
   the engine's kernel on another thread, and it takes none of the compute thread's time (`reader_holds_gil` false;
   the in-situ reads of B and C go through the same readers); expert compute is the engine's compiled kernel on encoded bytes of the
   simulated shape, one call per layer's top-k, and dense, router and other time come from the model itself run
-  resident at the design's expert precision. Not modelled: the OS run queue (reader threads and other engineers'
-  processes taking the compute thread's core).""")
+  resident at the design's expert precision. Each issue of reads costs the compute thread what it costs the
+  streamer (a layer's demand reads, then the predictor's: cache reserve, slot claim and submit, timed through the
+  engine's own streamer, per call and per expert: `issue_call_s`, `issue_s`). Not modelled: the rest of the
+  streaming path's bookkeeping per layer (a streaming run's "other" is several times the resident one's in
+  results/targets.md), which is why A and B predict the streaming designs faster than they run and C, which takes
+  the run's own time, does not; and the OS run queue (reader threads and other engineers' processes taking the
+  compute thread's core).""")
     if "les" in res:
         rows = res["les"]["rows"]
         steps = [(b["rung"], b["tok_s"] / a["tok_s"]) for a, b in zip(rows, rows[1:])]
@@ -81,8 +86,8 @@ def reading(res: dict) -> str:
         q4, q3 = dq[rows[2]["rung"]], dq[rows[3]["rung"]]
         L.append(f"""- **LES's ladder (simulated, iPhone profile, MiniCPM-V 4.7 expert size).** Each rung over the one
   before: faster with {', '.join(up) or 'none'}; slower with {', '.join(down) or 'none'} (the paper: every rung
-  faster). The "+lookahead" rung alone keeps the native layout and wait-all: the next layer's prefetches sit in the
-  small reader pool's queue ahead of the current layer's own misses, and wait-all waits for the slowest. The
+  faster). The "+lookahead" rung alone keeps the native layout (three reads an expert) and wait-all, which waits
+  for the slowest of a layer's reads. The
   mixed-precision rung saves bytes (1.38 instead of 1.77 MB an expert); this engine's kernel takes
   {q3['expert_s'] * 1e3:.2f} ms on a 3-bit expert against {q4['expert_s'] * 1e3:.2f} ms on a 4-bit one (measured here,
   its compute profiles in regimes.json), so the rung gains what the bytes save less what the kernel costs. The compute
