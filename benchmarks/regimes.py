@@ -126,7 +126,7 @@ def reading(res: dict) -> str:
   cache and native three-read experts) on a device whose compute is far below its flash time.""")
     if "ufs35b_gguf" in res:
         x = res["ufs35b_gguf"]
-        at = {(r["design"], r["memory"], r["budget"]): r for r in x["rows"]}
+        at = by_arm(x)
         b = "0.25"
         od, les, same = at[("on_demand", "fraction", b)], at[("les", "fraction", b)], at[("les", "same memory", b)]
         best = max((r for r in x["rows"] if r["design"] == "les"), key=lambda r: r["over_on_demand"])
@@ -134,7 +134,7 @@ def reading(res: dict) -> str:
         lfu = at[("les + LFU", "same memory", b)]
         need = od["measured_tok_s"]["median"] * 3
         read = lambda r: r["bucket_median"]["experts_read_per_token"]
-        gap = (read(same) - read(lfu)) / (read(same) - same["belady_misses"] / same["bucket_median"]["decode_steps"])
+        gap = (read(same) - read(lfu)) / (read(same) - same["belady_experts_per_token"])
         L.append(f"""- **The same on the GGUF's own blocks, computed by ggml's kernels: les / on_demand
   {les['over_on_demand']:.2f}x at budget {b}, {same['over_on_demand']:.2f}x with on_demand's bytes; the best of the
   sweep {best['over_on_demand']:.2f}x (budget {best['budget']}, {best['memory']}).** Compute falls (expert kernels
@@ -145,8 +145,8 @@ def reading(res: dict) -> str:
   but its lookahead prefetches evict experts the next tokens use and some go unused
   ({les['bucket_median']['wasted_bytes'] / max(1, les['bucket_median']['decode_steps']) / 1e6:.1f} MB a token), so it
   reads more experts. **What 3x would take:** {need:.1f} tok/s at {b}. Belady's optimal replacement (perfect
-  foresight, the best start) reads {les['belady_misses'] / les['bucket_median']['decode_steps']:.1f} experts a token at
-  les's {les['slots']} slots ({same['belady_misses'] / same['bucket_median']['decode_steps']:.1f} at on_demand's bytes,
+  foresight, the best start) reads {les['belady_experts_per_token']:.1f} experts a token at
+  les's {les['slots']} slots ({same['belady_experts_per_token']:.1f} at on_demand's bytes,
   {same['slots']} slots); those reads alone at the profile's peak bandwidth (no latency) allow
   {les['belady_bound_tok_s']:.1f} and {same['belady_bound_tok_s']:.1f} tok/s, {les['bound_over_on_demand']:.2f}x and
   {same['bound_over_on_demand']:.2f}x the measured on_demand (the sweep's highest bound:
@@ -348,25 +348,28 @@ def ufs35b_gguf(rounds, tokens, model_dir, log=print):
                     same[b] = str(m["budget_bytes"])
                 log(f"ufs35b_gguf round {r + 1} budget {b} {d} ({how}): measured {m['tok_s']:.2f}")
     peak_bw = devices.load("ufs22-phone").peak_bw
+    trace = read_trace(TRACE)
+    facts = {}              # per pack: (Pack, bytes of one expert in memory, mean bytes read per expert, its blocks)
+    for t, path in packs.items():
+        p = Pack(path)
+        reads = [n for L in p.spec.moe_layers for e in range(p.spec.num_experts) for _, n in p.expert_reads(L, e)]
+        facts[t] = (p, engine_class(default_engine(p)).expert_bytes(p), sum(reads) / len(reads),
+                    ", ".join(sorted({k.removeprefix("gguf:") for L in p.spec.moe_layers for k in p.kinds_of(L).values()})))
     rows = []
     for (i, b), ms in runs.items():
         d, preset, t, how = GGUF_ARMS[i]
-        p = Pack(packs[t])
-        item = engine_class(default_engine(p)).expert_bytes(p)
+        p, item, mean_bytes, blocks = facts[t]
         slots = ms[0]["budget_bytes"] // item
-        reads = [n for L in p.spec.moe_layers for e in range(p.spec.num_experts) for _, n in p.expert_reads(L, e)]
-        row = {"design": d, "blocks": ", ".join(sorted({k.removeprefix("gguf:") for L in p.spec.moe_layers
-                                                         for k in p.kinds_of(L).values()})),
-               "budget": b, "memory": how, "pack": packs[t], "budget_bytes": ms[0]["budget_bytes"], "slots": int(slots),
-               "mean_expert_bytes": sum(reads) / len(reads), "measured_tok_s": med([m["tok_s"] for m in ms]),
-               "bucket_median": bucket_median([buckets(m) for m in ms])}
+        row = {"design": d, "blocks": blocks, "budget": b, "memory": how, "pack": packs[t],
+               "budget_bytes": ms[0]["budget_bytes"], "slots": int(slots), "mean_expert_bytes": mean_bytes,
+               "measured_tok_s": med([m["tok_s"] for m in ms]), "bucket_median": bucket_median([buckets(m) for m in ms])}
         if d != "on_demand":
             frac = f"{(slots + 0.5) / p.num_expert_total:.6f}"       # the run's slot count, as a fraction
-            bound = belady(TraceDrive(TRACE, p.spec, None), p.spec, preset, frac, 4, tokens, initial=None)
-            steps = row["bucket_median"]["decode_steps"]
-            read_s = bound["belady_misses"] / steps * row["mean_expert_bytes"] / peak_bw
-            row.update(bound, belady_read_s_per_token=read_s, belady_bound_tok_s=1 / max(
-                read_s, row["bucket_median"]["floor_compute_s_per_token"]))
+            bound = belady(TraceDrive(TRACE, p.spec, None, trace=trace), p.spec, preset, frac, 4, tokens, initial=None)
+            per_token = bound["belady_misses"] / row["bucket_median"]["decode_steps"]
+            read_s = per_token * mean_bytes / peak_bw
+            row.update(bound, belady_experts_per_token=per_token, belady_read_s_per_token=read_s,
+                       belady_bound_tok_s=1 / max(read_s, row["bucket_median"]["floor_compute_s_per_token"]))
         rows.append(row)
     for row in rows:
         od = next(o for o in rows if o["design"] == "on_demand" and o["budget"] == row["budget"])
@@ -375,6 +378,11 @@ def ufs35b_gguf(rounds, tokens, model_dir, log=print):
             row["bound_over_on_demand"] = row["belady_bound_tok_s"] / od["measured_tok_s"]["median"]
     return {"model": str(model_dir), "device": "ufs22-phone", "rounds": rounds, "tokens": tokens, "rows": rows,
             "peak_bw": peak_bw}
+
+
+def by_arm(x: dict) -> dict:
+    """ufs35b_gguf's rows by (design, memory, budget)."""
+    return {(r["design"], r["memory"], r["budget"]): r for r in x["rows"]}
 
 
 def median_range(v: dict) -> str:
@@ -478,12 +486,12 @@ def markdown(res: dict, cmd: str) -> str:
               "Belady experts/tok | bound tok/s | bound / on_demand |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in x["rows"]:
             bm = r["bucket_median"]
-            bound = (f"{r['belady_misses'] / bm['decode_steps']:.1f} | {r['belady_bound_tok_s']:.1f} | "
+            bound = (f"{r['belady_experts_per_token']:.1f} | {r['belady_bound_tok_s']:.1f} | "
                      f"{r['bound_over_on_demand']:.2f}") if "belady_bound_tok_s" in r else " | | "
             L.append(f"| {r['budget']} | {r['design']} | {r['blocks']} | {r['memory']} ({r['budget_bytes'] / 2**20:.0f} MiB) "
                      f"| {r['slots']} | {median_range(r['measured_tok_s'])} | {r['over_on_demand']:.2f} | "
                      f"{bm['bytes_read_per_token'] / 1e6:.1f} | {bm['hit_rate']:.3f} | {bound} |")
-        at = {(r["design"], r["memory"], r["budget"]): r for r in x["rows"]}
+        at = by_arm(x)
         L += ["", "At budget 0.25:", "",
               *split_table({f"{d} ({how})": at[(d, how, "0.25")]["bucket_median"]
                             for d, _, _, how in GGUF_ARMS}), ""]
