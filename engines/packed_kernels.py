@@ -232,6 +232,19 @@ def matvec(buf: np.ndarray, shape, kind: str, x: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, fastmath=True, nogil=True)
+def rms_norm(x, w, eps, y):
+    """y = w * RMSNorm(x) per row of x (rows, n), in float32 as _head_norm_rope's."""
+    rows, n = x.shape
+    for i in range(rows):
+        ss = np.float32(0.0)
+        for j in range(n):
+            ss += x[i, j] * x[i, j]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(n) + eps)
+        for j in range(n):
+            y[i, j] = w[j] * (x[i, j] * r)
+
+
+@njit(cache=True, fastmath=True, nogil=True)
 def _head_norm_rope(a, w, eps, cos, sin, norm):
     """One head in place: RMSNorm with weight w (when norm), then rotate-half RoPE on its first len(cos) dims."""
     hd, rd = a.shape[0], cos.shape[0]
