@@ -1,6 +1,7 @@
 """The GIL-free readers (workbench/slot_reads.py): what a plain Reader does with reads into slots."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 import zlib
@@ -57,3 +58,30 @@ def test_more_reads_than_job_rows_wait_for_room_and_all_land(tmp_path, monkeypat
             np.testing.assert_array_equal(bufs[i], data[i * ALIGN:(i + 1) * ALIGN])
         assert sorted(r._slots.free) == list(range(4))          # every job row given back
         assert r.stats()["reads"] == len(bufs) and r.stats()["bytes_read"] == len(bufs) * ALIGN
+
+
+@pytest.mark.parametrize("polling", [True, False])
+def test_idle_readers_poll_before_they_sleep_and_a_submit_wakes_only_sleeping_ones(tmp_path, monkeypatch, polling):
+    """A wake-up of a sleeping thread is the costly part of a submit on a VM: while idle readers poll the pipes, a
+    submit writes no ticket (a polling reader takes the id); once they sleep, it writes one. The read lands either
+    way."""
+    monkeypatch.setattr(SlotReads, "SPIN_US", 60_000_000 if polling else 0)
+    tickets = []
+    write = os.eventfd_write
+    monkeypatch.setattr(os, "eventfd_write", lambda fd, n: (tickets.append(n), write(fd, n))[1])
+    path, data = _file(tmp_path)
+    with Reader(path, workers=2) as r:
+        r.submit_into([("warm", [(0, aligned_empty(ALIGN))])])["warm"].result()
+        idle, want = r._slots.idle, (2 if polling else 0)
+        deadline = time.monotonic() + 10
+        while idle[slot_reads.SPINNING] != want and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.02)
+        assert idle[slot_reads.SPINNING] == want
+        tickets.clear()
+        buf = aligned_empty(4 * ALIGN)
+        fut = r.submit_into([("k", [(8 * ALIGN, buf)])],
+                            checks={"k": ([(0, 0, buf.nbytes)], zlib.crc32(data[8 * ALIGN:12 * ALIGN]))})["k"]
+        assert fut.result(timeout=10) == [buf]
+        np.testing.assert_array_equal(buf, data[8 * ALIGN:12 * ALIGN])
+        assert tickets == ([] if polling else [1])
