@@ -102,7 +102,9 @@ def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), 
                  direct: bool = True) -> DeviceProfile:
     """This machine as the engine's reader sees it now: one read at a time into an aligned buffer through a Reader
     pool (submit_into, as the packed engine reads into its slots: the GIL-free readers where they run; wait for it),
-    random aligned offsets in `path`, the median time per size, fitted to latency + size / bandwidth.
+    random aligned offsets in `path`, the median time per size, fitted to latency + size / bandwidth; alternating with
+    one read per reader at once, whose times give the bandwidth the readers share (peak_bw; at most workers x a
+    single read's).
     Under a shared, loaded machine this is slower than probe-disk's tight loops (thread wake-ups, other I/O).
 
     Where the GIL-free readers stamp when a read landed, a read's time is from its submit to that stamp (the
@@ -111,29 +113,39 @@ def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), 
     (experiments/simulate.py ComputeProfile.wake_s), not once per read."""
     import random
     import statistics
+    import numpy as np
     size_of = os.path.getsize(path)
-    pts, wakes = [], []
+    pts, wakes, together = [], [], []
     with Reader(path, direct=direct, workers=workers) as r:
         rnd = random.Random(0)
         for size in sizes:
-            ts = []
-            buf = aligned_empty(size)
-            for _ in range(reads):
-                off = rnd.randrange(max(1, (size_of - size) // 4096)) * 4096
+            ts, tw = [], []
+            bufs = [aligned_empty(size) for _ in range(workers)]
+            for i in range(reads):
+                n = 1 if i % 2 == 0 or workers == 1 else workers    # alternately one read, and one per reader
+                offs = [rnd.randrange(max(1, (size_of - size) // 4096)) * 4096 for _ in range(n)]
                 t0 = time.perf_counter_ns()
-                fut = r.submit_into([(0, [(off, buf)])])[0]
-                fut.result()
+                futs = r.submit_into([(j, [(off, bufs[j])]) for j, off in enumerate(offs)])
+                for f in futs.values():
+                    f.result()
                 seen = time.perf_counter_ns()
-                landed = getattr(fut, "t_end", 0) or seen      # a Python-thread read: no stamp, all of it is the read
-                ts.append((landed - t0) / 1e9)
+                landed = max(getattr(f, "t_end", 0) or seen for f in futs.values())   # no stamp: all of it is the read
+                (ts if n == 1 else tw).append((landed - t0) / 1e9)
                 wakes.append((seen - landed) / 1e9)
             pts.append((size, statistics.median(ts)))
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    slope, icept = (float(v) for v in __import__("numpy").polyfit(xs, ys, 1))
+            if tw:
+                together.append((size, statistics.median(tw)))
+    slope, icept = (float(v) for v in np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1))
     bw = 1 / slope if slope > 0 else float("inf")
+    peak = bw * workers
+    if together:        # `workers` reads at once: the bandwidth they share (a disk does not scale with the readers),
+        # the one that fits their times past the latency best in relative error: sum r^2 / sum r, r = bytes / time
+        rs = [workers * n / (t - icept) for n, t in together if t > icept]
+        peak = min(peak, sum(r * r for r in rs) / sum(rs)) if rs else peak
     return DeviceProfile("this-machine-in-situ", "this machine through the engine's reader, now (measured)",
-                         latency_s=max(0.0, icept), read_bw=bw, peak_bw=bw * workers, queue_depth=workers,
+                         latency_s=max(0.0, icept), read_bw=bw, peak_bw=peak, queue_depth=workers,
                          sources={"fit": [{"size": s, "median_s": t} for s, t in pts],
+                                  "together": [{"size": s, "reads": workers, "median_s": t} for s, t in together],
                                   "wake_s": statistics.median(wakes)})
 
 
