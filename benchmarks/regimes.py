@@ -74,9 +74,10 @@ def reading(res: dict) -> str:
   streamer (a layer's demand reads, then the predictor's: cache reserve, slot claim and submit, timed through the
   engine's own streamer, per call and per expert: `issue_call_s`, `issue_s`). Not modelled: the rest of the
   streaming path's bookkeeping per layer (a streaming run's "other" is several times the resident one's in
-  results/targets.md), which is why A and B predict the streaming designs faster than they run and C, which takes
-  the run's own time, does not; and the OS run queue (reader threads and other engineers' processes taking the
-  compute thread's core).""")
+  results/targets.md), which is why A and B predict the streaming designs faster than they run (C takes the run's
+  own time: what it misses is the flash model's); and the OS run queue (reader threads, which share the two cores
+  with the compute thread, and other engineers' processes taking its core), which in-situ reads, timed with the
+  readers alone, do not see.""")
     if "les" in res:
         rows = res["les"]["rows"]
         steps = [(b["rung"], b["tok_s"] / a["tok_s"]) for a, b in zip(rows, rows[1:])]
