@@ -233,7 +233,7 @@ def matvec(buf: np.ndarray, shape, kind: str, x: np.ndarray) -> np.ndarray:
 
 @njit(cache=True, fastmath=True, nogil=True)
 def rms_norm(x, w, eps, y):
-    """y = w * RMSNorm(x) per row of x (rows, n), in float32; y may be x (each row's sum is taken first)."""
+    """y = w * RMSNorm(x) per row of x (rows, n), in float32 as _head_norm_rope's."""
     rows, n = x.shape
     for i in range(rows):
         ss = np.float32(0.0)
@@ -247,10 +247,14 @@ def rms_norm(x, w, eps, y):
 @njit(cache=True, fastmath=True, nogil=True)
 def _head_norm_rope(a, w, eps, cos, sin, norm):
     """One head in place: RMSNorm with weight w (when norm), then rotate-half RoPE on its first len(cos) dims."""
-    rd = cos.shape[0]
+    hd, rd = a.shape[0], cos.shape[0]
     if norm:
-        row = a.reshape(1, a.shape[0])
-        rms_norm(row, w, eps, row)
+        ss = np.float32(0.0)
+        for j in range(hd):
+            ss += a[j] * a[j]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(hd) + eps)
+        for j in range(hd):
+            a[j] = w[j] * (a[j] * r)
     h = rd // 2
     for j in range(h):
         lo, hi = a[j], a[j + h]
