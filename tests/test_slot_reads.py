@@ -85,3 +85,24 @@ def test_idle_readers_poll_before_they_sleep_and_a_submit_wakes_only_sleeping_on
         assert fut.result(timeout=10) == [buf]
         np.testing.assert_array_equal(buf, data[8 * ALIGN:12 * ALIGN])
         assert tickets == ([] if polling else [1])
+
+
+def test_a_waiting_thread_gives_its_core_away_while_it_looks_again(tmp_path, monkeypatch):
+    """Before it sleeps, a thread waiting for a read looks again and again; between looks it yields its core (an
+    emulated read ends when its reader wakes on a timer, and that reader may need this core). Past the spin it
+    sleeps: no yields then."""
+    from workbench.devices import EmulatedReader, load
+    yields = []
+    real = os.sched_yield
+    monkeypatch.setattr(slot_reads.os, "sched_yield", lambda: (yields.append(time.perf_counter()), real())[1])
+    path, data = _file(tmp_path)
+    slow = load("ufs22-phone")
+    with EmulatedReader(path, slow, workers=1) as r:
+        r.submit_into([("warm", [(0, aligned_empty(ALIGN))])])["warm"].result()
+        buf = aligned_empty(64 * ALIGN)             # 256 KiB: past the phone's latency, about 0.6 ms
+        yields.clear()
+        fut = r.submit_into([("k", [(64 * ALIGN, buf)])])["k"]
+        t0 = time.perf_counter()
+        assert r.wait([fut], 10, every=True) == [fut]
+        assert yields and all(t - t0 < SlotReads.WAIT_SPIN_S + 0.01 for t in yields)
+        np.testing.assert_array_equal(buf, data[64 * ALIGN:128 * ALIGN])

@@ -379,13 +379,19 @@ class SlotReads:
             self.reader.retries += 1        # the read the compiled loop did not get whole, got now
 
     def wait(self, futures, timeout: float, every: bool) -> list:
-        """Look again at once for WAIT_SPIN_S (a sleeping thread's wake-up by a reader costs 50-90 us on these
-        VMs), then sleep on the readers' count, looking again within 2 ms (another waiting thread may take it)."""
+        """Look again for WAIT_SPIN_S (a sleeping thread's wake-up by a reader costs 50-90 us on these VMs), yielding
+        the core between looks, then sleep on the readers' count, looking again within 2 ms (another waiting thread
+        may take it). The yield hands the core to a reader that is ready to run there: an emulated read ends on a
+        reader's timed wake-up, which a spin that keeps its core delays to the scheduler's next tick. Against the
+        spin without yields, alternating in one process (demo, budget 0.25, 8 rounds of 64 tokens): under the
+        emulated UFS phone les 1.42x, oracle 1.43x, on_demand 1.19x tok/s; on this machine's reads 0.95-1.08x."""
         spin_until = time.perf_counter() + self.WAIT_SPIN_S
 
         def sleep(left):
             if time.perf_counter() >= spin_until:
                 self._sleep(min(left, 0.002))
+            else:
+                os.sched_yield()
         return wait_for(futures, timeout, every, sleep)
 
     def _sleep(self, seconds: float):
