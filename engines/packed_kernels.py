@@ -9,6 +9,9 @@ but slow here (results/kernels.md). So these are hand-written, and small: per gr
 are looked up in a 65536-entry float32 table (exact); a bf16 value is its bits shifted into a float32's high half.
 What makes them fast (results/kernels.md): x is reordered once per call to the order the codes lie in their
 bytes (_phases), and each group's codes are sliced before the loop, so LLVM vectorizes unpack and dot product.
+And the codes are never masked out of their byte: with s_i = floor(byte / 2^(b i)) the byte's shifts,
+code_i = s_i - 2^b s_(i+1), so sum_i code_i x_i = sum_i s_i (x_i - 2^b x_(i-1)), whose coefficients _phases makes
+once per x; a code costs a multiply, a floor and a multiply-add.
 
 `moe_layer` runs (token, expert) pairs a layer routed, gathered from their slots of a slot arena, in one call:
 gate and up, silu * up, down, times the routing weight, each pair's result into its own row of `Y`, so the
@@ -31,27 +34,57 @@ def part_nbytes(shape, kind: str) -> int:
     return quant.encoded_nbytes(tuple(shape), kind)
 
 
-PHASES = {2: 4, 3: 8, 4: 2, 8: 1, 16: 1}     # codes a byte (3 bits: a 3-byte word) holds, one per phase
+WIDTH = {2: 64, 3: 80, 4: 64, 8: 64}     # coefficients _phases makes per group of 64 inputs
+
+
+def xp_len(cols: int) -> int:
+    """Room for x in phase order (_phases) at any width: a q3 group takes 80 coefficients."""
+    return cols + cols // 4
 
 
 @njit(cache=True, fastmath=True, nogil=True)
 def _phases(x, bits, xp, xs):
-    """x in the order the codes lie in their bytes, per group of 64: phase-major (q4: the 32 inputs of the low
-    nibbles, then the 32 of the high ones), so each phase's inner loop reads codes and x contiguously and
-    vectorizes; and each group's sum of x (the bias term). bf16 rows are not grouped: x is copied as it is."""
+    """Per group of 64 inputs, the coefficients each byte's shifts multiply (see the module's docstring), in the
+    order the kernels read them: for each shift of a byte, one coefficient per byte of the group (or of a q3
+    group's 3-byte words), so each inner loop reads codes and coefficients contiguously and vectorizes; and each
+    group's sum of x (the bias term). bf16 rows are not grouped: x is copied as it is.
+        q8: x_j                       q4 (byte k: x_k low nibble, x_(32+k) high): x_k, x_(32+k) - 16 x_k
+        q2 (byte k: x_k, x_(16+k), x_(32+k), x_(48+k)): x_k, x_(16+k) - 4 x_k, x_(32+k) - 4 x_(16+k), ...
+        q3 (word k: codes x_(8k+q), q = 0..7 at bits 3q, across its bytes b0 b1 b2): for b0 and its shifts by 3
+            and 6: x0, x1 - 8 x0, x2 - 8 x1; b1 (bit 0 is code 2's bit 2) and its shifts by 1, 4, 7: 4 x2,
+            x3 - 8 x2, x4 - 8 x3, x5 - 8 x4; b2 (bits 0-1 are code 5's bits 1-2) and its shifts by 2, 5: 2 x5,
+            x6 - 8 x5, x7 - 8 x6"""
     if bits == 16:
-        xp[:] = x
+        xp[:x.shape[0]] = x
         return
-    nph = 8 if bits == 3 else 8 // bits
-    step = GROUP // nph
     for g in range(xs.shape[0]):
+        xg = x[g * GROUP:(g + 1) * GROUP]
         s = np.float32(0.0)
         for j in range(GROUP):
-            s += x[g * GROUP + j]
+            s += xg[j]
         xs[g] = s
-        for c in range(nph):
-            for k in range(step):
-                xp[g * GROUP + c * step + k] = x[g * GROUP + k * nph + c]
+        if bits == 8:
+            o = xp[g * GROUP:(g + 1) * GROUP]
+            o[:] = xg
+        elif bits == 4:
+            o = xp[g * GROUP:(g + 1) * GROUP]
+            for k in range(32):
+                o[k] = xg[2 * k]
+                o[32 + k] = xg[2 * k + 1] - np.float32(16) * xg[2 * k]
+        elif bits == 2:
+            o = xp[g * GROUP:(g + 1) * GROUP]
+            for k in range(16):
+                o[k] = xg[4 * k]
+                for c in range(1, 4):
+                    o[16 * c + k] = xg[4 * k + c] - np.float32(4) * xg[4 * k + c - 1]
+        else:
+            o = xp[g * 80:(g + 1) * 80]
+            for k in range(8):
+                q = xg[8 * k:8 * k + 8]
+                e = np.float32(8)
+                o[k], o[8 + k], o[16 + k] = q[0], q[1] - e * q[0], q[2] - e * q[1]
+                o[24 + k], o[32 + k], o[40 + k], o[48 + k] = np.float32(4) * q[2], q[3] - e * q[2], q[4] - e * q[3], q[5] - e * q[4]
+                o[56 + k], o[64 + k], o[72 + k] = np.float32(2) * q[5], q[6] - e * q[5], q[7] - e * q[6]
 
 
 def _affine_kernel(bits: int):
@@ -59,6 +92,7 @@ def _affine_kernel(bits: int):
     sliced before the inner loop (no index arithmetic in it) and the width is fixed, so LLVM vectorizes the
     unpack and the dot product."""
     gb = GROUP * bits // 8                      # bytes of one group's codes
+    width = WIDTH[bits]                         # its coefficients in xp (_phases)
 
     @njit(cache=True, fastmath=True, nogil=True)
     def kernel(buf, off, rows, cols, xp, xs, y, f16):
@@ -69,37 +103,33 @@ def _affine_kernel(bits: int):
             acc = np.float32(0.0)
             for g in range(groups):
                 c = buf[off + (o * groups + g) * gb: off + (o * groups + g + 1) * gb]
-                xg = xp[g * GROUP: (g + 1) * GROUP]
+                xg = xp[g * width: (g + 1) * width]
                 dot = np.float32(0.0)
-                # Codes are split off their byte (q3: a 3-byte word) in float32, exactly (integers below 2^24; the
-                # floor of a product by a power of two): c = 16 hi + lo. Integer shifts and masks are widened to
-                # 64-bit lanes by numba's integer typing, 8 a vector instead of 16: q4 1.2-1.5x, q2 1.4-1.6x, q3
-                # 1.1x slower so (one thread, per matrix).
+                # A byte is split in float32, exactly (integers below 2^8; the floor of a product by a power of two):
+                # integer shifts are widened to 64-bit lanes by numba's integer typing, 8 a vector instead of 16.
                 if bits == 4:
                     for k in range(32):
                         f = np.float32(c[k])
-                        hi = np.floor(f * np.float32(1 / 16))
-                        dot += (f - np.float32(16) * hi) * xg[k] + hi * xg[32 + k]
+                        dot += f * xg[k] + np.floor(f * np.float32(1 / 16)) * xg[32 + k]
                 elif bits == 8:
                     for k in range(64):
                         dot += np.float32(c[k]) * xg[k]
                 elif bits == 2:
                     for k in range(16):
                         f = np.float32(c[k])
-                        a = np.floor(f * np.float32(1 / 4))
-                        b = np.floor(a * np.float32(1 / 4))
-                        h = np.floor(b * np.float32(1 / 4))
-                        dot += ((f - np.float32(4) * a) * xg[k] + (a - np.float32(4) * b) * xg[16 + k]
-                                + (b - np.float32(4) * h) * xg[32 + k] + h * xg[48 + k])
+                        dot += (f * xg[k] + np.floor(f * np.float32(1 / 4)) * xg[16 + k]
+                                + np.floor(f * np.float32(1 / 16)) * xg[32 + k]
+                                + np.floor(f * np.float32(1 / 64)) * xg[48 + k])
                 else:                           # 3 bits: 8 codes in each 3-byte little-endian word
                     for k in range(8):
-                        w = (np.float32(c[3 * k]) + np.float32(256) * np.float32(c[3 * k + 1])
-                             + np.float32(65536) * np.float32(c[3 * k + 2]))
-                        r = w
-                        for q in range(8):
-                            up = np.floor(w * np.float32(0.125 ** (q + 1)))     # w >> 3 (q + 1)
-                            dot += (r - np.float32(8) * up) * xg[8 * q + k]
-                            r = up
+                        b0, b1, b2 = np.float32(c[3 * k]), np.float32(c[3 * k + 1]), np.float32(c[3 * k + 2])
+                        dot += (b0 * xg[k] + np.floor(b0 * np.float32(1 / 8)) * xg[8 + k]
+                                + np.floor(b0 * np.float32(1 / 64)) * xg[16 + k]
+                                + b1 * xg[24 + k] + np.floor(b1 * np.float32(1 / 2)) * xg[32 + k]
+                                + np.floor(b1 * np.float32(1 / 16)) * xg[40 + k]
+                                + np.floor(b1 * np.float32(1 / 128)) * xg[48 + k]
+                                + b2 * xg[56 + k] + np.floor(b2 * np.float32(1 / 4)) * xg[64 + k]
+                                + np.floor(b2 * np.float32(1 / 32)) * xg[72 + k])
                 i = 2 * (o * groups + g)
                 s = f16[np.uint32(buf[sc + i]) | (np.uint32(buf[sc + i + 1]) << np.uint32(8))]
                 b = f16[np.uint32(buf[bi + i]) | (np.uint32(buf[bi + i + 1]) << np.uint32(8))]
@@ -140,7 +170,7 @@ def qmv(buf, off, rows, cols, bits, xp, xs, y, f16, words):
 @njit(cache=True, fastmath=True, nogil=True)
 def dense(buf, rows, cols, bits, X, Y, f16):
     """Y[t] = W X[t] for each row t of X, W the (rows, cols) matrix encoded in buf (a resident projection)."""
-    xp = np.empty(cols, np.float32)
+    xp = np.empty(cols + cols // 4, np.float32)
     xs = np.empty(max(cols // GROUP, 1), np.float32)
     words = np.empty(cols, np.uint32)
     for t in range(X.shape[0]):
@@ -155,8 +185,8 @@ def moe_layer(arena, slot_off, tok, dst, weight, X, Y, parts, d, ff, f16):
     g = np.empty(ff, np.float32)
     u = np.empty(ff, np.float32)
     y = np.empty(d, np.float32)
-    xp = np.empty(d, np.float32)
-    hp = np.empty(ff, np.float32)
+    xp = np.empty(d + d // 4, np.float32)           # xp_len
+    hp = np.empty(ff + ff // 4, np.float32)
     xs = np.empty(max(d // GROUP, 1), np.float32)
     hs = np.empty(max(ff // GROUP, 1), np.float32)
     words = np.empty(max(d, ff), np.uint32)
@@ -223,7 +253,7 @@ def matvec(buf: np.ndarray, shape, kind: str, x: np.ndarray) -> np.ndarray:
     """W x for one encoded matrix (rows, cols) = shape; x (cols,) float32. For tests and the kernel benchmark."""
     rows, cols = shape
     x = np.ascontiguousarray(x, dtype=np.float32)
-    xp, xs = np.empty(cols, np.float32), np.empty(max(cols // GROUP, 1), np.float32)
+    xp, xs = np.empty(xp_len(cols), np.float32), np.empty(max(cols // GROUP, 1), np.float32)
     _phases(x, BITS[kind], xp, xs)
     y = np.empty(rows, np.float32)
     qmv(np.ascontiguousarray(buf).view(np.uint8).reshape(-1), 0, rows, cols, BITS[kind], xp, xs, y, F16,
