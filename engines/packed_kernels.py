@@ -9,9 +9,11 @@ but slow here (results/kernels.md). So these are hand-written, and small: per gr
 are looked up in a 65536-entry float32 table (exact); a bf16 value is its bits shifted into a float32's high half.
 What makes them fast (results/kernels.md): x is reordered once per call to the order the codes lie in their
 bytes (_phases), and each group's codes are sliced before the loop, so LLVM vectorizes unpack and dot product.
-And the codes are never masked out of their byte: with s_i = floor(byte / 2^(b i)) the byte's shifts,
-code_i = s_i - 2^b s_(i+1), so sum_i code_i x_i = sum_i s_i (x_i - 2^b x_(i-1)), whose coefficients _phases makes
-once per x; a code costs a multiply, a floor and a multiply-add.
+And past a byte's lowest code, codes are not masked out of their byte: with s_i = floor(byte / 2^(b i)) the
+byte's shifts, code_i = s_i - 2^b s_(i+1), so sum_(i>=1) code_i x_i = s_1 x_1 + sum_(i>=2) s_i (x_i - 2^b x_(i-1)),
+whose coefficients _phases makes once per x; such a code costs a multiply, a floor and a multiply-add (q2: 3 of a
+byte's 4 codes, q3: 5 of a word's 8). A byte's lowest code is masked, as q4's are: telescoping from s_0, the byte
+itself (up to 255 against a code of at most 7), moved the logits 2-3x further from the f32 reference.
 
 `moe_layer` runs (token, expert) pairs a layer routed, gathered from their slots of a slot arena, in one call:
 gate and up, silu * up, down, times the routing weight, each pair's result into its own row of `Y`, so the
@@ -48,12 +50,12 @@ def _phases(x, bits, xp, xs):
     order the kernels read them: for each shift of a byte, one coefficient per byte of the group (or of a q3
     group's 3-byte words), so each inner loop reads codes and coefficients contiguously and vectorizes; and each
     group's sum of x (the bias term). bf16 rows are not grouped: x is copied as it is.
-        q8: x_j                       q4 (byte k: x_k low nibble, x_(32+k) high): x_k, x_(32+k) - 16 x_k
-        q2 (byte k: x_k, x_(16+k), x_(32+k), x_(48+k)): x_k, x_(16+k) - 4 x_k, x_(32+k) - 4 x_(16+k), ...
-        q3 (word k: codes x_(8k+q), q = 0..7 at bits 3q, across its bytes b0 b1 b2): for b0 and its shifts by 3
-            and 6: x0, x1 - 8 x0, x2 - 8 x1; b1 (bit 0 is code 2's bit 2) and its shifts by 1, 4, 7: 4 x2,
-            x3 - 8 x2, x4 - 8 x3, x5 - 8 x4; b2 (bits 0-1 are code 5's bits 1-2) and its shifts by 2, 5: 2 x5,
-            x6 - 8 x5, x7 - 8 x6"""
+        q8: x_j                       q4 (byte k: x_k low nibble, x_(32+k) high): x_k, x_(32+k)
+        q2 (byte k: x_k, x_(16+k), x_(32+k), x_(48+k)): for its low code and shifts by 2, 4, 6: x_k,
+            x_(16+k), x_(32+k) - 4 x_(16+k), x_(48+k) - 4 x_(32+k)
+        q3 (word k: codes x_(8k+q), q = 0..7 at bits 3q, across its bytes b0 b1 b2): b0's low code and its shifts
+            by 3 and 6: x0, x1, x2 - 8 x1; b1's bit 0 (code 2's bit 2) and its shifts by 1, 4, 7: 4 x2, x3,
+            x4 - 8 x3, x5 - 8 x4; b2's bits 0-1 (code 5's bits 1-2) and its shifts by 2, 5: 2 x5, x6, x7 - 8 x6"""
     if bits == 16:
         xp[:x.shape[0]] = x
         return
@@ -69,22 +71,21 @@ def _phases(x, bits, xp, xs):
         elif bits == 4:
             o = xp[g * GROUP:(g + 1) * GROUP]
             for k in range(32):
-                o[k] = xg[2 * k]
-                o[32 + k] = xg[2 * k + 1] - np.float32(16) * xg[2 * k]
+                o[k], o[32 + k] = xg[2 * k], xg[2 * k + 1]
         elif bits == 2:
             o = xp[g * GROUP:(g + 1) * GROUP]
             for k in range(16):
-                o[k] = xg[4 * k]
-                for c in range(1, 4):
+                o[k], o[16 + k] = xg[4 * k], xg[4 * k + 1]
+                for c in range(2, 4):
                     o[16 * c + k] = xg[4 * k + c] - np.float32(4) * xg[4 * k + c - 1]
         else:
             o = xp[g * 80:(g + 1) * 80]
             for k in range(8):
                 q = xg[8 * k:8 * k + 8]
                 e = np.float32(8)
-                o[k], o[8 + k], o[16 + k] = q[0], q[1] - e * q[0], q[2] - e * q[1]
-                o[24 + k], o[32 + k], o[40 + k], o[48 + k] = np.float32(4) * q[2], q[3] - e * q[2], q[4] - e * q[3], q[5] - e * q[4]
-                o[56 + k], o[64 + k], o[72 + k] = np.float32(2) * q[5], q[6] - e * q[5], q[7] - e * q[6]
+                o[k], o[8 + k], o[16 + k] = q[0], q[1], q[2] - e * q[1]
+                o[24 + k], o[32 + k], o[40 + k], o[48 + k] = np.float32(4) * q[2], q[3], q[4] - e * q[3], q[5] - e * q[4]
+                o[56 + k], o[64 + k], o[72 + k] = np.float32(2) * q[5], q[6], q[7] - e * q[6]
 
 
 def _affine_kernel(bits: int):
@@ -110,25 +111,29 @@ def _affine_kernel(bits: int):
                 if bits == 4:
                     for k in range(32):
                         f = np.float32(c[k])
-                        dot += f * xg[k] + np.floor(f * np.float32(1 / 16)) * xg[32 + k]
+                        hi = np.floor(f * np.float32(1 / 16))
+                        dot += (f - np.float32(16) * hi) * xg[k] + hi * xg[32 + k]
                 elif bits == 8:
                     for k in range(64):
                         dot += np.float32(c[k]) * xg[k]
                 elif bits == 2:
                     for k in range(16):
                         f = np.float32(c[k])
-                        dot += (f * xg[k] + np.floor(f * np.float32(1 / 4)) * xg[16 + k]
+                        a = np.floor(f * np.float32(1 / 4))
+                        dot += ((f - np.float32(4) * a) * xg[k] + a * xg[16 + k]
                                 + np.floor(f * np.float32(1 / 16)) * xg[32 + k]
                                 + np.floor(f * np.float32(1 / 64)) * xg[48 + k])
                 else:                           # 3 bits: 8 codes in each 3-byte little-endian word
                     for k in range(8):
                         b0, b1, b2 = np.float32(c[3 * k]), np.float32(c[3 * k + 1]), np.float32(c[3 * k + 2])
-                        dot += (b0 * xg[k] + np.floor(b0 * np.float32(1 / 8)) * xg[8 + k]
+                        s1, u1, v1 = (np.floor(b0 * np.float32(1 / 8)), np.floor(b1 * np.float32(1 / 2)),
+                                      np.floor(b2 * np.float32(1 / 4)))
+                        dot += ((b0 - np.float32(8) * s1) * xg[k] + s1 * xg[8 + k]
                                 + np.floor(b0 * np.float32(1 / 64)) * xg[16 + k]
-                                + b1 * xg[24 + k] + np.floor(b1 * np.float32(1 / 2)) * xg[32 + k]
+                                + (b1 - np.float32(2) * u1) * xg[24 + k] + u1 * xg[32 + k]
                                 + np.floor(b1 * np.float32(1 / 16)) * xg[40 + k]
                                 + np.floor(b1 * np.float32(1 / 128)) * xg[48 + k]
-                                + b2 * xg[56 + k] + np.floor(b2 * np.float32(1 / 4)) * xg[64 + k]
+                                + (b2 - np.float32(4) * v1) * xg[56 + k] + v1 * xg[64 + k]
                                 + np.floor(b2 * np.float32(1 / 32)) * xg[72 + k])
                 i = 2 * (o * groups + g)
                 s = f16[np.uint32(buf[sc + i]) | (np.uint32(buf[sc + i + 1]) << np.uint32(8))]
