@@ -49,10 +49,13 @@ def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens:
         from experiments.routing_trace import TraceDrive
         from workbench.errors import WorkbenchError
         from workbench.runs import write_run
-        from workbench.session import Session
+        from workbench.presets import Predictor, get_preset
+        from workbench.session import Session, oracle_trace
         conn.send(("status", "starting"))
         drive = functools.partial(TraceDrive, routing_trace) if routing_trace else None
-        s = Session(model, design, budget=budget, device=device, drive=drive)
+        trace = oracle_trace(model, design, prompt, tokens) \
+            if get_preset(design).prefetch.predictor is Predictor.ORACLE and drive is None else None
+        s = Session(model, design, budget=budget, device=device, drive=drive, trace=trace)
         conn.send(("status", "running"))
         last = [0.0]
 

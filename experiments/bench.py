@@ -6,9 +6,8 @@ from functools import partial
 from experiments.routing_trace import TraceDrive
 from workbench.floor import floor_tok_s, probe
 from workbench.presets import Predictor, get_preset
-from workbench.capture import RoutingCapture
 from workbench.runs import write_run
-from workbench.session import Session
+from workbench.session import Session, oracle_trace
 from workbench.errors import WorkbenchError
 
 SUMMARY_KEYS = ("tok_s", "prefill_tok_s", "hit_rate", "bytes_read", "bytes_read_per_token", "flash_wait_s",
@@ -41,14 +40,6 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
     return res
 
 
-def capture_trace(model: str, preset, prompt, tokens: int) -> dict:
-    """The true routing {(token index, layer): experts} of greedy decoding on this preset's pack (for the oracle)."""
-    with Session(model, preset.with_(predictor=None, routing="exact"), budget="all") as s, RoutingCapture(s) as cap:
-        s.generate(prompt, tokens=tokens)
-        return {(r["token"], r["layer"]): sorted(set(r["idx"].reshape(-1).tolist()))
-                for r in cap.records if r["phase"] == "decode"}
-
-
 def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: int = 64,
                  routing_trace: str | None = None, **kw) -> Session:
     """A Session; the oracle's trace is captured first from the same tokens, unless a routing trace (a file,
@@ -56,7 +47,7 @@ def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: 
     p = get_preset(preset) if isinstance(preset, str) else preset
     if routing_trace:
         kw["drive"] = partial(TraceDrive, routing_trace)
-    trace = capture_trace(model, p, prompt, tokens) if p.prefetch.predictor is Predictor.ORACLE and not routing_trace \
+    trace = oracle_trace(model, p, prompt, tokens) if p.prefetch.predictor is Predictor.ORACLE and not routing_trace \
         else None
     return Session(model, p, budget=budget, trace=trace, **kw)
 

@@ -52,6 +52,9 @@ class Session:
         if overrides:
             self.preset = self.preset.with_(**overrides)
         p = self.preset
+        if p.prefetch.predictor is Predictor.ORACLE and trace is None and drive is None:
+            raise WorkbenchError(f"preset {p.name}: the oracle replays the true routing of the tokens it will decode; "
+                                 f"give it that trace (workbench.session.oracle_trace) or a routing trace to drive it")
         self.model = model
         self.pack_path = resolve_pack(model, p.storage.layout.value, p.storage.experts, p.storage.rest, progress=progress)
         self.pack = Pack(self.pack_path)
@@ -231,6 +234,16 @@ class Session:
 
     def __exit__(self, *a):
         self.close()
+
+
+def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int) -> dict:
+    """The oracle's trace: the true routing {(token index, layer): experts} of greedy decoding `tokens` tokens after
+    `prompt` on this preset's pack (every expert resident, exact routing)."""
+    p = preset if isinstance(preset, Preset) else get_preset(preset)
+    with Session(model, p.with_(predictor=None, routing="exact"), budget="all") as s, RoutingCapture(s) as cap:
+        s.generate(prompt, tokens=tokens)
+        return {(r["token"], r["layer"]): sorted(set(r["idx"].reshape(-1).tolist()))
+                for r in cap.records if r["phase"] == "decode"}
 
 
 def usage_profile(pack_path, ids: list[int]) -> dict:

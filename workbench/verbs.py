@@ -11,7 +11,10 @@ from workbench.errors import WorkbenchError
 
 
 def session(args, **kw):
-    from workbench.session import Session
+    from workbench.presets import Predictor, get_preset
+    from workbench.session import Session, oracle_trace
+    if get_preset(args.preset).prefetch.predictor is Predictor.ORACLE:      # the true routing of what it will decode
+        kw["trace"] = oracle_trace(args.model, args.preset, args.prompt, args.tokens)
     return Session(args.model, args.preset, budget=args.budget, engine=args.engine, direct=not args.page_cache,
                    device=args.device, **kw)
 
