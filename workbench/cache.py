@@ -72,15 +72,19 @@ class ExpertCache:
         return self._pool(key).get(key)
 
     def _victim(self, pool: OrderedDict, protect):
-        candidates = (k for k, v in pool.items() if k not in protect and k not in self.pinned and not _in_flight(v))
-        if self.policy == "lru":
-            return next(candidates, None)               # the pool is kept in recency order
+        pinned = self.pinned
+        if self.policy == "lru":                        # the pool is kept in recency order: the first that may go
+            for k, v in pool.items():
+                if k not in protect and k not in pinned and not _in_flight(v):
+                    return k
+            return None
+        candidates = (k for k, v in pool.items() if k not in protect and k not in pinned and not _in_flight(v))
         order = {k: i for i, k in enumerate(pool)}
         return min(candidates, key=lambda k: (self.uses[k], order[k]), default=None)
 
     def reserve(self, key, value, protect=frozenset()) -> bool:
         """Insert key (evicting as needed); False if every slot is protected or pinned."""
-        pool = self._pool(key)
+        pool = self.pools[key[0]]
         self.last_evicted = []
         if key in pool:
             pool[key] = value
@@ -96,8 +100,9 @@ class ExpertCache:
             self.last_evicted.append(v)
         pool[key] = value
         self.slots_used += 1
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
-        assert self.bytes <= self.budget_bytes, "expert cache exceeded its budget"
+        if self.slots_used * self.item_bytes > self.peak_bytes:
+            self.peak_bytes = self.bytes
+            assert self.peak_bytes <= self.budget_bytes, "expert cache exceeded its budget"
         return True
 
     def set(self, key, value):

@@ -239,8 +239,8 @@ class Reader:
         A plain Reader reads them on GIL-free threads (workbench/slot_reads.py, where it runs: Linux on x86-64);
         a subclass that changes how a read is made (an emulated device, injected faults) on Python threads."""
         checks = checks or {}
-        native = self._reads_gil_free()
-        slots = self._slot_reads() if native else None
+        slots = self._slots or (self._slot_reads() if self._reads_gil_free() else None)
+        native = slots is not None
         futures, ranges = {}, []
         for key, parts in requests:
             if native:
