@@ -12,8 +12,9 @@ adjacent reads merged as Reader.submit merges them). What is modelled, mirroring
                   read; the layer's misses are reserved and read; ready_first computes experts already in
                   memory first, then each in arrival order; wait_all waits for every read, then computes
   reads           a FIFO pool of `workers` reader threads; a (merged) read issued while n reads are in flight
-                  takes the device profile's read_s(bytes, n); the pool thread then dequantizes each expert
-                  of that read (as the streamer's read callback does), so an expert is ready after both
+                  takes the device profile's read_s(bytes, n), a large one in pieces on several threads as
+                  the engine's reads into slots are (workbench.io.split_sizes); the pool thread then dequantizes
+                  each expert of that read (as the streamer's read callback does), so an expert is ready after both
   compute         a measured profile of this engine (ComputeProfile): dense and router time per layer, expert
                   compute per expert, dequant (the packed engine: the crc check) per expert read, other per token,
                   and a wake-up per wait that blocked (the compute thread runs again that long after the read lands)
@@ -44,6 +45,7 @@ from engines.base import Engine
 from workbench.cache import ExpertCache, reserve_ahead, warm_set
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
+from workbench.io import split_sizes
 from workbench.presets import Budget, CacheScope, Order, Router
 from workbench.spec import MoESpec
 from workbench.store.pack import PARTS, _align, _nbytes, expert_kind   # the pack's own read plan
@@ -116,20 +118,28 @@ class _Read:
 class _Pool:
     """A FIFO pool of reader threads on the virtual clock."""
 
-    def __init__(self, workers: int, device: DeviceProfile, dequant_s: float):
+    def __init__(self, workers: int, device: DeviceProfile, dequant_s: float, split: bool = True):
+        self.workers = workers
         self.free = [0.0] * workers          # when each worker is next free (a heap)
         self.busy: list[tuple[float, float]] = []    # (start, end) of reads, for the depth a new read sees
         self.device, self.dequant_s = device, dequant_s
+        self.split = split                   # a large read in pieces on several workers, as the slot readers do
         self.dequants: list[float] = []      # start times of dequants not yet charged to the compute thread
 
     def submit(self, t: float, groups) -> dict:
         """Issue reads at time t; returns {expert: (end of its read, its place among the read's dequants)}."""
         ready = {}
         for experts, nbytes in groups:
-            start = max(t, heapq.heappop(self.free))
-            depth = 1 + sum(1 for s, e in self.busy if s <= start < e)
-            end = start + self.device.read_s(nbytes, depth)
-            self.busy.append((start, end))
+            end = 0.0
+            pieces = split_sizes(nbytes, self.workers) if self.split else [nbytes]
+            for i, piece in enumerate(pieces):          # the last piece's worker does the read's dequants
+                start = max(t, heapq.heappop(self.free))
+                depth = 1 + sum(1 for s, e in self.busy if s <= start < e)
+                done = start + self.device.read_s(piece, depth)
+                self.busy.append((start, done))
+                end = max(end, done)
+                if i < len(pieces) - 1:
+                    heapq.heappush(self.free, done)
             offset = 0.0
             for k, e in enumerate(experts, 1):     # the pool thread dequantizes each expert of the read, in order
                 self.dequants.append(end + offset)
@@ -179,13 +189,14 @@ def _layer_event(layer):
 
 def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
                  tokens: int, prompt: int = 4, workers: int = 1, plan: ReadPlan | None = None,
-                 shared_cpu: bool = True, switch_s: float | None = None) -> dict:
+                 shared_cpu: bool = True, switch_s: float | None = None, split: bool = True) -> dict:
     """Prefill `prompt` trace rows (reads only, untimed), then decode `tokens - 1` steps on the virtual clock,
     as `bench` measures: tok_s counts decode steps only. shared_cpu: the numpy engine's dequant (reader threads)
     and compute (its own thread) hold one GIL: a dequant that starts while the compute thread works delays that
     work by the dequant's length (one that starts while it waits costs it nothing) and itself takes the contended
     time (compute.dequant_busy_s); without a measured contended time, a read that ends while the compute thread
-    works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore)."""
+    works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore). split: a large read goes to
+    several readers in pieces (workbench.io.split_sizes), as reads into slots do; the numpy engine's reads do not."""
     plan = plan or read_plan(spec, preset.storage.layout.value, preset.storage.experts)
     item = Engine.expert_bytes(spec)             # an expert in f32, as the Session counts
     total = item * spec.num_experts * len(spec.moe_layers)
@@ -199,7 +210,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     if switch_s is None:
         switch_s = sys.getswitchinterval() if shared_cpu and not busy else 0.0
     clock = _Clock(switch_s)
-    pool = _Pool(workers, device, compute.dequant_s)
+    pool = _Pool(workers, device, compute.dequant_s, split)
     resident = budget_bytes >= total
     landed = _Read(-1.0, clock)
     if resident:
@@ -443,7 +454,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     workers = workers or dev.queue_depth
     plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
-                       shared_cpu=compute.reader_holds_gil)
+                       shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil)
     bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"))
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)

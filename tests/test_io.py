@@ -250,3 +250,42 @@ def test_bandwidth_at_a_queue_depth_takes_the_best_depth_up_to_it():
     assert wio.bandwidth_at(probe, 4096, depth=3) == pytest.approx(20e6)
     assert wio.bandwidth_at(probe, 4096, depth=8) == pytest.approx(30e6)
     assert wio.bandwidth_at({"points": probe["points"][1:]}, 4096, depth=1) == pytest.approx(20e6)  # the lowest
+
+
+def test_split_sizes_give_each_reader_a_piece_of_a_large_read_and_leave_small_ones_whole():
+    K = wio.KiB
+    assert wio.split_sizes(200 * K, 4) == [200 * K]                     # under two pieces' worth: whole
+    assert wio.split_sizes(1024 * K, 4) == [256 * K] * 4                # a piece a reader
+    assert wio.split_sizes(1024 * K, 2) == [512 * K] * 2                # no more pieces than readers
+    assert wio.split_sizes(700 * K, 4) == [352 * K, 348 * K]            # none under 256 KiB; 4 KiB-aligned cuts
+    assert wio.split_sizes(1945 * K + 7, 1) == [1945 * K + 7]
+
+
+class _PythonReads(wio.Reader):
+    """Reads on Python threads (a subclass that changes how a read is made), not the GIL-free readers."""
+
+    def _pread(self, bufs, offset, length):
+        return super()._pread(bufs, offset, length)
+
+
+@pytest.mark.parametrize("cls", [wio.Reader, _PythonReads])
+def test_a_large_read_into_buffers_lands_in_pieces_on_several_readers_and_is_checked_whole(pack, cls):
+    """An expert of three parts (1.1 MiB) read by three readers: three pieces, cut inside the parts, each into its
+    own view of the part's buffer; the key's crc over its runs (which the cuts split) is checked whole, and a wrong
+    crc is still caught."""
+    import zlib
+    path, data = pack
+    K = wio.KiB
+    parts = [(4096, 400 * K), (4096 + 400 * K, 300 * K), (4096 + 700 * K, 424 * K)]
+    runs = [(0, 0, 400 * K), (1, 0, 300 * K), (2, 0, 424 * K)]
+    crc = zlib.crc32(data[4096:4096 + 1124 * K])
+    with cls(path, workers=3) as r:
+        bufs = [wio.aligned_empty(n) for _, n in parts]
+        fut = r.submit_into([("e", [(off, b) for (off, _), b in zip(parts, bufs)])], checks={"e": (runs, crc)})["e"]
+        assert [b.ctypes.data for b in fut.result(timeout=30)] == [b.ctypes.data for b in bufs]
+        for (off, n), b in zip(parts, bufs):
+            np.testing.assert_array_equal(b, data[off:off + n])
+        assert r.stats()["reads"] == len(wio.split_sizes(1124 * K, 3)) == 3
+        bad = r.submit_into([("x", [(off, wio.aligned_empty(n)) for off, n in parts])], checks={"x": (runs, crc ^ 1)})
+        with pytest.raises(wio.ChecksumError):
+            bad["x"].result(timeout=30)

@@ -69,6 +69,22 @@ def test_one_layer_two_reads_on_demand_wait_all():
     assert (res["hits"], res["misses"], res["bytes_read"]) == (0, 2, 2 * KB)
 
 
+@pytest.mark.parametrize("split, ms", [(False, 3.0), (True, 2.0)])
+def test_a_large_read_goes_to_the_readers_in_pieces_as_reads_into_slots_do(split, ms):
+    """One expert of 1 MiB on two reader threads; the device streams 512 KiB/ms for one read, 1024 KiB/ms shared
+    by reads in flight, after 1 ms of latency. Whole, the read takes 1 + 1024/512 = 3 ms; in two pieces of 512 KiB
+    (workbench.io.split_sizes), the first alone takes 1 + 1 ms and the second, with one in flight, shares the peak:
+    1 + 512/(1024/2) = 2 ms, so the expert lands at 2 ms. Then router 0.5 ms before, expert 0.25 ms after."""
+    dev = DeviceProfile("hand", "hand", latency_s=1 * MS, read_bw=512 * 1024 / MS, peak_bw=1024 * 1024 / MS,
+                        queue_depth=2)
+    big = ReadPlan("contiguous", (349525, 349525, 349526))          # 1 MiB aligned: one read
+    res = simulate_run(Drive([{0: [1]}, {0: [0]}]), spec(k=1), get_preset("on_demand").with_(layout="contiguous"),
+                       str(2 * 4 * 3 * 64 * 64), dev, CPU, tokens=2, prompt=1, workers=2, plan=big, split=split)
+    assert res["flash_wait_s"] == pytest.approx(ms * MS, abs=1e-12)
+    assert res["decode_s"] == pytest.approx(0.5 * MS + ms * MS + 0.25 * MS, abs=1e-12)
+    assert res["bytes_read"] == 1024 * 1024
+
+
 def test_a_wait_that_blocks_costs_one_wake_up_and_a_landed_read_none():
     """The two schedules above and below with a 0.2 ms wake-up: wait_all sleeps once for its two reads and runs
     again 0.2 ms after the second lands (3.7 ms); ready_first sleeps once in layer 0 (its miss) and not in layer 1,

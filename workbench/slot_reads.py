@@ -212,7 +212,7 @@ class SlotRead:
     def __init__(self, reads, key, bufs, check):
         self.reads, self.key, self.bufs, self.check = reads, key, bufs, check
         self.jobs: list[int] = []
-        self.runs: list[tuple] = []         # (place in crc order, job, row, bytes) of each checked run
+        self.runs: list[tuple] = []         # (place in crc order, start in its buffer, job, row, bytes) of each checked run (or piece of one)
         self.t_start = self.t_end = 0       # ns (perf_counter_ns): its first read started, its last landed
         self.settled, self.error = False, None
 
@@ -286,8 +286,9 @@ class SlotReads:
                self.idle)
 
     def submit(self, groups, priority: int, futures: dict) -> None:
-        """groups: [start, end, [(offset, buf, key, index of buf in the key's), ...]] merged reads, each at most IOV
-        buffers and RUNS checked runs; futures: key -> SlotRead."""
+        """groups: [start, end, [(offset, buf, key, index of buf in the key's, where buf starts in that buffer), ...]]
+        merged reads (a buffer split across reads is in each as a view of its piece), each at most IOV buffers and
+        RUNS checked runs; futures: key -> SlotRead."""
         ids = []
         with self._lock:
             for start, end, members in groups:
@@ -318,7 +319,7 @@ class SlotReads:
     def _job(self, start, end, members, futures) -> int:
         j = self.free.pop()
         iov, runs, nrun = self.iov, self.runs, 0
-        for i, (_, buf, key, b) in enumerate(members):
+        for i, (_, buf, key, b, p) in enumerate(members):          # p: where this buffer (or piece) starts in b
             addr, at = _address(buf), (j * IOV + i) * 2
             iov[at], iov[at + 1] = addr, buf.nbytes
             fut = futures[key]
@@ -326,10 +327,11 @@ class SlotReads:
                 fut.jobs.append(j)
                 self.members.setdefault(j, []).append(fut)
             for order, (chunk, a, z) in enumerate(fut.check[0] if fut.check else ()):
-                if chunk == b:
+                a, z = max(a, p), min(z, p + buf.nbytes)      # the part of the run in this piece
+                if chunk == b and a < z:
                     at = (j * RUNS + nrun) * 3
-                    runs[at], runs[at + 1] = addr + a, z - a
-                    fut.runs.append((order, j, nrun, z - a))
+                    runs[at], runs[at + 1] = addr + a - p, z - a
+                    fut.runs.append((order, a, j, nrun, z - a))
                     nrun += 1
         at = j * 4
         self.jobs[at], self.jobs[at + 1], self.jobs[at + 2], self.jobs[at + 3] = start, end - start, len(members), nrun
@@ -347,9 +349,9 @@ class SlotReads:
                     if self.state[j] == RETRY:
                         self._retry(j)
                 if fut.check is not None:
-                    (_, j, r, _), *rest = sorted(fut.runs)
+                    (_, _, j, r, _), *rest = sorted(fut.runs)      # in crc order, then file order
                     crc = self.runs[(j * RUNS + r) * 3 + 2]
-                    for _, j, r, n in rest:
+                    for _, _, j, r, n in rest:
                         crc = crc32_combine(crc, self.runs[(j * RUNS + r) * 3 + 2], n)
                     if crc != fut.check[1]:
                         raise ChecksumError(f"{self.reader.path}: crc32 of {fut.key!r} is {crc:08x}, "
