@@ -10,7 +10,7 @@ les        LES's ladder, simulated on the iPhone profile at MiniCPM-V 4.7's expe
 smol       the pager's miss rate at about smolmaxxing's pool fraction (4 of 32 per layer vs 56 of 512), simulated on
            the UFS phone, with the demand-only pager and Belady's bound beside it
 ufs35b     les vs on_demand under the emulated UFS phone at Qwen3.6-35B-A3B's expert size: measured on a make-model
-           checkpoint (4 layers, 64 experts, random weights, trace-driven) and simulated
+           checkpoint (--layers, default 4, 64 experts, random weights, trace-driven) and simulated
 ufs35b_gguf  the same, measured, on the checkpoint exported to GGUF and kept in llama.cpp's blocks (Q4_K_M for
            on_demand, Q3_K_M for les at the same fraction and at on_demand's bytes), computed by ggml's kernels in the
            packed engine, at budgets 0.1, 0.25 and 0.5, with Belady's bound beside each les arm
@@ -68,7 +68,9 @@ def reading(res: dict) -> str:
   devices too: workbench/slot_reads.py), so the simulator's per-expert reader
   work (`dequant_s`, `dequant_busy_s` in each compute profile in regimes.json) is that check, timed alone and beside
   the engine's kernel on another thread, and it takes none of the compute thread's time (`reader_holds_gil` false;
-  the in-situ reads of B and C go through the same readers); expert compute is the engine's compiled kernel on encoded bytes of the
+  the in-situ reads of B and C go through the same readers); a read of 512 KiB or more goes to the readers in pieces,
+  one a reader and none under 256 KiB (workbench/io.py split_sizes), in the engine and the simulator alike (the
+  demo's experts are never split, a 35B-A3B expert is); expert compute is the engine's compiled kernel on encoded bytes of the
   simulated shape, one call per layer's top-k, and dense, router and other time come from the model itself run
   resident at the design's expert precision. Each issue of reads costs the compute thread what it costs the
   streamer (a layer's demand reads, then the predictor's: cache reserve, slot claim and submit, timed through the
@@ -456,7 +458,8 @@ def markdown(res: dict, cmd: str) -> str:
     if "ufs35b" in res:
         x = res["ufs35b"]
         L += ["## les vs on_demand, EMULATED UFS phone, Qwen3.6-35B-A3B expert size", "",
-              f"Measured: `bench --routing-trace` on {x['model']} (make-model, RANDOM weights, 4 layers, 64 experts) "
+              f"Measured: `bench --routing-trace` on {x['model']} (make-model, RANDOM weights, {x.get('layers', 4)} layers, "
+              "64 experts) "
               f"with `--device ufs22-phone`, budget 0.25, {x['tokens']} tokens, {x['rounds']} alternating rounds, default "
               "engine; simulated: `simulate` on the same spec, trace and device, (A) compute from this engine measured "
               "on the checkpoint resident beside each round, (C) compute of the measured run itself.", "",
@@ -504,7 +507,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--only", default="calibrate,les,smol,ufs35b,ufs35b_gguf")
-    ap.add_argument("--model35b", default=None, help="a make-model checkpoint (qwen3.6-35b-a3b, 4 layers, 64 experts)")
+    ap.add_argument("--model35b", default=None, help="a make-model checkpoint (qwen3.6-35b-a3b, --layers layers, 64 experts)")
+    ap.add_argument("--layers", type=int, default=4, help="MoE layers of the 35B-A3B-shape checkpoint (the trace has 8; "
+                    "the real model 40): with lookahead one layer ahead, the first of each token's layers has no prediction")
     ap.add_argument("--out", default=str(REPO / "results"))
     args = ap.parse_args(argv)
     parts = args.only.split(",")
@@ -517,13 +522,13 @@ def main(argv=None):
         res["smol"] = smol_misses(args.tokens)
     if {"ufs35b", "ufs35b_gguf"} & set(parts):
         from workbench.shapes import checkpoint_path, make_model
-        model = args.model35b or checkpoint_path("qwen3.6-35b-a3b", 4, 64)
+        model = args.model35b or checkpoint_path("qwen3.6-35b-a3b", args.layers, 64)
         if not Path(model).exists():
-            make_model("qwen3.6-35b-a3b", 4, model, experts=64)
+            make_model("qwen3.6-35b-a3b", args.layers, model, experts=64)
         if "ufs35b" in parts:
-            res["ufs35b"] = ufs35b(args.rounds, args.tokens, str(model))
+            res["ufs35b"] = {**ufs35b(args.rounds, args.tokens, str(model)), "layers": args.layers}
         if "ufs35b_gguf" in parts:
-            res["ufs35b_gguf"] = ufs35b_gguf(args.rounds, args.tokens, str(model))
+            res["ufs35b_gguf"] = {**ufs35b_gguf(args.rounds, args.tokens, str(model)), "layers": args.layers}
     out = Path(args.out)
     cmd = "python benchmarks/regimes.py " + " ".join(argv if argv is not None else sys.argv[1:])
     atomic_write(out / "regimes.json", json.dumps(res, indent=1, default=str))

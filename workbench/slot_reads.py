@@ -212,7 +212,8 @@ class SlotRead:
     def __init__(self, reads, key, bufs, check):
         self.reads, self.key, self.bufs, self.check = reads, key, bufs, check
         self.jobs: list[int] = []
-        self.runs: list[tuple] = []         # (place in crc order, start in its buffer, job, row, bytes) of each checked run (or piece of one)
+        # (place in crc order, start in its buffer, job, row, bytes) of each checked run, or piece of one
+        self.runs: list[tuple] = []
         self.t_start = self.t_end = 0       # ns (perf_counter_ns): its first read started, its last landed
         self.settled, self.error = False, None
 
