@@ -289,3 +289,20 @@ def test_a_large_read_into_buffers_lands_in_pieces_on_several_readers_and_is_che
         bad = r.submit_into([("x", [(off, wio.aligned_empty(n)) for off, n in parts])], checks={"x": (runs, crc ^ 1)})
         with pytest.raises(wio.ChecksumError):
             bad["x"].result(timeout=30)
+
+
+def test_adjacent_experts_merged_into_one_read_are_cut_across_keys_and_each_lands_checked(pack):
+    """Two experts side by side in the file, 600 KiB each: one merged read of 1200 KiB, cut for four readers into
+    pieces of 300 KiB, so each piece boundary falls inside a key's buffer or between keys."""
+    import zlib
+    path, data = pack
+    K = wio.KiB
+    spans = {"a": (8192, 600 * K), "b": (8192 + 600 * K, 600 * K)}
+    with wio.Reader(path, workers=4) as r:
+        bufs = {k: wio.aligned_empty(n) for k, (_, n) in spans.items()}
+        futs = r.submit_into([(k, [(off, bufs[k])]) for k, (off, _) in spans.items()],
+                             checks={k: ([(0, 0, n)], zlib.crc32(data[off:off + n])) for k, (off, n) in spans.items()})
+        for k, (off, n) in spans.items():
+            assert futs[k].exception(timeout=30) is None
+            np.testing.assert_array_equal(bufs[k], data[off:off + n])
+        assert r.stats()["reads"] == 4 and r.stats()["merged"] == 1
