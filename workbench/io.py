@@ -118,8 +118,8 @@ def _split(groups: list, workers: int) -> list:
     its buffer (the crc runs are relative to the whole buffer)."""
     out = []
     for start, end, members in groups:
-        sizes = split_sizes(end - start, workers)
-        if len(sizes) == 1:
+        sizes = split_sizes(end - start, workers) if end - start >= 2 * SPLIT and workers > 1 else ()
+        if len(sizes) < 2:
             out.append([start, end, members])
             continue
         a = start
@@ -285,8 +285,12 @@ class Reader:
             futures[key] = fut
             ranges += [(off, off + buf.nbytes, (off, buf, key, i, 0)) for i, (off, buf) in enumerate(parts)]
         merged = _merge(ranges, 0)
-        groups = [[ms[0][0], ms[-1][0] + ms[-1][1].nbytes, ms] for _, _, members in _split(merged, self.workers)
-                  for ms in (members[at:at + IOV] for at in range(0, len(members), IOV))]
+        groups = []
+        for g in _split(merged, self.workers):          # at most IOV buffers a read
+            members = g[2]
+            groups += [g] if len(members) <= IOV else [
+                [ms[0][0], ms[-1][0] + ms[-1][1].nbytes, ms] for ms in (members[at:at + IOV]
+                                                                       for at in range(0, len(members), IOV))]
         with self._lock:
             self.merged += len(ranges) - len(merged)
             if not native:

@@ -320,16 +320,17 @@ class SlotReads:
     def _job(self, start, end, members, futures) -> int:
         j = self.free.pop()
         iov, runs, nrun = self.iov, self.runs, 0
+        self.members[j] = mine = []
         for i, (_, buf, key, b, p) in enumerate(members):          # p: where this buffer (or piece) starts in b
-            addr, at = _address(buf), (j * IOV + i) * 2
-            iov[at], iov[at + 1] = addr, buf.nbytes
+            addr, n, at = _address(buf), buf.nbytes, (j * IOV + i) * 2
+            iov[at], iov[at + 1] = addr, n
             fut = futures[key]
             if j not in fut.jobs:
                 fut.jobs.append(j)
-                self.members.setdefault(j, []).append(fut)
+                mine.append(fut)
             for order, (chunk, a, z) in enumerate(fut.check[0] if fut.check else ()):
-                a, z = max(a, p), min(z, p + buf.nbytes)      # the part of the run in this piece
-                if chunk == b and a < z:
+                if chunk == b and a < p + n and z > p:            # the part of the run in this piece
+                    a, z = max(a, p), min(z, p + n)
                     at = (j * RUNS + nrun) * 3
                     runs[at], runs[at + 1] = addr + a - p, z - a
                     fut.runs.append((order, a, j, nrun, z - a))
