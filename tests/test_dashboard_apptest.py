@@ -149,6 +149,15 @@ def test_a_routing_trace_drives_the_designs_from_the_page(runs_root):
     assert rec["config"]["routing_trace"]["mapping"].startswith("layers: model MoE layer i replays")
 
 
+def test_the_oracle_on_the_page_prefetches_the_routing_of_what_it_decodes(runs_root):
+    """Booth mode's second round shows the oracle: its process captures the true routing of the same prompt and
+    tokens first, so every expert it routes was named ahead (without it, the oracle prefetched nothing)."""
+    at = poll(start(app(LIVE), ["oracle"], tokens=6), finished)
+    assert not at.error, errors(at)
+    n = at.session_state["numbers"]["oracle"]
+    assert n["status"] == "done" and n["prefetch_recall"] == 1.0
+
+
 def test_numbers_on_the_page_equal_the_run_record(two_designs):
     at = two_designs
     per_design = len(C.display_numbers({}))
