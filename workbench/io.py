@@ -100,7 +100,7 @@ def _merge(spans, gap: int) -> list:
 
 # A read of at least twice this goes to several readers at once, in pieces of at least this: flash reaches its
 # bandwidth only with reads in flight together (smolmaxxing's UFS 2.2: about 940 MB/s with 2-4 reads of 256 KB or
-# more, half of it for one); this machine's disk reads 460-680 MB/s from 256 KiB at queue depth 1-4 (probe-disk).
+# more, half of it for one), and these machines' virtio disks read their best from 256 KiB on (probe-disk).
 SPLIT = 256 * KiB
 
 
