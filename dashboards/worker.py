@@ -13,7 +13,6 @@ The process runs at a lower priority than the page (and so do its reader threads
 """
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -46,16 +45,12 @@ def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens:
             os.setpriority(os.PRIO_PROCESS, int(task), WORKER_NICE)
     s = None
     try:
-        from experiments.routing_trace import TraceDrive
+        from experiments.bench import open_session
         from workbench.errors import WorkbenchError
         from workbench.runs import write_run
-        from workbench.presets import Predictor, get_preset
-        from workbench.session import Session, oracle_trace
         conn.send(("status", "starting"))
-        drive = functools.partial(TraceDrive, routing_trace) if routing_trace else None
-        trace = oracle_trace(model, design, prompt, tokens) \
-            if get_preset(design).prefetch.predictor is Predictor.ORACLE and drive is None else None
-        s = Session(model, design, budget=budget, device=device, drive=drive, trace=trace)
+        s = open_session(model, design, budget=budget, prompt=prompt, tokens=tokens, routing_trace=routing_trace,
+                         device=device)
         conn.send(("status", "running"))
         last = [0.0]
 

@@ -47,8 +47,7 @@ def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: 
     p = get_preset(preset) if isinstance(preset, str) else preset
     if routing_trace:
         kw["drive"] = partial(TraceDrive, routing_trace)
-    trace = oracle_trace(model, p, prompt, tokens) if p.prefetch.predictor is Predictor.ORACLE and not routing_trace \
-        else None
+    trace = None if routing_trace else oracle_trace(model, p, prompt, tokens)
     return Session(model, p, budget=budget, trace=trace, **kw)
 
 

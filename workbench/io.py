@@ -107,7 +107,9 @@ SPLIT = 256 * KiB
 def split_sizes(nbytes: int, workers: int) -> list[int]:
     """The pieces (in file order, 4 KiB-aligned but the last) one read of `nbytes` is split into for `workers`
     readers: one piece a reader at most, none under SPLIT. The simulator splits its reads by the same rule."""
-    k = max(1, min(workers, nbytes // SPLIT))
+    k = min(workers, nbytes // SPLIT)
+    if k < 2:
+        return [nbytes]
     step = -(-nbytes // k // ALIGN) * ALIGN
     return [min(step, nbytes - at) for at in range(0, nbytes, step)]
 
@@ -118,8 +120,8 @@ def _split(groups: list, workers: int) -> list:
     its buffer (the crc runs are relative to the whole buffer)."""
     out = []
     for start, end, members in groups:
-        sizes = split_sizes(end - start, workers) if end - start >= 2 * SPLIT and workers > 1 else ()
-        if len(sizes) < 2:
+        sizes = split_sizes(end - start, workers)
+        if len(sizes) == 1:
             out.append([start, end, members])
             continue
         a = start
@@ -281,7 +283,7 @@ class Reader:
                 fut = SlotRead(slots, key, [b for _, b in parts], checks.get(key))
             else:
                 fut = cf.Future()
-                fut.bufs, fut.left, fut.check = [b for _, b in parts], len(parts), checks.get(key)
+                fut.bufs, fut.left, fut.check = [b for _, b in parts], 0, checks.get(key)
             futures[key] = fut
             ranges += [(off, off + buf.nbytes, (off, buf, key, i, 0)) for i, (off, buf) in enumerate(parts)]
         merged = _merge(ranges, 0)
@@ -294,12 +296,9 @@ class Reader:
         with self._lock:
             self.merged += len(ranges) - len(merged)
             if not native:
-                if len(groups) > len(merged):       # a split buffer lands in pieces: each is one to wait for
-                    for fut in futures.values():
-                        fut.left = 0
-                    for _, _, members in groups:
-                        for m in members:
-                            futures[m[2]].left += 1
+                for _, _, members in groups:        # a key lands once each of its buffers (or their pieces) has
+                    for m in members:
+                        futures[m[2]].left += 1
                 self._queue([partial(self._read_group, g, futures) for g in groups], priority)
         if native:
             slots.submit(groups, priority, futures)

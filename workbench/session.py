@@ -236,10 +236,12 @@ class Session:
         self.close()
 
 
-def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int) -> dict:
+def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int) -> dict | None:
     """The oracle's trace: the true routing {(token index, layer): experts} of greedy decoding `tokens` tokens after
-    `prompt` on this preset's pack (every expert resident, exact routing)."""
+    `prompt` on this preset's pack (every expert resident, exact routing); None for a preset that is not the oracle."""
     p = preset if isinstance(preset, Preset) else get_preset(preset)
+    if p.prefetch.predictor is not Predictor.ORACLE:
+        return None
     with Session(model, p.with_(predictor=None, routing="exact"), budget="all") as s, RoutingCapture(s) as cap:
         s.generate(prompt, tokens=tokens)
         return {(r["token"], r["layer"]): sorted(set(r["idx"].reshape(-1).tolist()))

@@ -11,10 +11,8 @@ from workbench.errors import WorkbenchError
 
 
 def session(args, **kw):
-    from workbench.presets import Predictor, get_preset
     from workbench.session import Session, oracle_trace
-    if get_preset(args.preset).prefetch.predictor is Predictor.ORACLE:      # the true routing of what it will decode
-        kw["trace"] = oracle_trace(args.model, args.preset, args.prompt, args.tokens)
+    kw["trace"] = oracle_trace(args.model, args.preset, args.prompt, args.tokens)     # the oracle's: what it decodes
     return Session(args.model, args.preset, budget=args.budget, engine=args.engine, direct=not args.page_cache,
                    device=args.device, **kw)
 
