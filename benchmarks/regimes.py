@@ -72,14 +72,15 @@ def reading(res: dict) -> str:
   one a reader and none under 256 KiB (workbench/io.py split_sizes), in the engine and the simulator alike (the
   demo's experts are never split, a 35B-A3B expert is); expert compute is the engine's compiled kernel on encoded bytes of the
   simulated shape, one call per layer's top-k, and dense, router and other time come from the model itself run
-  resident at the design's expert precision. Each issue of reads costs the compute thread what it costs the
-  streamer (a layer's demand reads, then the predictor's: cache reserve, slot claim and submit, timed through the
-  engine's own streamer, per call and per expert: `issue_call_s`, `issue_s`). Not modelled: the rest of the
-  streaming path's bookkeeping per layer (a streaming run's "other" is several times the resident one's in
-  results/targets.md), which is why A and B predict the streaming designs faster than they run (C takes the run's
-  own time: what it misses is the flash model's); and the OS run queue (reader threads, which share the two cores
-  with the compute thread, and other engineers' processes taking its core), which in-situ reads, timed with the
-  readers alone, do not see.""")
+  as the design with every expert in memory (its predictor's naming in the router time). What reading costs the
+  compute thread is measured in a second run of the design, at budget 0.5 (another configuration than the one
+  predicted), by the streamer's own timers (telemetry.LayerEvent issue_s, take_s): an issue per submit and per
+  expert (`issue_call_s`, `issue_s`: a slot reserved and claimed, the submit), and per expert read, taking it in
+  (its read settled, its crc compared, the cache entry made its slot) and computing on its freshly read bytes
+  rather than bytes long in memory (`land_s`); the simulator charges each as its reads happen. Without these A
+  predicted the streaming designs 1.27-1.59x faster than they ran (the last results here, before this profile).
+  Not modelled: the OS run queue (reader threads, which share the two cores with the compute thread, and other
+  engineers' processes taking its core), which in-situ reads, timed with the readers alone, do not see.""")
     if "les" in res:
         rows = res["les"]["rows"]
         steps = [(b["rung"], b["tok_s"] / a["tok_s"]) for a, b in zip(rows, rows[1:])]
@@ -184,22 +185,25 @@ def calibrate(rounds, tokens, device=None, log=print):
     keys = ("measured", "simulated", "simulated_in_situ", "simulated_run_compute", "hit_measured", "hit_simulated")
     rows = {d: {k: [] for k in keys} for d in DESIGNS}
     stored = devices.load(device or "this-machine")
-    insitu_fits = []
+    insitu_fits, profiles = [], {d: [] for d in DESIGNS}
     for r in range(rounds):
         # as many readers as the packed engine's bench runs have (their peak bandwidth: one read's times that)
         now = devices.probe_reader(resolve_pack("demo", "contiguous", "q4", "q4"), workers=slot_readers())
         insitu_fits.append({"reads": now.sources["fit"], "wake_s": now.sources["wake_s"]})
-        # the compute thread's wake-up after a blocking wait, measured with the reads, in every method's compute
-        cps = {kind: dataclasses.replace(measure_compute("demo", spec, kind), wake_s=now.sources["wake_s"])
-               for kind in {get_preset(d).storage.experts for d in DESIGNS}}
+        # each design's profile, measured in runs of its own (every expert in memory; at budget 0.5 for what its
+        # reads cost), on the same trace; the compute thread's wake-up after a blocking wait, measured with the reads
+        cps = {d: dataclasses.replace(measure_compute("demo", spec, get_preset(d).storage.experts, preset=d,
+                                                      routing_trace=TRACE), wake_s=now.sources["wake_s"])
+               for d in DESIGNS}
         for d in DESIGNS:
+            profiles[d].append(dataclasses.asdict(cps[d]))
             budget = "all" if d == "resident" else "0.25"
             m = bench("demo", d, budget=budget, tokens=tokens, prompt=PROMPT, routing_trace=TRACE, device=device)
-            kw = dict(tokens=tokens, prompt=P, compute=cps[get_preset(d).storage.experts], workers=m["reader_workers"], record=False)
+            kw = dict(tokens=tokens, prompt=P, compute=cps[d], workers=m["reader_workers"], record=False)
             s = simulate(TRACE, d, budget, stored, **kw)
             floor = devices.Slowest(stored, now) if device else now
             s2 = simulate(TRACE, d, budget, floor, **kw)
-            kw["compute"] = compute_from_run(m, spec, cps[get_preset(d).storage.experts])
+            kw["compute"] = compute_from_run(m, spec, cps[d])
             s3 = simulate(TRACE, d, budget, floor, **kw)
             for k, v in (("measured", m["tok_s"]), ("simulated", s["tok_s"]), ("simulated_in_situ", s2["tok_s"]),
                          ("simulated_run_compute", s3["tok_s"]),
@@ -216,7 +220,7 @@ def calibrate(rounds, tokens, device=None, log=print):
                     "sim_over_measured": ss["median"] / mm["median"], "in_situ_over_measured": si["median"] / mm["median"],
                     "hit_measured": statistics.median(x["hit_measured"]), "hit_simulated": statistics.median(x["hit_simulated"])})
     return {"device": device or "this-machine", "emulated": bool(device), "rounds": rounds, "tokens": tokens, "rows": out,
-            "in_situ_reads": insitu_fits}
+            "in_situ_reads": insitu_fits, "compute_profiles": profiles}
 
 
 def les_ladder(tokens, budget="0.1"):
@@ -286,7 +290,7 @@ def ufs35b(rounds, tokens, model_dir, log=print):
         for d in arms:
             m = bench(model_dir, d, budget="0.25", tokens=tokens, prompt=[1, 2, 3, 4], routing_trace=TRACE,
                       device="ufs22-phone")
-            cp = measure_compute(model_dir, spec, get_preset(d).storage.experts)
+            cp = measure_compute(model_dir, spec, get_preset(d).storage.experts, preset=d, routing_trace=TRACE)
             kw = dict(tokens=tokens, prompt=4, compute=cp, spec=spec, workers=m["reader_workers"], record=False)
             s = simulate(TRACE, d, "0.25", ufs, **kw)
             s3 = simulate(TRACE, d, "0.25", ufs, **{**kw, "compute": compute_from_run(m, spec, cp)})
@@ -408,7 +412,7 @@ def split_table(rows: dict) -> list[str]:
 
 
 def markdown(res: dict, cmd: str) -> str:
-    L = [f"# The papers' regime: calibration and ladders", "",
+    L = ["# The papers' regime: calibration and ladders", "",
          f"`{cmd}` ({res['when']}, load average at start {res['load']}). 2 cores (above about 1, other jobs "
          "shared them and every timing below is under that load); emulated numbers are this machine's "
          "reads slowed to a device profile (`data/devices/`), simulated numbers come from `simulate` (no model run).", ""]
@@ -416,7 +420,10 @@ def markdown(res: dict, cmd: str) -> str:
         L += [f"## Calibration: simulated vs measured, {'EMULATED ' if cal['emulated'] else ''}{cal['device']}", "",
               f"Demo model driven by the demo trace, budget 0.25 (resident: all), {cal['tokens']} tokens, "
               f"{cal['rounds']} alternating rounds, median (min-max).", "",
-              "Simulated three ways: (A) reads by the stored profile, compute by a separate measured profile; (B) reads "
+              "Simulated three ways: (A) reads by the stored profile, compute by a profile of the design measured in "
+              "two runs of its own on the same trace (never the run it predicts): every expert in memory for dense, router "
+              "(its predictor inside) and other time, and budget 0.5 for what a read costs the compute thread (an issue, "
+              "taking it in and computing on its fresh bytes: the streamer's own timers); (B) reads "
               "floored at this machine's reads through the engine's reader now, same compute; (C) as B, with the compute, "
               "router and other time of the measured run itself, so only the flash model (reads, waits, overlap) is "
               "predicted.", "",
@@ -431,6 +438,11 @@ def markdown(res: dict, cmd: str) -> str:
                      f"{r['hit_measured']:.3f} | {r['hit_simulated']:.3f} |")
         fits = "; ".join(", ".join(f"{p['size'] // 1024} KiB {p['median_s'] * 1e3:.3f} ms" for p in f["reads"])
                          + f", wake-up {f['wake_s'] * 1e6:.0f} us" for f in cal["in_situ_reads"])
+        if "compute_profiles" in cal:
+            us = lambda d, k: statistics.median(c[k] for c in cal["compute_profiles"][d]) * 1e6
+            L += ["", "A's profiles, medians over the rounds (us): " + "; ".join(
+                f"{d}: issue {us(d, 'issue_call_s'):.0f} + {us(d, 'issue_s'):.0f} an expert, taken in "
+                f"{us(d, 'land_s'):.0f}, router {us(d, 'router_s'):.0f} a layer" for d in cal["compute_profiles"]) + "."]
         L += ["", "In-situ reads (one at a time through the engine's reader pool, median per size, from the submit to "
               "the reader's stamp of its landing; then the waiting thread's wake-up, charged per blocking wait; each "
               f"round): {fits}.", ""]

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
-import statistics
 import time
 import zlib
 from dataclasses import dataclass
@@ -66,7 +65,10 @@ class ComputeProfile:
     reader_holds_gil: bool = True   # the reader's per-expert work takes the compute thread's GIL (numpy's dequant,
                                     # Python reader threads); not the packed engine's GIL-free readers (slot_reads)
     wake_s: float = 0.0       # per blocking wait: from the read it waits for landing to the compute thread running
-    source: str = ""          # again (its poll returning, the settle); probe_reader measures it
+                              # again (its poll returning, the settle); probe_reader measures it
+    land_s: float = 0.0       # per expert read, when the compute thread takes it in (its read settled, its crc
+                              # compared, the cache entry made the slot) and computes on its fresh bytes
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -101,10 +103,11 @@ class _Read:
     """A cache entry on the virtual clock: in flight until `ready` (ExpertCache asks done()): the read's end, then
     (if it ended while the compute thread held the GIL) the wait for the GIL, then the dequants of its read up to and
     including its own, each at the contended speed if the compute thread was computing when the read ended."""
-    __slots__ = ("end", "k", "clock", "dq", "dq_busy")
+    __slots__ = ("end", "k", "clock", "dq", "dq_busy", "taken")
 
-    def __init__(self, end: float, clock, k: int = 0, dq: float = 0.0, dq_busy: float = 0.0):
+    def __init__(self, end: float, clock, k: int = 0, dq: float = 0.0, dq_busy: float = 0.0, taken: bool = False):
         self.end, self.k, self.clock, self.dq, self.dq_busy = end, k, clock, dq, dq_busy
+        self.taken = taken          # taken in by the compute thread (ComputeProfile.land_s paid)
 
     @property
     def ready(self) -> float:
@@ -212,7 +215,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     clock = _Clock(switch_s)
     pool = _Pool(workers, device, compute.dequant_s, split)
     resident = budget_bytes >= total
-    landed = _Read(-1.0, clock)
+    landed = _Read(-1.0, clock, taken=True)
     if resident:
         for L in spec.moe_layers:
             for e in range(spec.num_experts):
@@ -268,6 +271,9 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
         clock.now = max([clock.now] + [cache.peek(k).ready for k in cache.keys(L) if isinstance(cache.peek(k), _Read)])
     t_decode = clock.now
     at_decode = list(cache.keys())                   # what any policy starts decoding with (Belady too)
+    for k in at_decode:
+        if isinstance(ent := cache.peek(k), _Read):
+            ent.taken = True                         # taken in while the prompt ran
     pool.dequants = []                               # the prompt's dequants are done before decoding starts
     steps = max(0, tokens - 1)
     produced, step, n_spec = 0, 1, preset.execution.speculative
@@ -290,6 +296,13 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     # a later layer of this token, or (layer, token) of a later token (Edge0's prerouter)
                     named.setdefault(target[0] if isinstance(target, tuple) else target, []).extend(experts)
             ready, pending, backlog = [], {}, []
+
+            def take(ent):
+                """The compute thread takes a landed read in (once)."""
+                if not ent.taken:
+                    ent.taken = True
+                    work(compute.land_s)
+
             for e in needed:
                 k = (L, e)
                 ent = cache.get(k)
@@ -301,6 +314,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     ev["misses"] += 1
                 elif ent.done():
                     ev["hits"] += 1
+                    take(ent)
                     ready.append(e)
                 else:
                     ev["misses"] += 1
@@ -325,15 +339,16 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                         prefetched.update(then)
                         n["issued"] += len(then)
 
-            def run(e):
-                work(compute.expert_s * uses[e])
-                ev["compute_s"] += compute.expert_s * uses[e]
-                protect.discard((L, e))
+            def run(es):
+                """One compute call on the experts `es` (in memory together)."""
+                t = sum(compute.expert_s * uses[e] for e in es)
+                protect.difference_update((L, e) for e in es)
+                work(t)
+                ev["compute_s"] += t
 
             issue_backlog(predicted=True)
             if preset.execution.order is Order.READY_FIRST:
-                for e in ready:
-                    run(e)
+                run(ready)
                 ready = []
             while pending or backlog or ready:
                 if pending and (preset.execution.order is Order.WAIT_ALL or not ready):
@@ -345,10 +360,9 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     ev["wait_s"] += wait
                     n["wait"] += wait
                     for e in sorted((e for e, r in pending.items() if r.done()), key=lambda e: pending[e].ready):
-                        pending.pop(e)
+                        take(pending.pop(e))
                         ready.append(e)
-                for e in ready:
-                    run(e)
+                run(ready)
                 ready = []
                 issue_backlog()
                 if backlog and not pending:          # every free slot holds a read in flight: wait for one
@@ -495,26 +509,41 @@ def shape_spec(shape: str, meta: dict, traced: MoESpec) -> tuple[MoESpec, str]:
                   f"{r * meta['num_experts']} experts ({r} x the trace's) on the trace's {len(traced.moe_layers)} MoE layers")
 
 
-def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, engine: str | None = None) -> ComputeProfile:
-    """This engine's compute, measured: the model resident for dense/router/other per layer and token; expert
-    compute and what a reader thread does per expert timed on this spec's expert shape with the engine's own
-    kernels: the numpy engine's matmuls and codec (dequant), or the packed engine's compiled kernels on the encoded
-    bytes, one call per layer's top-k, and the crc its readers check (`dequant_s` is then that check)."""
-    from workbench.session import Session
+def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, engine: str | None = None,
+                    preset=None, routing_trace: str | None = None, stream_budget: str = "0.5") -> ComputeProfile:
+    """This engine's compute, measured in two runs of the model as `preset` (None: resident), driven by
+    `routing_trace` if given (as the runs it predicts are):
+      every expert in memory   dense, router (the predictor's naming inside) and other time per layer and token,
+                               expert compute per expert on bytes in memory
+      at `stream_budget`       what reading costs the compute thread, from the streamer's own timers: an issue (per
+                               submit and per expert, fitted over the layers' issues), taking a landed read in (less
+                               what a layer's look at its experts costs with every one in memory), and computing
+                               on bytes just read instead of bytes long in memory (per expert read)
+    Expert compute and what a reader thread does per expert are then timed on this spec's expert shape with the
+    engine's own kernels: the numpy engine's matmuls and codec (dequant), or the packed engine's compiled kernels on
+    the encoded bytes, one call per layer's top-k, and the crc its readers check (`dequant_s` is then that check)."""
+    from experiments.bench import open_session
+    from workbench.presets import get_preset
     from workbench.store import quant
-    with Session(model, "resident", engine=engine, experts=experts) as s:     # the kernels of this precision
-        s.generate([1, 2, 3, 4], tokens=4)          # warm-up, as bench's: kernels compiled or loaded untimed
-        s.reset_telemetry()
-        s.generate([1, 2, 3, 4], tokens=tokens)
-        dec = [t for t in s.tel.tokens if t.phase == "decode"]
-        evs = [e for e in s.tel.events if e.phase == "decode"]
-        nl, steps = len(s.spec.moe_layers), max(1, len(dec))
-        dense = (sum(t.compute_s for t in dec) - sum(e.compute_s for e in evs)) / steps / nl
-        router = sum(e.router_s for e in evs) / max(1, len(evs))
-        other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
-        expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
-        measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
-    issue_call, issue = _issue_cost(model, experts, engine)
+    p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
+    p = p.with_(experts=experts)
+    runs = {}
+    for budget in ("all", stream_budget):
+        with open_session(model, p, budget=budget, prompt=[1, 2, 3, 4], tokens=tokens, routing_trace=routing_trace,
+                          engine=engine) as s:
+            s.generate([1, 2, 3, 4], tokens=4)          # warm-up, as bench's: kernels compiled or loaded untimed
+            s.reset_telemetry()
+            s.generate([1, 2, 3, 4], tokens=tokens)
+            runs[budget] = ([t for t in s.tel.tokens if t.phase == "decode"],
+                            [e for e in s.tel.events if e.phase == "decode"])
+            measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
+    dec, evs = runs["all"]
+    nl, steps = len(measured_model.moe_layers), max(1, len(dec))
+    dense = (sum(t.compute_s for t in dec) - sum(e.compute_s for e in evs)) / steps / nl
+    router = sum(e.router_s for e in evs) / max(1, len(evs))
+    other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
+    expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
+    issue_call, issue, land = _read_costs(evs, runs[stream_budget][1], expert_measured)
     rng = np.random.default_rng(0)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
@@ -541,14 +570,16 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                                                                                   measured_model.hidden_size)
     from workbench import slot_reads
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
-                          issue_call_s=issue_call,
+                          issue_call_s=issue_call, land_s=land,
                           reader_holds_gil=not (packed and slot_reads.AVAILABLE),
                           dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
                               np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
-                                 f"loaded), {name} engine: {model} resident for dense/router/other; expert and {experts} "
-                                 f"{'crc check' if packed else 'dequant'} at d={d}, ff={ff} with the engine's kernels; "
-                                 f"issues through its streamer")
+                                 f"loaded), {name} engine: {model} as {p.name}{' (routing trace)' if routing_trace else ''} with "
+                                 f"every expert in memory for dense/router/other, at budget {stream_budget} for "
+                                 f"issues and reads taken in (the streamer's timers, {p.storage.layout.value} "
+                                 f"layout); expert and {experts} "
+                                 f"{'crc check' if packed else 'dequant'} at d={d}, ff={ff} with the engine's kernels")
 
 
 def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> ComputeProfile:
@@ -652,30 +683,22 @@ def _mlp_time(mlp, d: int, ff: int, reps: int = 20) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _issue_cost(model: str, experts: str, engine: str | None, reps: int = 48) -> tuple[float, float]:
-    """The compute thread's cost of an issue through the engine's own streamer (a slot reserved in the cache and
-    claimed in the arena per expert, then one submit to the reader pool), as (per call, per expert): fitted to
-    the medians of calls of one expert and of top-k experts, each read then landed and evicted before the next."""
-    from workbench.session import Session
-    with Session(model, "resident", budget="0.25", engine=engine, experts=experts) as s:
-        st, k, L = s.streamer, max(2, s.spec.top_k), s.spec.moe_layers[0]
-        took = {1: [], k: []}
-        for _ in range(reps):
-            for n in took:
-                keys = [(L, e) for e in range(n)]
-                t0 = time.perf_counter()
-                for key in keys:
-                    st._reserve(key)
-                st._issue(keys, priority=1)
-                took[n].append(time.perf_counter() - t0)
-                for key in keys:
-                    st._wait([s.cache.peek(key)], key, every=True)
-                    s.cache.drop(key)
-                if s.arena is not None:
-                    s.arena.release(keys)
-    one, many = (statistics.median(took[n]) for n in took)
-    per_expert = max(0.0, (many - one) / (k - 1))
-    return max(0.0, one - per_expert), per_expert
+def _read_costs(resident_events, stream_events, expert_s: float) -> tuple[float, float, float]:
+    """(per issue, per expert issued, per expert read taken in and computed) from the streamer's own timers in a
+    streaming run (telemetry.LayerEvent), less what the same layers cost with every expert in memory."""
+    issued = [e for e in stream_events if e.issues]
+    per_call = per_expert = 0.0
+    if issued:
+        A = np.array([[e.issues, e.issued] for e in issued], float)
+        fit = np.linalg.lstsq(A, np.array([e.issue_s for e in issued]), rcond=None)[0]
+        per_call, per_expert = (max(0.0, float(x)) for x in fit)
+        if fit[0] < 0 or fit[1] < 0:         # collinear counts: all of it per expert
+            per_call, per_expert = 0.0, sum(e.issue_s for e in issued) / sum(e.issued for e in issued)
+    taken = sum(e.taken for e in stream_events)
+    look = sum(e.take_s for e in resident_events) / max(1, len(resident_events))
+    take = sum(e.take_s for e in stream_events) - look * len(stream_events)
+    fresh = sum(e.compute_s for e in stream_events) - expert_s * sum(len(e.routed) for e in stream_events)
+    return per_call, per_expert, max(0.0, (take + fresh) / taken) if taken else 0.0
 
 
 def load_compute(path) -> ComputeProfile:

@@ -103,6 +103,19 @@ def test_a_wait_that_blocks_costs_one_wake_up_and_a_landed_read_none():
     assert res["flash_wait_s"] == pytest.approx(1.95 * MS, abs=1e-12)
 
 
+def test_each_read_costs_the_compute_thread_its_take_in_once_and_a_cached_expert_none():
+    """As the first schedule, with a 0.1 ms take-in per read (ComputeProfile.land_s): both reads land by 3.5 ms and
+    are taken in then, one after the other (3.5 -> 3.7), then computed (-> 4.2). Token 2 routes the same experts,
+    now cached: no take-in, router and compute only (0.5 + 0.5 ms)."""
+    cpu = dataclasses.replace(CPU, land_s=0.1 * MS)
+    drive = Drive([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 2]}])
+    p = get_preset("on_demand").with_(layout="contiguous")
+    res = simulate_run(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=3, prompt=1, workers=2, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(0.5 * MS + 3 * MS + 0.2 * MS + 0.5 * MS + 1.0 * MS, abs=1e-12)
+    assert res["flash_wait_s"] == pytest.approx(3 * MS, abs=1e-12)
+    assert (res["hits"], res["misses"]) == (2, 2)
+
+
 def test_adjacent_experts_merge_into_one_read_as_the_reader_merges_them():
     """Experts 0 and 1 are adjacent in the pack: one 8 KB read, alone: 1 + 2 ms, from 0.5 ms."""
     drive = Drive([{0: [2, 3]}, {0: [0, 1]}])
@@ -223,7 +236,7 @@ def test_bad_simulate_input_is_a_one_line_error(tmp_path, capsys):
 def test_compute_profile_is_measured_on_the_engine_that_runs():
     """The packed engine computes from the bytes read: its profile times its compiled kernel and, per expert read,
     the crc its reader checks (nothing is dequantized); the numpy engine's times its codec. Both are positive
-    measurements labelled with the engine."""
+    measurements labelled with the engine, with what an issue of reads costs measured in a streaming run."""
     from experiments.simulate import measure_compute
     from workbench.store.pack import Pack
     from workbench.registry import resolve_pack
@@ -234,6 +247,7 @@ def test_compute_profile_is_measured_on_the_engine_that_runs():
     assert "numpy engine" in numpy_.source and "dequant" in numpy_.source
     for cp in (packed, numpy_):
         assert cp.expert_s > 0 and cp.dequant_s > 0 and cp.dense_s > 0
+        assert cp.issue_call_s + cp.issue_s > 0 and "budget 0.5" in cp.source     # its reads, in a streaming run
 
 
 def test_speculative_verification_reads_the_batchs_union_once_and_computes_each_token_expert_pair():
@@ -264,3 +278,26 @@ def test_gil_free_readers_check_a_read_beside_the_work_without_taking_its_time()
     res = simulate_run(drive, spec(), get_preset("les"), str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1,
                        workers=1, plan=PLAN, shared_cpu=cpu.reader_holds_gil)
     assert res["decode_s"] == pytest.approx(6.5 * MS, abs=1e-12) and res["flash_wait_s"] == pytest.approx(0, abs=1e-12)
+
+
+@pytest.mark.parametrize("preset", ["on_demand", "les"])
+def test_the_streamers_timers_see_every_read_it_issues_and_takes_in(preset):
+    """What the simulator's profile measures (ComputeProfile issue and land costs) comes from the streamer's own
+    counts: every expert it reads is issued once (the reader's bytes are the issued experts' reads) and taken in
+    at most once; on_demand, which waits for its reads in the layer, takes in each one it issued. With every
+    expert in memory nothing is issued."""
+    from workbench.io import ALIGN
+    from workbench.session import Session
+    with Session("demo", preset, budget="0.25") as s:
+        s.generate([1, 2, 3, 4], tokens=6)
+        dec = [e for e in s.tel.events if e.phase == "decode"]
+        toks = [t for t in s.tel.tokens if t.phase == "decode"]
+        read = sum(-(-n // ALIGN) * ALIGN for _, n in s.pack.expert_reads(s.spec.moe_layers[0], 0))     # as read
+        issued, taken = sum(e.issued for e in dec), sum(e.taken for e in dec)
+        assert issued > 0 and sum(e.issue_s for e in dec) > 0 and sum(e.take_s for e in dec) > 0
+        assert taken <= issued
+        if preset == "on_demand":
+            assert taken == issued and sum(t.bytes_read for t in toks) == issued * read
+    with Session("demo", preset, budget="all") as s:
+        s.generate([1, 2, 3, 4], tokens=4)
+        assert sum(e.issued + e.taken for e in s.tel.events if e.phase == "decode") == 0

@@ -127,8 +127,10 @@ class ExpertStreamer:
             raise
         return self.arena.where[key] if self.arena is not None else w
 
-    def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0) -> list[int]:
-        """Predicted experts of `layer` at `token`: start reads for those not in memory. Never evicts `protect`."""
+    def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0, ev: LayerEvent | None = None) -> list[int]:
+        """Predicted experts of `layer` at `token`: start reads for those not in memory. Never evicts `protect`.
+        ev: the layer event that pays for the issue (its issue_s, issues, issued)."""
+        t0 = time.perf_counter()
         keys = []
         for e in experts:
             key = (layer, int(e))
@@ -142,6 +144,10 @@ class ExpertStreamer:
             for k in keys:
                 self.prefetched[k] = (nbytes // len(keys), token)
             self.tel.prefetch_issued += len(keys)
+            if ev is not None:
+                ev.issue_s += time.perf_counter() - t0
+                ev.issues += 1
+                ev.issued += len(keys)
         return [k[1] for k in keys]
 
     def load_resident(self, keys, pin=True):
@@ -188,6 +194,7 @@ class ExpertStreamer:
         that is in memory together (ready_first: what is there, then each arrival; wait_all: one batch)."""
         protect = {(layer, e) for e in needed}
         ready, pending, backlog = [], {}, []
+        t_take = time.perf_counter()
         for e in needed:
             key = (layer, e)
             ent = self.cache.get(key)
@@ -204,6 +211,7 @@ class ExpertStreamer:
                 if ent.done():                                # a prefetch that landed in time (a failed read raises)
                     ev.hit.append(True)
                     self.cache.set(key, self._landed(key, ent))
+                    ev.taken += 1
                     ready.append(e)
                 else:
                     ev.hit.append(False)                      # a late prefetch: still in flight
@@ -211,11 +219,13 @@ class ExpertStreamer:
             else:
                 ev.hit.append(True)
                 ready.append(e)
+        ev.take_s += time.perf_counter() - t_take
         for key in [k for k, (_, t) in self.prefetched.items() if k[0] == layer and t <= ev.token]:
             self.tel.prefetch_wasted += 1                 # predicted for this layer and token, not used
             self.tel.wasted_bytes += self.prefetched.pop(key)[0]
 
         def issue_backlog():
+            t0 = time.perf_counter()
             keys = []
             while backlog:
                 key = (layer, backlog[0])
@@ -227,6 +237,9 @@ class ExpertStreamer:
                 ev.bytes_read += self._issue(keys)
                 for k in keys:
                     pending[k[1]] = self.cache.peek(k)
+                ev.issue_s += time.perf_counter() - t0
+                ev.issues += 1
+                ev.issued += len(keys)
 
         def run(es):
             if not es:
@@ -240,7 +253,7 @@ class ExpertStreamer:
         if self.to_prefetch:                # the predictor's reads, queued behind this layer's demand reads
             t0 = time.perf_counter()
             for (target, token), experts in self.to_prefetch:
-                self.prefetch(target, experts, protect=protect, token=token)
+                self.prefetch(target, experts, protect=protect, token=token, ev=ev)
             self.to_prefetch.clear()
             ev.router_s += time.perf_counter() - t0
         if self.execution == "ready_first":
@@ -254,9 +267,12 @@ class ExpertStreamer:
                 dq = sum(getattr(f, "dequant_s", 0.0) for f in done)
                 ev.dequant_s += min(waited, dq)
                 ev.wait_s += waited - min(waited, dq)
+                t0 = time.perf_counter()
                 for e in [e for e, f in pending.items() if f in done]:
                     self.cache.set((layer, e), self._landed((layer, e), pending.pop(e)))
                     ready.append(e)
+                    ev.taken += 1
+                ev.take_s += time.perf_counter() - t0
             run(sorted(ready))
             ready = []
             issue_backlog()

@@ -25,6 +25,12 @@ class LayerEvent:
     dequant_s: float = 0.0      # the part of the blocked time spent dequantizing
     compute_s: float = 0.0
     router_s: float = 0.0
+    # inside the split above, what reading costs the compute thread (the simulator's compute profile measures them):
+    issue_s: float = 0.0        # issuing reads (slots reserved and claimed, submits): demand ones in other, the
+    issues: int = 0             # predictor's in router_s; issues: submits, issued: experts
+    issued: int = 0
+    take_s: float = 0.0         # taking landed reads in (settled, crc compared, the cache entry made the slot)
+    taken: int = 0
     t_start: float = 0.0
     t_end: float = 0.0
 
