@@ -46,11 +46,13 @@ def slot_bytes(pack) -> int:
 
 class SlotArena:
     def __init__(self, pack, cache):
-        self.layouts = {L: slot_layout(pack, L) for L in pack.spec.moe_layers}    # MoE layer -> (regions, parts)
+        layouts = {}                                # one object per distinct layout (layers share it)
+        self.layouts = {L: layouts.setdefault(repr(lay := slot_layout(pack, L)), lay) for L in pack.spec.moe_layers}
         self.slot_bytes = slot_bytes(pack)
         self.blocks: dict[int, np.ndarray] = {}     # MoE layer -> its pool's block (n slots * slot_bytes)
         self._free: dict[int, list] = {}            # id(block) -> its free slots
         self.where: dict = {}                       # expert key -> byte offset of its slot in its layer's block
+        self._views: dict = {}                      # (id of a block, of a layout's regions, slot offset) -> buffers
         by_pool = {}
         for L in pack.spec.moe_layers:
             pool = cache.pools[L]
@@ -66,15 +68,18 @@ class SlotArena:
 
     def claim(self, key) -> list[np.ndarray]:
         """A slot for `key` (just reserved in the cache): the buffers its reads land in, one per read."""
-        block = self.blocks[key[0]]
-        free = self._free[id(block)]
-        if key in self.where:                   # read again while the cache still holds it: the same slot
-            base = self.where[key]
-        elif free:
+        base = self.where.get(key)              # read again while the cache still holds it: the same slot
+        if base is None:
+            free = self._free[id(self.blocks[key[0]])]
+            if not free:
+                raise RuntimeError(f"expert {key}: every slot holds an expert the cache still has")
             base = self.where[key] = free.pop() * self.slot_bytes
-        else:
-            raise RuntimeError(f"expert {key}: every slot holds an expert the cache still has")
-        return [block[base + off:base + off + n] for off, n in self.layouts[key[0]][0]]
+        block, regions = self.blocks[key[0]], self.layouts[key[0]][0]
+        at = (id(block), id(regions), base)
+        views = self._views.get(at)
+        if views is None:                       # made once per slot and layout: a claim is then a lookup
+            views = self._views[at] = [block[base + off:base + off + n] for off, n in regions]
+        return views
 
     def release(self, keys):
         """The cache evicted these experts: their slots are free."""

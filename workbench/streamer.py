@@ -43,6 +43,7 @@ class ExpertStreamer:
         self.prefetched: dict[tuple, tuple] = {}   # key -> (bytes, token), issued by a predictor, not yet consumed
         self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
         self.to_prefetch: list = []     # ((layer, token index), experts) named by begin_layer, read by run_layer
+        self._plan: dict = {}           # key -> what reading it into a slot takes (_plan_of)
 
     # ------------------------------------------------------------ reads
 
@@ -55,9 +56,9 @@ class ExpertStreamer:
 
     def _issue(self, keys: list[tuple], priority: int = 0) -> int:
         """Start reads for keys (slots already reserved); returns bytes requested. priority: 0 demand, 1 prefetch."""
-        reads = {key: self.pack.expert_reads(*key) for key in keys}
         if self.arena is not None:
-            return self._issue_into_slots(keys, reads, priority)
+            return self._issue_into_slots(keys, priority)
+        reads = {key: self.pack.expert_reads(*key) for key in keys}
         futs = self.reader.submit([((key, i), off, n) for key in keys for i, (off, n) in enumerate(reads[key])])
         total = 0
         for key in keys:
@@ -111,12 +112,24 @@ class ExpertStreamer:
                                  f"({n} bytes) did not complete within {self.read_timeout:g} s (stalled disk?)")
         return done
 
-    def _issue_into_slots(self, keys, reads, priority) -> int:
-        requests = [(key, [(off, buf) for (off, _), buf in zip(reads[key], self.arena.claim(key))]) for key in keys]
-        checks = {key: self.pack.expert_check(*key) for key in keys}    # the crc, by the reader; nothing is decoded
+    def _issue_into_slots(self, keys, priority) -> int:
+        claim, plan = self.arena.claim, self._plan
+        requests, checks, total = [], {}, 0
+        for key in keys:
+            offsets, check, nbytes = plan.get(key) or self._plan_of(key)
+            requests.append((key, list(zip(offsets, claim(key)))))
+            checks[key] = check                 # the crc, by the reader; nothing is decoded
+            total += nbytes
+        cache_set = self.cache.set
         for key, fut in self.reader.submit_into(requests, priority, checks).items():
-            self.cache.set(key, fut)
-        return sum(n for key in keys for _, n in reads[key])
+            cache_set(key, fut)
+        return total
+
+    def _plan_of(self, key) -> tuple:
+        """(file offsets of its reads, its crc check, bytes read) of an expert, worked out once."""
+        reads = self.pack.expert_reads(*key)
+        self._plan[key] = plan = ([off for off, _ in reads], self.pack.expert_check(*key), sum(n for _, n in reads))
+        return plan
 
     def _landed(self, key, fut):
         """What the cache holds once a read has landed: the arena's slot offset, or the decoded expert."""
@@ -195,30 +208,28 @@ class ExpertStreamer:
         protect = {(layer, e) for e in needed}
         ready, pending, backlog = [], {}, []
         t_take = time.perf_counter()
+        hit, get, prefetched = ev.hit, self.cache.get, self.prefetched
         for e in needed:
             key = (layer, e)
-            ent = self.cache.get(key)
-            if key in self.prefetched:
+            ent = get(key)
+            if key in prefetched:
                 self.tel.prefetch_used += 1
-                self.prefetched.pop(key)
-            if isinstance(ent, IN_FLIGHT) and ent.done() and ent.exception() is not None:
-                self.cache.drop(key)        # a read that failed earlier (a prefetch, a failed request): read it again
-                ent = None
-            if ent is None:
-                backlog.append(e)
-                ev.hit.append(False)
-            elif isinstance(ent, IN_FLIGHT):
-                if ent.done():                                # a prefetch that landed in time (a failed read raises)
-                    ev.hit.append(True)
+                del prefetched[key]
+            if isinstance(ent, IN_FLIGHT):
+                if not ent.done():
+                    hit.append(False)                         # a late prefetch: still in flight
+                    pending[e] = ent
+                    continue
+                if ent.exception() is None:                   # a prefetch that landed in time
+                    hit.append(True)
                     self.cache.set(key, self._landed(key, ent))
                     ev.taken += 1
                     ready.append(e)
-                else:
-                    ev.hit.append(False)                      # a late prefetch: still in flight
-                    pending[e] = ent
-            else:
-                ev.hit.append(True)
-                ready.append(e)
+                    continue
+                self.cache.drop(key)        # a read that failed earlier (a prefetch, a failed request): read it again
+                ent = None
+            hit.append(ent is not None)
+            (backlog if ent is None else ready).append(e)
         ev.take_s += time.perf_counter() - t_take
         for key in [k for k, (_, t) in self.prefetched.items() if k[0] == layer and t <= ev.token]:
             self.tel.prefetch_wasted += 1                 # predicted for this layer and token, not used
