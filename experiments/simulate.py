@@ -17,10 +17,13 @@ adjacent reads merged as Reader.submit merges them). What is modelled, mirroring
                   each expert of that read (as the streamer's read callback does), so an expert is ready after both
   compute         a measured profile of this engine (ComputeProfile): dense and router time per layer, expert
                   compute per expert, dequant (the packed engine: the crc check) per expert read, other per token,
-                  and a wake-up per wait that blocked (the compute thread runs again that long after the read lands)
+                  a wake-up per wait that blocked (the compute thread runs again that long after the read lands),
+                  and what reads cost the compute thread: an issue (per submit, per expert) and taking each read
+                  in (with computing on its fresh bytes), measured in a streaming run of the engine
   speculative     (a preset with speculative n) a step verifies the input token and the trace's recorded draft
                   (up to n tokens) in one batch: the layer reads the union of the batch's experts once; dense and
-                  router are charged per row, expert compute per (token, expert) pair; the accepted draft tokens
+                  router are charged for one row plus the measured cost of each further row (row_s), expert
+                  compute per (token, expert) pair; the accepted draft tokens
                   (where the trace's text continues with them) and the step's own token are produced
   prerouter       Edge0's heads, recorded in the trace, name the next token's experts (prefetched a token ahead)
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+import statistics
 import time
 import zlib
 from dataclasses import dataclass
@@ -68,6 +72,8 @@ class ComputeProfile:
                               # again (its poll returning, the settle); probe_reader measures it
     land_s: float = 0.0       # per expert read, when the compute thread takes it in (its read settled, its crc
                               # compared, the cache entry made the slot) and computes on its fresh bytes
+    row_s: float | None = None    # per MoE layer, dense + router time of each row of a batch after the first
+                                  # (speculative verification); None: each row costs what one token does
     source: str = ""
 
 
@@ -285,7 +291,8 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
         n["spec_accepted"] += accepted
         for L in spec.moe_layers:
             ev = layers[L]
-            work((compute.dense_s + compute.router_s) * len(batch))
+            one = compute.dense_s + compute.router_s
+            work(one + (len(batch) - 1) * (one if compute.row_s is None else compute.row_s))
             routed = [set(int(e) for e in drive.route(L, np.zeros((1, 1)), pos.step(b))[0].reshape(-1)) for b in batch]
             uses = {e: sum(e in r for r in routed) for e in set().union(*routed)}     # (token, expert) pairs
             needed = sorted(uses)
@@ -527,7 +534,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     from workbench.store import quant
     p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
     p = p.with_(experts=experts)
-    runs = {}
+    runs, row = {}, None
     for budget in ("all", stream_budget):
         with open_session(model, p, budget=budget, prompt=[1, 2, 3, 4], tokens=tokens, routing_trace=routing_trace,
                           engine=engine) as s:
@@ -537,6 +544,8 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
             s.generate([1, 2, 3, 4], tokens=tokens)
             runs[budget] = ([t for t in s.tel.tokens if t.phase == "decode"],
                             [e for e in s.tel.events if e.phase == "decode"])
+            if budget == "all" and not routing_trace:
+                row = _row_cost(s)
             measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
     dec, evs = runs["all"]
     nl, steps = len(measured_model.moe_layers), max(1, len(dec))
@@ -567,11 +576,13 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     if measured_model.to_dict() != spec.to_dict():
         # another shape: attention projections and the router timed at both shapes, the difference added
         dense += _dense_time(spec) - _dense_time(measured_model)
+        if row is not None:
+            row = max(0.0, row + _row_time(spec) - _row_time(measured_model))
         router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
                                                                                   measured_model.hidden_size)
     from workbench import slot_reads
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
-                          issue_call_s=issue_call, land_s=land,
+                          issue_call_s=issue_call, land_s=land, row_s=row,
                           reader_holds_gil=not (packed and slot_reads.AVAILABLE),
                           dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
                               np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
@@ -659,19 +670,25 @@ def _contended(dequant, compute, n: int = 40) -> float:
     return float(np.mean(times))
 
 
-def _matvec_time(rows: int, cols: int, reps: int = 20) -> float:
+def _matvec_time(rows: int, cols: int, reps: int = 20, tokens: int = 1) -> float:
     w = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32) * 0.02
-    x = np.ones((1, cols), np.float32)
+    x = np.ones((tokens, cols), np.float32)
     t0 = time.perf_counter()
     for _ in range(reps):
         x @ w.T
     return (time.perf_counter() - t0) / reps
 
 
-def _dense_time(spec: MoESpec) -> float:
-    """The attention projections of one layer for one token (q, k, v, o)."""
+def _dense_time(spec: MoESpec, tokens: int = 1) -> float:
+    """The attention projections of one layer for `tokens` tokens (q, k, v, o)."""
     q, kv, d = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
-    return _matvec_time(q, d) + 2 * _matvec_time(kv, d) + _matvec_time(d, q)
+    t = lambda r, c: _matvec_time(r, c, tokens=tokens)
+    return t(q, d) + 2 * t(kv, d) + t(d, q)
+
+
+def _row_time(spec: MoESpec, rows: int = 5) -> float:
+    """What each token after the first adds to one layer's attention projections in a batch of `rows`."""
+    return (_dense_time(spec, rows) - _dense_time(spec)) / (rows - 1)
 
 
 def _mlp_time(mlp, d: int, ff: int, reps: int = 20) -> float:
@@ -684,22 +701,45 @@ def _mlp_time(mlp, d: int, ff: int, reps: int = 20) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _row_cost(s, rows: int = 5, reps: int = 8) -> float:
+    """Per MoE layer, what each row after the first adds to a decode step's dense and router time (a speculative
+    batch of `rows`, the LES ladder's 1 + 4): decode steps of 1 and of `rows` tokens at the session's position, the
+    KV cache truncated back after each, medians."""
+    e, tel, nl = s.engine, s.tel, len(s.spec.moe_layers)
+    took = {1: [], rows: []}
+    for _ in range(reps):
+        for n in took:
+            pos, n_ev = e.pos, len(tel.events)
+            s.step([1] * n, "decode")
+            e.truncate(pos)
+            evs, tok = tel.events[n_ev:], tel.tokens[-1]
+            took[n].append((tok.compute_s - sum(v.compute_s for v in evs) + tok.router_s) / nl)
+    return max(0.0, (statistics.median(took[rows]) - statistics.median(took[1])) / (rows - 1))
+
+
 def _read_costs(resident_events, stream_events, expert_s: float) -> tuple[float, float, float]:
     """(per issue, per expert issued, per expert read taken in and computed) from the streamer's own timers in a
-    streaming run (telemetry.LayerEvent), less what the same layers cost with every expert in memory."""
-    issued = [e for e in stream_events if e.issues]
+    streaming run (telemetry.LayerEvent), less what the same layers cost with every expert in memory. The issue's
+    two costs: a line through the median time of a layer's one submit of n experts, for each n."""
+    by_n: dict = {}             # experts in a layer's one submit -> its times (the median resists a stall)
+    for e in stream_events:
+        if e.issues == 1:
+            by_n.setdefault(e.issued, []).append(e.issue_s)
     per_call = per_expert = 0.0
-    if issued:
-        A = np.array([[e.issues, e.issued] for e in issued], float)
-        fit = np.linalg.lstsq(A, np.array([e.issue_s for e in issued]), rcond=None)[0]
-        per_call, per_expert = (max(0.0, float(x)) for x in fit)
-        if fit[0] < 0 or fit[1] < 0:         # collinear counts: all of it per expert
-            per_call, per_expert = 0.0, sum(e.issue_s for e in issued) / sum(e.issued for e in issued)
+    by_n = {k: v for k, v in by_n.items() if len(v) >= 3} or by_n     # a size seen once or twice: a stall decides it
+    if by_n:
+        n = np.array(sorted(by_n), float)
+        med = np.array([statistics.median(by_n[k]) for k in sorted(by_n)])
+        w = np.sqrt([len(by_n[k]) for k in sorted(by_n)])
+        if len(n) > 1:
+            per_expert, per_call = np.linalg.lstsq(np.c_[n, np.ones_like(n)] * w[:, None], med * w, rcond=None)[0]
+        if len(n) == 1 or per_expert < 0 or per_call < 0:      # one size, or a fit that makes no sense: per expert
+            per_call, per_expert = 0.0, float(np.sum(med * w ** 2) / np.sum(n * w ** 2))
     taken = sum(e.taken for e in stream_events)
     look = sum(e.take_s for e in resident_events) / max(1, len(resident_events))
     take = sum(e.take_s for e in stream_events) - look * len(stream_events)
     fresh = sum(e.compute_s for e in stream_events) - expert_s * sum(len(e.routed) for e in stream_events)
-    return per_call, per_expert, max(0.0, (take + fresh) / taken) if taken else 0.0
+    return float(per_call), float(per_expert), max(0.0, (take + fresh) / taken) if taken else 0.0
 
 
 def load_compute(path) -> ComputeProfile:

@@ -269,6 +269,20 @@ def test_speculative_verification_reads_the_batchs_union_once_and_computes_each_
     assert (res["spec_steps"], res["spec_accepted"]) == (1, 1)
 
 
+def test_a_batchs_further_rows_cost_what_the_engine_measures_for_them():
+    """The schedule above with each row after the first costing 0.2 ms of dense and router time (ComputeProfile.row_s,
+    measured on the engine) instead of a whole token's 0.5 ms: the reads start at 0.7 ms, land at 2.7 and 3.7, and
+    the 4 pairs are computed 3.7 -> 4.7 ms."""
+    class Speculative(Drive):
+        def draft(self, token_index, n):
+            return [99], 1
+    drive = Speculative([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 1]}])
+    p = get_preset("on_demand").with_(layout="contiguous", speculative=1)
+    cpu = dataclasses.replace(CPU, row_s=0.2 * MS)
+    res = simulate_run(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=3, prompt=1, workers=2, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(4.7 * MS, abs=1e-12)
+
+
 def test_gil_free_readers_check_a_read_beside_the_work_without_taking_its_time():
     """As above, with the packed engine's GIL-free readers (shared_cpu=False, ComputeProfile.reader_holds_gil): the
     read of 1 ends at 2.5 ms while the hit computes (0.5 -> 3.5) and its 1 ms check runs on the reader's core, at
