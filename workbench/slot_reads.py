@@ -243,9 +243,13 @@ class SlotReads:
 
     CAPACITY = 1024         # job rows: reads queued or in flight at once (a submit of more waits for room)
     # Idle readers that poll the pipes before they sleep, and for how long; how long a waiting thread looks again at
-    # once before it sleeps. Against sleeping at once, in one process alternating (demo, budget 0.25, 10 rounds of
-    # 64 tokens): on_demand 1.21x, les 1.23x, smol 1.32x, oracle 1.29x tok/s (one spinner, no waiting spin: 1.05-1.15x).
-    SPINNERS, SPIN_US, WAIT_SPIN_S = 2, 2000, 1e-3
+    # once before it sleeps. A polling reader catches the next read of a burst (a layer's reads, then the next
+    # layer's) without a wake-up, but takes a core the compute thread may want: the best setting moves with the
+    # machine. Alternating in one process (demo, budget 0.25, 64 tokens): on a machine whose wake-ups cost 20-300 us,
+    # two polling 2 ms against sleeping at once: on_demand 1.21x, les 1.23x, smol 1.32x, oracle 1.29x tok/s; on the
+    # next (AMD EPYC, 2 cores), one polling 200 us against two polling 2 ms, 8 rounds: les 1.07x, on_demand 1.02x,
+    # oracle 1.06x (none polling: 1.06x, 1.07x, 1.06x); under the emulated UFS phone, 6 rounds: 1.09x, 1.04x, 1.05x.
+    SPINNERS, SPIN_US, WAIT_SPIN_S = 1, 200, 1e-3
 
     def __init__(self, reader):
         capacity = self.CAPACITY
