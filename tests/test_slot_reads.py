@@ -66,6 +66,7 @@ def test_idle_readers_poll_before_they_sleep_and_a_submit_wakes_only_sleeping_on
     submit writes no ticket (a polling reader takes the id); once they sleep, it writes one. The read lands either
     way."""
     monkeypatch.setattr(SlotReads, "SPIN_US", 60_000_000 if polling else 0)
+    monkeypatch.setattr(SlotReads, "SPINNERS", 2)   # both poll: the one that does not take the id still polls
     tickets = []
     write = os.eventfd_write
     monkeypatch.setattr(os, "eventfd_write", lambda fd, n: (tickets.append(n), write(fd, n))[1])
