@@ -483,7 +483,8 @@ def markdown(res: dict, cmd: str) -> str:
               "64 experts) "
               f"with `--device ufs22-phone`, budget 0.25, {x['tokens']} tokens, {x['rounds']} alternating rounds, default "
               "engine; simulated: `simulate` on the same spec, trace and device, (A) compute from this engine measured "
-              "on the checkpoint resident beside each round, (C) compute of the measured run itself.", "",
+              "on the checkpoint beside each round, in runs of the design of its own (every expert in memory; budget 0.5 "
+              "for what its reads cost the compute thread), (C) compute of the measured run itself.", "",
               "| design | measured tok/s | A: simulated | A / measured | C: run's compute | C / measured |",
               "|---|---:|---:|---:|---:|---:|"]
         for d in ("on_demand", "les"):

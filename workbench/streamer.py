@@ -140,7 +140,8 @@ class ExpertStreamer:
             raise
         return self.arena.where[key] if self.arena is not None else w
 
-    def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0, ev: LayerEvent | None = None) -> list[int]:
+    def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0,
+                 ev: LayerEvent | None = None) -> list[int]:
         """Predicted experts of `layer` at `token`: start reads for those not in memory. Never evicts `protect`.
         ev: the layer event that pays for the issue (its issue_s, issues, issued)."""
         t0 = time.perf_counter()
