@@ -277,18 +277,22 @@ class Reader:
         checks = checks or {}
         slots = self._slots or (self._slot_reads() if self._reads_gil_free() else None)
         native = slots is not None
-        futures, ranges = {}, []
+        futures, ranges, total = {}, [], 0
         for key, parts in requests:
+            bufs = [b for _, b in parts]
             if native:
-                fut = SlotRead(slots, key, [b for _, b in parts], checks.get(key))
+                fut = SlotRead(slots, key, bufs, checks.get(key))
             else:
                 fut = cf.Future()
-                fut.bufs, fut.left, fut.check = [b for _, b in parts], 0, checks.get(key)
+                fut.bufs, fut.left, fut.check = bufs, 0, checks.get(key)
             futures[key] = fut
-            ranges += [(off, off + buf.nbytes, (off, buf, key, i, 0)) for i, (off, buf) in enumerate(parts)]
-        merged = _merge(ranges, 0)
+            for i, (off, buf) in enumerate(parts):
+                ranges.append((off, off + buf.nbytes, (off, buf, key, i, 0)))
+                total += buf.nbytes
+        merged = _merge(ranges, 0) if len(ranges) != 1 else [[ranges[0][0], ranges[0][1], [ranges[0][2]]]]
         groups = []
-        for g in _split(merged, self.workers):          # at most IOV buffers a read
+        # no merged read can reach two pieces' size when all of them together do not (split_sizes)
+        for g in _split(merged, self.workers) if total >= 2 * SPLIT else merged:      # at most IOV buffers a read
             members = g[2]
             groups += [g] if len(members) <= IOV else [
                 [ms[0][0], ms[-1][0] + ms[-1][1].nbytes, ms] for ms in (members[at:at + IOV]
