@@ -27,7 +27,8 @@ adjacent reads merged as Reader.submit merges them). What is modelled, mirroring
                   (where the trace's text continues with them) and the step's own token are produced
   prerouter       Edge0's heads, recorded in the trace, name the next token's experts (prefetched a token ahead)
 
-Not modelled: CPU contention between the reader threads and the compute thread (the real run shares cores),
+Not modelled as events: CPU contention between the reader threads and the compute thread (the real run shares
+cores; the profile's costs of issuing and taking in reads, measured in a streaming run, carry its average),
 page-cache effects (reads are O_DIRECT), Python scheduling jitter. The Belady bound replays the same accesses
 with optimal replacement and perfect foresight: its hit rate is the most any policy gets at that budget, and
 its tok/s assumes every miss read is hidden behind compute at the device's peak bandwidth.
