@@ -12,7 +12,8 @@
       task: [arc_easy, piqa]         # eval lm cells only
     bench: {tokens: 32, rounds: 3, prompt: "Once upon a time", page_cache: false, heldout_tokens: 0}
     simulate: {trace: data/traces/demo-tinystories-256.parquet, tokens: 64, prompt_tokens: 4, shape: "", rounds: 1,
-               compute: ""}          # a compute profile JSON (simulate --compute), {experts} its precision; "": measured
+               compute: ""}          # a compute profile JSON (simulate --compute), {preset} its design, {experts} its
+                                     # precision; "": measured
     eval: {data: tinystories, ctx: 512, chunks: 4, limit: 50, page_cache: false}
     arms: [preset, experts]          # axes alternated inside one timing group (the default)
     timing_cpus: 8                   # CPUs a timing group asks for (default: the whole node's)
@@ -231,8 +232,10 @@ def parse_grid(doc: dict, path) -> Grid:
                 raise WorkbenchError(f"{path}: {sec}.{k}: {v!r} is not a {'number' if want is int else want.__name__}")
         sections[sec] = s
     sim = {**SETTINGS["simulate"], **sections["simulate"]}
-    precisions = values.get("experts") or {get_preset(p).storage.experts for p in values.get("preset", ["on_demand"])}
-    for key, files in (("trace", [sim["trace"]]), ("compute", {sim["compute"].format(experts=x) for x in precisions})):
+    presets = values.get("preset", ["on_demand"])
+    precisions = values.get("experts") or {get_preset(p).storage.experts for p in presets}
+    profiles = {sim["compute"].format(experts=x, preset=p) for x in precisions for p in presets}
+    for key, files in (("trace", [sim["trace"]]), ("compute", profiles)):
         for f in sorted(files):
             if "simulate" in kinds and f and not (REPO / f).is_file():
                 raise WorkbenchError(f"{path}: simulate.{key}: no file {f} in {REPO} (its path is relative to the repository)")
@@ -305,7 +308,8 @@ def run_simulate(cell: Cell) -> dict:
     """A simulate cell: `python -m workbench simulate` (run record included), on the grid's compute profile for
     the cell's expert precision, else one measured on the cell's model; returns its result."""
     from experiments.simulate import load_compute, run
-    compute = cell.get("compute").format(experts=cell.preset_obj().storage.experts)
+    p = cell.preset_obj()
+    compute = cell.get("compute").format(experts=p.storage.experts, preset=p.name)
     return run(str(REPO / cell.get("trace")), cell.preset_obj(), cell.budget, cell.device, shape=cell.get("shape") or None,
                tokens=cell.get("tokens"), prompt=cell.get("prompt_tokens"), model=cell.model,
                compute=load_compute(REPO / compute) if compute else None)

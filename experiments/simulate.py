@@ -472,7 +472,9 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     if shape:
         spec, note = shape_spec(shape, meta, spec)
     drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace)
-    compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts)
+    own = model is None or model == meta.get("model")        # the traced model: measured on its own trace
+    compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts, preset=p,
+                                         routing_trace=str(trace_path) if own else None)
     workers = workers or dev.queue_depth
     plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
@@ -534,7 +536,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     from workbench.presets import get_preset
     from workbench.store import quant
     p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
-    p = p.with_(experts=experts)
+    p = p.with_(experts=experts, speculative=0)     # a batch's rows: _row_cost
     runs, row = {}, None
     for budget in ("all", stream_budget):
         with open_session(model, p, budget=budget, prompt=[1, 2, 3, 4], tokens=tokens, routing_trace=routing_trace,
