@@ -48,6 +48,7 @@ from typing import Callable
 
 import numpy as np
 
+from engines import DEFAULT
 from workbench.errors import WorkbenchError
 from workbench.presets import Budget, Preset, get_preset
 from workbench.registry import REPO
@@ -75,7 +76,7 @@ class Cell:
     design: str = ""                 # its name in tables and records (default: the preset's)
     overrides: tuple = ()            # (knob, value) pairs set on the preset
     budget: str | None = None        # None: the preset's own
-    engine: str = "numpy"
+    engine: str = DEFAULT            # the engine bench and the CLI default to (engines.DEFAULT), as the ladders'
     task: str | None = None          # eval lm: comma list of tasks
     settings: tuple = ()             # the kind's settings, and the device profile if the cell has one
 
@@ -115,7 +116,7 @@ class Cell:
                 "device": self.device, "clock": self.clock, "task": self.task}
 
     @classmethod
-    def of(cls, kind: str, model: str, preset: Preset, base: str, budget=None, engine: str = "numpy",
+    def of(cls, kind: str, model: str, preset: Preset, base: str, budget=None, engine: str = DEFAULT,
            task: str | None = None, **settings) -> "Cell":
         """A cell running `preset`, a variant of the named preset `base` (e.g. a ladder's rung)."""
         ref = get_preset(base).to_dict()
@@ -258,7 +259,7 @@ def parse_grid(doc: dict, path) -> Grid:
             stored = get_preset(preset).storage.experts
             over = (("experts", v["experts"]),) if "experts" in v and v["experts"] != stored else ()
             design = preset + (f" experts {v['experts']}" if "experts" in values else "")
-            cells.append(Cell(kind, str(model), preset, design, over, v.get("budget"), v.get("engine", "numpy"),
+            cells.append(Cell(kind, str(model), preset, design, over, v.get("budget"), v.get("engine", DEFAULT),
                               v.get("task", "lambada_openai,arc_easy,piqa") if kind == "eval lm" else None, settings))
     return Grid(str(doc.get("name") or path.stem), cells, arms, cpus, str(path))
 
