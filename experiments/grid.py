@@ -307,11 +307,11 @@ def run_bench(cell: Cell) -> dict:
 
 def run_simulate(cell: Cell) -> dict:
     """A simulate cell: `python -m workbench simulate` (run record included), on the grid's compute profile for
-    the cell's expert precision, else one measured on the cell's model; returns its result."""
+    the cell's design or expert precision, else one measured on the cell's model; returns its result."""
     from experiments.simulate import load_compute, run
     p = cell.preset_obj()
     compute = cell.get("compute").format(experts=p.storage.experts, preset=p.name)
-    return run(str(REPO / cell.get("trace")), cell.preset_obj(), cell.budget, cell.device, shape=cell.get("shape") or None,
+    return run(str(REPO / cell.get("trace")), p, cell.budget, cell.device, shape=cell.get("shape") or None,
                tokens=cell.get("tokens"), prompt=cell.get("prompt_tokens"), model=cell.model,
                compute=load_compute(REPO / compute) if compute else None)
 

@@ -289,7 +289,7 @@ class Reader:
             for i, (off, buf) in enumerate(parts):
                 ranges.append((off, off + buf.nbytes, (off, buf, key, i, 0)))
                 total += buf.nbytes
-        merged = _merge(ranges, 0) if len(ranges) != 1 else [[ranges[0][0], ranges[0][1], [ranges[0][2]]]]
+        merged = _merge(ranges, 0)
         groups = []
         # no merged read can reach two pieces' size when all of them together do not (split_sizes)
         for g in _split(merged, self.workers) if total >= 2 * SPLIT else merged:      # at most IOV buffers a read
