@@ -39,7 +39,15 @@ def smol_rungs():
     return [exact, pre] + [pre.with_(name=f"+bias {b}", routing=f"cache_bias:{b}") for b in BIAS_SWEEP]
 
 
-def cache_rungs(spec_top_k: int, item_bytes: int, layers: int, preset: str = "les"):
+def expert_bytes(model: str, preset: str) -> tuple[int, int]:
+    """(top-k, bytes a Session of the preset counts per expert) of the model's pack: the pack's numbers only, no
+    session, no experts loaded."""
+    st = get_preset(preset).storage
+    pack = Pack(resolve_pack(model, st.layout.value, st.experts, st.rest))
+    return pack.spec.top_k, engine_class(default_engine(pack)).expert_bytes(pack)
+
+
+def cache_rungs(spec_top_k: int, item_bytes: int, preset: str = "les"):
     """Window sweep: c extra slots beyond one layer's top-k (c=0 releases after use), up to all-resident."""
     p = get_preset(preset)
     out = []
@@ -70,11 +78,11 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
         rungs = [(get_preset(n), budget) for n in ("on_demand", "les_no_prefetch", "shuffled", "history", "les", "smol",
                                                      "oracle")]
         rungs.append((get_preset("resident"), "all"))
+        # DESIGN.md's on-demand control keeps no cache: one layer's top-k slots, each released after use (c=0)
+        k, item = expert_bytes(model, "on_demand")
+        rungs.append((get_preset("on_demand").with_(name="on_demand c=0"), str(k * item)))
     elif name == "cache":
-        st = get_preset("les").storage         # the pack's numbers only: no session, no experts loaded
-        pack = Pack(resolve_pack(model, st.layout.value, st.experts, st.rest))
-        item = engine_class(default_engine(pack)).expert_bytes(pack)   # what a Session of les counts per expert
-        rungs = cache_rungs(pack.spec.top_k, item, len(pack.spec.moe_layers))
+        rungs = cache_rungs(*expert_bytes(model, "les"))
     else:
         raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache or designs (edge0 has its own verb)")
     base = {"les": "on_demand", "smol": "smol", "cache": "les"}.get(name)

@@ -11,7 +11,7 @@ from workbench.presets import PRESETS, Budget, Predictor, Prefetch, Router, Rout
 
 
 def rungs():
-    return ([*PRESETS.values()] + les_rungs() + smol_rungs() + [p for p, _ in cache_rungs(2, 1000, 4)]
+    return ([*PRESETS.values()] + les_rungs() + smol_rungs() + [p for p, _ in cache_rungs(2, 1000)]
             + edge0_rungs() + edge0_rungs(skip_layers=2))
 
 

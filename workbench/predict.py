@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit
 
 from workbench.presets import Predictor, Prefetch
-from workbench.routing import topk_desc
+from workbench.routing import topk_rows
 
 
 def _rms(x, w, eps):
@@ -22,11 +22,10 @@ def _rms(x, w, eps):
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def _norm_then_router(h, norm_w, eps, router):
-    """rows of h, RMS-normed with norm_w, times router^T: layer L+depth's router logits on layer L's residual.
-    Compiled: it runs at every MoE layer of every token, where its half-dozen numpy calls cost ~50 us."""
+def _norm_then_router(h, norm_w, eps, router, bias, out):
+    """out = rows of h, RMS-normed with norm_w, times router^T, plus bias: layer L+depth's router logits on layer
+    L's residual. Compiled: it runs at every MoE layer of every token, where its half-dozen numpy calls cost ~50 us."""
     T, d = h.shape
-    out = np.empty((T, router.shape[0]), np.float32)
     x = np.empty(d, np.float32)
     for t in range(T):
         ss = np.float32(0.0)
@@ -39,8 +38,17 @@ def _norm_then_router(h, norm_w, eps, router):
             acc = np.float32(0.0)
             for j in range(d):
                 acc += router[e, j] * x[j]
-            out[t, e] = acc
-    return out
+            out[t, e] = acc + bias[e]
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def _lookahead(h, norm_w, eps, router, bias, width):
+    """The `width` experts layer L+depth's router ranks first on each row of layer L's residual, best first."""
+    logits = np.empty((h.shape[0], router.shape[0]), np.float32)
+    _norm_then_router(h, norm_w, eps, router, bias, logits)
+    top = np.empty((h.shape[0], width), np.int64)
+    topk_rows(logits, width, top)
+    return top
 
 
 class Lookahead:
@@ -48,31 +56,49 @@ class Lookahead:
         self.spec, self.w, self.depth = spec, weights, depth
         self.width = spec.top_k * width             # width: in multiples of top-k
         self.moe = spec.moe_layers
-        self.f32 = {}                               # name -> the weight as float32 rows (made on first use)
-
-    def _w(self, name):
-        if name not in self.f32:
-            self.f32[name] = np.ascontiguousarray(self.w[name], dtype=np.float32)
-        return self.f32[name]
+        self.eps = np.float32(spec.rms_norm_eps)
+        self._for = {}      # layer -> (target, its norm and router weights as float32 rows, its selection bias)
 
     def target(self, layer: int):
         i = self.moe.index(layer) + self.depth
         return self.moe[i] if i < len(self.moe) else None
 
+    def _weights(self, layer: int):
+        """(target, norm, router, bias) for a prediction made at `layer`, made once: the router's bias (a
+        sigmoid_group family's selection bias) is zero elsewhere."""
+        if layer not in self._for:
+            t = self.target(layer)
+            if t is None:
+                self._for[layer] = None
+            else:
+                f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
+                router = f32(self.w[f"layers.{t}.router"])
+                bias = self.w.get(f"layers.{t}.router_bias") if self.spec.router == "sigmoid_group" else None
+                bias = np.zeros(router.shape[0], np.float32) if bias is None else f32(bias).reshape(-1)
+                self._for[layer] = (t, f32(self.w[f"layers.{t}.mlp_norm"]), router, bias)
+        return self._for[layer]
+
     def scores(self, layer: int, h: np.ndarray, target: int) -> np.ndarray:
+        """Layer `target`'s router logits (without its selection bias) on `layer`'s residual h."""
         p = f"layers.{target}."
         h = np.ascontiguousarray(h, dtype=np.float32).reshape(-1, h.shape[-1])
-        return _norm_then_router(h, self._w(p + "mlp_norm"), np.float32(self.spec.rms_norm_eps), self._w(p + "router"))
+        router = np.ascontiguousarray(self.w[p + "router"], dtype=np.float32)
+        out = np.empty((h.shape[0], router.shape[0]), np.float32)
+        _norm_then_router(h, np.ascontiguousarray(self.w[p + "mlp_norm"], dtype=np.float32), self.eps, router,
+                          np.zeros(router.shape[0], np.float32), out)
+        return out
 
     def predict(self, layer: int, ctx) -> dict:
-        t = self.target(layer)
-        if t is None or ctx["phase"] != "decode":
+        w = self._weights(layer)
+        if w is None or ctx["phase"] != "decode":
             return {}
-        logits = self.scores(layer, ctx["h"], t)     # every row: a speculative batch needs their union
-        if self.spec.router == "sigmoid_group":
-            logits = logits + self.w.get(f"layers.{t}.router_bias", 0.0)
-        top = topk_desc(logits, self.width)
-        return {t: list(dict.fromkeys(top.T.reshape(-1).tolist()))}
+        t, norm, router, bias = w
+        h = ctx["h"]
+        h = np.ascontiguousarray(h, dtype=np.float32).reshape(-1, h.shape[-1])
+        top = _lookahead(h, norm, self.eps, router, bias, self.width)
+        if top.shape[0] == 1:
+            return {t: top[0].tolist()}
+        return {t: list(dict.fromkeys(top.T.reshape(-1).tolist()))}     # a speculative batch: the rows' union
 
 
 class History:

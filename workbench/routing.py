@@ -18,7 +18,7 @@ def along_rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _topk_rows(scores, k, out):
+def topk_rows(scores, k, out):
     """out[r] = the k largest of scores[r], largest first, the lower index first among equals (a stable sort's
     order): one pass keeping a sorted top-k, as a decode step routes one row of a few dozen experts."""
     for r in range(scores.shape[0]):
@@ -43,7 +43,7 @@ def topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
     Compiled: this runs at every MoE layer of every token (numpy's argpartition and argsort took ~20 us here)."""
     rows = np.ascontiguousarray(scores).reshape(-1, scores.shape[-1])
     out = np.empty((rows.shape[0], k), np.int64)
-    _topk_rows(rows, k, out)
+    topk_rows(rows, k, out)
     return out.reshape(*scores.shape[:-1], k)
 
 
@@ -90,7 +90,7 @@ def select(scores, k, norm_topk_prob, scaling=1.0, n_group=1, topk_group=1, grou
 def _select_rows(scores, choice, k, norm, scaling, idx, w):
     """select()'s top-k and weights in one compiled call (float32 rows; the sum runs in float32 in the same order
     as numpy's below eight terms)."""
-    _topk_rows(choice, k, idx)
+    topk_rows(choice, k, idx)
     for r in range(scores.shape[0]):
         total = np.float32(0.0)
         for j in range(k):
