@@ -86,13 +86,14 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     else:
         raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache or designs (edge0 has its own verb)")
     base = {"les": "on_demand", "smol": "smol", "cache": "les"}.get(name)
+    variant_of = {"on_demand c=0": "on_demand"}         # a designs rung that is not a preset of its own
     rungs = [(p, b, engine) for p, b in rungs] + [(p, b, e) for e, names in (also_on or {}).items()
                                                    for p, b in rungs if p.name in names]
     rung_name = {i: preset.name + (f" [{e}]" if e != engine else "") for i, (preset, _, e) in enumerate(rungs)}
     cells, labels = [], {}
     for i, (preset, b, e) in enumerate(rungs):
-        c = Cell.of("bench", model, preset, base or preset.name, budget=b, engine=e, tokens=tokens, rounds=rounds,
-                    prompt=prompt, heldout_tokens=quality_tokens, **({"device": device} if device else {}))
+        c = Cell.of("bench", model, preset, base or variant_of.get(preset.name, preset.name), budget=b, engine=e,
+                    tokens=tokens, rounds=rounds, prompt=prompt, heldout_tokens=quality_tokens, **({"device": device} if device else {}))
         cells.append(c)
         labels[c.id] = {"ladder": name, "rung": rung_name[i], "rung_index": i, "rounds": rounds, "tokens": tokens,
                         "prompt": prompt}
