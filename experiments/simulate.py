@@ -75,6 +75,8 @@ class ComputeProfile:
                               # compared, the cache entry made the slot) and computes on its fresh bytes
     row_s: float | None = None    # per MoE layer, dense + router time of each row of a batch after the first
                                   # (speculative verification); None: each row costs what one token does
+    slots: bool = False       # the engine's cache holds packed slots (an expert costs its reads' aligned bytes, as
+                              # arena.slot_bytes), not f32 experts (the numpy engine): what a byte budget buys
     source: str = ""
 
 
@@ -98,6 +100,12 @@ class ReadPlan:
             else:
                 out += [(run, len(run) * _align(b)) for b in self.part_bytes]
         return out
+
+
+def item_bytes(spec: MoESpec, plan: ReadPlan, compute: ComputeProfile) -> int:
+    """What one expert costs in the engine's cache, as its Session counts the budget: a slot of its reads' aligned
+    bytes (the packed engine), or the expert in f32 (the numpy engine)."""
+    return sum(n for _, n in plan.reads([0])) if compute.slots else Engine.expert_bytes(spec)
 
 
 def read_plan(spec: MoESpec, layout: str, experts: str) -> ReadPlan:
@@ -208,7 +216,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore). split: a large read goes to
     several readers in pieces (workbench.io.split_sizes), as reads into slots do; the numpy engine's reads do not."""
     plan = plan or read_plan(spec, preset.storage.layout.value, preset.storage.experts)
-    item = Engine.expert_bytes(spec)             # an expert in f32, as the Session counts
+    item = item_bytes(spec, plan, compute)
     total = item * spec.num_experts * len(spec.moe_layers)
     budget_bytes = Budget(budget).nbytes(item, spec.num_experts * len(spec.moe_layers))
     cache = ExpertCache(budget_bytes, item, spec.moe_layers, policy=preset.cache.policy.value, scope=preset.cache.scope.value,
@@ -398,13 +406,14 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
             "per_layer": [layers[L] for L in spec.moe_layers]}
 
 
-def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, initial=()) -> dict:
+def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, initial=(), item: int | None = None) -> dict:
     """Optimal replacement with perfect foresight (Belady's MIN) over the same decode accesses: the fewest experts
     any policy must read at this budget. Its hit rate bounds demand fetching; a prefetching design can show a higher
     hit rate (a prefetch is a read that lands in time), never fewer reads. initial: the experts in memory when
     decoding starts (the prompt's, a warm set), as the design had them; None: the best start any policy could have
-    (the first experts decoding asks for, as many as fit), so that the bound holds whatever the prompt left."""
-    item = Engine.expert_bytes(spec)
+    (the first experts decoding asks for, as many as fit), so that the bound holds whatever the prompt left.
+    item: what one expert costs in the cache (item_bytes; default f32), for a budget in bytes."""
+    item = item or Engine.expert_bytes(spec)
     slots = Budget(budget).nbytes(item, spec.num_experts * len(spec.moe_layers)) // item
     per_layer = preset.cache.scope is CacheScope.PER_LAYER
 
@@ -479,7 +488,8 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
                        shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil)
-    bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"))
+    bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"),
+                   item=item_bytes(spec, plan, compute))
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)
     miss_bytes = bound["belady_misses"] * sum(plan.part_bytes)
@@ -586,7 +596,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     from workbench import slot_reads
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
                           issue_call_s=issue_call, land_s=land, row_s=row,
-                          reader_holds_gil=not (packed and slot_reads.AVAILABLE),
+                          reader_holds_gil=not (packed and slot_reads.AVAILABLE), slots=packed,
                           dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
                               np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
@@ -607,6 +617,7 @@ def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> Comp
     return ComputeProfile(dense_s=(res["compute_s"] - moe) / n / nl, router_s=res["router_s"] / n / nl,
                           expert_s=moe / max(1, sum(r["routed"] for r in layers)), dequant_s=measured.dequant_s,
                           dequant_busy_s=measured.dequant_busy_s, reader_holds_gil=measured.reader_holds_gil,
+                          slots=measured.slots,
                           other_s=res["other_s"] / n, issue_s=0.0, wake_s=measured.wake_s,
                           source="the measured run's own compute, router and other time (issue cost inside them)")
 
