@@ -93,7 +93,8 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     cells, labels = [], {}
     for i, (preset, b, e) in enumerate(rungs):
         c = Cell.of("bench", model, preset, base or variant_of.get(preset.name, preset.name), budget=b, engine=e,
-                    tokens=tokens, rounds=rounds, prompt=prompt, heldout_tokens=quality_tokens, **({"device": device} if device else {}))
+                    tokens=tokens, rounds=rounds, prompt=prompt, heldout_tokens=quality_tokens,
+                    **({"device": device} if device else {}))
         cells.append(c)
         labels[c.id] = {"ladder": name, "rung": rung_name[i], "rung_index": i, "rounds": rounds, "tokens": tokens,
                         "prompt": prompt}

@@ -406,7 +406,8 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
             "per_layer": [layers[L] for L in spec.moe_layers]}
 
 
-def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, initial=(), item: int | None = None) -> dict:
+def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, initial=(),
+           item: int | None = None) -> dict:
     """Optimal replacement with perfect foresight (Belady's MIN) over the same decode accesses: the fewest experts
     any policy must read at this budget. Its hit rate bounds demand fetching; a prefetching design can show a higher
     hit rate (a prefetch is a read that lands in time), never fewer reads. initial: the experts in memory when
