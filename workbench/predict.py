@@ -57,42 +57,37 @@ class Lookahead:
         self.width = spec.top_k * width             # width: in multiples of top-k
         self.moe = spec.moe_layers
         self.eps = np.float32(spec.rms_norm_eps)
-        self._for = {}      # layer -> (target, its norm and router weights as float32 rows, its selection bias)
+        self.targets = {L: t for L in self.moe if (t := self.target(L)) is not None}     # layer -> layer predicted
+        self._w32 = {}      # target layer -> its norm and router weights as float32 rows, its selection bias
 
     def target(self, layer: int):
         i = self.moe.index(layer) + self.depth
         return self.moe[i] if i < len(self.moe) else None
 
-    def _weights(self, layer: int):
-        """(target, norm, router, bias) for a prediction made at `layer`, made once: the router's bias (a
-        sigmoid_group family's selection bias) is zero elsewhere."""
-        if layer not in self._for:
-            t = self.target(layer)
-            if t is None:
-                self._for[layer] = None
-            else:
-                f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
-                router = f32(self.w[f"layers.{t}.router"])
-                bias = self.w.get(f"layers.{t}.router_bias") if self.spec.router == "sigmoid_group" else None
-                bias = np.zeros(router.shape[0], np.float32) if bias is None else f32(bias).reshape(-1)
-                self._for[layer] = (t, f32(self.w[f"layers.{t}.mlp_norm"]), router, bias)
-        return self._for[layer]
+    def _weights(self, t: int):
+        """(norm, router, bias) of layer t, made once: the router's bias (a sigmoid_group family's selection bias)
+        is zero elsewhere."""
+        if t not in self._w32:
+            f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
+            router = f32(self.w[f"layers.{t}.router"])
+            bias = self.w.get(f"layers.{t}.router_bias") if self.spec.router == "sigmoid_group" else None
+            bias = np.zeros(router.shape[0], np.float32) if bias is None else f32(bias).reshape(-1)
+            self._w32[t] = (f32(self.w[f"layers.{t}.mlp_norm"]), router, bias)
+        return self._w32[t]
 
     def scores(self, layer: int, h: np.ndarray, target: int) -> np.ndarray:
         """Layer `target`'s router logits (without its selection bias) on `layer`'s residual h."""
-        p = f"layers.{target}."
+        norm, router, _ = self._weights(target)
         h = np.ascontiguousarray(h, dtype=np.float32).reshape(-1, h.shape[-1])
-        router = np.ascontiguousarray(self.w[p + "router"], dtype=np.float32)
         out = np.empty((h.shape[0], router.shape[0]), np.float32)
-        _norm_then_router(h, np.ascontiguousarray(self.w[p + "mlp_norm"], dtype=np.float32), self.eps, router,
-                          np.zeros(router.shape[0], np.float32), out)
+        _norm_then_router(h, norm, self.eps, router, np.zeros(router.shape[0], np.float32), out)
         return out
 
     def predict(self, layer: int, ctx) -> dict:
-        w = self._weights(layer)
-        if w is None or ctx["phase"] != "decode":
+        t = self.targets.get(layer)
+        if t is None or ctx["phase"] != "decode":
             return {}
-        t, norm, router, bias = w
+        norm, router, bias = self._weights(t)
         h = ctx["h"]
         h = np.ascontiguousarray(h, dtype=np.float32).reshape(-1, h.shape[-1])
         top = _lookahead(h, norm, self.eps, router, bias, self.width)
