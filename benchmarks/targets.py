@@ -3,8 +3,10 @@
     python benchmarks/targets.py --model demo --budget 0.25 --tokens 64 --rounds 3 --baseline-rev 1a3cb38
 
 Runs `on_demand`, `les`, `smol`, the controls and `resident` on the default (packed) engine, and on_demand,
-les and resident again on the numpy reference engine, in alternating arms (cold O_DIRECT reads, warm-up
-first), then checks issue 20's targets: les >= 1.5x on_demand and >= 0.4x resident tok/s; les >= 3x the les of
+les and resident again on the numpy reference engine, in alternating arms (each measured cold after a warm-up on
+other text: experiments.bench.measure), then the budgets ladder (on_demand, les, smol at budgets 0.05-0.5), and
+checks issue 35's (les >= on_demand at every budget; where les's recall is under 0.5, no more than 1.1x
+on_demand's experts read a token) and issue 20's targets: les >= 1.5x on_demand and >= 0.4x resident tok/s; les >= 3x the les of
 main at 1a3cb38; achieved / floor >= 0.7 for every streaming design.
 `--baseline-rev REV` makes a git worktree of REV under /tmp and runs its own `bench` CLI (this venv's python, its
 own WORKBENCH_CACHE) alternately with today's `bench` of les, in subprocesses, --rounds rounds each; without it,
@@ -96,6 +98,28 @@ def breakdown(rows) -> str:
     return "\n".join(out)
 
 
+def budgets_md(res: dict) -> tuple[str, dict]:
+    """Does prediction pay at every budget? les (and smol where its pools hold a layer's top-k) against on_demand:
+    tok/s, and experts read a token (demand reads plus prefetches) where les's recall is under 0.5."""
+    rows = {(r["rung"].split(" @")[0], r["budget"]): r for r in res["rungs"]}
+    experts = lambda r: (r["misses"] + r["prefetch_issued"]) / max(1, r["decode_steps"])
+    out = [f"## Prediction at every budget (ladder budgets, {res['rounds']} alternating rounds, cold)\n",
+           "| budget | design | tok/s | min-max | / on_demand | hit | late | miss | recall | prefetches/tok | "
+           "experts read/tok | / on_demand | MB read/tok |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    checks = {}
+    for (name, b), r in rows.items():
+        od = rows[("on_demand", b)]
+        rec = r.get("prefetch_recall")
+        out.append(f"| {b} | {name} | {r['tok_s']:.1f} | {r['tok_s_min']:.1f}-{r['tok_s_max']:.1f} | "
+                   f"{r['tok_s'] / od['tok_s']:.2f} | {r['hit_rate']:.3f} | {r['late_rate']:.3f} | {r['miss_rate']:.3f} | "
+                   f"{'' if rec is None else f'{rec:.2f}'} | {r['prefetch_issued'] / max(1, r['decode_steps']):.1f} | "
+                   f"{experts(r):.1f} | {experts(r) / max(1e-9, experts(od)):.2f} | {r['bytes_read_per_token'] / 1e6:.2f} |")
+        if name == "les":
+            checks[b] = {"tok_s_over_on_demand": r["tok_s"] / od["tok_s"], "recall": rec,
+                         "experts_read_over_on_demand": experts(r) / max(1e-9, experts(od))}
+    return "\n".join(out) + "\n", checks
+
+
 def baseline_md(base) -> str:
     if not base:
         return ""
@@ -137,6 +161,16 @@ def main(argv=None):
     res["memory"] = mem = growth(a.model, "les", a.budget)
     res["targets"]["cache_rss_growth_over_budget"] = {"target": "1 ± 0.10", "measured": mem["ratio"],
                                                       "met": abs(mem["ratio"] - 1) <= 0.10}
+    res["budgets"] = run_ladder("budgets", model=a.model, tokens=a.tokens, rounds=a.rounds, progress=print)
+    budgets_table, checks = budgets_md(res["budgets"])
+    res["targets"]["les_at_least_on_demand_every_budget"] = {
+        "target": ">= 1.0 at " + ", ".join(checks), "measured": min(c["tok_s_over_on_demand"] for c in checks.values()),
+        "met": all(c["tok_s_over_on_demand"] >= 1.0 for c in checks.values())}
+    low = {b: c for b, c in checks.items() if c["recall"] is not None and c["recall"] < 0.5}
+    res["targets"]["les_reads_where_recall_below_half"] = {
+        "target": "<= 1.1x on_demand's experts a token", "met": all(c["experts_read_over_on_demand"] <= 1.1
+                                                                    for c in low.values()),
+        "measured": max((c["experts_read_over_on_demand"] for c in low.values()), default=float("nan"))}
     res["les_over_les_no_prefetch"] = tok["les"] / tok["les_no_prefetch"]
     res["les_over_on_demand_c0"] = tok["les"] / tok["on_demand c=0"]
     command = (f"python benchmarks/targets.py --model {a.model} --budget {a.budget} --tokens {a.tokens} "
@@ -152,7 +186,7 @@ def main(argv=None):
                     "reader threads' queue depth): reads overlapping compute. A design that waits for every read before "
                     "computing (on_demand: native layout, wait-all, no prefetch) cannot beat the serial bound "
                     "1 / (compute + router + read), so its achieved / floor is bounded by serial / floor.\n",
-                    baseline_md(res.get("baseline")), memory_md(mem), "## Targets\n"] +
+                    budgets_table, baseline_md(res.get("baseline")), memory_md(mem), "## Targets\n"] +
                    [f"- {k}: measured {v['measured']:.2f}, target {v['target']} — {'met' if v['met'] else 'NOT met'}"
                     + ("" if k != "les_over_baseline_les" or a.baseline_rev else
                        " (STAND-IN: les on the numpy engine of this tree, not main at 1a3cb38; pass --baseline-rev)")

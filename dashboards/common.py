@@ -224,6 +224,7 @@ def display_numbers(s: dict) -> dict[str, str]:
     return {
         "tok/s": _fmt(s, "tok_s", ".2f"),
         "hit rate": _fmt(s, "hit_rate", ".1%"),
+        "late (in flight)": _fmt(s, "late_rate", ".1%"),
         "flash wait ms/tok": _fmt(s, "flash_wait_per_token_s", ".1f", 1e3),
         "prefetch recall": _fmt(s, "prefetch_recall", ".1%"),
         "read KiB/tok": _fmt(s, "bytes_read_per_token", ".0f", 1 / 1024),
@@ -233,7 +234,7 @@ def display_numbers(s: dict) -> dict[str, str]:
     }
 
 
-NUMBER_KEYS = ("decode_steps", "tok_s", "hit_rate", "flash_wait_per_token_s", "prefetch_recall",
+NUMBER_KEYS = ("decode_steps", "tok_s", "hit_rate", "late_rate", "flash_wait_per_token_s", "prefetch_recall",
                "bytes_read_per_token", "cache_bytes", "budget_bytes", "peak_rss_bytes")
 
 

@@ -53,12 +53,13 @@ def bench_llamacpp(args) -> dict:
     from engines.llamacpp_engine import bench_gguf, resolve_gguf
     from workbench.runs import write_run
     path = resolve_gguf(args.model, args.gguf_type, progress=not args.json)
-    res = bench_gguf(path, tokens=args.tokens, prompt=args.prompt, mode=args.llama_mode, threads=args.llama_threads)
+    mode = "warm" if args.warm else "cold"
+    res = bench_gguf(path, tokens=args.tokens, prompt=args.prompt, mode=mode, threads=args.llama_threads)
     res.update(model=args.model, gguf_type=args.gguf_type if not str(args.model).endswith(".gguf") else "as_is")
     if not args.no_record:
-        cfg = {"model": args.model, "engine": "llamacpp", "gguf": str(path), "mode": args.llama_mode,
+        cfg = {"model": args.model, "engine": "llamacpp", "gguf": str(path), "mode": mode,
                "threads": args.llama_threads, "tokens": args.tokens, "prompt": args.prompt}
-        res["run"] = str(write_run(f"llamacpp-{args.llama_mode}", cfg, res, [], []))
+        res["run"] = str(write_run(f"llamacpp-{mode}", cfg, res, [], []))
     return res
 
 
@@ -66,6 +67,4 @@ def bench_flags(p):
     """`bench`'s flags for --engine llamacpp."""
     p.add_argument("--gguf-type", default="f16", choices=list(GGUF_TYPES),
                    help="--engine llamacpp: the GGUF type when exporting a workbench model")
-    p.add_argument("--llama-mode", default="cold", choices=["cold", "warm"],
-                   help="--engine llamacpp: drop the GGUF from the page cache first (cold) or read it in (warm)")
     p.add_argument("--llama-threads", type=int, default=1, help="--engine llamacpp: llama.cpp threads")

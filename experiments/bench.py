@@ -1,4 +1,4 @@
-"""`bench`: one preset at one budget, warm-up first, cold reads, the floor, and a run record."""
+"""`bench`: one preset at one budget, warm-up first, then a cold measured run, the floor, and a run record."""
 from __future__ import annotations
 
 from functools import partial
@@ -10,16 +10,31 @@ from workbench.runs import write_run
 from workbench.session import Session, oracle_trace
 from workbench.errors import WorkbenchError
 
-SUMMARY_KEYS = ("tok_s", "prefill_tok_s", "hit_rate", "bytes_read", "bytes_read_per_token", "flash_wait_s",
+SUMMARY_KEYS = ("tok_s", "prefill_tok_s", "hit_rate", "late_rate", "miss_rate", "hits", "late", "misses", "bytes_read",
+                "bytes_read_per_token", "flash_wait_s",
                 "flash_wait_per_token_s", "dequant_s", "compute_s", "router_s", "other_s", "decode_s",
                 "prefetch_recall", "prefetch_precision", "prefetch_issued", "prefetch_wasted", "wasted_bytes")
 
 
-def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
-    """Warm up (code paths, not the cache: the measured run starts with its own prefill), then measure."""
+WARMUP_TEXT = "The lighthouse keeper counted ships"      # not a prompt any measurement uses
+
+
+def warmup_prompt(session: Session, prompt):
+    """Other text than the measured prompt, so a warm-up names other experts."""
+    if isinstance(prompt, str) and session.tokenizer is not None:
+        return WARMUP_TEXT
+    ids = list(prompt) if not isinstance(prompt, str) else session.encode(prompt)
+    return [(t + 1) % session.spec.vocab_size for t in ids]
+
+
+def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool = False) -> dict:
+    """Warm up the code paths on other text, then measure cold: no expert in memory but what the design keeps
+    (Session.cold_start) and the model's file out of the page cache. warm: today's warm measurement instead, the
+    warm-up on the measured prompt and its experts kept."""
     if warmup:
-        session.generate(prompt, tokens=warmup)
+        session.generate(prompt if warm else warmup_prompt(session, prompt), tokens=warmup)
         session.reset_telemetry()
+    page_cache = None if warm else session.cold_start()
     out = session.generate(prompt, tokens=tokens)
     s = session.summary()
     n = max(1, s["decode_steps"])
@@ -33,7 +48,7 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4) -> dict:
                achieved_over_floor=s["tok_s"] / fl["floor_tok_s"],
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
                device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
-               routing_trace=s["routing_trace"])
+               routing_trace=s["routing_trace"], start="warm" if warm else "cold", page_cache_dropped=page_cache)
     if session.preset.prefetch.predictor is Predictor.PREROUTER:     # Edge0: what its prediction staged and dropped
         from workbench.edge0.serve import edge0_counters
         res.update(edge0_counters(session))
@@ -53,14 +68,14 @@ def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: 
 
 def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
           engine: str | None = None, direct: bool = True, record: bool = True, device: str | None = None,
-          routing_trace: str | None = None) -> dict:
+          routing_trace: str | None = None, warm: bool = False) -> dict:
     with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct,
                       device=device, routing_trace=routing_trace) as s:
         record_run = lambda summary, failed=False: write_run(
             s.preset.name, {**s.config(), "tokens": tokens, "prompt": prompt}, summary, s.tel.per_layer("decode"),
             s.tel.event_rows(), s.tel.token_rows(), failed=failed)
         try:
-            res = measure(s, prompt, tokens)
+            res = measure(s, prompt, tokens, warm=warm)
         except WorkbenchError as e:      # a failed run is recorded too: what completed, and why it stopped
             if not record:
                 raise

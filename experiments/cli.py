@@ -16,6 +16,9 @@ def _bench_flags(p):
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--warm", action="store_true",
+                   help="measure warm: the warm-up decodes the measured prompt and its experts stay in memory "
+                        "(default: cold, an empty expert cache and the model's file out of the page cache)")
     p.add_argument("--routing-trace", default=None, metavar="FILE",
                    help="route and predict as recorded in this trace (real reads, real compute; ids mapped, see JSON)")
     bench_flags(p)
@@ -33,12 +36,12 @@ def cmd_bench(args):
     from experiments.bench import bench
     res = bench(args.model, args.preset, budget=args.budget, tokens=args.tokens, prompt=args.prompt,
                 engine=args.engine, direct=not args.page_cache, record=not args.no_record, device=args.device,
-                routing_trace=args.routing_trace)
+                routing_trace=args.routing_trace, warm=args.warm)
     emit(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "per_layer"))
 
 
 def _ladder_flags(p):
-    p.add_argument("name", choices=["les", "smol", "cache", "designs", "edge0"])
+    p.add_argument("name", choices=["les", "smol", "cache", "designs", "budgets", "edge0"])
     p.add_argument("--model", default="demo")
     p.add_argument("--budget", default="0.25")
     p.add_argument("--tokens", type=int, default=48)
@@ -46,6 +49,8 @@ def _ladder_flags(p):
     p.add_argument("--chunks", type=int, default=4, help="edge0: held-out chunks for the quality rungs")
     p.add_argument("--chunk-tokens", type=int, default=256, help="edge0: tokens per held-out chunk")
     p.add_argument("--skip-layers", type=int, default=None, help="edge0: MoE layers routed exactly (default: the heads')")
+    p.add_argument("--routing-trace", default=None, metavar="FILE",
+                   help="every rung routes and predicts as recorded in this trace (a model with random weights)")
 
 
 @command("ladder", "a design's ablation ladder, alternating arms, one run record per rung "
@@ -61,7 +66,7 @@ def cmd_ladder(args):
     else:
         from experiments.ladder import run_ladder, table
         res = run_ladder(args.name, model=args.model, budget=args.budget, tokens=args.tokens, rounds=args.rounds,
-                         progress=progress, device=args.device)
+                         progress=progress, device=args.device, routing_trace=args.routing_trace)
     emit(args, res, table(res))
 
 

@@ -57,7 +57,8 @@ KINDS = ("bench", "simulate", "eval ppl", "eval teacher", "eval lm")
 TIMING = ("bench", "simulate")
 AXES = ("preset", "budget", "experts", "engine", "device", "task")
 SETTINGS = {   # per kind: the settings that make a cell (defaults as the verbs', but a bounded ppl/KL text)
-    "bench": {"tokens": 64, "rounds": 3, "prompt": "Once upon a time", "page_cache": False, "heldout_tokens": 0},
+    "bench": {"tokens": 64, "rounds": 3, "prompt": "Once upon a time", "page_cache": False, "heldout_tokens": 0,
+              "routing_trace": ""},
     "simulate": {"trace": "data/traces/demo-tinystories-256.parquet", "tokens": 64, "prompt_tokens": 4, "shape": "",
                  "rounds": 1, "compute": ""},
     "eval ppl": {"data": "tinystories", "ctx": 512, "chunks": 4, "page_cache": False},
@@ -302,7 +303,8 @@ def run_bench(cell: Cell) -> dict:
     """A bench cell: `bench` as the CLI runs it (run record included); returns its result."""
     from experiments.bench import bench
     return bench(cell.model, cell.preset_obj(), budget=cell.budget, tokens=cell.get("tokens"), prompt=cell.get("prompt"),
-                 engine=cell.engine, direct=not cell.get("page_cache"), device=cell.device)
+                 engine=cell.engine, direct=not cell.get("page_cache"), device=cell.device,
+                 routing_trace=cell.get("routing_trace") or None)
 
 
 def run_simulate(cell: Cell) -> dict:

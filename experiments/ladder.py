@@ -4,9 +4,10 @@
     python -m workbench ladder smol  --model demo --budget 0.25 --json
     python -m workbench ladder cache --model demo --json
     python -m workbench ladder designs --model demo --json    (every design side by side at one budget)
+    python -m workbench ladder budgets --model demo --json    (on_demand, les, smol at budgets 0.05-0.5)
 
 Rounds run every rung once in order (A B C ... A B C ...), each arm a fresh `bench` (a new Session, a
-warm-up, the measured tokens); reads are O_DIRECT, so no arm inherits another's page cache. The rungs
+warm-up on other text, then the measured tokens from a cold start). The rungs
 are one timing group of a sweep (experiments.sweep) on a local Ray. Reported per rung: the median tok/s
 with min-max over rounds, and the other fields from the median round's bench record.
 """
@@ -22,6 +23,7 @@ from workbench.store.pack import Pack
 from workbench.errors import WorkbenchError
 
 BIAS_SWEEP = (0.005, 0.02, 0.05, 0.1, 0.25)
+BUDGETS = ("0.05", "0.1", "0.25", "0.5")
 
 
 def les_rungs():
@@ -60,10 +62,11 @@ def cache_rungs(spec_top_k: int, item_bytes: int, preset: str = "les"):
 
 def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3,
                prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, device: str | None = None,
-               engine: str = DEFAULT, also_on: dict | None = None) -> dict:
+               engine: str = DEFAULT, also_on: dict | None = None, routing_trace: str | None = None) -> dict:
     """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}. device: a
     device profile whose flash every rung's reads emulate (workbench.devices).
     also_on: {engine: [preset names]}: those rungs again on another engine (rung "<preset> [<engine>]").
+    routing_trace: every rung routes and predicts as this trace recorded (experiments/routing_trace.py).
 
     The rungs are the arms of one timing group of a sweep (experiments.sweep, on a local Ray): one task, holding
     the machine's CPUs, runs them round by round, and one run record per rung comes back."""
@@ -83,8 +86,14 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
         rungs.append((get_preset("on_demand").with_(name="on_demand c=0"), str(k * item)))
     elif name == "cache":
         rungs = cache_rungs(*expert_bytes(model, "les"))
+    elif name == "budgets":             # does prediction pay at every budget? each design against on_demand
+        st = get_preset("smol").storage
+        spec = Pack(resolve_pack(model, st.layout.value, st.experts, st.rest)).spec
+        pager_fits = lambda b: int(float(b) * spec.num_experts) >= spec.top_k      # a layer's pool holds its top-k
+        rungs = [(get_preset(n).with_(name=f"{n} @{b}"), b) for b in BUDGETS for n in ("on_demand", "les", "smol")
+                 if n != "smol" or pager_fits(b)]
     else:
-        raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache or designs (edge0 has its own verb)")
+        raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache, designs or budgets (edge0 has its own verb)")
     base = {"les": "on_demand", "smol": "smol", "cache": "les"}.get(name)
     variant_of = {"on_demand c=0": "on_demand"}         # a designs rung that is not a preset of its own
     rungs = [(p, b, engine) for p, b in rungs] + [(p, b, e) for e, names in (also_on or {}).items()
@@ -92,9 +101,10 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     rung_name = {i: preset.name + (f" [{e}]" if e != engine else "") for i, (preset, _, e) in enumerate(rungs)}
     cells, labels = [], {}
     for i, (preset, b, e) in enumerate(rungs):
-        c = Cell.of("bench", model, preset, base or variant_of.get(preset.name, preset.name), budget=b, engine=e,
+        of = base or variant_of.get(preset.name, preset.name.split(" @")[0])
+        c = Cell.of("bench", model, preset, of, budget=b, engine=e,
                     tokens=tokens, rounds=rounds, prompt=prompt, heldout_tokens=quality_tokens,
-                    **({"device": device} if device else {}))
+                    routing_trace=routing_trace or "", **({"device": device} if device else {}))
         cells.append(c)
         labels[c.id] = {"ladder": name, "rung": rung_name[i], "rung_index": i, "rounds": rounds, "tokens": tokens,
                         "prompt": prompt}
@@ -111,7 +121,7 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     for row in rows:
         row["speedup"] = row["tok_s"] / base if base else None
     return {"ladder": name, "model": model, "budget": budget, "rounds": rounds, "rungs": rows, "device": device,
-            "emulated": bool(device)}
+            "emulated": bool(device), "routing_trace": routing_trace}
 
 
 def table(res: dict) -> str:

@@ -189,6 +189,7 @@ class _Recorded:
         self.skip = int(name.split(":")[1]) if name.startswith("prerouter:") else 1
         self.depth = int(name.split(":")[1]) if name.startswith("lookahead") else 1
         self.ahead = int(name.startswith("prerouter"))       # Edge0's heads name the next token's layer
+        self.certain = name.startswith(("oracle", "prerouter"))     # replays the routing itself
         self.moe = drive.spec.moe_layers
 
     def predict(self, layer: int, ctx) -> dict:

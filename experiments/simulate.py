@@ -46,13 +46,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from engines.base import Engine
-from workbench.cache import ExpertCache, reserve_ahead, warm_set
+from workbench.cache import ExpertCache, GuessAdmission, reserve_ahead, warm_set
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
 from workbench.io import split_sizes
 from workbench.presets import Budget, CacheScope, Order, Router
 from workbench.spec import MoESpec
 from workbench.store.pack import PARTS, _align, _nbytes, expert_kind   # the pack's own read plan
+from workbench.telemetry import rates
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class _Position:
 
 
 def _layer_event(layer):
-    return dict(layer=layer, hits=0, misses=0, bytes_read=0, wait_s=0.0, compute_s=0.0)
+    return dict(layer=layer, hits=0, late=0, misses=0, bytes_read=0, wait_s=0.0, compute_s=0.0)
 
 
 def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
@@ -241,6 +242,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
 
     pos = _Position()
     predictor = drive.predictor()
+    admission, named_for = GuessAdmission(len(spec.moe_layers)), {}     # as the streamer's prefetches
     layers = {L: _layer_event(L) for L in spec.moe_layers}
     n = dict(bytes=0, wait=0.0, issued=0, used=0, predicted=0, demand=0, spec_steps=0, spec_accepted=0)
     prefetched: set = set()
@@ -300,17 +302,22 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
         n["spec_accepted"] += accepted
         for L in spec.moe_layers:
             ev = layers[L]
+            cache.step()
             one = compute.dense_s + compute.router_s
             work(one + (len(batch) - 1) * (one if compute.row_s is None else compute.row_s))
             routed = [set(int(e) for e in drive.route(L, np.zeros((1, 1)), pos.step(b))[0].reshape(-1)) for b in batch]
             uses = {e: sum(e in r for r in routed) for e in set().union(*routed)}     # (token, expert) pairs
             needed = sorted(uses)
             protect = {(L, e) for e in needed}
+            for i, b in enumerate(batch):       # the streamer's GuessAdmission judges the names made for here
+                if (L, b) in named_for:
+                    admission.scored(named_for.pop((L, b)), routed[i])
             named: dict = {}
             for b in batch if predictor is not None else ():
                 for target, experts in predictor.predict(L, pos.step(b)).items():
                     # a later layer of this token, or (layer, token) of a later token (Edge0's prerouter)
                     named.setdefault(target[0] if isinstance(target, tuple) else target, []).extend(experts)
+                    named_for[target if isinstance(target, tuple) else (target, b)] = list(map(int, experts))
             ready, pending, backlog = [], {}, []
 
             def take(ent):
@@ -319,9 +326,12 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     ent.taken = True
                     work(compute.land_s)
 
+            certain = getattr(predictor, "certain", False)
+            spare, guess = (0, True) if certain else (admission.spare(), admission.admit())
             for e in needed:
                 k = (L, e)
                 ent = cache.get(k)
+                admission.asked_for(ent is not None, k in prefetched)
                 if k in prefetched:
                     prefetched.discard(k)
                     n["used"] += 1
@@ -333,7 +343,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     take(ent)
                     ready.append(e)
                 else:
-                    ev["misses"] += 1
+                    ev["late"] += 1
                     pending[e] = ent
 
             def issue_backlog(predicted=False):
@@ -346,10 +356,10 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
                     ev["bytes_read"] += issue(keys, clock.now, True)
                     for k in keys:
                         pending[k[1]] = cache.peek(k)
-                for target, experts in (named.items() if predicted else ()):
+                for target, experts in (named.items() if predicted and guess else ()):
                     experts = list(dict.fromkeys(int(e) for e in experts))
                     n["predicted"] += len(experts)
-                    then = reserve_ahead(cache, [(target, e) for e in experts], None, protect)
+                    then = reserve_ahead(cache, [(target, e) for e in experts], None, protect, spare)
                     if then:
                         issue(then, clock.now, True)
                         prefetched.update(then)
@@ -393,12 +403,11 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
         produced = min(steps, produced + accepted + 1)
         step += accepted + 1
     decode_s = clock.now - t_decode
-    hits = sum(r["hits"] for r in layers.values())
-    misses = sum(r["misses"] for r in layers.values())
+    hits, late, misses = (sum(r[k] for r in layers.values()) for k in ("hits", "late", "misses"))
     for r in layers.values():
-        r["hit_rate"] = r["hits"] / max(1, r["hits"] + r["misses"])
-    return {"tok_s": steps / decode_s if decode_s > 0 else float("inf"), "hit_rate": hits / max(1, hits + misses),
-            "hits": hits, "misses": misses, "bytes_read": n["bytes"], "bytes_read_per_token": n["bytes"] / max(1, steps),
+        r.update(rates(r["hits"], r["late"], r["misses"]))
+    return {"tok_s": steps / decode_s if decode_s > 0 else float("inf"), **rates(hits, late, misses),
+            "hits": hits, "late": late, "misses": misses, "bytes_read": n["bytes"], "bytes_read_per_token": n["bytes"] / max(1, steps),
             "flash_wait_s": n["wait"], "flash_wait_per_token_s": n["wait"] / max(1, steps), "decode_s": decode_s,
             "decode_steps": steps, "prefetch_issued": n["issued"], "prefetch_used": n["used"],
             "experts_read": n["demand"] + n["issued"], "spec_steps": n["spec_steps"], "spec_accepted": n["spec_accepted"],

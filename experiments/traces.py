@@ -26,12 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.cache import reserve_ahead, warm_set
+from workbench.cache import GuessAdmission, reserve_ahead, warm_set
 from workbench.capture import RoutingCapture
 from workbench.errors import WorkbenchError
 from workbench.presets import Budget, Predictor, Prefetch
 from workbench.runs import write_table
 from workbench.spec import MoESpec
+from workbench.telemetry import rates
 
 META_KEY = b"workbench.trace"
 DESIGNS = ("on_demand", "history", "shuffled", "lookahead", "oracle")
@@ -175,6 +176,7 @@ def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weigh
         for k in warm_set(cache, usage):
             cache.reserve(k, True)
     pred = _predictor(design, preset, spec, weights, trace, usage)
+    admission = GuessAdmission(len(layers))                # as the streamer's prefetches
     ectx = _Ctx()
     predicted_for: dict = {}
     outstanding: dict = {}                                 # prefetched key -> target token, not yet used
@@ -183,10 +185,15 @@ def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weigh
         ectx.token_index = t
         count = t >= skip
         for j, L in enumerate(layers):
+            cache.step()
             routed = sorted(set(topk[t, j].tolist()))
             keys = [(L, e) for e in routed]
             hits = sum(k in cache for k in keys)
+            for k in keys:
+                admission.asked_for(k in cache, k in outstanding)
             p = predicted_for.pop((L, t), None)
+            if p is not None:
+                admission.scored(p, routed)
             if count:
                 n["hits"] += hits
                 n["misses"] += len(keys) - hits
@@ -208,14 +215,18 @@ def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weigh
                 for target, experts in pred.predict(L, ctx).items():
                     experts = list(map(int, experts))
                     predicted_for[(target, t)] = experts
-                    for key in reserve_ahead(cache, [(target, e) for e in experts], True, protect):
+                    certain = getattr(pred, "certain", False)
+                    if not (certain or admission.admit()):
+                        continue
+                    spare = 0 if certain else admission.spare()
+                    for key in reserve_ahead(cache, [(target, e) for e in experts], True, protect, spare):
                         outstanding[key] = t
                         n["issued"] += count
             for k in keys:                                # the layer's misses are read now (never evicting its own)
                 if cache.get(k) is None and not cache.reserve(k, True, set(keys)):
                     raise WorkbenchError(f"budget {budget}: no slot for {k} (pinned experts fill the cache)")
     steps = max(1, T - skip)
-    return {"design": design, "hit_rate": n["hits"] / max(1, n["routed"]),
+    return {"design": design, **rates(n["hits"], 0, n["misses"]),    # every prefetch lands in time here: no late
             "recall": n["predicted_used"] / n["pred_routed"] if n["predicted"] else None,
             "precision": n["predicted_used"] / n["predicted"] if n["predicted"] else None,
             "misses_per_token": n["misses"] / steps, "prefetch_per_token": n["issued"] / steps,

@@ -73,7 +73,7 @@ def bench_arm(model: str, preset, budget, tokens: int, warmup: int = 4, note: di
     """One arm, one round: a fresh Session (experiments.bench.open_session), experiments.bench.measure, a run record.
 
     Returns measure's fields plus the per-token TokenRecords (`token_rows`), the cache's slots per layer and
-    the record's path. warmup=0 measures from a cold start (the first tokens after the Session opened).
+    the record's path. Measured cold (experiments.bench.measure), after `warmup` tokens on other text.
     """
     from experiments.bench import measure, open_session
     from workbench.runs import write_run

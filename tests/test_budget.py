@@ -57,3 +57,43 @@ def test_pinned_and_protected_experts_are_not_evicted():
     assert not c.reserve((0, 4), {"w": 4}, protect={(0, 2), (0, 3)})   # everything is pinned or protected
     assert c.reserve((0, 4), {"w": 4}, protect={(0, 3)})               # evicts 2, the unprotected LRU
     assert set(c.keys()) == {(0, 1), (0, 3), (0, 4)} and c.bytes == 300
+
+
+def test_a_guess_never_evicts_what_the_last_token_used():
+    """A prefetch that guesses (spare: one token of layer steps, 2 here) finds no slot while the expert that would
+    go was used within the last token; once a token has passed since its use it may go, and a demand read takes
+    the LRU slot whatever its age."""
+    c = ExpertCache(budget_bytes=200, item_bytes=100, layers=[0, 1])
+    c.step()
+    c.reserve((0, 1), "a")                          # token 0, layer 0 uses 1 (step 1)
+    c.step()
+    c.reserve((1, 2), "b")                          # token 0, layer 1 uses 2 (step 2)
+    c.step()
+    c.get((0, 1))                                   # token 1, layer 0 uses 1 again (step 3), and guesses layer 1
+    assert not c.reserve((1, 5), "guess", spare=2)  # the LRU, (1, 2), was used a step ago
+    assert set(c.keys()) == {(0, 1), (1, 2)}
+    c.step()                                        # token 1, layer 1 (step 4): (1, 2) was used a token ago
+    assert c.reserve((1, 5), "guess", spare=2) and (1, 2) not in c
+    assert not c.reserve((1, 6), "guess", spare=2)  # the LRU now, (0, 1), was used a step ago
+    assert c.reserve((1, 6), "demand")
+    assert set(c.keys()) == {(1, 5), (1, 6)}
+
+
+def test_guesses_are_made_while_mostly_right_and_evict_recent_experts_while_righter_than_the_cache():
+    from workbench.cache import GuessAdmission
+    wrong = GuessAdmission(window=8)                # a predictor naming 8 experts a layer, 3 of them used
+    for _ in range(20):
+        wrong.scored(range(8), [0, 1, 2, 20])
+    assert not wrong.admit()                        # more reads wasted than moved earlier: no guesses
+    kept = GuessAdmission(window=8)                 # 6 of 8 right, and the cache finds almost all it kept again
+    for _ in range(20):
+        kept.scored(range(8), [0, 1, 2, 3, 4, 5, 20, 21])
+        for _ in range(10):
+            kept.asked_for(in_memory=True, guessed=False)
+    assert kept.admit() and kept.spare() == 8       # guess, but never into the slot of the last token's experts
+    thrash = GuessAdmission(window=8)               # 6 of 8 right, and the cache finds nothing again
+    for _ in range(20):
+        thrash.scored(range(8), [0, 1, 2, 3, 4, 5, 20, 21])
+        thrash.asked_for(in_memory=False, guessed=False)
+        thrash.asked_for(in_memory=True, guessed=True)      # a guess found: not the cache's own reuse
+    assert thrash.admit() and thrash.spare() == 0

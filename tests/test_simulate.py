@@ -131,7 +131,7 @@ def test_ready_first_computes_the_hit_while_the_miss_arrives_and_a_prefetch_hide
     layer-1 expert 3 on the other thread, sharing the peak: 1 -> 4 ms (1 + 2). ready_first computes
     the hit 1 -> 1.25, waits 1.75 ms, computes 1: 3 -> 3.25. Layer 1: router -> 4.25; it routes [2, 3]: 2 from the
     prompt, 3 landed at 4: both hits; compute -> 4.75. With one reader thread the prefetch waits behind the demand
-    read (3 -> 5 ms) and layer 1 waits for it: 4.5 -> 5 (as the streamer reads demand first)."""
+    read (3 -> 5 ms) and layer 1 waits for it: 4.5 -> 5 (as the streamer reads demand first): a late prefetch."""
     s = spec(layers=2)
     cpu = dataclasses.replace(CPU, router_s=1 * MS)
     drive = Drive([{0: [0, 2], 1: [2, 0]}, {0: [0, 1], 1: [2, 3]}], named=[{}, {1: [3]}])
@@ -140,11 +140,11 @@ def test_ready_first_computes_the_hit_while_the_miss_arrives_and_a_prefetch_hide
     assert res["decode_s"] == pytest.approx(4.75 * MS, abs=1e-12)
     assert res["flash_wait_s"] == pytest.approx(1.75 * MS, abs=1e-12)
     assert res["prefetch_issued"] == 1 and res["prefetch_used"] == 1
-    assert [(r["hits"], r["misses"]) for r in res["per_layer"]] == [(1, 1), (2, 0)]
+    assert [(r["hits"], r["late"], r["misses"]) for r in res["per_layer"]] == [(1, 0, 1), (2, 0, 0)]
     res = simulate_run(drive, s, p, str(8 * 4 * 3 * 64 * 64 - 1), DEV, cpu, tokens=2, prompt=1, workers=1, plan=PLAN)
     assert res["decode_s"] == pytest.approx(5.25 * MS, abs=1e-12)
     assert res["flash_wait_s"] == pytest.approx(2.25 * MS, abs=1e-12)
-    assert [(r["hits"], r["misses"]) for r in res["per_layer"]] == [(1, 1), (1, 1)]
+    assert [(r["hits"], r["late"], r["misses"]) for r in res["per_layer"]] == [(1, 0, 1), (1, 1, 0)]   # 3 is late
 
 
 def test_a_read_that_lands_while_the_compute_thread_works_waits_for_the_gil():

@@ -5,6 +5,9 @@ A slot is taken when a read is issued (in-flight reads count: their buffers exis
 freed on eviction. Policies: LRU or LFU; scope: one global pool, or one pool per MoE layer
 (the smolmaxxing pager). Pinned experts (a warm set) are never evicted, and neither is
 anything in the caller's `protect` set (the experts the current layer still needs).
+
+A guess's prefetch (`reserve(..., spare=n)`) may be told not to evict an expert used within the last n layer steps;
+`GuessAdmission` says when (a prefetch that is not made is a read on demand if the expert is asked for).
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ class ExpertCache:
         self.peak_bytes = 0
         self.evictions = 0
         self.last_evicted: list = []        # the keys the latest reserve() evicted (their memory is free again)
+        self.steps = 0                      # layer steps so far (step()); used[key]: the step it was last used at
+        self.used: dict = {}
 
     def _pool(self, key) -> OrderedDict:
         return self.pools[key[0]]
@@ -66,24 +71,32 @@ class ExpertCache:
             return None
         pool.move_to_end(key)
         self.uses[key] += 1
+        self.used[key] = self.steps
         return pool[key]
+
+    def step(self):
+        """A layer step begins (the clock a prefetch's `spare` counts in)."""
+        self.steps += 1
 
     def peek(self, key):
         return self._pool(key).get(key)
 
-    def _victim(self, pool: OrderedDict, protect):
+    def _victim(self, pool: OrderedDict, protect, spare: int = 0):
         pinned = self.pinned
         if self.policy == "lru":                        # the pool is kept in recency order: the first that may go
-            for k, v in pool.items():
-                if k not in protect and k not in pinned and not _in_flight(v):
-                    return k
-            return None
-        candidates = (k for k, v in pool.items() if k not in protect and k not in pinned and not _in_flight(v))
-        order = {k: i for i, k in enumerate(pool)}
-        return min(candidates, key=lambda k: (self.uses[k], order[k]), default=None)
+            victim = next((k for k, v in pool.items() if k not in protect and k not in pinned and not _in_flight(v)),
+                          None)
+        else:
+            candidates = (k for k, v in pool.items() if k not in protect and k not in pinned and not _in_flight(v))
+            order = {k: i for i, k in enumerate(pool)}
+            victim = min(candidates, key=lambda k: (self.uses[k], order[k]), default=None)
+        if spare and victim is not None and self.used.get(victim, -spare) > self.steps - spare:
+            return None                                 # used too recently for a guess to evict it
+        return victim
 
-    def reserve(self, key, value, protect=frozenset()) -> bool:
-        """Insert key (evicting as needed); False if every slot is protected or pinned."""
+    def reserve(self, key, value, protect=frozenset(), spare: int = 0) -> bool:
+        """Insert key (evicting as needed); False if every slot is protected or pinned (spare: or the expert that
+        would go was used within the last `spare` steps: a guess's prefetch)."""
         pool = self.pools[key[0]]
         self.last_evicted = []
         if key in pool:
@@ -91,14 +104,17 @@ class ExpertCache:
             return True
         cap = self.capacity[key[0]]
         while len(pool) >= cap:
-            v = self._victim(pool, protect)
+            v = self._victim(pool, protect, spare)
             if v is None:
                 return False
             del pool[v]
+            self.used.pop(v, None)
             self.slots_used -= 1
             self.evictions += 1
             self.last_evicted.append(v)
         pool[key] = value
+        if not spare:
+            self.used[key] = self.steps         # a demand read or a certain prefetch: in use now
         self.slots_used += 1
         if self.slots_used * self.item_bytes > self.peak_bytes:
             self.peak_bytes = self.bytes
@@ -114,6 +130,7 @@ class ExpertCache:
         pool = self._pool(key)
         if key in pool:
             del pool[key]
+            self.used.pop(key, None)
             self.slots_used -= 1
 
     def pin(self, key, value) -> bool:
@@ -137,14 +154,48 @@ def warm_set(cache: ExpertCache, usage: dict) -> list[tuple[int, int]]:
     return [(L, int(e)) for L in layers for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per]]
 
 
-def reserve_ahead(cache: ExpertCache, keys, value, protect=()) -> list:
+def reserve_ahead(cache: ExpertCache, keys, value, protect=(), spare: int = 0) -> list:
     """Reserve the keys not yet in the cache, in order, until one finds no slot (a prefetch never evicts what
-    `protect` holds); returns those reserved."""
+    `protect` holds, nor, with spare, what was used within the last `spare` steps); returns those reserved."""
     out = []
     for k in keys:
         if k in cache:
             continue
-        if not cache.reserve(k, value, protect):
+        if not cache.reserve(k, value, protect, spare):
             break
         out.append(k)
     return out
+
+
+class GuessAdmission:
+    """What a predictor's guesses may do, from what they and the cache have shown so far (counts Laplace-smoothed):
+    - `admit()`: guess at all only while more of the experts it names are used than not (its precision at least
+      1/2): a wrong guess is a read nobody asked for, and a right one only moves a demand read earlier;
+    - `spare()`: let a guess take the slot of an expert the last token used (0 layer steps spared) only while its
+      precision is above the rate at which the experts the cache kept are asked for again. Where the cache keeps
+      what the next token needs, a wrong guess would evict it; where the cache thrashes, the slot was about to go.
+    Precision counts every expert named, prefetched or not, so a predictor refused for a while is still judged."""
+
+    def __init__(self, window: int):
+        self.window = window                # layer steps in one token
+        self.named = self.right = self.asked = self.found = 0
+
+    def precision(self) -> float:
+        return (self.right + 1) / (self.named + 2)
+
+    def admit(self) -> bool:
+        return self.precision() >= 0.5
+
+    def spare(self) -> int:
+        return 0 if self.precision() > (self.found + 1) / (self.asked + 2) else self.window
+
+    def scored(self, named, routed):
+        """The experts a predictor named for a layer and token, against those the routing then asked for."""
+        self.named += len(named)
+        self.right += len(set(named) & set(routed))
+
+    def asked_for(self, in_memory: bool, guessed: bool):
+        """An expert a layer's routing asks for: a guess prefetched for it, or else found in memory or not."""
+        if not guessed:
+            self.asked += 1
+            self.found += in_memory

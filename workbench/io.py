@@ -63,14 +63,15 @@ def slot_readers() -> int:
     return max(2, default_workers())
 
 
-def drop_page_cache(path) -> None:
-    """Evict a file from the page cache, so later buffered/mmap reads of it are cold."""
+def drop_page_cache(path) -> str:
+    """Evict a file from the page cache, so later buffered/mmap reads of it are cold; returns how."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fdatasync(fd)  # dirty pages are not evicted by DONTNEED
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    return "posix_fadvise(DONTNEED)"
 
 
 def _after(bufs: list, skip: int) -> list:

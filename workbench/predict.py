@@ -112,6 +112,7 @@ class History:
 
 class Oracle:
     """Replays a routing trace {(token index, layer): experts} captured from the same tokens."""
+    certain = True          # its prefetches are the routing: they may evict what a guess's may not
 
     def __init__(self, spec, trace: dict, depth: int = 1):
         self.moe, self.trace, self.depth = spec.moe_layers, trace, depth

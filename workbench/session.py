@@ -18,7 +18,7 @@ from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache, warm_set
 from workbench.capture import RoutingCapture
-from workbench.io import slot_readers
+from workbench.io import drop_page_cache, slot_readers
 from workbench.devices import open_reader
 from workbench.memory import check_fits, memory_needs
 from workbench.predict import make_predictor
@@ -97,6 +97,7 @@ class Session:
             usage = self.usage() if p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED else None
             predictor = make_predictor(p.prefetch, s, w, usage=usage, trace=trace, pack=self.pack)
             router_hook, hook_deltas = self._routing(predictor, w)
+        self.warm_usage = usage if p.cache.warm else None
         hooks = Hooks(predictor, router_hook, {**hook_deltas, **(deltas or {})})
         self.engine = cls(self.pack, self.streamer, self.tel, hooks, weights=w)
         self.reader_bytes0 = 0
@@ -143,6 +144,16 @@ class Session:
         """Fill each layer's pool (or the global cache, evenly) with its most-used experts."""
         self.streamer.load_resident(warm_set(self.cache, usage), pin=False)
 
+    def cold_start(self) -> str:
+        """Make the next run start cold: no expert in memory but what the design itself keeps (every expert when
+        all-resident, the warm set of a design that warm-starts), and the model's file out of the page cache.
+        Returns how the page cache was dropped."""
+        self.streamer.empty()
+        if self.warm_usage is not None and self.budget_bytes < self.all_expert_bytes:
+            self.warm_start(self.warm_usage)
+        self.reader_bytes0 = self.reader.bytes_read
+        return drop_page_cache(self.pack_path)
+
     # ------------------------------------------------------------ running
 
     def encode(self, text: str) -> list[int]:
@@ -165,11 +176,11 @@ class Session:
         router = sum(v.router_s for v in evs)
         dq = sum(v.dequant_s for v in evs)
         wait = sum(v.wait_s for v in evs)
-        hits = sum(sum(v.hit) for v in evs)
-        misses = sum(len(v.hit) for v in evs) - hits
+        hits, late = sum(sum(v.hit) for v in evs), sum(v.late for v in evs)
+        misses = sum(len(v.hit) for v in evs) - hits - late
         tel.add_token(TokenRecord(token=e.token_index, phase=phase, n_tokens=len(ids), wall_s=wall, compute_s=compute,
                                   router_s=router, dequant_s=dq, flash_wait_s=wait,
-                                  other_s=max(0.0, wall - compute - router - dq - wait), hits=hits, misses=misses,
+                                  other_s=max(0.0, wall - compute - router - dq - wait), hits=hits, late=late, misses=misses,
                                   bytes_read=self.reader.bytes_read - bytes0, cache_bytes=self.cache.bytes))
         return logits
 

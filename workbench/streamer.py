@@ -17,7 +17,7 @@ import time
 from concurrent.futures import Future
 
 
-from workbench.cache import ExpertCache
+from workbench.cache import ExpertCache, GuessAdmission
 from workbench.errors import WorkbenchError
 from workbench.io import ChecksumError, Reader
 from workbench.slot_reads import SlotRead
@@ -44,12 +44,14 @@ class ExpertStreamer:
         self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
         self.to_prefetch: list = []     # ((layer, token index), experts) named by begin_layer, read by run_layer
         self._plan: dict = {}           # key -> what reading it into a slot takes (_plan_of)
+        self.admission = GuessAdmission(len(pack.spec.moe_layers))
+        self.spare, self.guess = 0, True    # what a prefetch may evict, and whether it is made (begin_layer)
 
     # ------------------------------------------------------------ reads
 
-    def _reserve(self, key, protect=frozenset(), pin=False) -> bool:
+    def _reserve(self, key, protect=frozenset(), pin=False, spare: int = 0) -> bool:
         """A cache slot for key (evicting as the cache decides); the arena frees the slots of what was evicted."""
-        ok = self.cache.pin(key, None) if pin else self.cache.reserve(key, None, protect)
+        ok = self.cache.pin(key, None) if pin else self.cache.reserve(key, None, protect, spare)
         if self.arena is not None and self.cache.last_evicted:
             self.arena.release(self.cache.last_evicted)
         return ok
@@ -142,15 +144,16 @@ class ExpertStreamer:
 
     def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0,
                  ev: LayerEvent | None = None) -> list[int]:
-        """Predicted experts of `layer` at `token`: start reads for those not in memory. Never evicts `protect`.
+        """Predicted experts of `layer` at `token`: start reads for those not in memory. Never evicts `protect`; a
+        guess is made and evicts as GuessAdmission says.
         ev: the layer event that pays for the issue (its issue_s, issues, issued)."""
         t0 = time.perf_counter()
         keys = []
-        for e in experts:
+        for e in experts if self.guess else ():
             key = (layer, int(e))
             if key in self.cache:
                 continue
-            if not self._reserve(key, protect):
+            if not self._reserve(key, protect, spare=self.spare):
                 break
             keys.append(key)
         if keys:
@@ -163,6 +166,24 @@ class ExpertStreamer:
                 ev.issues += 1
                 ev.issued += len(keys)
         return [k[1] for k in keys]
+
+    def empty(self):
+        """Forget every expert that is not pinned (a cold start): reads still in flight land first, then every
+        slot but the pinned ones is free, and no prefetch is outstanding."""
+        flying = [(k, v) for k in self.cache.keys() if isinstance(v := self.cache.peek(k), IN_FLIGHT)]
+        if flying:
+            self._wait([v for _, v in flying], flying[0][0], every=True)
+            for _, v in flying:
+                v.done()                    # settled: its reader's jobs are free again
+        keys = [k for k in self.cache.keys() if k not in self.cache.pinned]
+        for k in keys:
+            self.cache.drop(k)
+        if self.arena is not None:
+            self.arena.release(keys)
+        self.prefetched.clear()
+        self.predicted_for.clear()
+        self.to_prefetch.clear()
+        self.admission = GuessAdmission(self.admission.window)
 
     def load_resident(self, keys, pin=True):
         """Fill the cache with these experts now (all-resident or a warm set), synchronously."""
@@ -192,7 +213,14 @@ class ExpertStreamer:
         ev.router_s = time.perf_counter() - t0
         ev.predicted = self.predicted_for.pop((layer, token), []) if phase == "decode" else []
         needed = sorted(set(idx.ravel().tolist()))     # np.unique's list, at a fifth of its cost per layer
+        if ev.predicted:
+            self.admission.scored(ev.predicted, needed)
+        self.cache.step()
         if engine.predictor is not None:        # name later layers' experts now; run_layer reads them after its own
+            # a prediction that is the routing (oracle, Edge0) evicts as a demand read does; a guess as admitted
+            certain = getattr(engine.predictor, "certain", False)
+            self.spare = 0 if certain else self.admission.spare()
+            self.guess = certain or self.admission.admit()
             t1 = time.perf_counter()
             for target, experts in engine.predictor.predict(layer, ctx).items():
                 # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
@@ -213,12 +241,14 @@ class ExpertStreamer:
         for e in needed:
             key = (layer, e)
             ent = get(key)
+            self.admission.asked_for(ent is not None, key in prefetched)
             if key in prefetched:
                 self.tel.prefetch_used += 1
                 del prefetched[key]
             if isinstance(ent, IN_FLIGHT):
                 if not ent.done():
                     hit.append(False)                         # a late prefetch: still in flight
+                    ev.late += 1
                     pending[e] = ent
                     continue
                 if ent.exception() is None:                   # a prefetch that landed in time

@@ -3,6 +3,12 @@
 The per-token time split adds up to wall time by construction:
 compute + router + dequant + flash_wait + other == wall, where `other` is what is left.
 Live views read `ring` (a bounded deque the engine appends to) and `tokens`.
+
+Every expert a token's routing demands is exactly one of (the three rates add up to 1):
+  hit   in memory when the layer asks (resident, or a prefetch that has landed);
+  late  a prefetch still in flight: no new read, but the layer may wait for it;
+  miss  read on demand.
+A prefetch that no routing asks for is waste (prefetch_wasted, wasted_bytes), never a hit.
 """
 from __future__ import annotations
 
@@ -10,6 +16,12 @@ import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+
+
+def rates(hits: int, late: int, misses: int) -> dict:
+    """hit_rate, late_rate and miss_rate of the experts routing demanded (they add up to 1)."""
+    n = max(1, hits + late + misses)
+    return {"hit_rate": hits / n, "late_rate": late / n, "miss_rate": misses / n}
 
 
 @dataclass
@@ -20,6 +32,7 @@ class LayerEvent:
     routed: list[int]           # distinct experts the layer used
     predicted: list[int]        # experts the predictor named for this layer (prefetched)
     hit: list[bool]             # per routed expert: already in memory when the layer asked
+    late: int = 0               # of the routed experts not hit: prefetches still in flight (the rest are misses)
     bytes_read: int = 0         # bytes the reader transferred for this layer's misses
     wait_s: float = 0.0         # compute thread blocked on reads (flash wait)
     dequant_s: float = 0.0      # the part of the blocked time spent dequantizing
@@ -47,10 +60,11 @@ class TokenRecord:
     flash_wait_s: float
     other_s: float
     hits: int
-    misses: int
+    misses: int                 # read on demand (late prefetches are neither hits nor misses)
     bytes_read: int
     cache_bytes: int
     text: str = ""
+    late: int = 0
     produced: int = 1           # decode: tokens this step added to the output (speculative steps add more)
 
 
@@ -97,11 +111,12 @@ class Telemetry:
         for ev in self.events:
             if phase and ev.phase != phase:
                 continue
-            r = rows.setdefault(ev.layer, dict(layer=ev.layer, hits=0, misses=0, bytes_read=0, wait_s=0.0,
+            r = rows.setdefault(ev.layer, dict(layer=ev.layer, hits=0, late=0, misses=0, bytes_read=0, wait_s=0.0,
                                                compute_s=0.0, predicted=0, predicted_used=0, routed=0))
             h = sum(ev.hit)
             r["hits"] += h
-            r["misses"] += len(ev.hit) - h
+            r["late"] += ev.late
+            r["misses"] += len(ev.hit) - h - ev.late
             r["bytes_read"] += ev.bytes_read
             r["wait_s"] += ev.wait_s
             r["compute_s"] += ev.compute_s
@@ -112,7 +127,7 @@ class Telemetry:
         out = []
         for L in sorted(rows):
             r = rows[L]
-            r["hit_rate"] = r["hits"] / max(1, r["hits"] + r["misses"])
+            r.update(rates(r["hits"], r["late"], r["misses"]))
             r["recall"] = r["predicted_used"] / r["routed"] if r["predicted"] else None
             r["precision"] = r["predicted_used"] / r["predicted"] if r["predicted"] else None
             out.append(r)
@@ -122,8 +137,7 @@ class Telemetry:
         dec = [t for t in self.tokens if t.phase == "decode"]
         pre = [t for t in self.tokens if t.phase == "prefill"]
         layers = self.per_layer("decode")
-        hits = sum(r["hits"] for r in layers)
-        misses = sum(r["misses"] for r in layers)
+        hits, late, misses = (sum(r[k] for r in layers) for k in ("hits", "late", "misses"))
         predicted_layers = [r for r in layers if r["predicted"]]     # recall counts layers a predictor served
         routed = sum(r["routed"] for r in predicted_layers)
         predicted = sum(r["predicted"] for r in predicted_layers)
@@ -134,8 +148,7 @@ class Telemetry:
             tok_s=sum(t.produced for t in dec) / wall if wall > 0 else 0.0,
             prefill_tokens=sum(t.n_tokens for t in pre),
             prefill_tok_s=sum(t.n_tokens for t in pre) / max(1e-12, sum(t.wall_s for t in pre)) if pre else 0.0,
-            hit_rate=hits / max(1, hits + misses),
-            hits=hits, misses=misses,
+            **rates(hits, late, misses), hits=hits, late=late, misses=misses,
             bytes_read=sum(t.bytes_read for t in dec),
             bytes_read_per_token=sum(t.bytes_read for t in dec) / max(1, len(dec)),
             decode_s=wall,

@@ -100,6 +100,7 @@ def features(x: np.ndarray, idx_t: np.ndarray, idx_prev: np.ndarray | None, E: i
 # ---------------------------------------------------------------- the prerouter: predictor + router hook
 
 class Prerouter:
+    certain = True          # the prediction is the routing (of the streamed layers)
     def __init__(self, spec, weights, heads: Heads, skip_layers: int | None = None):
         self.spec, self.w, self.heads = spec, weights, heads
         moe = spec.moe_layers

@@ -1,0 +1,66 @@
+"""The measurement protocol: runs start cold, and the hit rate is one quantity in three parts that add up."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from experiments.bench import measure, open_session
+from experiments.routing_trace import TraceDrive
+from workbench.session import Session
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE = str(REPO / "data" / "traces" / "demo-tinystories-256.parquet")
+
+
+def _prefill(session):
+    return next(t for t in session.tel.tokens if t.phase == "prefill")
+
+
+def test_a_measured_run_starts_cold_by_default():
+    with open_session("demo", "on_demand", budget="0.25", tokens=8) as s:
+        res = measure(s, "Once upon a time", 8)
+        pre = _prefill(s)
+        assert res["start"] == "cold" and res["page_cache_dropped"]
+        assert pre.hits == 0 and pre.misses > 0            # every expert the prompt needs is read
+    with open_session("demo", "on_demand", budget="0.25", tokens=8) as s:
+        res = measure(s, "Once upon a time", 8, warm=True)
+        assert res["start"] == "warm" and _prefill(s).hits > 0    # the warm-up left the prompt's experts in memory
+
+
+def test_cold_start_keeps_what_the_design_keeps():
+    with Session("demo", "resident") as s:                   # all-resident: every expert stays
+        n = s.cache.slots_used
+        s.cold_start()
+        assert s.cache.slots_used == n == s.pack.num_expert_total
+    with Session("demo", "smol", budget="0.25") as s:        # the pager's warm set is part of the design
+        warm = set(s.cache.keys())
+        s.generate("Once upon a time", tokens=6)
+        s.cold_start()
+        assert set(s.cache.keys()) == warm and not s.streamer.prefetched
+    with Session("demo", "les", budget="0.25") as s:
+        s.generate("Once upon a time", tokens=6)
+        s.cold_start()
+        assert s.cache.slots_used == 0 and len(s.arena.where) == 0
+
+
+@pytest.mark.parametrize("preset", ["on_demand", "les", "smol"])
+def test_hit_late_and_miss_rates_add_up(preset):
+    with open_session("demo", preset, budget="0.25", tokens=12, routing_trace=TRACE) as s:
+        res = measure(s, [1, 2, 3, 4], 12)
+        assert res["hit_rate"] + res["late_rate"] + res["miss_rate"] == pytest.approx(1.0)
+        per_layer = s.tel.per_layer("decode")
+        assert sum(r["hits"] + r["late"] + r["misses"] for r in per_layer) == sum(r["routed"] for r in per_layer)
+        if preset == "on_demand":
+            assert res["late_rate"] == 0.0                    # nothing prefetched, nothing late
+
+
+def test_two_packs_of_one_model_at_the_same_slots_agree_on_hit_plus_late():
+    """An expert's size moves how many prefetches are still in flight when asked for (late), not which experts are
+    in memory or on their way: hit + late is the same on a q3 and a q8 pack at the same slots and routing."""
+    got = {}
+    for experts in ("q3", "q8"):
+        with open_session("demo", "les", budget="0.25", tokens=24, routing_trace=TRACE, experts=experts) as s:
+            res = measure(s, [1, 2, 3, 4], 24)
+            got[experts] = (min(s.cache.capacity.values()), res["hits"] + res["late"], res["misses"])
+    assert got["q3"] == got["q8"]
