@@ -493,6 +493,9 @@ def test_packed_engine_computes_gguf_blocks_with_ggml(kquant_model, tmp_path, qt
     for preset, budget in [("on_demand", "0.25"), ("les", "0.5"), ("smol", "0.5"), ("history", "0.5")]:
         got, _ = packed_logits(pack, preset, budget=budget)
         np.testing.assert_array_equal(got, out, err_msg=f"{preset} at {budget}")
+    got, eng = packed_logits(q, "les", budget="0.25")       # the GGUF itself, streamed where its blocks lie
+    assert eng == "packed"
+    np.testing.assert_array_equal(got, out, err_msg="the GGUF streamed in place")
 
 
 @needs_llama

@@ -230,6 +230,11 @@ class Reader:
                     self.retries += 1
                 time.sleep(0.01 * 2 ** attempt)
 
+    def needed(self, start: int, end: int) -> int:
+        """The bytes a read of [start, end) into buffers must bring: it may reach past the end of the file (a
+        GGUF's last expert, read to the 4 KiB boundary after it), not start there."""
+        return end - start if start >= self.size else min(end, self.size) - start
+
     def _eof_error(self, offset: int, length: int, file_end: int) -> EOFError:
         return EOFError(f"{self.path}: read past end of file: offset={offset} "
                         f"length={length}, file ends at byte {file_end}")
@@ -383,7 +388,7 @@ class Reader:
             parts[m[2]] = parts.get(m[2], 0) + 1
         try:
             got = self._pread([m[1] for m in members], start, end - start)
-            if got < min(end, self.size) - start:
+            if got < self.needed(start, end):
                 raise self._eof_error(start, end - start, start + got)
         except BaseException as e:
             for key in parts:

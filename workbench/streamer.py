@@ -134,8 +134,9 @@ class ExpertStreamer:
         boundary before its part and ends at the one after, and the crc runs start past it (pack.expert_heads)."""
         reads = self.pack.expert_reads(*key)
         check, lengths = self.pack.expert_check(*key), None
-        heads = self.pack.expert_heads(key[0])[key[1]].tolist()
-        if any(heads):
+        heads = self.pack.expert_heads(key[0])
+        if heads.any():             # a GGUF index's layer (slot regions sized for its largest read)
+            heads = heads[key[1]].tolist()
             check = ([(i, a + heads[i], z + heads[i]) for i, a, z in check[0]], check[1])
             lengths = [-(-(h + n) // ALIGN) * ALIGN for h, (_, n) in zip(heads, reads)]
             reads = [(off - h, n) for h, (off, n) in zip(heads, reads)]
