@@ -201,3 +201,43 @@ def test_indexing_a_large_gguf_stays_within_a_memory_bound(tmp_path):
     assert (tmp_path / "big.index").stat().st_size < 2**20
     pack = Pack(tmp_path / "big.index")
     assert pack.total_expert_bytes > 3 * bound and fingerprint(big)
+
+
+def test_the_verbs_that_take_a_model_take_the_gguf(gguf_file, tmp_path, monkeypatch, capsys):
+    import json
+    from workbench.cli import main
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+
+    def run(*argv):
+        assert main(list(argv) + ["--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    m = ["--model", str(gguf_file)]
+    assert run("info", *m)["kind"] == "gguf"
+    assert run("generate", *m, "--preset", "les", "--budget", "0.5", "--tokens", "4")["tokens"]
+    b = run("bench", *m, "--preset", "les", "--budget", "0.5", "--tokens", "4", "--no-record")
+    assert b["tokens"] == 4 and b["reader_mode"] == "o_direct"
+    run("trace", "--engine", "numpy", *m, "--data", "tinystories", "--tokens", "16", "--out", str(tmp_path / "t.parquet"))
+    assert run("replay", str(tmp_path / "t.parquet"), "--preset", "les", "--budget", "0.5")["designs"]
+    assert [p.suffix for p in (tmp_path / "cache" / "packs").iterdir()] == [".index"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_tensors_made_on_read_are_kept_in_the_index(family, tmp_path):
+    """A hybrid GGUF's fused DeltaNet tensors are regrouped on read (GGUFModel.derived): the index keeps those,
+    points at the GGUF for the rest, and runs as the converted raw pack does."""
+    from engines.gguf_export import export_gguf
+    from hybrid_fixtures import make_hybrid
+    from workbench.models.hf import HFModel
+    g = export_gguf(HFModel(make_hybrid(family, tmp_path / family)), tmp_path / "h.gguf", "q8_0")
+    index = Pack(build := resolve_pack(str(g), "native", "raw", "raw"))
+    here = {n for n, t in index.tensors.items() if t.get("in") != "data"}
+    assert here and here <= set(GGUFModel(g).derived), here
+    held = sum(index.tensors[n]["nbytes"] for n in here)        # f32: a tiny model's are a good part of it
+    assert build.stat().st_size < held + 4096 * len(here) + 2**16
+    raw = convert(g, tmp_path / "raw.pack", experts="raw", rest="raw")
+    for engine in (None, "numpy"):
+        z, toks, _ = logits_and_tokens(g, "les", "0.5", engine)
+        z_raw, toks_raw, _ = logits_and_tokens(raw, "les", "0.5", engine)
+        np.testing.assert_array_equal(z, z_raw)
+        assert toks == toks_raw
