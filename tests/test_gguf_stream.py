@@ -56,9 +56,12 @@ def test_a_gguf_streams_through_a_small_index_made_once(gguf_file, tmp_path, mon
         pass
     again = cache_files(tmp_path / "cache")
     assert again[packs[0]].st_mtime_ns == files[packs[0]].st_mtime_ns and again[packs[0]].st_ino == files[packs[0]].st_ino
-    # a storage the run names itself still converts (requantized, or laid out contiguous)
-    with Session(str(gguf_file), "on_demand", experts="q4", rest="q4") as s:
-        assert s.pack.quant == {"experts": "q4", "rest": "q4"} and s.pack.data_path == s.pack.path
+    # a storage knob the run names itself is taken, the others stay the GGUF's: a converted pack
+    with Session(str(gguf_file), "on_demand", experts="q4") as s:
+        assert (s.pack.layout, s.pack.quant) == ("native", {"experts": "q4", "rest": "raw"})
+        assert s.pack.data_path == s.pack.path
+    with Session(str(gguf_file), "les", layout="contiguous") as s:
+        assert (s.pack.layout, s.pack.quant) == ("contiguous", {"experts": "raw", "rest": "raw"})
 
 
 def test_streamed_experts_are_the_ggufs_bytes(gguf_file):

@@ -4,10 +4,11 @@
 converted to a pack on first use (per layout and precision) under $WORKBENCH_CACHE/packs
 (default ~/.cache/moe-workbench); a pack path is used as it is.
 
-A GGUF streams from where it lies: its storage is its own blocks in its own layout (native, raw, raw), and at that
+A GGUF streams from where it lies: its own storage is its blocks in its layout (native, raw, raw), and at that
 storage the cache holds only its index (workbench/store/gguf_index.py, a few MB), made on first use. A run on a
-GGUF takes that storage whatever its preset says, unless the run names a storage knob itself (Session's
-layout=, experts=, rest=: a converted pack, requantized or laid out contiguous, as for a model directory).
+GGUF takes its own storage whatever its preset says, but for the knobs the run names itself (Session's layout=,
+experts=, rest=); any other storage (requantized, mixed, laid out contiguous) is a converted pack, as for a model
+directory.
 """
 from __future__ import annotations
 
@@ -75,11 +76,12 @@ def resolve_pack(model: str, layout: str, experts: str, rest: str, progress: boo
 
 
 def storage_for(model: str, storage, named=()) -> tuple[str, str, str]:
-    """(layout, experts, rest) a run on `model` takes: a preset's storage (a Storage), but the GGUF's own
-    (GGUF_STORAGE: streamed in place) for a .gguf, unless the run named a storage knob (`named`)."""
-    if str(model).endswith(".gguf") and not {"layout", "experts", "rest"} & set(named):
-        return GGUF_STORAGE
-    return storage.layout.value, storage.experts, storage.rest
+    """(layout, experts, rest) a run on `model` takes: its preset's (storage, a Storage), but a .gguf's own
+    (GGUF_STORAGE) for each of the three knobs the run does not name itself (`named`)."""
+    knobs = dict(zip(("layout", "experts", "rest"), (storage.layout.value, storage.experts, storage.rest)))
+    if str(model).endswith(".gguf"):
+        return tuple(knobs[k] if k in named else own for k, own in zip(knobs, GGUF_STORAGE))
+    return tuple(knobs.values())
 
 
 def tokenizer_for(pack: Pack):
