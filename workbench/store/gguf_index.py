@@ -8,7 +8,6 @@ un-permuted Q/K rows) are stored in the index itself. Building it reads the GGUF
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 import time
@@ -62,15 +61,12 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
     from workbench.models.gguf_model import GGUFModel
 
     model = GGUFModel(src)
-    s, gguf = model.spec, Path(src).resolve()
+    s, gguf, source = model.spec, Path(src).resolve(), model.source_info()
     st = gguf.stat()
-    head = int(model.reader.data_offset)
-    with open(gguf, "rb") as f:
-        data = {"path": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "head_bytes": head,
-                "head_sha256": hashlib.sha256(f.read(head)).hexdigest()}
-    header = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "source": model.source_info(), "spec": s.to_dict(), "layout": "native",
-              "quant": {"experts": "raw", "rest": "raw"}, "data": data}
+    data = {"path": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns,           # what Pack checks it by
+            "head_bytes": min(st.st_size, int(model.reader.data_offset)), "head_sha256": source["header_sha256"]}
+    header = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "source": source,
+              "spec": s.to_dict(), "layout": "native", "quant": {"experts": "raw", "rest": "raw"}, "data": data}
     if text := model.tokenizer_json():
         header["tokenizer"] = text
     if template := find_template(model.path):
