@@ -3,7 +3,8 @@ BigMoeOnEdge's byte-budget slots).
 
 A slot holds one expert as the pack stores it (its encoded bytes, never dequantized), laid out as its reads
 land: the contiguous layout's one 4 KiB-aligned span, or the native layout's three parts, each in its own
-4 KiB-aligned region. Reads go straight into a slot (O_DIRECT preadv into the slot's memory): nothing is
+4 KiB-aligned region (a GGUF index's parts a few bytes into theirs: each read starts at the 4 KiB boundary before
+its part in the GGUF, Pack.expert_heads). Reads go straight into a slot (O_DIRECT preadv into the slot's memory): nothing is
 allocated per read. One arena block per cache pool (one for a global cache, one per layer for a per-layer
 cache), as many slots as the pool holds experts; the arena's bytes are the cache's bytes.
 
