@@ -273,7 +273,7 @@ def packed_ggml_rows(ggml, d, ff, w, x, repeat, top_k, row):
             flat, weight = np.arange(n, dtype=np.int64), np.ones(n, np.float32) / n
 
             def run():
-                G.moe_ready(arena, experts, offs, flat, n, weight, X, Y, parts, d, ff)
+                G.moe_ready(arena, experts, offs, flat, n, weight, X, Y, parts, np.zeros((n, 3), np.int64), d, ff)
                 return Y.sum(0)
             us = median_us(run, repeat) / n
             row("packed (ggml vec_dot)", t, us, nbytes, run(),

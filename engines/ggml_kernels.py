@@ -145,10 +145,11 @@ def _matvec(addr, rows, cols, p, x, qx, y):
 
 
 @njit(cache=True, nogil=True)
-def moe_ready(block, experts, offsets, flat, k, weight, X, Y, parts, d, ff):
+def moe_ready(block, experts, offsets, flat, k, weight, X, Y, parts, heads, d, ff):
     """As packed_kernels.moe_ready, for GGUF blocks: the pairs of a layer whose expert is in a batch in memory
     (experts[i], its slot at byte offsets[i] of block); pair p of the flat top-k is token p // k, its result
-    (times its routing weight) row p of Y."""
+    (times its routing weight) row p of Y. heads (experts, 3): where expert e's gate, up, down start past their
+    slot regions' starts (Pack.expert_heads: 0 in a pack, the GGUF's own offsets in a GGUF index)."""
     slot_of = slots_of(flat, experts, offsets)
     qx = np.empty(max(parts[0, 4], parts[1, 4], parts[2, 4]), np.uint8)
     g, u, y = np.empty(ff, np.float32), np.empty(ff, np.float32), np.empty(d, np.float32)
@@ -156,13 +157,13 @@ def moe_ready(block, experts, offsets, flat, k, weight, X, Y, parts, d, ff):
         slot = slot_of[flat[p]]
         if slot < 0:
             continue
-        at = block.ctypes.data + slot
+        at, h = block.ctypes.data + slot, heads[flat[p]]
         x = X[p // k]
-        _matvec(at + parts[0, 0], ff, d, parts[0], x, qx, g)
-        _matvec(at + parts[1, 0], ff, d, parts[1], x, qx, u)
+        _matvec(at + parts[0, 0] + h[0], ff, d, parts[0], x, qx, g)
+        _matvec(at + parts[1, 0] + h[1], ff, d, parts[1], x, qx, u)
         for j in range(ff):
             g[j] = g[j] / (np.float32(1.0) + np.exp(-g[j])) * u[j]
-        _matvec(at + parts[2, 0], d, ff, parts[2], g, qx, y)
+        _matvec(at + parts[2, 0] + h[2], d, ff, parts[2], g, qx, y)
         for j in range(d):
             Y[p, j] = weight[p] * y[j]
 

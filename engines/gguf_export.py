@@ -50,7 +50,7 @@ class PackModel:
         return self.pack.tensor(name)
 
     def expert(self, layer, e):
-        with open(self.pack.path, "rb") as f:
+        with open(self.pack.data_path, "rb") as f:
             chunks = []
             for off, n in self.pack.expert_reads(layer, e):
                 f.seek(off)

@@ -93,6 +93,7 @@ class PackedExperts:
         self.decoder, self.arena, s = decoder, arena, decoder.spec
         self.d, self.ff = s.hidden_size, s.moe_intermediate_size
         self.kernels = {L: layer_kernel(pack, L, arena.layouts[L][1]) for L in s.moe_layers}
+        self.heads = {L: pack.expert_heads(L) for L in s.moe_layers}
 
     def begin(self, i: int, x, idx, weights):
         """compute(experts, slot offsets) for the streamer: one kernel call per batch, which picks the batch's
@@ -104,11 +105,12 @@ class PackedExperts:
         self.Y = Y = np.empty((flat.shape[0], self.d), np.float32)
         block = self.arena.blocks[i]
         ggml, parts = self.kernels[i]
+        heads = self.heads[i]
 
         def compute(es, offsets):
             es, offsets = np.array(es, np.int64), np.array(offsets, np.int64)
             if ggml:
-                G.moe_ready(block, es, offsets, flat, k, w, X, Y, parts, self.d, self.ff)
+                G.moe_ready(block, es, offsets, flat, k, w, X, Y, parts, heads, self.d, self.ff)
             else:
                 K.moe_ready(block, es, offsets, flat, k, w, X, Y, parts, self.d, self.ff, K.F16)
         return compute

@@ -110,11 +110,11 @@ def cmd_trace(args):
                 "source": g.source_info(), "data": args.data}
     else:
         from workbench.presets import get_preset
-        from workbench.registry import resolve_pack, tokenizer_for
+        from workbench.registry import resolve_pack, storage_for, tokenizer_for
         from workbench.store.pack import Pack
         p = get_preset(args.preset)
         st = p.storage
-        tok = tokenizer_for(Pack(resolve_pack(args.model, st.layout.value, st.experts, st.rest)))
+        tok = tokenizer_for(Pack(resolve_pack(args.model, *storage_for(args.model, st))))
         if tok is None:
             raise WorkbenchError(f"{args.model}: no tokenizer")
         ids = _trace_ids(args, lambda t: tok.encode(t).ids)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from engines import DEFAULT, default_engine, engine_class
 from workbench.presets import get_preset
-from workbench.registry import resolve_pack
+from workbench.registry import resolve_pack, storage_for
 from workbench.store.pack import Pack
 from workbench.errors import WorkbenchError
 
@@ -45,7 +45,7 @@ def expert_bytes(model: str, preset: str) -> tuple[int, int]:
     """(top-k, bytes a Session of the preset counts per expert) of the model's pack: the pack's numbers only, no
     session, no experts loaded."""
     st = get_preset(preset).storage
-    pack = Pack(resolve_pack(model, st.layout.value, st.experts, st.rest))
+    pack = Pack(resolve_pack(model, *storage_for(model, st)))
     return pack.spec.top_k, engine_class(default_engine(pack)).expert_bytes(pack)
 
 

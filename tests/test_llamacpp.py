@@ -241,7 +241,13 @@ def test_import_other_families(tiny_models, deepseek_v2_lite, tmp_path, family, 
     assert {k: v for k, v in g.spec.to_dict().items() if k != "dense_intermediate_size"} == \
            {k: v for k, v in want.to_dict().items() if k != "dense_intermediate_size"}
     pack = convert(path, tmp_path / f"{family}.pack", experts="raw", rest="raw")
-    assert np.abs(teacher_logits(pack) - teacher_logits(src)).max() < 1e-4
+    z = teacher_logits(pack)
+    assert np.abs(z - teacher_logits(src)).max() < 1e-4
+    # streamed in place: the index keeps what is made on read (llama's un-permuted Q/K, deepseek2's joined kv_b)
+    from workbench.registry import resolve_pack
+    index, raw = Pack(resolve_pack(str(path), "native", "raw", "raw")), Pack(pack)
+    assert all(np.array_equal(index.tensor_bytes(n), raw.tensor_bytes(n)) for n in raw.tensors)
+    np.testing.assert_array_equal(teacher_logits(path), z)
 
 
 def test_refuses_what_moespec_cannot_express(tmp_path):
@@ -493,6 +499,9 @@ def test_packed_engine_computes_gguf_blocks_with_ggml(kquant_model, tmp_path, qt
     for preset, budget in [("on_demand", "0.25"), ("les", "0.5"), ("smol", "0.5"), ("history", "0.5")]:
         got, _ = packed_logits(pack, preset, budget=budget)
         np.testing.assert_array_equal(got, out, err_msg=f"{preset} at {budget}")
+    got, eng = packed_logits(q, "les", budget="0.25")       # the GGUF itself, streamed where its blocks lie
+    assert eng == "packed"
+    np.testing.assert_array_equal(got, out, err_msg="the GGUF streamed in place")
 
 
 @needs_llama

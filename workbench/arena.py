@@ -3,7 +3,8 @@ BigMoeOnEdge's byte-budget slots).
 
 A slot holds one expert as the pack stores it (its encoded bytes, never dequantized), laid out as its reads
 land: the contiguous layout's one 4 KiB-aligned span, or the native layout's three parts, each in its own
-4 KiB-aligned region. Reads go straight into a slot (O_DIRECT preadv into the slot's memory): nothing is
+4 KiB-aligned region (a GGUF index's parts a few bytes into theirs: each read starts at the 4 KiB boundary before
+its part in the GGUF, Pack.expert_heads). Reads go straight into a slot (O_DIRECT preadv into the slot's memory): nothing is
 allocated per read. One arena block per cache pool (one for a global cache, one per layer for a per-layer
 cache), as many slots as the pool holds experts; the arena's bytes are the cache's bytes.
 
@@ -26,12 +27,18 @@ def _aligned(n: int) -> int:
 def slot_layout(pack, layer: int) -> tuple[list[tuple[int, int]], dict[str, int]]:
     """Where one expert of `layer` has its reads and parts in a slot: ([(region offset, region bytes)] per read,
     {part: byte offset of its encoded bytes}). The same for every expert of a layer (a raw GGUF pack's layers
-    may keep different block types, so their layouts differ)."""
+    may keep different block types, so their layouts differ), but that a GGUF index's parts start past their
+    region's start by pack.expert_heads (each read starts at the 4 KiB boundary before its part: a region holds
+    the largest such read of the layer)."""
     ent = pack.expert_layers[layer][0]
+    heads, sizes = pack.expert_heads(layer), None
+    for e in range(len(pack.expert_layers[layer])):
+        need = [_aligned(heads[e, i] + n) for i, (_, n) in enumerate(pack.expert_reads(layer, e))]
+        sizes = need if sizes is None else list(map(max, sizes, need))
     regions, off = [], 0
-    for _, n in pack.expert_reads(layer, 0):
-        regions.append((off, _aligned(n)))
-        off += _aligned(n)
+    for n in sizes:
+        regions.append((off, n))
+        off += n
     if "span" in ent:
         parts = {p: ent["parts"][p][0] - ent["span"][0] for p in PARTS}
     else:

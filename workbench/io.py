@@ -86,12 +86,13 @@ def _after(bufs: list, skip: int) -> list:
     return views
 
 
-def _merge(spans, gap: int) -> list:
+def _merge(spans, gap: int, overlap: bool = True) -> list:
     """(start, end, member) spans -> [start, end, [members]] groups in file order: a span joins the group before it
-    when it starts at most `gap` bytes past that group's end (overlapping and touching spans always do)."""
+    when it starts at most `gap` bytes past that group's end (overlapping and touching spans always do; with
+    overlap False an overlapping span does not: reads scattered into buffers need each buffer's range its own)."""
     groups = []
     for start, end, member in sorted(spans, key=lambda s: (s[0], s[1])):
-        if groups and start <= groups[-1][1] + gap:
+        if groups and start <= groups[-1][1] + gap and (overlap or start >= groups[-1][1]):
             groups[-1][1] = max(groups[-1][1], end)
             groups[-1][2].append(member)
         else:
@@ -153,6 +154,7 @@ class Reader:
         self.fd = self._open_direct() if direct else -1
         if self.fd < 0:
             self.fd = os.open(self.path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size     # a read into buffers may end past it (short, not an error)
         self.mode = "o_direct" if self._direct else "page-cache"
         self._lock = threading.Lock()
         self._heap: list = []                   # the reader threads' queue: (priority, seq, job), demand reads first
@@ -229,6 +231,11 @@ class Reader:
                     self.retries += 1
                 time.sleep(0.01 * 2 ** attempt)
 
+    def needed(self, start: int, end: int) -> int:
+        """The bytes a read of [start, end) into buffers must bring: it may reach past the end of the file (a
+        GGUF's last expert, read to the 4 KiB boundary after it), not start there."""
+        return end - start if start >= self.size else min(end, self.size) - start
+
     def _eof_error(self, offset: int, length: int, file_end: int) -> EOFError:
         return EOFError(f"{self.path}: read past end of file: offset={offset} "
                         f"length={length}, file ends at byte {file_end}")
@@ -268,7 +275,9 @@ class Reader:
 
     def submit_into(self, requests, priority: int = 0, checks: dict | None = None) -> dict:
         """Read `(key, [(offset, buf), ...])` requests straight into their buffers (offsets, lengths and buffer
-        addresses 4096-aligned): ranges that touch in the file share one preadv, scattered into their buffers.
+        addresses 4096-aligned; a buffer may reach past the end of the file, whose bytes there are left as they
+        were): ranges that touch in the file share one preadv, scattered into their buffers (ranges that overlap,
+        as a GGUF's experts' 4 KiB-aligned ranges can, do not).
         Lower `priority` is read first (demand 0 before prefetch 1; FIFO within one). A key's future resolves to
         its buffers once all have landed, and fails with a ChecksumError unless the crc32 of its `checks[key]`
         = (runs, crc32) is crc32, runs being (buffer index, start, end) in crc order.
@@ -290,7 +299,7 @@ class Reader:
             for i, (off, buf) in enumerate(parts):
                 ranges.append((off, off + buf.nbytes, (off, buf, key, i, 0)))
                 total += buf.nbytes
-        merged = _merge(ranges, 0)
+        merged = _merge(ranges, 0, overlap=False)
         groups = []
         # no merged read can reach two pieces' size when all of them together do not (split_sizes)
         for g in _split(merged, self.workers) if total >= 2 * SPLIT else merged:      # at most IOV buffers a read
@@ -380,7 +389,7 @@ class Reader:
             parts[m[2]] = parts.get(m[2], 0) + 1
         try:
             got = self._pread([m[1] for m in members], start, end - start)
-            if got < end - start:
+            if got < self.needed(start, end):
                 raise self._eof_error(start, end - start, start + got)
         except BaseException as e:
             for key in parts:

@@ -3,6 +3,12 @@
 `--model demo` is the demo model shipped in data/models/demo-moe. A Hugging Face directory is
 converted to a pack on first use (per layout and precision) under $WORKBENCH_CACHE/packs
 (default ~/.cache/moe-workbench); a pack path is used as it is.
+
+A GGUF streams from where it lies: its own storage is its blocks in its layout (native, raw, raw), and at that
+storage the cache holds only its index (workbench/store/gguf_index.py, a few MB), made on first use. A run on a
+GGUF takes its own storage whatever its preset says, but for the knobs the run names itself (Session's layout=,
+experts=, rest=); any other storage (requantized, mixed, laid out contiguous) is a converted pack, as for a model
+directory.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from workbench.store.pack import FORMAT, MAGIC, Pack, convert
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"demo": REPO / "data" / "models" / "demo-moe"}
+GGUF_STORAGE = ("native", "raw", "raw")     # a GGUF's own blocks where they lie: its index, no pack
 
 
 def cache_dir() -> Path:
@@ -55,11 +62,26 @@ def resolve_pack(model: str, layout: str, experts: str, rest: str, progress: boo
         return p
     if p.is_file() and p.suffix != ".gguf":       # a GGUF converts like a model directory
         raise WorkbenchError(f"{p}: not an expert pack (bad magic) and not a model directory")
+    if p.suffix == ".gguf" and (layout, experts, rest) == GGUF_STORAGE:
+        dst = cache_dir() / "packs" / f"{p.name}-{fingerprint(p)}-f{FORMAT}.index"
+        if not dst.exists():
+            from workbench.store.gguf_index import build_index
+            build_index(p, dst, progress=progress)
+        return dst
     name = f"{p.name}-{fingerprint(p)}-{layout}-{experts}-{rest}-f{FORMAT}.pack"   # a new format converts afresh
     dst = cache_dir() / "packs" / name
     if not dst.exists():
         convert(p, dst, layout=layout, experts=experts, rest=rest, progress=progress)
     return dst
+
+
+def storage_for(model: str, storage, named=()) -> tuple[str, str, str]:
+    """(layout, experts, rest) a run on `model` takes: its preset's (storage, a Storage), but a .gguf's own
+    (GGUF_STORAGE) for each of the three knobs the run does not name itself (`named`)."""
+    knobs = dict(zip(("layout", "experts", "rest"), (storage.layout.value, storage.experts, storage.rest)))
+    if str(model).endswith(".gguf"):
+        return tuple(knobs[k] if k in named else own for k, own in zip(knobs, GGUF_STORAGE))
+    return tuple(knobs.values())
 
 
 def tokenizer_for(pack: Pack):

@@ -23,7 +23,7 @@ from workbench.devices import open_reader
 from workbench.memory import check_fits, memory_needs
 from workbench.predict import make_predictor
 from workbench.presets import Budget, Predictor, Preset, Router, get_preset
-from workbench.registry import cache_dir, resolve_pack, tokenizer_for
+from workbench.registry import cache_dir, resolve_pack, storage_for, tokenizer_for
 from workbench.routing import route
 from workbench.shapes import random_label
 from workbench.streamer import ExpertStreamer
@@ -56,7 +56,10 @@ class Session:
             raise WorkbenchError(f"preset {p.name}: the oracle replays the true routing of the tokens it will decode; "
                                  f"give it that trace (workbench.session.oracle_trace) or a routing trace to drive it")
         self.model = model
-        self.pack_path = resolve_pack(model, p.storage.layout.value, p.storage.experts, p.storage.rest, progress=progress)
+        layout, experts, rest = storage_for(model, p.storage, overrides)
+        if (layout, experts, rest) != (p.storage.layout.value, p.storage.experts, p.storage.rest):
+            self.preset = p = p.with_(layout=layout, experts=experts, rest=rest)   # a GGUF's own: what records say
+        self.pack_path = resolve_pack(model, layout, experts, rest, progress=progress)
         self.pack = Pack(self.pack_path)
         self.spec = self.pack.spec
         self.tokenizer = tokenizer_for(self.pack)
@@ -73,7 +76,7 @@ class Session:
                        f"{self.pack_path} at --budget {self.budget_text}")
         self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache.policy.value,
                                  scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
-        self.reader = open_reader(self.pack_path, device, direct=direct, # device: emulated flash
+        self.reader = open_reader(self.pack.data_path, device, direct=direct, # device: emulated flash
                                   workers=workers or (slot_readers() if cls.slot_arena and not device else None))
         self.device = getattr(self.reader, "profile", None)
         src = self.pack.header.get("source", {}).get("path")

@@ -340,7 +340,8 @@ class SlotReads:
                     fut.runs.append((order, a, j, nrun, z - a))
                     nrun += 1
         at = j * 4
-        self.jobs[at], self.jobs[at + 1], self.jobs[at + 2], self.jobs[at + 3] = start, end - start, len(members), nrun
+        self.jobs[at], self.jobs[at + 1], self.jobs[at + 2], self.jobs[at + 3] = (start, self.reader.needed(start, end),
+                                                                              len(members), nrun)
         self.state[j] = QUEUED
         self.groups[j] = (start, end, members)
         return j
@@ -384,7 +385,7 @@ class SlotReads:
         bufs = [m[1] for m in members]
         self.stamps[2 * j] = time.perf_counter_ns()
         got = self.reader._pread(bufs, start, end - start)
-        if got < end - start:
+        if got < self.reader.needed(start, end):
             raise self.reader._eof_error(start, end - start, start + got)
         for r in range(self.jobs[j * 4 + 3]):
             at = (j * RUNS + r) * 3

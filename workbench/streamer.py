@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 from workbench.cache import ExpertCache, GuessAdmission
 from workbench.errors import WorkbenchError
-from workbench.io import ChecksumError, Reader
+from workbench.io import ALIGN, ChecksumError, Reader
 from workbench.slot_reads import SlotRead
 from workbench.store.pack import Pack
 from workbench.routing import route
@@ -118,8 +118,11 @@ class ExpertStreamer:
         claim, plan = self.arena.claim, self._plan
         requests, checks, total = [], {}, 0
         for key in keys:
-            offsets, check, nbytes = plan.get(key) or self._plan_of(key)
-            requests.append((key, list(zip(offsets, claim(key)))))
+            offsets, check, nbytes, lengths = plan.get(key) or self._plan_of(key)
+            bufs = claim(key)
+            if lengths:                         # a GGUF index's expert: its reads, not its slot regions
+                bufs = [b[:n] for b, n in zip(bufs, lengths)]
+            requests.append((key, list(zip(offsets, bufs))))
             checks[key] = check                 # the crc, by the reader; nothing is decoded
             total += nbytes
         cache_set = self.cache.set
@@ -128,9 +131,18 @@ class ExpertStreamer:
         return total
 
     def _plan_of(self, key) -> tuple:
-        """(file offsets of its reads, its crc check, bytes read) of an expert, worked out once."""
+        """(file offsets of its reads, its crc check, bytes read, read lengths or None) of an expert, worked out
+        once. A GGUF index's parts lie off the 4 KiB boundaries O_DIRECT reads start at: each read starts at the
+        boundary before its part and ends at the one after, and the crc runs start past it (pack.expert_heads)."""
         reads = self.pack.expert_reads(*key)
-        self._plan[key] = plan = ([off for off, _ in reads], self.pack.expert_check(*key), sum(n for _, n in reads))
+        check, lengths = self.pack.expert_check(*key), None
+        heads = self.pack.expert_heads(key[0])
+        if heads.any():             # a GGUF index's layer (slot regions sized for its largest read)
+            heads = heads[key[1]].tolist()
+            check = ([(i, a + heads[i], z + heads[i]) for i, a, z in check[0]], check[1])
+            lengths = [-(-(h + n) // ALIGN) * ALIGN for h, (_, n) in zip(heads, reads)]
+            reads = [(off - h, n) for h, (off, n) in zip(heads, reads)]
+        self._plan[key] = plan = ([off for off, _ in reads], check, sum(n for _, n in reads), lengths)
         return plan
 
     def _landed(self, key, fut):

@@ -113,7 +113,7 @@ def pack_weights(pack) -> tuple[dict[str, np.ndarray], dict[int, dict[str, np.nd
     if pack.spec.family == "qwen3_next":
         split_fused_projections(pack.spec, w)
     experts = {}
-    with open(pack.path, "rb") as f:
+    with open(pack.data_path, "rb") as f:
         for L in pack.spec.moe_layers:
             parts = {p: [] for p in ("gate", "up", "down")}
             for e in range(pack.spec.num_experts):

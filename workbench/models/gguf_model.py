@@ -416,6 +416,19 @@ class GGUFModel:
         b = self._bytes(gname)[start:start + n]
         return np.ascontiguousarray(b if order is None else b[order]).reshape(-1)
 
+    def tensor_location(self, name: str) -> tuple[int, int] | None:
+        """(file offset, bytes) of tensor_raw(name) where it lies in the GGUF as one range, else None (made on
+        read: derived, joined, rows permuted)."""
+        if name in self.derived or self._joined_kv_b(name) is not None:
+            return None
+        gname = self.where[name]
+        start, n, order = self._rows(name, gname)
+        if order is not None:
+            return None
+        t, ne = self.raw[gname], self._ne(gname)
+        row = int(t.n_bytes) // (int(np.prod(ne[1:])) if len(ne) > 1 else 1)
+        return int(t.data_offset) + start * row, n * row
+
     def tensor(self, name: str) -> np.ndarray:
         try:
             return self._tensor(name)
@@ -470,6 +483,24 @@ class GGUFModel:
             if sl is not None:
                 rows = rows[sl[0]:sl[0] + sl[1]]
             out[p] = np.ascontiguousarray(rows).reshape(-1)
+        return out
+
+    def expert_location(self, layer: int, e: int) -> dict[str, tuple[int, int]]:
+        """{part: (file offset, bytes)} of expert_raw(layer, e): where each part lies in the GGUF."""
+        s = self.spec
+        out = {}
+        for p in PARTS:
+            gname, sl = self._expert_src(layer, p)
+            if gname is None:
+                t = self.raw[self.split[(layer, e, p)]]
+                out[p] = (int(t.data_offset), int(t.n_bytes))
+                continue
+            t = self.raw[gname]
+            rows = int(np.prod(self._ne(gname)[1:]))
+            row = int(t.n_bytes) // rows
+            per = rows // s.num_experts
+            first, n = (e * per, per) if sl is None else (e * per + sl[0], sl[1])
+            out[p] = (int(t.data_offset) + first * row, n * row)
         return out
 
     def expert_shapes(self) -> dict[str, tuple]:

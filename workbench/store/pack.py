@@ -14,6 +14,12 @@ Layouts:
               in the source checkpoint: one expert is three scattered reads.
 
 Every tensor and every expert carries a crc32; the reader checks it on every load.
+
+A GGUF index (workbench/store/gguf_index.py) is a pack whose header names a data file, the GGUF itself
+("data": path, size, mtime, a hash of its header): its experts and most tensors are read where they lie in
+the GGUF (tensors marked "in": "data"), at the GGUF's 32-byte alignment, not 4 KiB; the few tensors the GGUF
+does not hold as one range (derived, joined, rows permuted) are stored in the index. It is refused once the
+GGUF changes.
 """
 from __future__ import annotations
 
@@ -231,8 +237,10 @@ class Pack:
         try:
             if size < h["file_size"]:
                 raise WorkbenchError(f"{self.path}: truncated: {size} bytes, header says {h['file_size']}")
+            self.data_path, data_size = (self._data_file(h["data"]) if "data" in h
+                                         else (self.path, min(size, h["file_size"])))
             self._parse(h)
-            self._check(min(size, h["file_size"]))
+            self._check(min(size, h["file_size"]), data_size)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             # the checksum matched, so the writer itself wrote a header this reader does not understand
             raise WorkbenchError(f"{self.path}: pack header is malformed ({type(e).__name__}: {e}); re-convert") from None
@@ -266,6 +274,21 @@ class Pack:
             raise WorkbenchError(f"{self.path}: header is not a JSON object (corrupt pack)")
         return header
 
+    def _data_file(self, d: dict) -> tuple[Path, int]:
+        """The file an index's experts and tensors lie in (its GGUF) and its size, if it is the one indexed."""
+        p = Path(d["path"])
+        try:
+            st = p.stat()
+            with open(p, "rb") as f:
+                head = f.read(d["head_bytes"])
+        except OSError as e:
+            raise WorkbenchError(f"{self.path}: cannot read its GGUF {p} ({e.strerror}); delete the index to rebuild "
+                                 f"it") from None
+        if (st.st_size, st.st_mtime_ns, hashlib.sha256(head).hexdigest()) != (d["size"], d["mtime_ns"],
+                                                                              d["head_sha256"]):
+            raise WorkbenchError(f"{self.path}: {p} changed since this index was made; delete the index to rebuild it")
+        return p, st.st_size
+
     def _parse(self, h: dict):
         self.spec = MoESpec.from_dict(h["spec"])
         self.layout = h["layout"]
@@ -278,17 +301,18 @@ class Pack:
         self.expert_nbytes = ex["nbytes"]           # on-disk bytes of one expert (unpadded; raw GGUF: the largest)
         self.expert_layers = {int(k): v for k, v in ex["layers"].items()}
         self._checks: dict = {}          # (layer, expert) -> expert_check's (crc ranges, crc32)
+        self._heads: dict = {}           # layer -> expert_heads
         self.num_expert_total = sum(len(v) for v in self.expert_layers.values())
 
-    def _check(self, size: int):
+    def _check(self, size: int, data_size: int):
         """What the header says agrees with itself and with the file (so no read or array is sized by a header
-        field alone): the spec with the tensors and experts, and every byte range inside the file and exactly as
-        long as its shape needs."""
-        bad = next(self._disagreements(size), None)
+        field alone): the spec with the tensors and experts, and every byte range inside the file it lies in
+        (data_size: the data file's, where an index's experts are) and exactly as long as its shape needs."""
+        bad = next(self._disagreements(size, data_size), None)
         if bad:
             raise WorkbenchError(f"{self.path}: the header does not agree with {bad} (corrupt pack; re-convert)")
 
-    def _disagreements(self, size: int):
+    def _disagreements(self, size: int, data_size: int):
         s = self.spec
         if not isinstance(self.header["source"]["path"], str):
             yield "its source"
@@ -300,9 +324,11 @@ class Pack:
         if self.expert_shapes != {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}:
             yield "its expert shapes"
         for name, t in self.tensors.items():
-            if not _inside(t["offset"], t["nbytes"], size) or t["nbytes"] != _nbytes(tuple(t["shape"]), t["kind"]) \
+            where = data_size if t.get("in") == "data" else size
+            if not _inside(t["offset"], t["nbytes"], where) or t["nbytes"] != _nbytes(tuple(t["shape"]), t["kind"]) \
                     or not isinstance(t["crc32"], str):
                 yield f"tensor {name}"
+        size = data_size                    # the experts lie in the data file
         for L, ents in self.expert_layers.items():
             kinds = self.kinds_of(L)
             want = {p: _nbytes(self.expert_shapes[p], kinds[p]) for p in PARTS}
@@ -331,7 +357,7 @@ class Pack:
     def tensor_bytes(self, name: str) -> np.ndarray:
         """Tensor `name` as the pack stores it (its kind's encoding), checked."""
         t = self.tensors[name]
-        with open(self.path, "rb") as f:
+        with open(self.data_path if t.get("in") == "data" else self.path, "rb") as f:
             f.seek(t["offset"])
             buf = np.frombuffer(f.read(t["nbytes"]), dtype=np.uint8)
         if _crc(buf) != t["crc32"]:
@@ -344,6 +370,17 @@ class Pack:
         if "span" in ent:
             return [tuple(ent["span"])]
         return [tuple(ent["parts"][p]) for p in PARTS]
+
+    def expert_heads(self, layer: int) -> np.ndarray:
+        """(experts, 3) int64: where each part of each expert of `layer` starts past the 4 KiB boundary at or before
+        it (a slot read starts at that boundary). Zero in a pack, which aligns its parts; an index's GGUF aligns
+        them to 32 bytes only."""
+        heads = self._heads.get(layer)
+        if heads is None:
+            heads = self._heads[layer] = np.array(
+                [[0 if "span" in ent else ent["parts"][p][0] % ALIGN for p in PARTS]
+                 for ent in self.expert_layers[layer]], np.int64).reshape(-1, 3)
+        return heads
 
     def expert_check(self, layer: int, e: int) -> tuple[list, int]:
         """(runs, crc32): expert e's bytes in the buffers of expert_reads(layer, e) are good when the crc32 over

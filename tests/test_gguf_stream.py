@@ -1,0 +1,247 @@
+"""`--model x.gguf` streams the GGUF as it lies: an index in the cache (workbench/store/gguf_index.py), no pack copy.
+
+The GGUF here is the tiny Qwen3-MoE exported at q8_0: its experts' parts (4352 bytes) lie at 32-byte alignment, so
+each read starts at the 4 KiB boundary before its part (Pack.expert_heads) and some reach past the end of the file.
+The streamed experts are the GGUF's own bytes; the runs give the converted raw pack's logits bit for bit (the same
+blocks through the same kernels).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[llamacpp]')")
+
+from workbench.errors import WorkbenchError                   # noqa: E402
+from workbench.models.gguf_model import GGUFModel, dequantize  # noqa: E402
+from workbench.registry import resolve_pack                  # noqa: E402
+from workbench.store.pack import PARTS, Pack, convert         # noqa: E402
+
+IDS = [5, 17, 200, 31, 64, 99, 150, 3, 250, 12, 77, 42]
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    from conftest import make_checkpoint
+    from engines.gguf_export import export_gguf
+    from workbench.models.hf import HFModel
+    root = tmp_path_factory.mktemp("gguf-stream")
+    # tied embeddings: no output.weight after the experts, so the last expert reads reach past the end of the file
+    src = make_checkpoint("qwen3_moe", root / "q3", tie_word_embeddings=True)
+    return export_gguf(HFModel(src), root / "q3.gguf", "q8_0")
+
+
+def cache_files(root: Path) -> dict:
+    return {p.relative_to(root): p.stat() for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_gguf_streams_through_a_small_index_made_once(gguf_file, tmp_path, monkeypatch):
+    from workbench.session import Session
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    with Session(str(gguf_file), "les", budget="0.5") as s:
+        assert s.pack.data_path == gguf_file.resolve() and s.reader.path == str(gguf_file.resolve())
+        assert s.preset.storage.experts == "raw" and s.preset.storage.layout.value == "native"
+        s.generate(IDS, 4)
+    files = cache_files(tmp_path / "cache")
+    packs = [f for f in files if f.parts[0] == "packs"]
+    assert [f.suffix for f in packs] == [".index"], files
+    assert all(st.st_size < gguf_file.stat().st_size / 4 for st in files.values()), files   # no copy of the model
+    with Session(str(gguf_file), "on_demand", budget="0.25"):
+        pass
+    again = cache_files(tmp_path / "cache")
+    made, reused = files[packs[0]], again[packs[0]]
+    assert (reused.st_mtime_ns, reused.st_ino) == (made.st_mtime_ns, made.st_ino)
+    # a storage knob the run names itself is taken, the others stay the GGUF's: a converted pack
+    with Session(str(gguf_file), "on_demand", experts="q4") as s:
+        assert (s.pack.layout, s.pack.quant) == ("native", {"experts": "q4", "rest": "raw"})
+        assert s.pack.data_path == s.pack.path
+    with Session(str(gguf_file), "les", layout="contiguous") as s:
+        assert (s.pack.layout, s.pack.quant) == ("contiguous", {"experts": "raw", "rest": "raw"})
+
+
+def test_streamed_experts_are_the_ggufs_bytes(gguf_file):
+    """Every expert read into the slot arena (O_DIRECT, from the 4 KiB boundary before each part) holds the GGUF's
+    bytes at its parts' places, and dequantizes to GGUFModel.expert's matrices; each read was checked by its crc."""
+    from workbench.arena import SlotArena, slot_bytes
+    from workbench.cache import ExpertCache
+    from workbench.io import Reader, slot_readers
+    from workbench.streamer import ExpertStreamer
+    from workbench.telemetry import Telemetry
+    g, pack = GGUFModel(gguf_file), Pack(resolve_pack(str(gguf_file), "native", "raw", "raw"))
+    s = pack.spec
+    heads = {L: pack.expert_heads(L) for L in s.moe_layers}
+    assert len({int(h) for L in heads for h in heads[L].ravel()}) > 1       # parts at many places past 4 KiB
+    size = gguf_file.stat().st_size
+    assert any(off - h + -(-(h + n) // 4096) * 4096 > size for L in s.moe_layers for e in range(s.num_experts)
+               for h, (off, n) in zip(heads[L][e], pack.expert_reads(L, e)))    # a read reaches past the end
+    keys = [(L, e) for L in s.moe_layers for e in range(s.num_experts)]
+    item = slot_bytes(pack)
+    cache = ExpertCache(item * len(keys), item, s.moe_layers)
+    arena = SlotArena(pack, cache)
+    reader = Reader(pack.data_path, workers=slot_readers())
+    try:
+        assert reader.mode == "o_direct"
+        ExpertStreamer(pack, cache, reader, Telemetry(s.num_layers), arena=arena).load_resident(keys)
+    finally:
+        reader.close()
+    for L, e in keys:
+        at = arena.where[(L, e)]
+        raw, ref, kinds = g.expert_raw(L, e), g.expert(L, e), pack.kinds_of(L)
+        for i, p in enumerate(PARTS):
+            start = at + arena.layouts[L][1][p] + heads[L][e, i]
+            got = arena.blocks[L][start:start + raw[p].nbytes]
+            assert got.tobytes() == raw[p].tobytes(), (L, e, p)
+            np.testing.assert_array_equal(dequantize(got, kinds[p][5:], pack.expert_shapes[p]), ref[p])
+
+
+def logits_and_tokens(model, preset, budget, engine=None):
+    from workbench.session import Session
+    with Session(str(model), preset, budget=budget, engine=engine) as s:
+        s.engine.reset()
+        z = np.concatenate([s.step(IDS[:8], "prefill")] + [s.step([t], "decode") for t in IDS[8:]])
+        return z, s.generate(IDS[:6], 8)["tokens"], s.engine.name
+
+
+@pytest.mark.parametrize("engine", [None, "numpy"])
+def test_a_run_on_the_gguf_is_the_run_on_its_converted_raw_pack(gguf_file, tmp_path, engine):
+    """The same blocks through the same kernels: logits and greedy tokens bit for bit, at budgets that stream."""
+    raw = convert(gguf_file, tmp_path / "raw.pack", experts="raw", rest="raw")
+    for preset, budget in [("les", "0.25"), ("on_demand", "0.5")]:
+        z, toks, name = logits_and_tokens(gguf_file, preset, budget, engine)
+        z_raw, toks_raw, name_raw = logits_and_tokens(raw, preset, budget, engine)
+        assert name == name_raw
+        np.testing.assert_array_equal(z, z_raw, err_msg=f"{preset} at {budget} ({name})")
+        assert toks == toks_raw
+
+
+def test_a_changed_gguf_is_refused_in_one_line(gguf_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    g = tmp_path / "m.gguf"
+    g.write_bytes(gguf_file.read_bytes())
+    index = resolve_pack(str(g), "native", "raw", "raw")
+    Pack(index)
+    st = g.stat()
+    data = bytearray(g.read_bytes())
+    # a byte of an expert changed in place (size and time kept): the open passes, the read's crc does not
+    off = Pack(index).expert_reads(1, 3)[1][0]
+    data[off + 7] ^= 0xFF
+    g.write_bytes(data)
+    os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns))
+    from workbench.session import Session
+    with pytest.raises(WorkbenchError, match="checksum mismatch in expert 3 of layer 1"):
+        with Session(str(index), "on_demand", budget="all"):
+            pass
+    for change in ("touched", "truncated", "header"):
+        g.write_bytes(gguf_file.read_bytes())
+        if change == "truncated":
+            with open(g, "r+b") as f:
+                f.truncate(st.st_size - 4096)
+        if change == "header":      # same size and time, another header (a metadata edit)
+            head = bytearray(g.read_bytes())
+            head[40] ^= 1
+            g.write_bytes(head)
+        os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns if change != "touched" else st.st_mtime_ns + 10**9))
+        with pytest.raises(WorkbenchError) as e:
+            Pack(index)
+        msg = str(e.value)
+        assert "\n" not in msg and str(g) in msg and str(index) in msg and "rebuild" in msg, msg
+    with open(g, "r+b") as f:
+        f.truncate(st.st_size - 4096)
+    with pytest.raises(WorkbenchError, match="truncated|not a readable") as e:     # a fresh fingerprint: refused
+        resolve_pack(str(g), "native", "raw", "raw")
+    assert "\n" not in str(e.value)
+
+
+class Wide:
+    """The tiny Qwen3-MoE with many wide experts (constant matrices: an index reads bytes, not values)."""
+
+    def __init__(self, src, experts: int, ff: int):
+        from workbench.models.hf import HFModel
+        self.m = HFModel(src)
+        self.path, self.spec = src, replace(self.m.spec, num_experts=experts, moe_intermediate_size=ff)
+
+    def names(self):
+        return self.m.names()
+
+    def tensor_shape(self, name):
+        return self.tensor(name).shape
+
+    def tensor(self, name):
+        t = self.m.tensor(name)
+        return np.resize(t, (self.spec.num_experts, t.shape[1])) if name.endswith("router") else t
+
+    def expert(self, layer, e):
+        d, ff = self.spec.hidden_size, self.spec.moe_intermediate_size
+        v = np.float32(0.01 * (e + 1))
+        return {"gate": np.full((ff, d), v), "up": np.full((ff, d), -v), "down": np.full((d, ff), v)}
+
+
+def test_indexing_a_large_gguf_stays_within_a_memory_bound(tmp_path):
+    """A GGUF several times the bound is indexed in pieces: the indexing process's peak RSS grows by less than the
+    bound over what it had after opening the GGUF."""
+    from conftest import make_checkpoint
+    from engines.gguf_export import export_gguf
+    big = export_gguf(Wide(make_checkpoint("qwen3_moe", tmp_path / "q3"), 128, 2048), tmp_path / "big.gguf", "f16")
+    bound = 40 * 2**20
+    assert big.stat().st_size > 3 * bound
+    code = ("import resource, sys\n"
+            "from workbench.models.gguf_model import GGUFModel\n"
+            "from workbench.store.gguf_index import build_index\n"
+            "GGUFModel(sys.argv[1])\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "build_index(sys.argv[1], sys.argv[2])\n"
+            "print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(big), str(tmp_path / "big.index")], capture_output=True,
+                         text=True, check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    before, after = map(int, out.stdout.split())
+    assert (after - before) * 1024 < bound, (before, after)
+    assert (tmp_path / "big.index").stat().st_size < 2**20
+    pack = Pack(tmp_path / "big.index")
+    assert pack.total_expert_bytes > 3 * bound
+
+
+def test_the_verbs_that_take_a_model_take_the_gguf(gguf_file, tmp_path, monkeypatch, capsys):
+    import json
+    from workbench.cli import main
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+
+    def run(*argv):
+        assert main(list(argv) + ["--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    m = ["--model", str(gguf_file)]
+    assert run("info", *m)["kind"] == "gguf"
+    assert run("generate", *m, "--preset", "les", "--budget", "0.5", "--tokens", "4")["tokens"]
+    b = run("bench", *m, "--preset", "les", "--budget", "0.5", "--tokens", "4", "--no-record")
+    assert b["tokens"] == 4 and b["reader_mode"] == "o_direct"
+    run("trace", "--engine", "numpy", *m, "--data", "tinystories", "--tokens", "16",
+        "--out", str(tmp_path / "t.parquet"))
+    assert run("replay", str(tmp_path / "t.parquet"), "--preset", "les", "--budget", "0.5")["designs"]
+    assert [p.suffix for p in (tmp_path / "cache" / "packs").iterdir()] == [".index"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_tensors_made_on_read_are_kept_in_the_index(family, tmp_path):
+    """A hybrid GGUF's fused DeltaNet tensors are regrouped on read (GGUFModel.derived): the index keeps those,
+    points at the GGUF for the rest, and runs as the converted raw pack does."""
+    from engines.gguf_export import export_gguf
+    from hybrid_fixtures import make_hybrid
+    from workbench.models.hf import HFModel
+    g = export_gguf(HFModel(make_hybrid(family, tmp_path / family)), tmp_path / "h.gguf", "q8_0")
+    index = Pack(build := resolve_pack(str(g), "native", "raw", "raw"))
+    here = {n for n, t in index.tensors.items() if t.get("in") != "data"}
+    assert here and here <= set(GGUFModel(g).derived), here
+    held = sum(index.tensors[n]["nbytes"] for n in here)        # f32: a tiny model's are a good part of it
+    assert build.stat().st_size < held + 4096 * len(here) + 2**16
+    raw = convert(g, tmp_path / "raw.pack", experts="raw", rest="raw")
+    for engine in (None, "numpy"):
+        z, toks, _ = logits_and_tokens(g, "les", "0.5", engine)
+        z_raw, toks_raw, _ = logits_and_tokens(raw, "les", "0.5", engine)
+        np.testing.assert_array_equal(z, z_raw)
+        assert toks == toks_raw
