@@ -155,7 +155,7 @@ class Session:
         if self.warm_usage is not None and self.budget_bytes < self.all_expert_bytes:
             self.warm_start(self.warm_usage)
         self.reader_bytes0 = self.reader.bytes_read
-        return drop_page_cache(self.pack_path)
+        return drop_page_cache(self.pack.data_path)
 
     # ------------------------------------------------------------ running
 
