@@ -6,9 +6,10 @@
 The architecture is the real one (workbench.shapes.hf_config: qwen3moe, qwen3next, qwen35moe), with the tensor
 names, order and metadata of engines/gguf_export.py. Nothing is quantized: the weights are random, so each
 quantized block is drawn as random bytes and then its scale fields are set (_SCALES) so that the dequantized values
-have mean 0 and std 0.02, the std of the Hugging Face checkpoints make-model writes. Data is generated and written a
-slice of rows at a time after the header and tensor table, so memory stays flat whatever the size. The random-weights
-card is the metadata key `workbench.random_weights` (workbench.shapes.random_label finds it).
+have mean 0 and std 0.02, the std of the Hugging Face checkpoints make-model writes. The token embedding (F16) and
+the routers are built so that routing follows the tokens (Routing, below). Data is generated and written a slice of
+rows at a time after the header and tensor table, so memory stays flat whatever the size. The random-weights card
+is the metadata key `workbench.random_weights` (workbench.shapes.random_label finds it).
 
 --type mixes, after llama.cpp's llama_tensor_get_type: q4_k_m (experts Q4_K, ffn_down Q6_K on use_more_bits layers,
 output Q6_K, the rest Q4_K); q2_k (experts Q2_K, ffn_down Q3_K); q2_k_s (experts Q2_K, ffn_down Q4_K in the first
@@ -102,17 +103,37 @@ def random_blocks(rng, t: str, n_values: int) -> np.ndarray:
     return b
 
 
-def _floats(rng, gname: str, n: int) -> np.ndarray:
-    """An F32 / F16 tensor's values: norms 1 (llama.cpp's norms multiply), DeltaNet's decay and step bias as
-    Qwen3-Next initialises them, the rest normal with std STD."""
+# Routing. A random router on a random residual stream routes almost the same experts for every token (qwen3moe)
+# or a new random set at every position (the DeltaNet shapes); real routing follows the tokens, unevenly. So the
+# first TOKEN_DIMS dims of the residual carry the token's identity: its embedding there (std 1), which the layers'
+# output projections write into only at OUTPUT_GAIN (a slow drift with depth: no layer routes exactly as the next);
+# the next dim is a constant 1 that carries a per-expert bias. Each router reads only those: a random projection
+# of the token (logit std 1) plus its bias (std BIAS), so an expert's use follows its tokens' frequency in the
+# text, skewed by its bias. The values were tuned with experiments/routing_stats.py against the demo model.
+TOKEN_DIMS, BIAS, OUTPUT_GAIN = 32, 0.2, 0.05
+_OUTPUTS = ("attn_output.weight", "ssm_out.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+_D = {"Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}   # d, dmin
+
+
+def _floats(rng, gname: str, rows: int, cols: int) -> np.ndarray:
+    """(rows, cols) of an F32 / F16 tensor: norms 1 (llama.cpp's norms multiply), DeltaNet's decay and step bias
+    as Qwen3-Next initialises them, the embedding and routers as above, the rest normal with std STD."""
     base = gname.rsplit(".", 1)[0] if gname.endswith((".weight", ".bias")) else gname
     if base.endswith("norm") or base.endswith("ssm_dt"):
-        return np.ones(n, np.float32)
+        return np.ones((rows, cols), np.float32)
     if base.endswith("ssm_a"):                               # -exp(A_log), A uniform in (0, 16]
-        return -rng.uniform(1.0, 16.0, n).astype(np.float32)
+        return -rng.uniform(1.0, 16.0, (rows, cols)).astype(np.float32)
     if base.endswith("ssm_conv1d"):                         # PyTorch's Conv1d init: within 1/sqrt(fan-in 4)
-        return rng.uniform(-0.5, 0.5, n).astype(np.float32)
-    return rng.standard_normal(n, np.float32) * STD
+        return rng.uniform(-0.5, 0.5, (rows, cols)).astype(np.float32)
+    a = rng.standard_normal((rows, cols), np.float32) * STD
+    if base == "token_embd":
+        a[:, :TOKEN_DIMS] = rng.standard_normal((rows, TOKEN_DIMS), np.float32)
+        a[:, TOKEN_DIMS] = 1.0
+    elif base.endswith("ffn_gate_inp"):
+        a[:, :TOKEN_DIMS] = rng.standard_normal((rows, TOKEN_DIMS), np.float32) / np.sqrt(TOKEN_DIMS)
+        a[:, TOKEN_DIMS] = rng.standard_normal(rows, np.float32) * BIAS
+        a[:, TOKEN_DIMS + 1:] = 0
+    return a
 
 
 class _Shapes:
@@ -138,6 +159,8 @@ def _type(recipe, gname: str, shape, t: str, n_layers: int) -> str:
     gate_up, down, output, rest, _ = recipe
     if t == "F32":
         return t
+    if gname == "token_embd.weight":         # its token dims carry the routing (_floats); 16 MB at the demo's vocab
+        return "F16"
     if "_exps." in gname:
         t = down(int(gname.split(".")[1]), n_layers) if "ffn_down" in gname else gate_up
     else:
@@ -229,8 +252,14 @@ def _write_tensor(f, rng, gname: str, shape, t: str):
     n_rows, row = int(np.prod(shape[:-1])), shape[-1]
     step = max(1, CHUNK // max(1, nbytes((row,), t)))
     for r in range(0, n_rows, step):
-        n = min(step, n_rows - r) * row
-        if t in _SCALES:
-            f.write(random_blocks(rng, t, n).data)
-        else:
-            f.write(_floats(rng, gname, n).astype(np.float16 if t == "F16" else np.float32).data)
+        n = min(step, n_rows - r)
+        if t not in _SCALES:
+            f.write(_floats(rng, gname, n, row).astype(np.float16 if t == "F16" else np.float32).data)
+            continue
+        b = random_blocks(rng, t, n * row)
+        if gname.endswith(_OUTPUTS):           # the rows that write the token's dims: scaled by OUTPUT_GAIN
+            blocks, token_rows = b.reshape(n, -1, b.shape[1]), (np.arange(r, r + n) % shape[-2]) <= TOKEN_DIMS
+            for o in _D[t]:
+                d = blocks[token_rows, :, o:o + 2].copy().view(np.float16) * np.float16(OUTPUT_GAIN)
+                blocks[token_rows, :, o:o + 2] = d.view(np.uint8)
+        f.write(b.data)

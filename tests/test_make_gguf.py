@@ -140,3 +140,31 @@ def test_bad_requests_are_one_line_errors(tmp_path, capsys, monkeypatch):
         make_gguf("qwen3-next-80b-a3b", out)
     assert not list(tmp_path.iterdir()), "nothing written, no temp file left"
     assert set(RECIPES) == {"q4_k_m", "q2_k", "q2_k_s", "q8_0"}
+
+
+def test_routing_stats_tell_collapsed_from_uniform_routing():
+    from experiments.routing_stats import routing_stats
+    rng = np.random.default_rng(0)
+    same = routing_stats(np.tile(np.arange(8), (200, 2, 1)), 128)
+    uniform = routing_stats(np.stack([[rng.choice(128, 8, replace=False) for _ in range(2)] for _ in range(2000)]), 128)
+    assert same["entropy"] == pytest.approx(np.log(8) / np.log(128)) and same["lru_hit"]["0.25"] > 0.99
+    assert uniform["entropy"] > 0.99 and uniform["lru_hit"]["0.25"] == pytest.approx(0.25, abs=0.02)
+
+
+def _routing(path):
+    from experiments.routing_stats import checkpoint_routing
+    return checkpoint_routing(path, tokens=128)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "qwen3.6-35b-a3b"])
+def test_a_made_checkpoint_routes_by_token_like_the_demo_model(tmp_path, shape):
+    """Neither the same experts for every token nor a fresh random set at every position: usage entropy and LRU
+    hits near the demo model's own routing of the same text."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from experiments.routing_stats import routing_stats
+    from experiments.traces import read_trace
+    demo = routing_stats(read_trace(REPO / "data" / "traces" / "demo-tinystories-256.parquet")["topk"][:128], 32)
+    made = in_child(_routing, make_gguf(shape, tmp_path / "r.gguf", layers=4, experts=64, qtype="q2_k"))
+    assert abs(made["entropy"] - demo["entropy"]) < 0.05
+    for f in ("0.25", "0.5"):
+        assert abs(made["lru_hit"][f] - demo["lru_hit"][f]) < 0.12, (f, made["lru_hit"], demo["lru_hit"])

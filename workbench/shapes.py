@@ -67,10 +67,11 @@ def card(shape: str, layers: int, experts: int, gguf: str | None = None) -> dict
     """The random-weights card; gguf: the GGUF type mix (--type) when the checkpoint is a GGUF of the real
     architecture."""
     s = SHAPES[shape]
-    weights = (f"random quantized blocks ({gguf}: random quants, scales set for mean 0, std 0.02)" if gguf
-               else "random weights (seeded normal, std 0.02)")
-    notes = [f"{weights}: routing and text mean nothing; drive runs with a routing trace",
-             f"{layers} of {s['num_hidden_layers']} layers"]
+    notes = ([f"random quantized blocks ({gguf}: random quants, scales set for mean 0, std 0.02): text means "
+              f"nothing; routing is a random function of the token plus a per-expert bias (not learned), made to "
+              f"resemble the demo model's usage entropy and LRU hit rates"] if gguf else
+             ["random weights (seeded normal, std 0.02): routing and text mean nothing; drive runs with a routing trace"])
+    notes += [f"{layers} of {s['num_hidden_layers']} layers"]
     if experts != s["num_experts"]:
         notes.append(f"{experts} of {s['num_experts']} experts per layer")
     if gguf:
