@@ -25,9 +25,9 @@ import numpy as np
 
 from engines.gguf_export import _check, _gguf, _plan, gguf_vocab, write_metadata
 from engines.gguf_export_hybrid import ARCH
+from workbench import shapes
 from workbench.atomic import atomic_path
 from workbench.errors import WorkbenchError
-from workbench import shapes
 from workbench.shapes import DEMO, RANDOM_KEY, SHAPES, card, check_request, hf_config
 from workbench.spec import from_hf_config
 

@@ -83,9 +83,10 @@ def test_the_gguf_is_labelled_random_wherever_it_goes(made, capsys):
     assert json.loads(capsys.readouterr().out)["architecture"] == "qwen3moe"
 
 
-def test_the_workbench_runs_it_and_its_runs_are_labelled_random(tmp_path, monkeypatch):
+@pytest.mark.parametrize("shape,layers", [("qwen3-30b-a3b", 1), ("qwen3.6-35b-a3b", 4)])
+def test_the_workbench_runs_it_and_its_runs_are_labelled_random(tmp_path, monkeypatch, shape, layers):
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
-    path = make_gguf("qwen3-30b-a3b", tmp_path / "one.gguf", layers=1, experts=16)
+    path = make_gguf(shape, tmp_path / "m.gguf", layers=layers, experts=16)
     from workbench.session import Session
     with Session(str(path), "on_demand", budget="0.5") as s:
         s.generate([1, 2, 3], tokens=2)
