@@ -230,7 +230,8 @@ def make_gguf(shape: str, out, layers: int | None = None, experts: int | None = 
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
             w.add_string(RANDOM_KEY, json.dumps(c))
             for gname, sh, t in rows:
-                w.add_tensor_info(gname, sh, np.dtype(np.float32), nbytes(sh, t), raw_dtype=gguf.GGMLQuantizationType[t])
+                w.add_tensor_info(gname, sh, np.dtype(np.float32), nbytes(sh, t),
+                                  raw_dtype=gguf.GGMLQuantizationType[t])
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()

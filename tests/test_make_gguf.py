@@ -107,10 +107,11 @@ def test_stock_llamacpp_loads_it_and_gives_finite_logits(made, shape):
 
 
 def test_making_a_model_many_times_the_bound_keeps_memory_flat(tmp_path):
-    """Peak RSS of the writer (a fresh process) grows by less than BOUND for a file many times BOUND."""
+    """Peak RSS of the writer (a fresh process) grows by less than `bound` for a file many times `bound`."""
     bound = 64 << 20
     code = ("import resource, subprocess, sys\n"
-            "make = 'import sys, engines.gguf_random as g; g.CHUNK = 4 << 20; g.make_gguf(\"qwen3-30b-a3b\", sys.argv[1], 2, %d)'\n"
+            "make = ('import sys, engines.gguf_random as g; g.CHUNK = 4 << 20; '\n"
+            "        'g.make_gguf(\"qwen3-30b-a3b\", sys.argv[1], 2, %d)')\n"
             "subprocess.run([sys.executable, '-c', make, sys.argv[1]], check=True)\n"
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}

@@ -70,7 +70,8 @@ def card(shape: str, layers: int, experts: int, gguf: str | None = None) -> dict
     notes = ([f"random quantized blocks ({gguf}: random quants, scales set for mean 0, std 0.02): text means "
               f"nothing; routing is a random function of the token plus a per-expert bias (not learned), made to "
               f"resemble the demo model's usage entropy and LRU hit rates"] if gguf else
-             ["random weights (seeded normal, std 0.02): routing and text mean nothing; drive runs with a routing trace"])
+             ["random weights (seeded normal, std 0.02): routing and text mean nothing; drive runs with a routing "
+              "trace"])
     notes += [f"{layers} of {s['num_hidden_layers']} layers"]
     if experts != s["num_experts"]:
         notes.append(f"{experts} of {s['num_experts']} experts per layer")
@@ -123,8 +124,9 @@ def hf_config(shape: str, layers: int | None = None, experts: int | None = None)
     s, demo = SHAPES[shape], json.loads((DEMO / "config.json").read_text())
     return {**{k: s[k] for k in ("hidden_size", "moe_intermediate_size", "num_experts_per_tok", "num_attention_heads",
                                   "num_key_value_heads", "head_dim")},
-            **s["arch"], "num_hidden_layers": layers or s["num_hidden_layers"], "num_experts": experts or s["num_experts"],
-            "vocab_size": demo["vocab_size"], "bos_token_id": demo["bos_token_id"], "eos_token_id": demo["eos_token_id"],
+            **s["arch"], "num_hidden_layers": layers or s["num_hidden_layers"],
+            "num_experts": experts or s["num_experts"], "vocab_size": demo["vocab_size"],
+            "bos_token_id": demo["bos_token_id"], "eos_token_id": demo["eos_token_id"],
             "rms_norm_eps": 1e-6, "norm_topk_prob": True, "tie_word_embeddings": False, "hidden_act": "silu"}
 
 

@@ -139,7 +139,8 @@ def cmd_make_model(args):
         path = make_gguf(args.shape, out, layers, args.experts, qtype, seed=args.seed, progress=not args.json)
     else:
         if args.type:
-            raise WorkbenchError(f"--type {args.type}: a Hugging Face checkpoint is float16; --type is for --format gguf")
+            raise WorkbenchError(f"--type {args.type}: a Hugging Face checkpoint is float16; --type is for "
+                                 f"--format gguf")
         out = args.out or checkpoint_path(args.shape, layers, args.experts)
         path = make_model(args.shape, layers, out, experts=args.experts, seed=args.seed)
     c = random_card(path)
