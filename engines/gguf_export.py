@@ -171,6 +171,37 @@ def _encode(a: np.ndarray, t: str, gname: str) -> np.ndarray:
     return gguf.quants.quantize(a, gguf.GGMLQuantizationType[t])
 
 
+def write_metadata(w, s, tokens, types, merges, name: str, file_type: int):
+    """The architecture's hyperparameters and the gpt2 vocabulary, as llama.cpp reads them for `s`."""
+    w.add_name(name)
+    w.add_file_type(file_type)
+    w.add_block_count(s.num_layers)
+    w.add_context_length(s.max_position_embeddings)
+    w.add_embedding_length(s.hidden_size)
+    w.add_feed_forward_length(s.dense_intermediate_size or s.moe_intermediate_size * s.top_k)
+    w.add_head_count(s.num_heads)
+    w.add_head_count_kv(s.num_kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(s.rms_norm_eps)
+    w.add_expert_count(s.num_experts)
+    w.add_expert_used_count(s.top_k)
+    w.add_expert_feed_forward_length(s.moe_intermediate_size)
+    if s.layer_types:
+        hybrid_metadata(w, s)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if s.bos_token_id is not None:
+        w.add_bos_token_id(s.bos_token_id)
+    if s.eos_token_id is not None:
+        w.add_eos_token_id(s.eos_token_id)
+    w.add_add_bos_token(False)               # the workbench's tokenizer adds no BOS either
+
+
 def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = None, progress: bool = False,
                 name: str | None = None) -> Path:
     """Write `model` (HFModel-like, or a Pack) to `out` as a GGUF, atomically: qwen3moe, or qwen3next / qwen35moe
@@ -193,33 +224,8 @@ def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = Non
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), HYBRID_ARCH.get(s.family, "qwen3moe"))
         try:
-            w.add_name(name or Path(model.path).stem)
-            w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if qtype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
-            w.add_block_count(s.num_layers)
-            w.add_context_length(s.max_position_embeddings)
-            w.add_embedding_length(s.hidden_size)
-            w.add_feed_forward_length(s.dense_intermediate_size or s.moe_intermediate_size * s.top_k)
-            w.add_head_count(s.num_heads)
-            w.add_head_count_kv(s.num_kv_heads)
-            w.add_key_length(s.head_dim)
-            w.add_value_length(s.head_dim)
-            w.add_rope_freq_base(s.rope_theta)
-            w.add_layer_norm_rms_eps(s.rms_norm_eps)
-            w.add_expert_count(s.num_experts)
-            w.add_expert_used_count(s.top_k)
-            w.add_expert_feed_forward_length(s.moe_intermediate_size)
-            if s.layer_types:
-                hybrid_metadata(w, s)
-            w.add_tokenizer_model("gpt2")
-            w.add_tokenizer_pre("gpt-2")
-            w.add_token_list(tokens)
-            w.add_token_types(types)
-            w.add_token_merges(merges)
-            if s.bos_token_id is not None:
-                w.add_bos_token_id(s.bos_token_id)
-            if s.eos_token_id is not None:
-                w.add_eos_token_id(s.eos_token_id)
-            w.add_add_bos_token(False)               # the workbench's tokenizer adds no BOS either
+            write_metadata(w, s, tokens, types, merges, name or Path(model.path).stem,
+                           gguf.LlamaFileType.MOSTLY_F16 if qtype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
             for gname, shape, t, _ in plan:
                 raw = None if t in ("F32", "F16") else gguf.GGMLQuantizationType[t]
                 dt = np.float32 if t == "F32" else np.float16

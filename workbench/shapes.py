@@ -1,16 +1,19 @@
 """Real expert sizes: random-weight checkpoints with the dimensions of the seeds' models.
 
     python -m workbench make-model --shape qwen3.6-35b-a3b --layers 4 --experts 64
+    python -m workbench make-model --shape qwen3-next-80b-a3b --out next.gguf      # full size, real architecture
 
 The checkpoint is a Hugging Face directory (config.json, float16 safetensors shards, the demo's tokenizer) that
-every verb takes as --model. Its weights are random, so its own routing means nothing: drive it with a routing
-trace (`bench --routing-trace`, `simulate`). It is labelled random in its card (random_weights.json, MODEL_CARD.md)
-and in every run record made from it.
+every verb takes as --model, or a GGUF (engines/gguf_random.py). Its weights are random, so its own routing means
+nothing: drive it with a routing trace (`bench --routing-trace`, `simulate`). It is labelled random in its card
+(random_weights.json and MODEL_CARD.md, or the GGUF's `workbench.random_weights` key) and in every run record made
+from it.
 
-Every shape runs on the Qwen3-MoE decoder. For hybrid shapes (Gated DeltaNet layers, a gated shared expert: issue
-15) only the expert shape is the real one (hidden size, moe intermediate size, experts, top-k); every layer gets
-full attention with the real head counts and there is no shared expert. The layer count (and, if asked, the
-expert count) is reduced; top-k stays the model's.
+In a Hugging Face directory every shape runs on the Qwen3-MoE decoder: for hybrid shapes (Gated DeltaNet layers, a
+gated shared expert: issue 15) only the expert shape is the real one (hidden size, moe intermediate size, experts,
+top-k); every layer gets full attention with the real head counts and there is no shared expert. A GGUF has the
+real architecture (`hf_config`). The layer count (and, if asked, the expert count) may be reduced; top-k stays the
+model's.
 """
 from __future__ import annotations
 
@@ -24,59 +27,128 @@ from workbench.errors import WorkbenchError
 
 DEMO = Path(__file__).resolve().parents[1] / "data" / "models" / "demo-moe"
 _T5 = "transformers 5.24's default config, documented as that of"
+RANDOM_KEY = "workbench.random_weights"          # the card, as JSON, in a GGUF's metadata
+# the hybrid family's Gated DeltaNet and attention layout (Qwen3NextConfig's and Qwen3_5MoeTextConfig's defaults);
+# each shape's `arch`: its model_type, and the rope_theta and context length of its published config.json
+_DELTANET = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                 linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                 partial_rotary_factor=0.25, shared_expert_intermediate_size=512)
 
 SHAPES = {
     "qwen3-30b-a3b": dict(
         hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, hybrid=False,
+        arch=dict(model_type="qwen3_moe", rope_theta=1e6, max_position_embeddings=40960, intermediate_size=6144),
         source=f"{_T5} Qwen/Qwen3-30B-A3B-Base (Qwen3MoeConfig: d 2048, moe ff 768, 128 experts, top-8, 32/4 heads); "
                "48 layers and head_dim 128 from Qwen/Qwen3-30B-A3B's config.json"),
     "qwen3.6-35b-a3b": dict(
         hidden_size=2048, moe_intermediate_size=512, num_experts=256, num_experts_per_tok=8, num_hidden_layers=40,
         num_attention_heads=16, num_key_value_heads=2, head_dim=256, hybrid=True, shared_expert=512,
+        arch=dict(model_type="qwen3_5_moe", rope_theta=1e7, max_position_embeddings=262144, **_DELTANET),
         source=f"{_T5} Qwen/Qwen3.5-35B-A3B (Qwen3_5MoeTextConfig); transformers' qwen3_5_moe docs: Qwen3.6 "
                "checkpoints share the architecture and model_type of Qwen3.5"),
     "qwen3-next-80b-a3b": dict(
         hidden_size=2048, moe_intermediate_size=512, num_experts=512, num_experts_per_tok=10, num_hidden_layers=48,
         num_attention_heads=16, num_key_value_heads=2, head_dim=256, hybrid=True, shared_expert=512,
+        arch=dict(model_type="qwen3_next", rope_theta=1e7, max_position_embeddings=262144, intermediate_size=5632,
+                  **_DELTANET),
         source=f"{_T5} Qwen/Qwen3-Next-80B-A3B-Instruct (Qwen3NextConfig)"),
     "minicpm-v-4.7": dict(
         hidden_size=2048, moe_intermediate_size=512, num_experts=256, num_experts_per_tok=8, num_hidden_layers=40,
         num_attention_heads=16, num_key_value_heads=2, head_dim=256, hybrid=True, shared_expert=512,
+        arch=dict(model_type="qwen3_5_moe", rope_theta=1e7, max_position_embeddings=262144, **_DELTANET),
         source="MiniCPM-V 4.7 CookBook overview (openbmb/MiniCPM-V-4.7-35B-A3B: language backbone qwen3_5_moe_text, "
                "256 experts, 8 per token); the hidden and expert sizes are those of that backbone's Qwen3.5-35B-A3B "
                f"({_T5} Qwen/Qwen3.5-35B-A3B), consistent with LES's 1.29 MB experts at 3 bits"),
 }
 
 
-def card(shape: str, layers: int, experts: int) -> dict:
+def card(shape: str, layers: int, experts: int, gguf: str | None = None) -> dict:
+    """The random-weights card; gguf: the GGUF type mix (--type) when the checkpoint is a GGUF of the real
+    architecture."""
     s = SHAPES[shape]
-    notes = [f"random weights (seeded normal, std 0.02): routing and text mean nothing; drive runs with a routing trace",
-             f"{layers} of {s['num_hidden_layers']} layers"]
+    notes = ([f"random quantized blocks ({gguf}: random quants, scales set for mean 0, std 0.02): text means "
+              f"nothing; routing is a random function of the token plus a per-expert bias (not learned), made to "
+              f"resemble the demo model's usage entropy and LRU hit rates"] if gguf else
+             ["random weights (seeded normal, std 0.02): routing and text mean nothing; drive runs with a routing "
+              "trace"])
+    notes += [f"{layers} of {s['num_hidden_layers']} layers"]
     if experts != s["num_experts"]:
         notes.append(f"{experts} of {s['num_experts']} experts per layer")
-    if s["hybrid"]:
-        notes.append("the real model's Gated DeltaNet / gated attention layers are not supported yet (issue 15): every "
-                     "layer here is Qwen3-MoE full attention with the real head counts; the real expert shape only")
-    if s.get("shared_expert"):
-        notes.append(f"no shared expert (the real model has a {s['shared_expert']}-wide one, always resident: compute, not reads)")
+    if gguf:
+        notes.append(f"the real architecture, llama.cpp's {ARCH[s['arch']['model_type']]}"
+                     + (f": Gated DeltaNet layers, full attention every {s['arch']['full_attention_interval']}th, a "
+                        f"{s['shared_expert']}-wide gated shared expert; no MTP (nextn) layer" if s["hybrid"] else ""))
+    else:
+        if s["hybrid"]:
+            notes.append("the real model's Gated DeltaNet / gated attention layers are not supported yet (issue 15): "
+                         "every layer here is Qwen3-MoE full attention with the real head counts; the real expert "
+                         "shape only")
+        if s.get("shared_expert"):
+            notes.append(f"no shared expert (the real model has a {s['shared_expert']}-wide one, always resident: "
+                         f"compute, not reads)")
     notes.append("vocabulary: the demo model's 4096-token tokenizer (embeddings are resident, never streamed)")
+    what = f"{ARCH[s['arch']['model_type']]} GGUF ({gguf})" if gguf else "expert shape"
     return {"random_weights": True, "shape": shape, "layers": layers, "experts": experts,
             "top_k": s["num_experts_per_tok"], "hidden_size": s["hidden_size"],
             "moe_intermediate_size": s["moe_intermediate_size"], "source": s["source"], "notes": notes,
-            "label": f"{shape} expert shape, RANDOM weights ({layers} layers, {experts} experts)"}
+            "label": f"{shape} {what}, RANDOM weights ({layers} layers, {experts} experts)"}
 
 
-def random_label(model_dir) -> str | None:
+def random_card(src) -> dict | None:
+    """The random-weights card of a checkpoint made here (a directory or a GGUF), or None."""
+    p = Path(src)
+    if p.suffix == ".gguf" and p.is_file():
+        from workbench.models.gguf_model import _gguf, _value
+        try:
+            field = _gguf().GGUFReader(str(p), "r").get_field(RANDOM_KEY)
+        except Exception:            # not a readable GGUF: whoever opens it says why
+            return None
+        return json.loads(_value(field)) if field is not None else None
+    p = p / "random_weights.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def random_label(src) -> str | None:
     """The random-weights label of a checkpoint made here, or None."""
-    p = Path(model_dir) / "random_weights.json"
-    return json.loads(p.read_text())["label"] if p.is_file() else None
+    c = random_card(src)
+    return c["label"] if c else None
 
 
-def checkpoint_path(shape: str, layers: int, experts: int | None = None) -> Path:
-    """Where make-model writes a checkpoint by default: one directory per (shape, layers, experts) in the cache."""
+ARCH = {"qwen3_moe": "qwen3moe", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe"}    # llama.cpp's names
+
+
+def hf_config(shape: str, layers: int | None = None, experts: int | None = None) -> dict:
+    """The real model's language config (transformers' field names) at `layers` and `experts`, with the demo's
+    vocabulary: what a GGUF of the shape is written from (workbench.spec.from_hf_config reads it)."""
+    s, demo = SHAPES[shape], json.loads((DEMO / "config.json").read_text())
+    return {**{k: s[k] for k in ("hidden_size", "moe_intermediate_size", "num_experts_per_tok", "num_attention_heads",
+                                  "num_key_value_heads", "head_dim")},
+            **s["arch"], "num_hidden_layers": layers or s["num_hidden_layers"],
+            "num_experts": experts or s["num_experts"], "vocab_size": demo["vocab_size"],
+            "bos_token_id": demo["bos_token_id"], "eos_token_id": demo["eos_token_id"],
+            "rms_norm_eps": 1e-6, "norm_topk_prob": True, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+def check_request(shape: str, layers: int, experts: int | None) -> int:
+    """Refuses an unknown shape or a layer / expert count it cannot have; the expert count."""
+    if shape not in SHAPES:
+        raise WorkbenchError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    s = SHAPES[shape]
+    experts = experts or s["num_experts"]
+    if not 1 <= layers <= s["num_hidden_layers"]:
+        raise WorkbenchError(f"--layers {layers}: {shape} has 1 to {s['num_hidden_layers']}")
+    if not s["num_experts_per_tok"] <= experts <= s["num_experts"]:
+        raise WorkbenchError(f"--experts {experts}: {shape} needs {s['num_experts_per_tok']} to {s['num_experts']}")
+    return experts
+
+
+def checkpoint_path(shape: str, layers: int, experts: int | None = None, gguf: str | None = None) -> Path:
+    """Where make-model writes a checkpoint by default: one directory (or, given its --type, GGUF) per (shape,
+    layers, experts) in the cache."""
     from workbench.registry import cache_dir
-    return cache_dir() / "models" / f"{shape}-{layers}L-{experts or 'all'}E-random"
+    name = f"{shape}-{layers}L-{experts or 'all'}E-random"
+    return cache_dir() / "models" / (f"{name}-{gguf}.gguf" if gguf else name)
 
 
 def checkpoint_bytes(shape: str, layers: int, experts: int | None = None) -> int:
@@ -90,14 +162,8 @@ def checkpoint_bytes(shape: str, layers: int, experts: int | None = None) -> int
 
 def make_model(shape: str, layers: int, out, experts: int | None = None, seed: int = 0) -> Path:
     """Write the checkpoint to `out` (one float16 safetensors shard per layer); refused when its disk lacks room."""
-    if shape not in SHAPES:
-        raise WorkbenchError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    experts = check_request(shape, layers, experts)
     s = SHAPES[shape]
-    experts = experts or s["num_experts"]
-    if not 1 <= layers <= s["num_hidden_layers"]:
-        raise WorkbenchError(f"--layers {layers}: {shape} has 1 to {s['num_hidden_layers']}")
-    if not s["num_experts_per_tok"] <= experts <= s["num_experts"]:
-        raise WorkbenchError(f"--experts {experts}: {shape} needs {s['num_experts_per_tok']} to {s['num_experts']}")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise WorkbenchError(f"{out}: exists and is not empty")

@@ -114,20 +114,39 @@ def cmd_probe_disk(args):
 
 def _make_model_flags(p):
     from workbench.shapes import SHAPES
-    p.add_argument("--shape", required=True, choices=list(SHAPES))
-    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--shape", required=True, help=" | ".join(SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="layers (default: the model's)")
     p.add_argument("--experts", type=int, default=None, help="experts per layer (default: the model's)")
-    p.add_argument("--out", default=None, help="the directory to write (default: under the pack cache)")
+    p.add_argument("--out", default=None, help="the directory, or .gguf file, to write (default: under the pack cache)")
+    p.add_argument("--format", default=None, choices=["hf", "gguf"],
+                   help="hf: a Hugging Face directory of float16 shards (every shape a Qwen3-MoE); gguf: the real "
+                        "architecture for llama.cpp, written tensor by tensor (default: gguf for an --out *.gguf)")
+    p.add_argument("--type", default=None, help="gguf: q4_k_m | q2_k | q2_k_s | q8_0 (default: q2_k_s for "
+                                                "qwen3-next-80b-a3b, else q4_k_m)")
     p.add_argument("--seed", type=int, default=0)
 
 
-@command("make-model", "write a random-weight checkpoint with a real model's expert shape", _make_model_flags)
+@command("make-model", "write a random-weight checkpoint with a real model's shape (a HF directory or a GGUF)",
+         _make_model_flags)
 def cmd_make_model(args):
-    from workbench.shapes import checkpoint_path, make_model
-    out = args.out or checkpoint_path(args.shape, args.layers, args.experts)
-    path = make_model(args.shape, args.layers, out, experts=args.experts, seed=args.seed)
-    c = json.loads((path / "random_weights.json").read_text())
-    emit(args, {"path": str(path), **c}, f"wrote {path}: {c['label']}")
+    from workbench.shapes import SHAPES, checkpoint_path, make_model, random_card
+    fmt = args.format or ("gguf" if str(args.out or "").endswith(".gguf") else "hf")
+    layers = SHAPES[args.shape]["num_hidden_layers"] if args.layers is None and args.shape in SHAPES else args.layers
+    if fmt == "gguf":
+        from engines.gguf_random import DEFAULT_TYPE, make_gguf
+        qtype = args.type or DEFAULT_TYPE.get(args.shape, "q4_k_m")
+        out = args.out or checkpoint_path(args.shape, layers, args.experts, gguf=qtype)
+        path = make_gguf(args.shape, out, layers, args.experts, qtype, seed=args.seed, progress=not args.json)
+    else:
+        if args.type:
+            raise WorkbenchError(f"--type {args.type}: a Hugging Face checkpoint is float16; --type is for "
+                                 f"--format gguf")
+        out = args.out or checkpoint_path(args.shape, layers, args.experts)
+        path = make_model(args.shape, layers, out, experts=args.experts, seed=args.seed)
+    c = random_card(path)
+    size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir())
+    emit(args, {"path": str(path), "format": fmt, "file_size": size, **c},
+         f"wrote {path} ({size / 1e9:.2f} GB): {c['label']}")
 
 
 def _generate_flags(p):

@@ -80,7 +80,7 @@ def _encode(a: np.ndarray, kind: str) -> np.ndarray:
         return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     if kind == "f32":
         return np.ascontiguousarray(a, dtype=np.float32).reshape(-1).view(np.uint8)
-    return quant.encode(np.asarray(a, dtype=np.float32), kind)
+    return quant.encode(np.ascontiguousarray(a, dtype=np.float32), kind)   # derived tensors may be views
 
 
 def _decode(buf: np.ndarray, shape: tuple, kind: str) -> np.ndarray:

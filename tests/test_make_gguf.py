@@ -1,0 +1,172 @@
+"""make-model --out X.gguf: a random checkpoint of a shape in its real llama.cpp architecture, written tensor by
+tensor, labelled random, opened by the workbench and by stock llama.cpp (in a child process, tests/child.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[llamacpp]')")
+
+from child import in_child                                     # noqa: E402
+from engines.gguf_random import RECIPES, _SCALES, STD, file_bytes, make_gguf, plan, random_blocks  # noqa: E402
+from workbench.cli import main                                 # noqa: E402
+from workbench.errors import WorkbenchError                    # noqa: E402
+from workbench.models.gguf_model import GGUFModel              # noqa: E402
+from workbench.shapes import SHAPES, random_label              # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ARCH = {"qwen3-30b-a3b": "qwen3moe", "qwen3.6-35b-a3b": "qwen35moe", "qwen3-next-80b-a3b": "qwen3next",
+        "minicpm-v-4.7": "qwen35moe"}
+SMALL = {"layers": 4, "experts": 12}        # one full-attention layer in the hybrid shapes; top-10 fits
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("made")
+    return {shape: make_gguf(shape, root / f"{shape}.gguf", **SMALL) for shape in SHAPES}
+
+
+@pytest.mark.parametrize("t", sorted(_SCALES))
+def test_random_blocks_dequantize_to_mean_0_and_the_intended_std(t):
+    x = gguf.quants.dequantize(random_blocks(np.random.Generator(np.random.SFC64(1)), t, 256 * 2048),
+                               gguf.GGMLQuantizationType[t])
+    assert np.isfinite(x).all()
+    assert abs(x.std() / STD - 1) < 0.01 and abs(x.mean()) < 0.02 * STD
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_small_gguf_is_the_real_architecture_at_the_shapes_size(made, shape):
+    g = GGUFModel(made[shape])
+    spec = plan(shape, **SMALL)[0]
+    assert g.arch == ARCH[shape]
+    got = {**g.spec.to_dict(), "dense_intermediate_size": 0}     # qwen35moe writes moe ff * top-k there
+    assert got == {**spec.to_dict(), "dense_intermediate_size": 0}
+    s = SHAPES[shape]
+    assert (g.spec.hidden_size, g.spec.moe_intermediate_size, g.spec.top_k, g.spec.num_experts, g.spec.num_layers) \
+        == (s["hidden_size"], s["moe_intermediate_size"], s["num_experts_per_tok"], 12, 4)
+    if s["hybrid"]:
+        assert g.spec.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+        assert g.spec.shared_expert_size == 512 and "blk.0.ffn_gate_inp_shexp.weight" in g.raw
+    allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[ARCH[shape].upper()]]}
+    for name in g.raw:
+        base = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+        assert any(base == a.format(bid=i) for a in allowed for i in range(4)), name
+    assert g.path.stat().st_size - file_bytes(plan(shape, **SMALL)[1]) < 2 ** 20, "the header is small"
+
+
+def test_dequantized_experts_and_matrices_have_the_intended_std(made):
+    g = GGUFModel(made["qwen3-next-80b-a3b"])
+    kinds = g.expert_kinds(3)
+    assert kinds == {"gate": "gguf:Q2_K", "up": "gguf:Q2_K", "down": "gguf:Q2_K"}, "q2_k_s: the 80B's default"
+    for p, w in g.expert(3, 11).items():
+        assert abs(w.std() / STD - 1) < 0.02 and abs(w.mean()) < 0.05 * STD, p
+    for name in ("layers.3.q", "lm_head", "layers.0.shared.down"):
+        w = g.tensor(name)
+        assert abs(w.std() / STD - 1) < 0.02, name
+    assert (g.tensor("layers.0.attn_norm") == 1).all()      # norms stored as llama.cpp multiplies (1 + w)
+    q4 = GGUFModel(made["qwen3.6-35b-a3b"])
+    assert q4.expert_kinds(1) == {"gate": "gguf:Q4_K", "up": "gguf:Q4_K", "down": "gguf:Q4_K"}
+    assert q4.expert_kinds(3)["down"] == "gguf:Q6_K", "q4_k_m: llama.cpp's use_more_bits layers (the last eighth)"
+
+
+def test_the_gguf_is_labelled_random_wherever_it_goes(made, capsys):
+    path = made["qwen3-30b-a3b"]
+    assert "RANDOM" in random_label(path) and "qwen3moe GGUF (q4_k_m)" in random_label(path)
+    card = json.loads(GGUFModel(path).meta("workbench.random_weights"))
+    assert card["random_weights"] and card["seed"] == 0 and "12 of 128 experts per layer" in card["notes"]
+    assert main(["info", "--model", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["architecture"] == "qwen3moe"
+
+
+@pytest.mark.parametrize("shape,layers", [("qwen3-30b-a3b", 1), ("qwen3.6-35b-a3b", 4)])
+def test_the_workbench_runs_it_and_its_runs_are_labelled_random(tmp_path, monkeypatch, shape, layers):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    path = make_gguf(shape, tmp_path / "m.gguf", layers=layers, experts=16)
+    from workbench.session import Session
+    with Session(str(path), "on_demand", budget="0.5") as s:
+        s.generate([1, 2, 3], tokens=2)
+        assert "RANDOM" in s.summary()["random_weights"]
+
+
+def _llama_logits(path, ids):
+    from engines.llamacpp_engine import LlamaCpp
+    with LlamaCpp(path, n_ctx=64, threads=2) as llm:
+        return llm.forward(ids)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "qwen3.6-35b-a3b", "qwen3-next-80b-a3b"])
+def test_stock_llamacpp_loads_it_and_gives_finite_logits(made, shape):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    z = in_child(_llama_logits, made[shape], [1, 5, 17, 200])
+    assert z.shape[-1] == 4096 and np.isfinite(z).all() and z.std() > 0
+
+
+def test_making_a_model_many_times_the_bound_keeps_memory_flat(tmp_path):
+    """Peak RSS of the writer (a fresh process) grows by less than `bound` for a file many times `bound`."""
+    bound = 64 << 20
+    code = ("import resource, subprocess, sys\n"
+            "make = ('import sys, engines.gguf_random as g; g.CHUNK = 4 << 20; '\n"
+            "        'g.make_gguf(\"qwen3-30b-a3b\", sys.argv[1], 2, %d)')\n"
+            "subprocess.run([sys.executable, '-c', make, sys.argv[1]], check=True)\n"
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+
+    def peak(experts, out):
+        r = subprocess.run([sys.executable, "-c", code % experts, str(out)], capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return int(r.stdout.split()[-1])
+
+    small, big = peak(8, tmp_path / "small.gguf"), peak(128, tmp_path / "big.gguf")
+    assert (tmp_path / "big.gguf").stat().st_size > 8 * bound
+    assert big - small < bound, f"peak RSS grew {(big - small) / 2**20:.0f} MiB"
+
+
+def test_bad_requests_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "x.gguf"
+    for argv, why in [(["--shape", "qwen9"], "--shape 'qwen9': choose one of"),
+                      (["--shape", "qwen3-next-80b-a3b", "--layers", "2"], "needs at least 4 layers"),
+                      (["--shape", "qwen3-30b-a3b", "--type", "q5_x"], "--type 'q5_x': choose one of"),
+                      (["--shape", "qwen3-30b-a3b", "--experts", "4"], "--experts 4")]:
+        assert main(["make-model", *argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert why in err and "\n" not in err, err
+    import workbench.shapes as shapes
+    monkeypatch.setattr(shapes, "free_bytes", lambda path: 10 ** 9)
+    with pytest.raises(WorkbenchError, match=r"x\.gguf: qwen3-next-80b-a3b \(48 layers, 512 experts, q2_k_s\) needs "
+                                             r"27\.\d+ GB, the disk has 1\.00 GB free"):
+        make_gguf("qwen3-next-80b-a3b", out)
+    assert not list(tmp_path.iterdir()), "nothing written, no temp file left"
+    assert set(RECIPES) == {"q4_k_m", "q2_k", "q2_k_s", "q8_0"}
+
+
+def test_routing_stats_tell_collapsed_from_uniform_routing():
+    from experiments.routing_stats import routing_stats
+    rng = np.random.default_rng(0)
+    same = routing_stats(np.tile(np.arange(8), (200, 2, 1)), 128)
+    uniform = routing_stats(np.stack([[rng.choice(128, 8, replace=False) for _ in range(2)] for _ in range(2000)]), 128)
+    assert same["entropy"] == pytest.approx(np.log(8) / np.log(128)) and same["lru_hit"]["0.25"] > 0.99
+    assert uniform["entropy"] > 0.99 and uniform["lru_hit"]["0.25"] == pytest.approx(0.25, abs=0.02)
+
+
+def _routing(path):
+    from experiments.routing_stats import checkpoint_routing
+    return checkpoint_routing(path, tokens=128)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "qwen3.6-35b-a3b"])
+def test_a_made_checkpoint_routes_by_token_like_the_demo_model(tmp_path, shape):
+    """Neither the same experts for every token nor a fresh random set at every position: usage entropy and LRU
+    hits near the demo model's own routing of the same text."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from experiments.routing_stats import routing_stats
+    from experiments.traces import read_trace
+    demo = routing_stats(read_trace(REPO / "data" / "traces" / "demo-tinystories-256.parquet")["topk"][:128], 32)
+    made = in_child(_routing, make_gguf(shape, tmp_path / "r.gguf", layers=4, experts=64, qtype="q2_k"))
+    assert abs(made["entropy"] - demo["entropy"]) < 0.05
+    for f in ("0.25", "0.5"):
+        assert abs(made["lru_hit"][f] - demo["lru_hit"][f]) < 0.12, (f, made["lru_hit"], demo["lru_hit"])
