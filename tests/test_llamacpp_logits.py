@@ -1,0 +1,105 @@
+"""The workbench on a GGUF against stock llama.cpp on the same file: token ids, logits, greedy tokens.
+
+The demo model exported as q4_k_m and q8_0; the workbench runs it as Session("x.gguf") does (the GGUF's own
+blocks, experts and dense matrices in ggml's kernels), llama.cpp with its defaults (flash attention, an f16 KV
+cache). Both prefill 8 tokens, then decode one at a time, teacher-forced: a fixed text, and llama.cpp's own
+greedy continuation of a prompt.
+
+Tolerance TOL = 0.1 on logits. With ggml computing the same blocks on both sides, what is left is attention:
+llama.cpp keeps K and V in f16 and rounds q to f16 for its dot products, the workbench computes it in f32. Any
+change of attention arithmetic moves the demo's logits by a median 0.03 a position, llama.cpp's own flash
+attention on against off as much as the workbench against either; where a router has a near-tie (its k-th and
+(k+1)-th logits within 0.01) the rounding can route a token differently, and that position, and through its
+keys the next few, move by up to ~0.6, again on both comparisons. So: most positions within TOL, and greedy
+tokens equal wherever llama.cpp's top two logits are more than TOL apart (flips were seen at gaps <= 0.04).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_llamacpp import NO_LLAMA
+from child import in_child
+
+pytestmark = pytest.mark.skipif(NO_LLAMA is not None, reason=NO_LLAMA or "")
+
+TOL = 0.1
+PREFILL, N = 8, 64
+PROMPT = "Once upon a time"
+
+
+def fixed_text() -> str:
+    """The first story of TinyStories' validation head that is 64 tokens or longer."""
+    from conftest import REPO
+    stories = (REPO / "data/corpora/tinystories/tinystories_val_head.txt").read_text().split("\n\n")
+    return next(s for s in stories if len(s) > 400)
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    from conftest import REPO
+    from engines.gguf_export import export_gguf
+    from engines.llamacpp_engine import quantize_gguf
+    from workbench.models.hf import HFModel
+    root = tmp_path_factory.mktemp("demo-gguf")
+    f16 = export_gguf(HFModel(REPO / "data/models/demo-moe"), root / "demo-f16.gguf", "f16")
+    return {"q8_0": export_gguf(HFModel(REPO / "data/models/demo-moe"), root / "demo-q8_0.gguf", "q8_0"),
+            "q4_k_m": in_child(quantize_gguf, f16, root / "demo-q4_k_m.gguf", "q4_k_m")}
+
+
+def steps(forward, ids) -> np.ndarray:
+    """Logits of every position of `ids`: the first PREFILL as one batch, then one token at a time."""
+    return np.concatenate([forward(ids[:PREFILL])] + [forward([t]) for t in ids[PREFILL:]])
+
+
+def llama_side(path, text: str) -> dict:
+    """In llama.cpp: the text's ids and logits, and a greedy continuation of PROMPT with the logits along it."""
+    from engines.llamacpp_engine import LlamaCpp
+    with LlamaCpp(path, n_ctx=256) as llm:
+        ids = llm.tokenize(text)[:N]
+        z = steps(llm.forward, ids)
+        llm.reset()
+        greedy = llm.tokenize(PROMPT)
+        rows = [llm.forward(greedy)[-1]]
+        while len(greedy) < N:
+            greedy.append(int(np.argmax(rows[-1])))
+            rows.append(llm.forward([greedy[-1]])[-1])
+        return {"ids": ids, "logits": z, "greedy": greedy, "greedy_logits": np.stack(rows[:-1])}
+
+
+def workbench_side(path, ids, greedy) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The workbench's ids for the text, its logits teacher-forced on the text and on llama.cpp's greedy path."""
+    from workbench.session import Session
+    with Session(str(path), "resident") as s:
+        assert s.pack.quant == {"experts": "raw", "rest": "raw"}
+        mine = s.encode(fixed_text())[:N]
+        s.engine.reset()
+        z = steps(lambda t: s.step(list(t), "decode" if s.engine.pos else "prefill"), ids)
+        s.engine.reset()
+        p = len(s.encode(PROMPT))
+        zg = np.concatenate([s.step(greedy[:p], "prefill")[-1:]] + [s.step([t], "decode") for t in greedy[p:-1]])
+        return mine, z, zg
+
+
+def margin(z: np.ndarray) -> np.ndarray:
+    top = np.sort(z, -1)
+    return top[:, -1] - top[:, -2]
+
+
+def check(ours: np.ndarray, theirs: np.ndarray, what: str):
+    err = np.abs(ours - theirs).max(-1)
+    assert np.quantile(err, 0.8) < TOL, f"{what}: 80% of positions within {np.quantile(err, 0.8):.3f}, not {TOL}"
+    assert np.median(err) < TOL / 2, f"{what}: median |logit difference| {np.median(err):.3f}"
+    flips = np.flatnonzero((ours.argmax(-1) != theirs.argmax(-1)) & (margin(theirs) > TOL))
+    assert not flips.size, f"{what}: greedy tokens differ at {flips.tolist()}, llama.cpp's top-2 margins " \
+                           f"{np.round(margin(theirs)[flips], 3).tolist()} > {TOL}"
+
+
+@pytest.mark.parametrize("qtype", ["q4_k_m", "q8_0"])
+def test_workbench_logits_are_llamacpps(ggufs, qtype):
+    theirs = in_child(llama_side, ggufs[qtype], fixed_text())
+    mine, z, zg = workbench_side(ggufs[qtype], theirs["ids"], theirs["greedy"])
+    assert mine == theirs["ids"], "the workbench's tokenizer splits the text otherwise than llama.cpp's"
+    assert len(mine) == N
+    check(z, theirs["logits"], f"{qtype}, teacher-forced text")
+    check(zg, theirs["greedy_logits"], f"{qtype}, llama.cpp's greedy path")
