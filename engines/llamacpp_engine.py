@@ -83,7 +83,9 @@ class LlamaCpp:
     """One GGUF loaded in llama.cpp (mmap on, CPU), one context, one sequence."""
 
     def __init__(self, path, n_ctx: int = 1024, n_batch: int = 512, threads: int = 1, capture=(),
-                 mmap_on: bool = True):
+                 mmap_on: bool = True, context: dict | None = None):
+        """context: llama_context_params fields to set, e.g. {"flash_attn_type": 0, "type_k": 0, "type_v": 0}
+        (flash attention off, an f32 KV cache; ggml type ids)."""
         st = _init()
         lc = self.lc = st["lc"]
         self.path = Path(path)
@@ -109,6 +111,8 @@ class LlamaCpp:
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
         cp.n_threads = cp.n_threads_batch = threads
         cp.no_perf = False
+        for k, v in (context or {}).items():
+            setattr(cp, k, v)
         self.capture = tuple(capture)
         self.captured: dict[str, list[np.ndarray]] = {}
         if self.capture:
