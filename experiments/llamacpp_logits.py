@@ -2,10 +2,11 @@
 
     python -m experiments.llamacpp_logits --type q4_k_m          # the demo exported as q4_k_m
 
-Each row is one way of running the file, against llama.cpp with its defaults (flash attention, f16 KV cache)
-and against llama.cpp with attention in f32 (flash attention off, f32 KV cache): the per-position max |logit
-difference| (median, 90th percentile, max) and the positions whose greedy token differs, with llama.cpp's
-top-2 margin there. All run teacher-forced on one text: PREFILL tokens as a batch, then one at a time.
+Each row is one way of running the file, against three references: llama.cpp with its defaults (flash
+attention, f16 KV cache), llama.cpp with attention in f32 (flash attention off, f32 KV cache) and the workbench
+on the GGUF's blocks. A row gives the per-position max |logit difference| (median, 90th percentile, max) and the
+positions whose greedy token differs, with the reference's top-2 margin there. All run teacher-forced on one
+text: PREFILL tokens as a batch, then one at a time.
 """
 from __future__ import annotations
 

@@ -5,13 +5,9 @@ blocks, experts and dense matrices in ggml's kernels), llama.cpp with its defaul
 cache). Both prefill 8 tokens, then decode one at a time, teacher-forced: a fixed text, and llama.cpp's own
 greedy continuation of a prompt.
 
-Tolerance TOL = 0.1 on logits. With ggml computing the same blocks on both sides, what is left is attention:
-llama.cpp keeps K and V in f16 and rounds q to f16 for its dot products, the workbench computes it in f32. Any
-change of attention arithmetic moves the demo's logits by a median 0.03 a position, llama.cpp's own flash
-attention on against off as much as the workbench against either; where a router has a near-tie (its k-th and
-(k+1)-th logits within 0.01) the rounding can route a token differently, and that position, and through its
-keys the next few, move by up to ~0.6, again on both comparisons. So: most positions within TOL, and greedy
-tokens equal wherever llama.cpp's top two logits are more than TOL apart (flips were seen at gaps <= 0.04).
+Most positions within TOL of llama.cpp's logits, and greedy tokens equal wherever llama.cpp's top two logits
+are more than TOL apart (TOL's reason where it is set). experiments/llamacpp_logits.py measures the same, with
+llama.cpp's own variants beside it.
 """
 from __future__ import annotations
 
@@ -23,6 +19,13 @@ from child import in_child
 
 pytestmark = pytest.mark.skipif(NO_LLAMA is not None, reason=NO_LLAMA or "")
 
+# With ggml computing the same blocks on both sides, what is left is attention: llama.cpp keeps K and V in f16
+# and rounds q to f16 for its dot products, the workbench computes it in f32, and ggml's 8-bit activations turn
+# any rounding difference into ~1e-3 of a projection. That moves the demo's logits by a median 0.02-0.04 a
+# position: llama.cpp's flash attention on against off as much as the workbench against either. Where a router
+# nearly ties (k-th and (k+1)-th logits within ~0.01) a token may route otherwise, and that position, and through
+# its keys the next few, move by up to ~1 on both comparisons. Greedy flips were seen at margins up to 0.044,
+# llama.cpp against itself included.
 TOL = 0.1
 PREFILL, N = 8, 64
 PROMPT = "Once upon a time"
