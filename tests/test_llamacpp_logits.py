@@ -3,7 +3,7 @@
 The demo model exported as q4_k_m and q8_0; the workbench runs it as Session("x.gguf") does (the GGUF's own
 blocks, experts and dense matrices in ggml's kernels), llama.cpp with its defaults (flash attention, an f16 KV
 cache). Both prefill 8 tokens, then decode one at a time, teacher-forced: a fixed text, and llama.cpp's own
-greedy continuation of a prompt.
+greedy continuation of a prompt; and the fixed text as one prompt.
 
 Most positions within TOL of llama.cpp's logits, and greedy tokens equal wherever llama.cpp's top two logits
 are more than TOL apart (TOL's reason where it is set). experiments/llamacpp_logits.py measures the same, with
@@ -56,22 +56,26 @@ def steps(forward, ids) -> np.ndarray:
 
 
 def llama_side(path, text: str) -> dict:
-    """In llama.cpp: the text's ids and logits, and a greedy continuation of PROMPT with the logits along it."""
+    """In llama.cpp: the text's ids, its logits step by step and as one prompt, and a greedy continuation of PROMPT
+    with the logits along it."""
     from engines.llamacpp_engine import LlamaCpp
     with LlamaCpp(path, n_ctx=256) as llm:
         ids = llm.tokenize(text)[:N]
         z = steps(llm.forward, ids)
+        llm.reset()
+        whole = llm.forward(ids)
         llm.reset()
         greedy = llm.tokenize(PROMPT)
         rows = [llm.forward(greedy)[-1]]
         while len(greedy) < N:
             greedy.append(int(np.argmax(rows[-1])))
             rows.append(llm.forward([greedy[-1]])[-1])
-        return {"ids": ids, "logits": z, "greedy": greedy, "greedy_logits": np.stack(rows[:-1])}
+        return {"ids": ids, "logits": z, "whole": whole, "greedy": greedy, "greedy_logits": np.stack(rows[:-1])}
 
 
-def workbench_side(path, ids, greedy) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """The workbench's ids for the text, its logits teacher-forced on the text and on llama.cpp's greedy path."""
+def workbench_side(path, ids, greedy) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    """The workbench's ids for the text, its logits on the text step by step and as one prompt (more than 16 rows:
+    the dense matrices dequantized, in BLAS), and teacher-forced on llama.cpp's greedy path."""
     from workbench.session import Session
     with Session(str(path), "resident") as s:
         assert s.pack.quant == {"experts": "raw", "rest": "raw"}
@@ -79,9 +83,11 @@ def workbench_side(path, ids, greedy) -> tuple[list[int], np.ndarray, np.ndarray
         s.engine.reset()
         z = steps(lambda t: s.step(list(t), "decode" if s.engine.pos else "prefill"), ids)
         s.engine.reset()
+        whole = s.step(list(ids), "prefill")
+        s.engine.reset()
         p = len(s.encode(PROMPT))
         zg = np.concatenate([s.step(greedy[:p], "prefill")[-1:]] + [s.step([t], "decode") for t in greedy[p:-1]])
-        return mine, z, zg
+        return mine, z, whole, zg
 
 
 def margin(z: np.ndarray) -> np.ndarray:
@@ -101,8 +107,9 @@ def check(ours: np.ndarray, theirs: np.ndarray, what: str):
 @pytest.mark.parametrize("qtype", ["q4_k_m", "q8_0"])
 def test_workbench_logits_are_llamacpps(ggufs, qtype):
     theirs = in_child(llama_side, ggufs[qtype], fixed_text())
-    mine, z, zg = workbench_side(ggufs[qtype], theirs["ids"], theirs["greedy"])
+    mine, z, whole, zg = workbench_side(ggufs[qtype], theirs["ids"], theirs["greedy"])
     assert mine == theirs["ids"], "the workbench's tokenizer splits the text otherwise than llama.cpp's"
     assert len(mine) == N
     check(z, theirs["logits"], f"{qtype}, teacher-forced text")
+    check(whole, theirs["whole"], f"{qtype}, the text as one prompt")
     check(zg, theirs["greedy_logits"], f"{qtype}, llama.cpp's greedy path")
