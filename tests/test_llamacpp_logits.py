@@ -32,7 +32,7 @@ PROMPT = "Once upon a time"
 
 
 def fixed_text() -> str:
-    """The first story of TinyStories' validation head that is 64 tokens or longer."""
+    """The first story of TinyStories' validation head longer than 400 characters (over 64 tokens)."""
     from conftest import REPO
     stories = (REPO / "data/corpora/tinystories/tinystories_val_head.txt").read_text().split("\n\n")
     return next(s for s in stories if len(s) > 400)
@@ -44,9 +44,9 @@ def ggufs(tmp_path_factory):
     from engines.gguf_export import export_gguf
     from engines.llamacpp_engine import quantize_gguf
     from workbench.models.hf import HFModel
-    root = tmp_path_factory.mktemp("demo-gguf")
-    f16 = export_gguf(HFModel(REPO / "data/models/demo-moe"), root / "demo-f16.gguf", "f16")
-    return {"q8_0": export_gguf(HFModel(REPO / "data/models/demo-moe"), root / "demo-q8_0.gguf", "q8_0"),
+    root, demo = tmp_path_factory.mktemp("demo-gguf"), HFModel(REPO / "data/models/demo-moe")
+    f16 = export_gguf(demo, root / "demo-f16.gguf", "f16")
+    return {"q8_0": export_gguf(demo, root / "demo-q8_0.gguf", "q8_0"),
             "q4_k_m": in_child(quantize_gguf, f16, root / "demo-q4_k_m.gguf", "q4_k_m")}
 
 
