@@ -437,10 +437,20 @@ def capture_trace(path, ids: list[int], n_batch: int = 256, threads: int = 1) ->
 
 # ---------------------------------------------------------------- the engines.load_engine facade
 
+def source_gguf(pack) -> Path | None:
+    """The GGUF whose blocks a raw pack keeps, if it is still there unchanged: llama.cpp runs that file itself."""
+    from workbench.models.gguf_model import GGUFModel
+    src = pack.header.get("source", {})
+    if src.get("format") != "gguf" or pack.quant != {"experts": "raw", "rest": "raw"} or not Path(src["path"]).is_file():
+        return None
+    return Path(src["path"]) if GGUFModel(src["path"]).source_info() == src else None
+
+
 class LlamaCppEngine(Engine):
-    """The engine interface on llama.cpp: the pack is exported once to an f16 GGUF (its dequantized weights)
-    and run by llama.cpp with mmap. llama.cpp routes exactly and manages its own memory: it takes no hooks,
-    and the workbench's expert cache is not used (so no per-layer events)."""
+    """The engine interface on llama.cpp: a raw GGUF pack's source file (source_gguf), else the pack exported
+    once to an f16 GGUF (its dequantized weights), run by llama.cpp with mmap. llama.cpp routes exactly and
+    manages its own memory: it takes no hooks, and the workbench's expert cache is not used (so no per-layer
+    events)."""
 
     name = "llamacpp"
     takes_hooks = False
@@ -455,7 +465,7 @@ class LlamaCppEngine(Engine):
         from engines.gguf_export import PackModel, export_gguf
         from workbench.registry import cache_dir, fingerprint
         super().__init__(pack, streamer, telemetry, hooks)
-        path = cache_dir() / "gguf" / f"{Path(pack.path).name}-{fingerprint(pack.path)}-f16.gguf"
+        path = source_gguf(pack) or cache_dir() / "gguf" / f"{Path(pack.path).name}-{fingerprint(pack.path)}-f16.gguf"
         if not path.exists():
             export_gguf(PackModel(pack), path, "f16")
         self.gguf = path

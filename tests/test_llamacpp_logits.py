@@ -90,6 +90,14 @@ def workbench_side(path, ids, greedy) -> tuple[list[int], np.ndarray, np.ndarray
         return mine, z, whole, zg
 
 
+def engine_llamacpp(path, ids) -> np.ndarray:
+    """Session(x.gguf, engine="llamacpp"): the text's logits as one prompt."""
+    from workbench.session import Session
+    with Session(str(path), "resident", engine="llamacpp") as s:
+        s.engine.reset()
+        return s.step(list(ids), "prefill")
+
+
 def margin(z: np.ndarray) -> np.ndarray:
     top = np.sort(z, -1)
     return top[:, -1] - top[:, -2]
@@ -113,3 +121,9 @@ def test_workbench_logits_are_llamacpps(ggufs, qtype):
     check(z, theirs["logits"], f"{qtype}, teacher-forced text")
     check(whole, theirs["whole"], f"{qtype}, the text as one prompt")
     check(zg, theirs["greedy_logits"], f"{qtype}, llama.cpp's greedy path")
+
+
+def test_the_llamacpp_engine_runs_the_gguf_itself(ggufs):
+    """--engine llamacpp on a GGUF runs that file (not an f16 export of the pack): stock llama.cpp's logits."""
+    theirs = in_child(llama_side, ggufs["q4_k_m"], fixed_text())
+    np.testing.assert_array_equal(in_child(engine_llamacpp, ggufs["q4_k_m"], theirs["ids"]), theirs["whole"])
