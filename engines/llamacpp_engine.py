@@ -83,7 +83,9 @@ class LlamaCpp:
     """One GGUF loaded in llama.cpp (mmap on, CPU), one context, one sequence."""
 
     def __init__(self, path, n_ctx: int = 1024, n_batch: int = 512, threads: int = 1, capture=(),
-                 mmap_on: bool = True):
+                 mmap_on: bool = True, context: dict | None = None):
+        """context: llama_context_params fields to set, e.g. {"flash_attn_type": 0, "type_k": 0, "type_v": 0}
+        (flash attention off, an f32 KV cache; ggml type ids)."""
         st = _init()
         lc = self.lc = st["lc"]
         self.path = Path(path)
@@ -109,6 +111,8 @@ class LlamaCpp:
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
         cp.n_threads = cp.n_threads_batch = threads
         cp.no_perf = False
+        for k, v in (context or {}).items():
+            setattr(cp, k, v)
         self.capture = tuple(capture)
         self.captured: dict[str, list[np.ndarray]] = {}
         if self.capture:
@@ -433,10 +437,20 @@ def capture_trace(path, ids: list[int], n_batch: int = 256, threads: int = 1) ->
 
 # ---------------------------------------------------------------- the engines.load_engine facade
 
+def source_gguf(pack) -> Path | None:
+    """The GGUF whose blocks a raw pack keeps, if it is still there unchanged: llama.cpp runs that file itself."""
+    from workbench.models.gguf_model import GGUFModel
+    src = pack.header.get("source", {})
+    if src.get("format") != "gguf" or pack.quant != {"experts": "raw", "rest": "raw"} or not Path(src["path"]).is_file():
+        return None
+    return Path(src["path"]) if GGUFModel(src["path"]).source_info() == src else None
+
+
 class LlamaCppEngine(Engine):
-    """The engine interface on llama.cpp: the pack is exported once to an f16 GGUF (its dequantized weights)
-    and run by llama.cpp with mmap. llama.cpp routes exactly and manages its own memory: it takes no hooks,
-    and the workbench's expert cache is not used (so no per-layer events)."""
+    """The engine interface on llama.cpp: a raw GGUF pack's source file (source_gguf), else the pack exported
+    once to an f16 GGUF (its dequantized weights), run by llama.cpp with mmap. llama.cpp routes exactly and
+    manages its own memory: it takes no hooks, and the workbench's expert cache is not used (so no per-layer
+    events)."""
 
     name = "llamacpp"
     takes_hooks = False
@@ -451,7 +465,7 @@ class LlamaCppEngine(Engine):
         from engines.gguf_export import PackModel, export_gguf
         from workbench.registry import cache_dir, fingerprint
         super().__init__(pack, streamer, telemetry, hooks)
-        path = cache_dir() / "gguf" / f"{Path(pack.path).name}-{fingerprint(pack.path)}-f16.gguf"
+        path = source_gguf(pack) or cache_dir() / "gguf" / f"{Path(pack.path).name}-{fingerprint(pack.path)}-f16.gguf"
         if not path.exists():
             export_gguf(PackModel(pack), path, "f16")
         self.gguf = path
