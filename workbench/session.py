@@ -48,12 +48,9 @@ class Session:
         device: a device profile (data/devices) whose flash the reads emulate. drive: routing and predictions
         replayed from outside, drive(spec, predictor text) -> route, predictor(), usage, source (a routing trace:
         experiments.routing_trace.TraceDrive).
-        A .gguf model runs on its own quantized blocks (experts and rest "raw", as `convert` keeps them) unless
-        experts= or rest= say otherwise: the preset's q4 would dequantize llama.cpp's blocks and quantize them
-        again, a different model from the file's."""
+        A .gguf model runs on its own blocks, in place (registry.storage_for), unless layout=, experts= or rest=
+        say otherwise: the preset's q4 would quantize llama.cpp's blocks again, a different model from the file's."""
         self.preset = preset if isinstance(preset, Preset) else get_preset(preset)
-        if str(model).endswith(".gguf"):
-            overrides = {"experts": "raw", "rest": "raw", **overrides}
         if overrides:
             self.preset = self.preset.with_(**overrides)
         p = self.preset
