@@ -434,11 +434,16 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
         ctx = pos.step(step)
         for L in spec.moe_layers:
             seq += [(L, int(e)) for e in sorted(set(drive.route(L, np.zeros((1, 1)), ctx)[0].reshape(-1)))]
+    return belady_of(seq, slots // len(spec.moe_layers) if per_layer else slots, per_layer, initial)
+
+
+def belady_of(seq: list, cap: int, per_layer: bool = False, initial=()) -> dict:
+    """Belady's MIN over a sequence of (layer, expert) accesses with `cap` slots (a pool's, per layer or global);
+    initial as belady's."""
     nxt, last = [0] * len(seq), {}
     for i in range(len(seq) - 1, -1, -1):
         nxt[i] = last.get(seq[i], len(seq) + i)
         last[seq[i]] = i
-    cap = slots // len(spec.moe_layers) if per_layer else slots
     pools: dict = {}
     first = {}
     for i, k in enumerate(seq):

@@ -1,0 +1,147 @@
+"""Full size, one file, side by side: stock llama.cpp and the designs streaming from the same GGUF.
+
+    python -m workbench make-model --shape qwen3-next-80b-a3b --out /tmp/fullsize/qwen3-next-80b-a3b.gguf
+    python benchmarks/full_size.py --model /tmp/fullsize/qwen3-next-80b-a3b.gguf --budgets 2GiB,4GiB,8GiB
+
+Every arm is a fresh process measured cold (the file dropped from the page cache first), in alternating order
+within a round: stock llama.cpp (mmap: the page cache is its cache; its memory is its peak RSS plus the file's
+pages resident after the run), then each design at each budget (`bench`, streaming from the GGUF in place).
+Per arm: tok/s, peak RSS, bytes read and hit / late / miss per token; per budget, Belady's MIN over on_demand's
+own decode routing (the fewest experts any policy reads with that many slots) as a bound in tok/s (its reads at the
+run's disk bandwidth, or on_demand's compute, whichever is slower), and each design's floor. The model's weights
+are whatever the file holds (a make-model file is RANDOM, and labelled so). Writes results/full_size.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engines.llamacpp_engine import bench_gguf  # noqa: E402
+from experiments.simulate import belady_of  # noqa: E402
+from workbench.atomic import atomic_write  # noqa: E402
+
+PROMPT = "Once upon a time"
+
+
+def bench_arm(model: str, preset: str, budget: str, tokens: int) -> dict:
+    cmd = [sys.executable, "-m", "workbench", "bench", "--model", model, "--preset", preset, "--budget", budget,
+           "--tokens", str(tokens), "--prompt", PROMPT, "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)}: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+    return json.loads(p.stdout)
+
+
+def decode_accesses(run: str) -> list:
+    """(layer, expert) in the order a run's decode steps asked for them (its record's events)."""
+    import pyarrow.parquet as pq
+    ev = pq.read_table(Path(run) / "events.parquet").to_pylist()
+    ev = sorted((e for e in ev if e["phase"] == "decode"), key=lambda e: (e["token"], e["layer"]))
+    return [(e["layer"], int(x)) for e in ev for x in e["routed"]]
+
+
+def bound(od: dict) -> dict:
+    """Belady's MIN over on_demand's decode routing with its slots, as tok/s."""
+    seq = decode_accesses(od["run"])
+    expert = od["bytes_read"] / max(1, od["misses"])              # bytes one demand read brings in
+    slots = od["budget_bytes"] // od["expert_mem_bytes"]
+    b = belady_of(seq, int(slots), initial=None)
+    steps = max(1, od["decode_steps"])
+    read_s = b["belady_misses"] / steps * expert / od["disk_bw_at_read_size"]
+    return {**b, "slots": int(slots), "belady_tok_s": 1 / max(read_s, od["floor_compute_s_per_token"]),
+            "belady_read_s_per_token": read_s}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a GGUF")
+    ap.add_argument("--budgets", default="2GiB,4GiB,8GiB")
+    ap.add_argument("--designs", default="on_demand,les,smol")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads")
+    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    a = ap.parse_args(argv)
+    budgets, designs = a.budgets.split(","), a.designs.split(",")
+    arms = {("llama.cpp", "mmap"): []} | {(d, b): [] for b in budgets for d in designs}
+    for r in range(a.rounds):
+        for (d, b), got in arms.items():
+            t0 = time.time()
+            got.append(bench_gguf(a.model, tokens=a.tokens, prompt=PROMPT, mode="cold", threads=a.threads, warmup=0)
+                       if d == "llama.cpp" else bench_arm(a.model, d, b, a.tokens))
+            print(f"round {r + 1}: {d} @{b}: {got[-1]['tok_s']:.3f} tok/s ({time.time() - t0:.0f} s)", flush=True)
+    rows = []
+    for (d, b), got in arms.items():
+        tok = [g["tok_s"] for g in got]
+        med = sorted(got, key=lambda g: g["tok_s"])[len(got) // 2]
+        row = {"design": d, "budget": b, "tok_s": statistics.median(tok), "tok_s_min": min(tok), "tok_s_max": max(tok),
+               "peak_rss_bytes": med["peak_rss_bytes"], "median_run": med}
+        if d == "llama.cpp":
+            row["memory_bytes"] = med["peak_rss_bytes"] + med["file_resident_after_bytes"] - med["gguf_mapped_rss_bytes"]
+        else:
+            row["memory_bytes"] = med["peak_rss_bytes"]
+        rows.append(row)
+    llama = rows[0]
+    for row in rows[1:]:
+        row["over_llama_cpp"] = row["tok_s"] / llama["tok_s"]
+        row["memory_over_llama_cpp"] = row["memory_bytes"] / llama["memory_bytes"]
+    bounds = {b: bound(next(r for r in rows if r["design"] == "on_demand" and r["budget"] == b)["median_run"])
+              for b in budgets if "on_demand" in designs}
+    for row in rows[1:]:
+        if row["budget"] in bounds:
+            row["over_belady"] = row["tok_s"] / bounds[row["budget"]]["belady_tok_s"]
+    command = f"python benchmarks/full_size.py --model {a.model} --budgets {a.budgets} --designs {a.designs} " \
+              f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads}"
+    res = {"command": command, "model": a.model, "file_size": os.path.getsize(a.model), "rows": rows,
+           "bounds": bounds, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+           "random_weights": rows[1]["median_run"].get("random_weights") if len(rows) > 1 else None,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    gib = lambda n: n / 2 ** 30
+    md = [f"# Full size: {Path(a.model).name} ({gib(res['file_size']):.1f} GiB), stock llama.cpp and the designs\n",
+          f"`{command}` ({res['date']}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}). "
+          f"{res['random_weights'] or ''}\n",
+          "Each arm a fresh process, cold (file out of the page cache), alternating within a round; tok/s median "
+          "(min-max). llama.cpp's memory is its peak RSS plus the file's pages in the page cache after the run "
+          "(its mapped pages counted once).\n",
+          "| design | budget | tok/s | min-max | x llama.cpp | peak RSS GiB | memory GiB | / llama.cpp's | MB read/tok "
+          "| hit | late | miss | recall | / floor | / Belady |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+          "---:|---:|---:|---:|"]
+    for r in rows:
+        m = r["median_run"]
+        f = lambda k, fmt=".3f", scale=1: "" if m.get(k) is None else format(m[k] * scale, fmt)
+        md.append(f"| {r['design']} | {r['budget']} | {r['tok_s']:.3f} | {r['tok_s_min']:.3f}-{r['tok_s_max']:.3f} | "
+                  f"{r.get('over_llama_cpp', 1.0):.2f} | {gib(r['peak_rss_bytes']):.2f} | {gib(r['memory_bytes']):.2f} | "
+                  f"{r.get('memory_over_llama_cpp', 1.0):.2f} | "
+                  f"{f('bytes_read_per_token', '.0f', 1e-6)} | "
+                  f"{f('hit_rate')} | {f('late_rate')} | {f('miss_rate')} | {f('prefetch_recall', '.2f')} | "
+                  f"{f('achieved_over_floor', '.2f')} | {'' if 'over_belady' not in r else format(r['over_belady'], '.2f')} |")
+    md += ["", "Belady's bound per budget (MIN over on_demand's decode routing, its slots; reads at the run's disk "
+           "bandwidth, compute as on_demand's):", ""]
+    md += [f"- {b}: {v['slots']} slots, {v['belady_misses']} misses of {v['accesses']} accesses "
+           f"(hit {v['belady_hit_rate']:.3f}), {v['belady_tok_s']:.3f} tok/s" for b, v in bounds.items()]
+    md += ["", "Where a design's token goes (median run, ms per token):", "",
+           "| design | budget | compute | router | flash wait | other | floor: compute | floor: reads |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows[1:]:
+        m, n = r["median_run"], max(1, r["median_run"]["decode_steps"])
+        md.append(f"| {r['design']} | {r['budget']} | {1e3 * m['compute_s'] / n:.0f} | {1e3 * m['router_s'] / n:.0f} | "
+                  f"{1e3 * m['flash_wait_s'] / n:.0f} | {1e3 * m['other_s'] / n:.0f} | "
+                  f"{1e3 * m['floor_compute_s_per_token']:.0f} | {1e3 * m['floor_read_s_per_token']:.0f} |")
+    name = Path(a.model).stem
+    atomic_write(a.out / f"full_size_{name}.json", json.dumps(res, indent=1, default=str) + "\n")
+    atomic_write(a.out / f"full_size_{name}.md", "\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
