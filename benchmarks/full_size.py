@@ -70,14 +70,16 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads")
+    ap.add_argument("--llama", default="cold", choices=["cold", "warm"],
+                    help="llama.cpp's start: cold, or warm (the whole file read into the page cache first)")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     a = ap.parse_args(argv)
     budgets, designs = a.budgets.split(","), a.designs.split(",")
-    arms = {("llama.cpp", "mmap"): []} | {(d, b): [] for b in budgets for d in designs}
+    arms = {("llama.cpp", f"mmap, {a.llama}"): []} | {(d, b): [] for b in budgets for d in designs}
     for r in range(a.rounds):
         for (d, b), got in arms.items():
             t0 = time.time()
-            got.append(bench_gguf(a.model, tokens=a.tokens, prompt=PROMPT, mode="cold", threads=a.threads, warmup=0)
+            got.append(bench_gguf(a.model, tokens=a.tokens, prompt=PROMPT, mode=a.llama, threads=a.threads, warmup=0)
                        if d == "llama.cpp" else bench_arm(a.model, d, b, a.tokens))
             print(f"round {r + 1}: {d} @{b}: {got[-1]['tok_s']:.3f} tok/s ({time.time() - t0:.0f} s)", flush=True)
     rows = []
@@ -101,7 +103,7 @@ def main(argv=None):
         if row["budget"] in bounds:
             row["over_belady"] = row["tok_s"] / bounds[row["budget"]]["belady_tok_s"]
     command = f"python benchmarks/full_size.py --model {a.model} --budgets {a.budgets} --designs {a.designs} " \
-              f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads}"
+              f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads} --llama {a.llama}"
     res = {"command": command, "model": a.model, "file_size": os.path.getsize(a.model), "rows": rows,
            "bounds": bounds, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
            "random_weights": rows[1]["median_run"].get("random_weights") if len(rows) > 1 else None,
