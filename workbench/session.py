@@ -267,7 +267,9 @@ def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int) -> dict 
 def usage_profile(pack_path, ids: list[int]) -> dict:
     """Count expert use per layer over `ids` (one prefill, exact routing), streaming the experts through a tenth of
     them: a model bigger than memory has its profile too."""
-    with Session(str(pack_path), "on_demand", budget="0.1") as s, RoutingCapture(s) as cap:
+    spec = Pack(pack_path).spec
+    budget = f"{min(1.0, max(0.1, spec.top_k / spec.num_experts)):.6f}"       # a layer's top-k at least
+    with Session(str(pack_path), "on_demand", budget=budget) as s, RoutingCapture(s) as cap:
         s.step(ids, "prefill")
         return {L: np.bincount(idx.reshape(-1), minlength=s.spec.num_experts).tolist()
                 for L, idx in cap.take().items()}
