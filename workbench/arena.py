@@ -48,7 +48,7 @@ def slot_layout(pack, layer: int) -> tuple[list[tuple[int, int]], dict[str, int]
 
 def slot_bytes(pack) -> int:
     """What one expert costs in the arena: the 4 KiB-aligned bytes of its reads (the largest layer's)."""
-    return max(sum(n for _, n in slot_layout(pack, L)[0]) for L in pack.spec.moe_layers)
+    return int(max(sum(n for _, n in slot_layout(pack, L)[0]) for L in pack.spec.moe_layers))
 
 
 class SlotArena:
