@@ -93,13 +93,13 @@ def test_a_failed_bench_is_recorded_as_failed(pack, first_expert, tmp_path, caps
     import experiments.bench as wb
     real_measure = wb.measure
 
-    def measure(session, prompt, tokens, warmup=4):
+    def measure(session, prompt, tokens, warmup=4, warm=False):
         def on_step(*a):
             if session.tel.summary()["decode_steps"] >= 2:
                 state["armed"] = True
         real_step = session.step
         session.step = lambda ids, phase: (on_step(), real_step(ids, phase))[1]
-        return real_measure(session, prompt, tokens, warmup)
+        return real_measure(session, prompt, tokens, warmup, warm)
 
     monkeypatch.setattr(wb, "measure", measure)
     before = set(os.listdir(runs_dir())) if runs_dir().exists() else set()
