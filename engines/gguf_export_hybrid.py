@@ -32,8 +32,10 @@ def linear_tensors(model, i: int) -> dict[str, np.ndarray]:
     out = {"ssm_conv1d.weight": conv.reshape(conv.shape[0], -1), "ssm_a": -np.exp(model.tensor(p + "lin_A_log")),
            "ssm_dt.bias": model.tensor(p + "lin_dt_bias"), "ssm_norm.weight": model.tensor(p + "lin_norm"),
            "ssm_out.weight": model.tensor(p + "lin_out")}
-    if s.family == "qwen3_next":
-        w = {p + "lin_qkvz": model.tensor(p + "lin_qkvz"), p + "lin_ba": model.tensor(p + "lin_ba")}
+    if s.family == "qwen3_next":      # fused in a Hugging Face checkpoint, apart in a qwen3next GGUF
+        fused = p + "lin_qkvz" in model.names()
+        w = {n: model.tensor(p + n) for n in (("lin_qkvz",) if fused else ("lin_qkv", "lin_z")) + ("lin_ba",)}
+        w = {p + n: a for n, a in w.items()}
         out["ssm_ba.weight"] = w[p + "lin_ba"]
         split_fused_projections(s, w)
         return {"attn_qkv.weight": w[p + "lin_qkv"], "attn_gate.weight": w[p + "lin_z"], **out}

@@ -68,16 +68,24 @@ class Encoded:
     def T(self):
         return np.asarray(self).T
 
+    def __getitem__(self, ids):
+        """Rows of a GGUF-blocked table (an embedding lookup), dequantized: each row is its own run of blocks."""
+        ids = np.atleast_1d(np.asarray(ids, np.int64))
+        rb = int(self.ggml[1])
+        rows = self.buf.reshape(-1, rb)[ids.reshape(-1)]
+        return G.dequantize(rows, (ids.size, self.shape[1]), self.kind).reshape(*ids.shape, self.shape[1])
+
 
 def stays_encoded(name: str, t: dict) -> bool:
-    """Every affine matrix outside the experts, and every GGUF-quantized one ggml computes, but the embedding
-    table (a lookup: kept f32, as the head when the model ties it) and what the loader splits."""
+    """Every affine matrix outside the experts, and every GGUF-quantized one ggml computes, but what the loader
+    splits. The embedding table stays encoded in GGUF blocks only (a lookup dequantizes its rows, each a run of
+    blocks); an affine one is kept f32, as the head when the model ties it."""
     kind, shape = t["kind"], t["shape"]
-    if len(shape) != 2 or name == "embed" or name.endswith(SPLIT_BY_LOADER):
+    if len(shape) != 2 or name.endswith(SPLIT_BY_LOADER):
         return False
     if kind.startswith("gguf:"):
         return G.computes(kind, shape[1])
-    return kind in K.BITS and kind != "bf16"
+    return kind in K.BITS and kind != "bf16" and name != "embed"
 
 
 def packed_weights(pack) -> dict:

@@ -71,14 +71,14 @@ def split_fused_projections(spec, w: dict):
     hk, dk, dv, r = L["num_key_heads"], L["key_head_dim"], L["value_head_dim"], L["num_value_heads"] // L["num_key_heads"]
     for i in range(spec.num_layers):
         p = f"layers.{i}."
-        if p + "lin_qkvz" not in w:
-            continue
-        g = w.pop(p + "lin_qkvz").reshape(hk, 2 * dk + 2 * r * dv, -1)
-        q, k, v, z = np.split(g, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
-        w[p + "lin_qkv"] = np.concatenate([a.reshape(-1, a.shape[-1]) for a in (q, k, v)])
-        w[p + "lin_z"] = z.reshape(-1, z.shape[-1])
-        b, a = np.split(w.pop(p + "lin_ba").reshape(hk, 2 * r, -1), 2, axis=1)
-        w[p + "lin_b"], w[p + "lin_a"] = b.reshape(-1, b.shape[-1]), a.reshape(-1, a.shape[-1])
+        if p + "lin_qkvz" in w:         # a qwen3next GGUF holds q, k, v and z apart already
+            g = np.asarray(w.pop(p + "lin_qkvz")).reshape(hk, 2 * dk + 2 * r * dv, -1)
+            q, k, v, z = np.split(g, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+            w[p + "lin_qkv"] = np.concatenate([a.reshape(-1, a.shape[-1]) for a in (q, k, v)])
+            w[p + "lin_z"] = z.reshape(-1, z.shape[-1])
+        if p + "lin_ba" in w:
+            b, a = np.split(np.asarray(w.pop(p + "lin_ba")).reshape(hk, 2 * r, -1), 2, axis=1)
+            w[p + "lin_b"], w[p + "lin_a"] = b.reshape(-1, b.shape[-1]), a.reshape(-1, a.shape[-1])
 
 
 def tile_value_heads(spec, a, axis: int, dim: int, back: bool = False):

@@ -1,6 +1,7 @@
 """llama.cpp's `qwen3next` and `qwen35moe` GGUFs read back into the workbench's Qwen3-Next and Qwen3.5-MoE (the
-inverse of engines/gguf_export_hybrid.py). qwen3next: `attn_qkv` + `attn_gate` regrouped per key head into
-in_proj_qkvz's layout. qwen35moe: q, k, v, z, b, a apart as Qwen3.5 keeps them, every value-head axis untiled
+inverse of engines/gguf_export_hybrid.py). qwen3next: `attn_qkv` and `attn_gate` are already the decoder's lin_qkv
+and lin_z (the split that spec_hybrid.split_fused_projections makes of in_proj_qkvz), so they stay in their GGUF
+blocks and ggml computes them; `ssm_ba` is in_proj_ba as it is. qwen35moe: q, k, v, z, b, a apart as Qwen3.5 keeps them, every value-head axis untiled
 back to Hugging Face's grouped order (spec_hybrid.tile_value_heads). Both: A_log = log(-ssm_a), the conv kernel
 as (channels, 1, K); the post-attention norm is the MoE block's input norm. Norms are stored as 1 + w, as the
 workbench holds them. A qwen35moe GGUF imports as family qwen3_5_moe (MiniCPM-V 4.7's language model too)."""
@@ -13,7 +14,7 @@ from workbench.spec_hybrid import tile_value_heads
 _COMMON = {"post_attention_norm.weight": "mlp_norm", "ssm_conv1d.weight": "lin_conv", "ssm_a": "lin_A_log",
            "ssm_dt.bias": "lin_dt_bias", "ssm_norm.weight": "lin_norm", "ssm_out.weight": "lin_out"}
 BLOCKS = {  # GGUF block tensor -> canonical (None: read with another tensor)
-    "qwen3next": {**_COMMON, "attn_qkv.weight": "lin_qkvz", "attn_gate.weight": None, "ssm_ba.weight": "lin_ba"},
+    "qwen3next": {**_COMMON, "attn_qkv.weight": "lin_qkv", "attn_gate.weight": "lin_z", "ssm_ba.weight": "lin_ba"},
     "qwen35moe": {**_COMMON, "attn_qkv.weight": "lin_qkv", "attn_gate.weight": "lin_z", "ssm_beta.weight": "lin_b",
                   "ssm_alpha.weight": "lin_a"},
 }
@@ -48,12 +49,6 @@ def hybrid_derived(g) -> dict:
     def grouped(a, axis, dim):
         return tile_value_heads(s, a, axis, dim, back=True) if tiled else a
 
-    def qkvz(i):
-        qkv, z = read(f"layers.{i}.lin_qkvz"), g._dequantized(f"blk.{i}.attn_gate.weight")
-        q, k, v = np.split(qkv, [hk * dk, qk])
-        parts = [a.reshape(hk, -1, a.shape[-1]) for a in (q, k, v, z)]
-        return np.concatenate(parts, 1).reshape(-1, qkv.shape[-1])
-
     def qkv(p):
         a = read(p + "lin_qkv")
         return np.concatenate([a[:qk], grouped(a[qk:], 0, dv)])
@@ -68,7 +63,6 @@ def hybrid_derived(g) -> dict:
             out[p + "lin_conv"] = lambda p=p: conv(p)
             out[p + "lin_A_log"] = lambda p=p: np.log(-grouped(read(p + "lin_A_log"), 0, 1))
             if not tiled:
-                out[p + "lin_qkvz"] = lambda i=i: qkvz(i)
                 continue
             out[p + "lin_qkv"] = lambda p=p: qkv(p)
             for name, axis, dim in (("lin_z", 0, dv), ("lin_b", 0, 1), ("lin_a", 0, 1), ("lin_dt_bias", 0, 1),

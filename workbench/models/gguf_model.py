@@ -334,11 +334,18 @@ class GGUFModel:
             return self._ne(self.stacked[(layer, "gate_up")])[1] // 2
         return self._ne(self.split[(layer, 0, "gate")])[1]
 
+    def _attention_names(self, layer: int) -> list[str]:
+        """The canonical tensors of one attention block as this file holds them (a qwen3next DeltaNet block
+        holds llama.cpp's split q/k/v, z and b/a where a Hugging Face checkpoint fuses them)."""
+        if not (self.spec.is_linear(layer) and self.arch in HYBRID_BLOCKS):
+            return self.spec.attention_names(layer)
+        return [f"layers.{layer}.{c}" for c in HYBRID_BLOCKS[self.arch].values() if c and c != "mlp_norm"]
+
     def _check_complete(self):
         s = self.spec
         need = ["embed", "norm"] + ([] if s.tie_word_embeddings else ["lm_head"])
         for i in range(s.num_layers):
-            need += [f"layers.{i}.attn_norm", f"layers.{i}.mlp_norm"] + s.attention_names(i)
+            need += [f"layers.{i}.attn_norm", f"layers.{i}.mlp_norm"] + self._attention_names(i)
             need += [f"blk.{i}.attn_{h}" for h in ("k_b", "v_b") if i in self.kv_b_split and h not in self.kv_b_split[i]]
             need += [f"layers.{i}.router"] if i in s.moe_layers else [f"layers.{i}.dense.{p}" for p in PARTS]
         missing = [n for n in need if n not in self.where]
@@ -372,7 +379,7 @@ class GGUFModel:
         rows = int(np.prod(ne[1:])) if len(ne) > 1 else 1
         start, n = 0, rows
         kind = name.rsplit(".", 1)[-1]
-        if gname.endswith("attn_qkv.weight"):                     # fused: q rows, then k, then v
+        if gname.endswith("attn_qkv.weight") and kind in ("q", "k", "v"):    # fused: q rows, then k, then v
             q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
             start, n = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[kind]
         order = None
