@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from engines.packed_kernels import slots_of
@@ -135,44 +135,78 @@ def _from_float(typingctx, fn, x, y, k):
 
 # ---------------------------------------------------------------- kernels
 
-# parts: int64 (3, 5), per gate, up, down: byte offset in the slot, row bytes, vec_dot, from_float, x bytes
+# parts: int64 (3, 5), per gate, up, down: byte offset in the slot, row bytes, vec_dot, from_float, x bytes.
+# The output rows of every matrix are cut into runs of ROWS that the threads share (numba's prange): each row is
+# one vec_dot whatever thread computes it, so the result does not depend on the thread count.
+ROWS = 32
+
+
 @njit(cache=True, nogil=True)
 def _matvec(addr, rows, cols, p, x, qx, y):
-    """y[:rows] = W x, W's rows of part p at address addr."""
+    """y[:rows] = W x, W's rows of part p at address addr (one thread)."""
     _from_float(p[3], x.ctypes.data, qx.ctypes.data, cols)
     for o in range(rows):
         _vec_dot(p[2], cols, y.ctypes.data + 4 * o, addr + o * p[1], qx.ctypes.data)
 
 
 @njit(cache=True, nogil=True)
+def _rows(fn, cols, y_addr, w_addr, row_bytes, qx_addr, first, last):
+    for o in range(first, last):
+        _vec_dot(fn, cols, y_addr + 4 * o, w_addr + o * row_bytes, qx_addr)
+
+
+@njit(cache=True, nogil=True, parallel=True)
 def moe_ready(block, experts, offsets, flat, k, weight, X, Y, parts, heads, d, ff):
     """As packed_kernels.moe_ready, for GGUF blocks: the pairs of a layer whose expert is in a batch in memory
     (experts[i], its slot at byte offsets[i] of block); pair p of the flat top-k is token p // k, its result
     (times its routing weight) row p of Y. heads (experts, 3): where expert e's gate, up, down start past their
     slot regions' starts (Pack.expert_heads: 0 in a pack, the GGUF's own offsets in a GGUF index)."""
     slot_of = slots_of(flat, experts, offsets)
-    qx = np.empty(max(parts[0, 4], parts[1, 4], parts[2, 4]), np.uint8)
-    g, u, y = np.empty(ff, np.float32), np.empty(ff, np.float32), np.empty(d, np.float32)
+    todo = np.empty(flat.shape[0], np.int64)
+    n = 0
     for p in range(flat.shape[0]):
-        slot = slot_of[flat[p]]
-        if slot < 0:
-            continue
-        at, h = block.ctypes.data + slot, heads[flat[p]]
-        x = X[p // k]
-        _matvec(at + parts[0, 0] + h[0], ff, d, parts[0], x, qx, g)
-        _matvec(at + parts[1, 0] + h[1], ff, d, parts[1], x, qx, u)
+        if slot_of[flat[p]] >= 0:
+            todo[n] = p
+            n += 1
+    at = np.empty((n, 3), np.int64)                   # where pair i's gate, up, down rows start
+    for i in range(n):
+        e = flat[todo[i]]
+        for j in range(3):
+            at[i, j] = block.ctypes.data + slot_of[e] + parts[j, 0] + heads[e, j]
+    qb = max(parts[0, 4], parts[1, 4], parts[2, 4])
+    qx = np.empty((n, 3, qb), np.uint8)               # x in gate's and up's companion types, then gate*up in down's
+    H = np.empty((n, 2, ff), np.float32)
+    for i in prange(n):
+        for j in range(2):
+            _from_float(parts[j, 3], X[todo[i] // k].ctypes.data, qx[i, j].ctypes.data, d)
+    runs = (ff + ROWS - 1) // ROWS
+    for t in prange(n * 2 * runs):
+        i, j, r = t // (2 * runs), t // runs % 2, t % runs
+        _rows(parts[j, 2], d, H[i, j].ctypes.data, at[i, j], parts[j, 1], qx[i, j].ctypes.data,
+              r * ROWS, min(ff, (r + 1) * ROWS))
+    for i in prange(n):
+        g, u = H[i, 0], H[i, 1]
         for j in range(ff):
             g[j] = g[j] / (np.float32(1.0) + np.exp(-g[j])) * u[j]
-        _matvec(at + parts[2, 0] + h[2], d, ff, parts[2], g, qx, y)
-        for j in range(d):
-            Y[p, j] = weight[p] * y[j]
+        _from_float(parts[2, 3], g.ctypes.data, qx[i, 2].ctypes.data, ff)
+    runs = (d + ROWS - 1) // ROWS
+    for t in prange(n * runs):
+        i, r = t // runs, t % runs
+        p, first, last = todo[i], r * ROWS, min(d, (r + 1) * ROWS)
+        _rows(parts[2, 2], ff, Y[p].ctypes.data, at[i, 2], parts[2, 1], qx[i, 2].ctypes.data, first, last)
+        for j in range(first, last):
+            Y[p, j] = weight[p] * Y[p, j]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _dense(addr, rows, cols, p, X, Y):
-    qx = np.empty(p[4], np.uint8)
-    for r in range(X.shape[0]):
-        _matvec(addr, rows, cols, p, X[r], qx, Y[r])
+    qx = np.empty((X.shape[0], p[4]), np.uint8)
+    for r in prange(X.shape[0]):
+        _from_float(p[3], X[r].ctypes.data, qx[r].ctypes.data, cols)
+    runs = (rows + ROWS - 1) // ROWS
+    for t in prange(X.shape[0] * runs):
+        r, c = t // runs, t % runs
+        _rows(p[2], cols, Y[r].ctypes.data, addr, p[1], qx[r].ctypes.data, c * ROWS, min(rows, (c + 1) * ROWS))
 
 
 def dense(buf: np.ndarray, rows: int, cols: int, p: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
@@ -194,6 +228,18 @@ def dequantize(buf: np.ndarray, shape, kind: str) -> np.ndarray:
     out = np.empty(shape, np.float32)
     ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(to_float)(
         np.ascontiguousarray(buf).ctypes.data, out.ctypes.data, out.size)
+    return out
+
+
+def quantize(w: np.ndarray, kind: str) -> np.ndarray:
+    """A float32 matrix in GGUF blocks, by ggml's own quantizer: (rows, row bytes) uint8."""
+    base, _ = _libs()
+    f = base.ggml_quantize_chunk
+    f.restype = ctypes.c_size_t
+    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    w = np.ascontiguousarray(w, np.float32)
+    out = np.zeros((w.shape[0], part(kind, w.shape[1])[0]), np.uint8)
+    f(type_id(kind), w.ctypes.data, out.ctypes.data, 0, w.shape[0], w.shape[1], None)
     return out
 
 

@@ -587,3 +587,51 @@ def test_llamacpp_runs_deepseek2_like_transformers(tiny_models, deepseek_v2_lite
     assert np.abs(teacher_logits(pack) - ref).max() < 1e-4
     theirs, (ours, _) = in_child(capture_trace, path, IDS), capture_numpy(str(pack), IDS)
     assert (np.sort(theirs["topk"], -1) == np.sort(ours["topk"], -1)).all()
+
+
+@needs_llama
+@pytest.mark.parametrize("kinds", [("Q4_K", "Q4_K", "Q6_K"), ("Q2_K", "Q2_K", "Q4_K"), ("Q8_0", "Q8_0", "Q8_0")])
+def test_ggml_experts_and_projections_share_the_cores_without_changing_a_bit(kinds):
+    """moe_ready and dense cut their output rows into runs that numba's threads share: the result is each row's
+    own vec_dot (G.matvec, one thread) whatever the thread count, bit for bit."""
+    import numba
+    from engines import ggml_kernels as G
+    d, ff, E, k = 512, 768, 6, 4
+    rng = np.random.default_rng(7)
+    kinds = dict(zip(("gate", "up", "down"), (f"gguf:{t}" for t in kinds)))
+    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    size = {p: shapes[p][0] * G.part(kinds[p], shapes[p][1])[0] for p in shapes}
+    offsets = {"gate": 0, "up": size["gate"], "down": size["gate"] + size["up"]}
+    slot = sum(size.values())
+    parts = G.expert_parts(shapes, kinds, offsets)
+    block = rng.integers(0, 256, E * slot, dtype=np.uint8)
+    for e in range(E):              # sane scales: random bytes with their fp16 fields set small
+        for p, (o, n) in ((p, (offsets[p], size[p])) for p in shapes):
+            rows = block[e * slot + o:e * slot + o + n]
+            rows[:] = G.quantize(rng.standard_normal(shapes[p]).astype(np.float32) * 0.05, kinds[p]).reshape(-1)
+    X = rng.standard_normal((3, d)).astype(np.float32)
+    flat = rng.integers(0, E, 3 * k).astype(np.int64)
+    weight = rng.random(3 * k).astype(np.float32)
+    es = np.arange(E - 1, dtype=np.int64)                       # expert E-1 is not in this batch: its pairs skipped
+    want = np.zeros((3 * k, d), np.float32)
+    for q in range(3 * k):
+        if flat[q] == E - 1:
+            continue
+        at = block[flat[q] * slot:(flat[q] + 1) * slot]
+        g = G.matvec(at[:size["gate"]], shapes["gate"], kinds["gate"], X[q // k])
+        u = G.matvec(at[offsets["up"]:offsets["down"]], shapes["up"], kinds["up"], X[q // k])
+        h = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+        want[q] = weight[q] * G.matvec(at[offsets["down"]:], shapes["down"], kinds["down"], h)
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            Y = np.zeros((3 * k, d), np.float32)
+            G.moe_ready(block, es, es * slot, flat, k, weight, X, Y, parts, np.zeros((E, 3), np.int64), d, ff)
+            np.testing.assert_array_equal(Y, want, err_msg=f"{threads} threads")
+            W = block[:size["gate"]]
+            Yd = np.zeros((3, ff), np.float32)
+            G.dense(W, ff, d, G.part_row(kinds["gate"], d), X, Yd)
+            np.testing.assert_array_equal(Yd, np.stack([G.matvec(W, (ff, d), kinds["gate"], x) for x in X]))
+    finally:
+        numba.set_num_threads(before)
