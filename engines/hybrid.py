@@ -11,17 +11,18 @@ Prefill runs the same recurrence token by token (transformers' chunked form is t
 agree to float rounding), so prefill and decode share one code path.
 
 Truncating a recurrent state cannot be done by forgetting positions: the state after each position is
-checkpointed instead, and `truncate` restores the one it asks for. Kept: the state after every position of
-the last `CHECKPOINT_WINDOW` positions (speculative drafts roll back within these) and the state at the end of
-every multi-token call (a prefill: an evaluator that reuses a prompt's cache cuts back to it). A truncate to
-any other position is refused. For scale: Qwen3-Next-80B's 36 linear layers hold 72 MiB of state per
-checkpoint (32 value heads x 128 x 128 f32 each).
+checkpointed instead, and `truncate` restores the one it asks for. Kept: the state after every position of the
+last call of up to `CHECKPOINT_WINDOW` tokens (speculative drafts roll back within these) and at its start,
+of the last `checkpoint_window` positions (as many of the last CHECKPOINT_WINDOW as CHECKPOINT_BYTES of state
+hold: a full-size model's states are large), and at the end of every multi-token call (a prefill: an evaluator
+that reuses a prompt's cache cuts back to it). A truncate to any other position is refused.
 """
 from __future__ import annotations
 
 from workbench.errors import WorkbenchError
 
 CHECKPOINT_WINDOW = 32
+CHECKPOINT_BYTES = 256 * 2**20
 
 
 class GatedDeltaNet:
@@ -34,6 +35,9 @@ class GatedDeltaNet:
             return
         L = s.linear
         channels = 2 * L["num_key_heads"] * L["key_head_dim"] + L["num_value_heads"] * L["value_head_dim"]
+        state = 4 * ((L["conv_kernel"] - 1) * channels + L["num_value_heads"] * L["key_head_dim"] * L["value_head_dim"])
+        per_position = state * sum(map(s.is_linear, range(s.num_layers)))
+        self.checkpoint_window = max(1, min(CHECKPOINT_WINDOW, CHECKPOINT_BYTES // per_position))
         for i in range(s.num_layers):
             if s.is_linear(i):
                 self.lin[i] = (xp.zeros((L["conv_kernel"] - 1, channels), dtype=xp.float32),
@@ -44,7 +48,8 @@ class GatedDeltaNet:
         if pos != self.pos and self.lin:
             if any(pos not in c for c in self.lin_ckpt.values()):
                 raise WorkbenchError(f"cannot truncate the linear-attention state to position {pos}: checkpoints are "
-                                     f"kept for the last {CHECKPOINT_WINDOW} positions and each prompt's end")
+                                     f"kept for the last call, the last {self.checkpoint_window} positions and each "
+                                     f"prompt's end")
             for i, c in self.lin_ckpt.items():
                 self.lin[i] = c[pos]
                 for p in [p for p in c if p > pos]:
@@ -53,12 +58,14 @@ class GatedDeltaNet:
         super().truncate(pos)
 
     def checkpoint(self, i: int, pos: int, state, last: bool, multi: bool):
+        """pos: the position after this state; self.pos: where the call began."""
         c = self.lin_ckpt[i]
         c[pos] = state
         if last:
             if multi:
                 self.lin_keep.add(pos)
-            for p in [p for p in c if p < pos - CHECKPOINT_WINDOW and p not in self.lin_keep]:
+            keep_from = min(self.pos, pos - self.checkpoint_window + 1)
+            for p in [p for p in c if p < keep_from and p not in self.lin_keep]:
                 del c[p]
 
     def l2norm(self, x):
@@ -85,7 +92,7 @@ class GatedDeltaNet:
             delta = (v[t] - (k[t][:, None, :] @ S)[:, 0]) * beta[t][:, None]
             S = S + k[t][:, :, None] * delta[:, None, :]
             out.append((q[t][:, None, :] @ S)[:, 0])
-            if T - t <= CHECKPOINT_WINDOW:
+            if T <= CHECKPOINT_WINDOW or T - t <= self.checkpoint_window:     # a step or a draft: all its positions
                 self.checkpoint(i, self.pos + t + 1, (xs[t + 1:t + K], S), last=t == T - 1, multi=T > 1)
         self.lin[i] = (xs[T:T + K - 1], S)
         y = self.rms_norm(xp.stack(out), W(p + "lin_norm")) * self.silu(self.linear(x, p + "lin_z").reshape(T, hv, dv))

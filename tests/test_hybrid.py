@@ -385,3 +385,30 @@ def test_mtp_heads_are_not_read_and_bad_configs_fail_in_one_line(hybrid_models, 
     assert main(["info", "--model", str(m)]) == 2
     err = capsys.readouterr().err.strip()
     assert "config.json: missing field 'linear_conv_kernel_dim'" in err and len(err.splitlines()) == 1
+
+
+def test_a_large_state_keeps_few_checkpoints_but_every_one_a_rollback_needs(hybrid_models, monkeypatch):
+    """At full size one position's linear-attention state is tens of MiB: the checkpoints kept are bounded in bytes
+    (CHECKPOINT_BYTES), yet a rejected draft, the step before and the prompt's end still roll back exactly."""
+    import engines.hybrid as H
+    path = hybrid_models["qwen3_5_moe"]
+    with Session(str(path), "teacher", engine="numpy") as s:
+        s.engine.reset()
+        layer = next(iter(s.engine.lin.values()))
+        per = sum(a.nbytes for a in layer) * len(s.engine.lin)
+        monkeypatch.setattr(H, "CHECKPOINT_BYTES", 2 * per)
+        s.engine.reset()
+        assert s.engine.checkpoint_window == 2
+        s.step(TOKENS[:SPLIT], "prefill")
+        for t in TOKENS[SPLIT:SPLIT + 8]:
+            s.step([t], "decode")
+        held = max(len(c) for c in s.engine.lin_ckpt.values())
+        assert held <= 2 + 2, held                           # the window (the last step and its start), 0, the prompt's end
+        end = s.engine.pos
+        s.step([250, 251, 252, 253], "decode")               # a draft of 4 rejected after its first token
+        s.engine.truncate(end + 1)
+        with pytest.raises(WorkbenchError, match=f"position {end - 3}"):
+            s.engine.truncate(end - 3)
+        s.engine.truncate(SPLIT)                             # the prompt's end is kept
+        np.testing.assert_array_equal(np.concatenate([s.step([t], "decode") for t in TOKENS[SPLIT:]]),
+                                      ours(path, TOKENS, decode_from=SPLIT, engine="numpy")[SPLIT:])
