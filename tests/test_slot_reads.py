@@ -107,3 +107,23 @@ def test_a_waiting_thread_gives_its_core_away_while_it_looks_again(tmp_path, mon
         assert r.wait([fut], 10, every=True) == [fut]
         assert yields and all(t - t0 < SlotReads.WAIT_SPIN_S + 0.01 for t in yields)
         np.testing.assert_array_equal(buf, data[64 * ALIGN:128 * ALIGN])
+
+
+def test_more_experts_than_job_rows_land_checked_when_their_parts_interleave_in_the_file(tmp_path, monkeypatch):
+    """A native layout's parts lie apart (every gate, then every up, then every down), so a large submit's keys are
+    each in several jobs: making room must not settle a key on the jobs it has so far (its crc over part of it)."""
+    monkeypatch.setattr(SlotReads, "CAPACITY", 8)
+    path, data = _file(tmp_path)
+    n = 40
+    with Reader(path, workers=2) as r:
+        bufs = {k: [aligned_empty(ALIGN) for _ in range(3)] for k in range(n)}
+        offs = {k: [(p * n + k) * 2 * ALIGN for p in range(3)] for k in range(n)}     # none adjacent
+        crc = {k: zlib.crc32(b"".join(data[o:o + ALIGN].tobytes() for o in offs[k])) for k in range(n)}
+        futs = r.submit_into([(k, list(zip(offs[k], bufs[k]))) for k in range(n)],
+                             checks={k: ([(i, 0, ALIGN) for i in range(3)], crc[k]) for k in range(n)})
+        assert len(r.wait(list(futs.values()), 30, every=True)) == n
+        for k, f in futs.items():
+            assert f.exception() is None, k
+            for o, b in zip(offs[k], bufs[k]):
+                np.testing.assert_array_equal(b, data[o:o + ALIGN])
+        assert sorted(r._slots.free) == list(range(8))

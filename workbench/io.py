@@ -287,6 +287,18 @@ class Reader:
         checks = checks or {}
         slots = self._slots or (self._slot_reads() if self._reads_gil_free() else None)
         native = slots is not None
+        room = (slots.CAPACITY // 2) if native else 0
+        if native and len(requests) > 1 and sum(len(parts) for _, parts in requests) * self.workers > room:
+            futures, turn, jobs = {}, [], 0         # at most half the job rows a submit (SlotReads.submit): in turns
+            for request in requests:
+                n = len(request[1]) * self.workers         # a part is read in one piece per reader at most
+                if turn and jobs + n > room:
+                    futures.update(self.submit_into(turn, priority, checks))
+                    turn, jobs = [], 0
+                turn.append(request)
+                jobs += n
+            futures.update(self.submit_into(turn, priority, checks))
+            return futures
         futures, ranges, total = {}, [], 0
         for key, parts in requests:
             bufs = [b for _, b in parts]

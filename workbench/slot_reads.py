@@ -207,10 +207,11 @@ class SlotRead:
     """A key's read into its buffers: done once every job it is in is done; result() is its buffers, or raises
     the read's error or a ChecksumError. Settled (crc compared, a Python retry run) by the first thread that asks."""
 
-    __slots__ = ("reads", "key", "bufs", "check", "jobs", "runs", "t_start", "t_end", "settled", "error")
+    __slots__ = ("reads", "key", "bufs", "check", "jobs", "runs", "t_start", "t_end", "settled", "error", "open")
 
     def __init__(self, reads, key, bufs, check):
         self.reads, self.key, self.bufs, self.check = reads, key, bufs, check
+        self.open = False                   # a submit has not made all of its jobs yet: not done, whatever they are
         self.jobs: list[int] = []
         # (place in crc order, start in its buffer, job, row, bytes) of each checked run, or piece of one
         self.runs: list[tuple] = []
@@ -220,6 +221,8 @@ class SlotRead:
     def done(self) -> bool:
         if self.settled:
             return True
+        if self.open:
+            return False
         state = self.reads.state
         for j in self.jobs:
             if state[j] == QUEUED:
@@ -293,15 +296,23 @@ class SlotReads:
     def submit(self, groups, priority: int, futures: dict) -> None:
         """groups: [start, end, [(offset, buf, key, index of buf in the key's, where buf starts in that buffer), ...]]
         merged reads (a buffer split across reads is in each as a view of its piece), each at most IOV buffers and
-        RUNS checked runs; futures: key -> SlotRead."""
+        RUNS checked runs; futures: key -> SlotRead. A key is open until its last group is a job: making room for
+        the rest must not settle it on the jobs it has so far (Reader.submit_into sends at most half the rows at a
+        time, so the other half belongs to keys that can settle)."""
+        last = {m[2]: g for g, (_, _, members) in enumerate(groups) for m in members}
+        for key in last:
+            futures[key].open = True
         ids = []
         with self._lock:
-            for start, end, members in groups:
+            for g, (start, end, members) in enumerate(groups):
                 if not self.free:
                     self._queue(ids, priority)
                     ids = []
                     self._make_room()
                 ids.append(self._job(start, end, members, futures))
+                for m in members:
+                    if last[m[2]] == g:
+                        futures[m[2]].open = False
         self._queue(ids, priority)
 
     def _queue(self, ids, priority):
