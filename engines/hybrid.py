@@ -12,7 +12,7 @@ agree to float rounding), so prefill and decode share one code path.
 
 Truncating a recurrent state cannot be done by forgetting positions: the state after each position is
 checkpointed instead, and `truncate` restores the one it asks for. Kept: the state after every position of the
-last call of up to `CHECKPOINT_WINDOW` tokens (speculative drafts roll back within these) and at its start,
+last decode call of up to `CHECKPOINT_WINDOW` tokens (speculative drafts roll back within these) and at its start,
 of the last `checkpoint_window` positions (as many of the last CHECKPOINT_WINDOW as CHECKPOINT_BYTES of state
 hold: a full-size model's states are large), and at the end of every multi-token call (a prefill: an evaluator
 that reuses a prompt's cache cuts back to it). A truncate to any other position is refused.
@@ -92,7 +92,7 @@ class GatedDeltaNet:
             delta = (v[t] - (k[t][:, None, :] @ S)[:, 0]) * beta[t][:, None]
             S = S + k[t][:, :, None] * delta[:, None, :]
             out.append((q[t][:, None, :] @ S)[:, 0])
-            if T <= CHECKPOINT_WINDOW or T - t <= self.checkpoint_window:     # a step or a draft: all its positions
+            if (self.token_index > 0 and T <= CHECKPOINT_WINDOW) or T - t <= self.checkpoint_window:
                 self.checkpoint(i, self.pos + t + 1, (xs[t + 1:t + K], S), last=t == T - 1, multi=T > 1)
         self.lin[i] = (xs[T:T + K - 1], S)
         y = self.rms_norm(xp.stack(out), W(p + "lin_norm")) * self.silu(self.linear(x, p + "lin_z").reshape(T, hv, dv))

@@ -265,10 +265,11 @@ def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int) -> dict 
 
 
 def usage_profile(pack_path, ids: list[int]) -> dict:
-    """Count expert use per layer over `ids` (one prefill, exact routing), streaming the experts through a tenth of
-    them: a model bigger than memory has its profile too."""
+    """Count expert use per layer over `ids` (one prefill, exact routing), streaming the experts through one layer's
+    worth of slots (a prefill reads each layer's routed experts once whatever the cache holds): a model bigger than
+    memory has its profile too, in little memory."""
     spec = Pack(pack_path).spec
-    budget = f"{min(1.0, max(0.1, spec.top_k / spec.num_experts)):.6f}"       # a layer's top-k at least
+    budget = f"{min(1.0, 1 / len(spec.moe_layers)):.6f}"
     with Session(str(pack_path), "on_demand", budget=budget) as s, RoutingCapture(s) as cap:
         s.step(ids, "prefill")
         return {L: np.bincount(idx.reshape(-1), minlength=s.spec.num_experts).tolist()
