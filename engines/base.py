@@ -59,6 +59,7 @@ def dense_weights(pack, load=None) -> dict[str, np.ndarray]:
 
 class Engine(ABC):
     name: str
+    threads: int | None = None      # the cores its kernels share, where it chooses them
     takes_hooks = True
     raw_experts = False
     slot_arena = False

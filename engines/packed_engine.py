@@ -30,6 +30,7 @@ is one kernel call (K.decode_attention) where the family allows.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
@@ -175,8 +176,15 @@ class PackedEngine(Decoder):
         return True
 
     def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
-                 weights: dict | None = None, max_context: int | None = None):
+                 weights: dict | None = None, max_context: int | None = None, threads: int | None = None):
+        """threads: the cores ggml's kernels share (GGUF blocks; every core by default). The thread that constructs
+        the engine is the one that computes with it."""
         super().__init__(pack, streamer, telemetry, hooks)
+        cores = numba.config.NUMBA_NUM_THREADS
+        if threads is not None and not 1 <= threads <= cores:
+            raise WorkbenchError(f"--threads {threads}: choose 1 to {cores} (this machine's cores)")
+        self.threads = threads or cores
+        numba.set_num_threads(self.threads)
         for L in pack.spec.moe_layers:
             layer_kernel(pack, L, {p: 0 for p in PARTS})      # the reason, where the kernels cannot read it
         if streamer.arena is None:

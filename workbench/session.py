@@ -41,7 +41,7 @@ class Session:
     def __init__(self, model: str = "demo", preset: str | Preset = "on_demand", budget: str | None = None,
                  engine: str | None = None, direct: bool = True, workers: int | None = None, progress: bool = False,
                  trace: dict | None = None, weights: dict | None = None, deltas: dict | None = None,
-                 device: str | None = None, drive=None, **overrides):
+                 device: str | None = None, drive=None, threads: int | None = None, **overrides):
         """engine: None is the default engine for this pack (engines.default_engine). weights: replacements for some of
         the pack's non-expert weights (a merged adapter); deltas: projection deltas added to the preset's (an
         unmerged adapter). Both for experiments on adapters (Edge0's ladder).
@@ -104,7 +104,7 @@ class Session:
             router_hook, hook_deltas = self._routing(predictor, w)
         self.warm_usage = usage if p.cache.warm else None
         hooks = Hooks(predictor, router_hook, {**hook_deltas, **(deltas or {})})
-        self.engine = cls(self.pack, self.streamer, self.tel, hooks, weights=w)
+        self.engine = cls(self.pack, self.streamer, self.tel, hooks, weights=w, **({"threads": threads} if threads else {}))
         self.reader_bytes0 = 0
         if self.budget_bytes >= self.all_expert_bytes:
             self.streamer.load_resident([(L, e) for L in s.moe_layers for e in range(s.num_experts)])
@@ -226,7 +226,8 @@ class Session:
         s = tel.summary()
         s.update(cache_bytes=self.cache.bytes, cache_peak_bytes=self.cache.peak_bytes, budget_bytes=self.budget_bytes,
                  peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode,
-                 reader_workers=self.reader.workers, read_retries=self.reader.retries, per_layer=tel.per_layer("decode"),
+                 reader_workers=self.reader.workers, read_retries=self.reader.retries, threads=self.engine.threads,
+                 per_layer=tel.per_layer("decode"),
                  expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes, **self.labels())
         return s
 
