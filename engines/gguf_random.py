@@ -14,11 +14,18 @@ is the metadata key `workbench.random_weights` (workbench.shapes.random_label fi
 --type mixes, after llama.cpp's llama_tensor_get_type: q4_k_m (experts Q4_K, ffn_down Q6_K on use_more_bits layers,
 output Q6_K, the rest Q4_K); q2_k (experts Q2_K, ffn_down Q3_K); q2_k_s (experts Q2_K, ffn_down Q4_K in the first
 eighth of the layers); q8_0. Norms, routers and DeltaNet's small tensors stay F32, as the exporter writes them.
-No MTP (nextn) layer is written.
+
+Where the real model has multi-token prediction (Qwen3-Next, Qwen3.5/3.6-MoE: `mtp_num_hidden_layers` 1), its
+block is written as llama.cpp's converter writes it, at every --layers: `{arch}.nextn_predict_layers` = 1,
+`{arch}.block_count` = the main layers + 1, and block n_main a full-attention decoder block (gated attention, the
+experts, the shared expert) plus `nextn.eh_proj` (the [embedding; hidden] -> hidden projection), `nextn.enorm`,
+`nextn.hnorm` and `nextn.shared_head_norm` (norms 1); it shares the main model's embedding and output. Stock
+llama.cpp loads it and leaves it out of the main pass; the workbench skips it (GGUFModel.mtp_layers).
 """
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -188,8 +195,30 @@ def plan(shape: str, layers: int | None = None, experts: int | None = None, qtyp
     spec = from_hf_config(cfg, shape)
     _check(spec, shape)
     recipe = RECIPES[qtype]
-    rows = [(g, tuple(sh), _type(recipe, g, sh, t, layers)) for g, sh, t, _ in _plan(_Shapes(spec, shape), "f16")]
-    return spec, rows, recipe[4]
+    rows = [(g, tuple(sh), _type(recipe, g, sh, t, layers))
+            for g, sh, t, _ in _plan(_Shapes(with_mtp(spec, cfg), shape), "f16")]
+    return spec, _nextn(rows, spec, cfg, recipe), recipe[4]
+
+
+def with_mtp(spec, cfg: dict):
+    """The spec with the MTP blocks as more layers (full attention), as llama.cpp's block_count counts them."""
+    n = cfg.get("mtp_num_hidden_layers", 0)
+    return replace(spec, num_layers=spec.num_layers + n, layer_types=spec.layer_types + ["full_attention"] * n) \
+        if n else spec
+
+
+def _nextn(rows, spec, cfg: dict, recipe):
+    """rows with each MTP block's own tensors after its decoder block's."""
+    d, out = spec.hidden_size, []
+    for row in rows:
+        out.append(row)
+        gname = row[0]
+        last = gname.startswith("blk.") and gname.endswith(".ffn_gate_inp_shexp.weight")
+        if last and (i := int(gname.split(".")[1])) >= spec.num_layers:
+            eh = f"blk.{i}.nextn.eh_proj.weight"
+            out += [(eh, (d, 2 * d), _type(recipe, eh, (d, 2 * d), "F16", spec.num_layers)),
+                    *((f"blk.{i}.nextn.{n}.weight", (d,), "F32") for n in ("enorm", "hnorm", "shared_head_norm"))]
+    return out
 
 
 def nbytes(shape, t: str) -> int:
@@ -211,6 +240,7 @@ def make_gguf(shape: str, out, layers: int | None = None, experts: int | None = 
     gguf = _gguf()
     qtype = qtype or DEFAULT_TYPE.get(shape, "q4_k_m")
     spec, rows, ftype = plan(shape, layers, experts, qtype)
+    cfg = hf_config(shape, spec.num_layers, spec.num_experts)
     out = Path(out)
     need, free = file_bytes(rows) + (1 << 20), shapes.free_bytes(out)
     if need > free:
@@ -226,7 +256,9 @@ def make_gguf(shape: str, out, layers: int | None = None, experts: int | None = 
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), ARCH.get(spec.family, "qwen3moe"))
         try:
-            write_metadata(w, spec, tokens, types, merges, f"{shape} random", gguf.LlamaFileType[ftype])
+            write_metadata(w, with_mtp(spec, cfg), tokens, types, merges, f"{shape} random", gguf.LlamaFileType[ftype])
+            if cfg.get("mtp_num_hidden_layers"):
+                w.add_nextn_predict_layers(cfg["mtp_num_hidden_layers"])
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
             w.add_string(RANDOM_KEY, json.dumps(c))
             for gname, sh, t in rows:

@@ -245,3 +245,82 @@ def test_tensors_made_on_read_are_kept_in_the_index(family, tmp_path):
         z_raw, toks_raw, _ = logits_and_tokens(raw, "les", "0.5", engine)
         np.testing.assert_array_equal(z, z_raw)
         assert toks == toks_raw
+
+
+def relabel(src, dst, blocks: int, nextn: int = 0) -> Path:
+    """A copy of the GGUF at src with only blocks 0 .. blocks-1, block_count = blocks and nextn_predict_layers =
+    nextn (absent if 0): every other key and tensor as it is."""
+    import re
+
+    import gguf
+    r = gguf.GGUFReader(str(src))
+    arch = r.get_field("general.architecture").contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", f"{arch}.nextn_predict_layers"):
+            continue
+        w.add_key_value(f.name, blocks if f.name == f"{arch}.block_count" else f.contents(), f.types[0],
+                        sub_type=f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
+    for t in r.tensors:
+        if not ((m := re.match(r"blk\.(\d+)\.", t.name)) and int(m[1]) >= blocks):
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(dst)
+
+
+def _llama_logits(path):
+    from engines.llamacpp_engine import LlamaCpp
+    with LlamaCpp(path, n_ctx=64, threads=2) as llm:
+        return llm.forward(IDS)
+
+
+def test_an_mtp_block_is_accepted_never_read_and_the_run_is_the_file_without_it(tmp_path, monkeypatch, capsys):
+    """A Qwen3.6-shaped GGUF with its MTP block (blk.4 after 4 main layers, nextn_predict_layers 1) opens as the
+    4-layer model; the block is in no index and is never read (garbage there changes nothing); the streamed run
+    gives the logits and tokens of the same file without the block, bit for bit, and so does llama.cpp."""
+    import importlib.util
+    import json
+
+    from child import in_child
+    from engines.gguf_random import make_gguf
+    from workbench.cli import main
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    mtp = make_gguf("qwen3.6-35b-a3b", tmp_path / "mtp.gguf", layers=4, experts=16)
+    plain = relabel(mtp, tmp_path / "plain.gguf", 4)
+    g, p = GGUFModel(mtp), GGUFModel(plain)
+    assert g.spec == p.spec and g.names() == p.names() and g.spec.num_layers == 4
+    assert (g.mtp_layers, p.mtp_layers) == (1, 0) and "blk.4.nextn.eh_proj.weight" in g.mtp_tensors
+    assert set(g.mtp_tensors) == set(g.raw) - set(p.raw) and len(g.mtp_tensors) == 20
+    assert g.source_info()["mtp_layers"] == 1 and "mtp_layers" not in p.source_info()
+    if importlib.util.find_spec("llama_cpp"):
+        np.testing.assert_array_equal(in_child(_llama_logits, mtp), in_child(_llama_logits, plain))
+    with open(mtp, "r+b") as f:
+        for n in g.mtp_tensors:
+            t = g.raw[n]
+            f.seek(int(t.data_offset))
+            f.write(b"\xff" * int(t.n_bytes))          # NaN scales: any read of them would show
+    del g
+    index = Pack(resolve_pack(str(mtp), "native", "raw", "raw"))
+    assert set(index.tensors) == set(Pack(resolve_pack(str(plain), "native", "raw", "raw")).tensors)
+    z, toks, _ = logits_and_tokens(mtp, "les", "0.5")
+    z_plain, toks_plain, _ = logits_and_tokens(plain, "les", "0.5")
+    assert np.isfinite(z).all()
+    np.testing.assert_array_equal(z, z_plain)
+    assert toks == toks_plain
+    assert main(["info", "--model", str(mtp), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["mtp_layers"] == 1 and info["spec"]["num_layers"] == 4
+
+
+def test_nextn_predict_layers_that_leave_no_main_layers_are_refused(tmp_path):
+    from engines.gguf_random import make_gguf
+    src = make_gguf("qwen3.6-35b-a3b", tmp_path / "m.gguf", layers=4, experts=8)
+    with pytest.raises(WorkbenchError, match=r"bad\.gguf: qwen35moe\.nextn_predict_layers 5 leaves no main layers"):
+        GGUFModel(relabel(src, tmp_path / "bad.gguf", 5, 5))
+    with pytest.raises(WorkbenchError, match="nextn.eh_proj.weight has no place"):   # nextn tensors in a main block
+        GGUFModel(relabel(src, tmp_path / "main.gguf", 5))

@@ -53,10 +53,38 @@ def test_a_small_gguf_is_the_real_architecture_at_the_shapes_size(made, shape):
         assert g.spec.layer_types == ["linear_attention"] * 3 + ["full_attention"]
         assert g.spec.shared_expert_size == 512 and "blk.0.ffn_gate_inp_shexp.weight" in g.raw
     allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[ARCH[shape].upper()]]}
+    allowed |= {n for t, n in gguf.TENSOR_NAMES.items() if t.name.startswith("NEXTN_")}
+    mtp = s["arch"].get("mtp_num_hidden_layers", 0)
     for name in g.raw:
         base = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
-        assert any(base == a.format(bid=i) for a in allowed for i in range(4)), name
+        assert any(base == a.format(bid=i) for a in allowed for i in range(4 + mtp)), name
     assert g.path.stat().st_size - file_bytes(plan(shape, **SMALL)[1]) < 2 ** 20, "the header is small"
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_the_mtp_block_is_written_where_the_real_model_has_one(made, shape):
+    """Qwen3-Next and Qwen3.5/3.6-MoE: block 4 after the 4 main layers is a full-attention block with the experts
+    and the shared expert, plus nextn's projection and norms (1); the workbench's model is the 4 main layers."""
+    g = GGUFModel(made[shape])
+    mtp = SHAPES[shape]["arch"].get("mtp_num_hidden_layers", 0)
+    assert (g.mtp_layers, g.spec.num_layers, g.meta("{arch}.block_count")) == (mtp, 4, 4 + mtp)
+    assert shape in ("qwen3.6-35b-a3b", "qwen3-next-80b-a3b") or not mtp
+    blk4 = {n.removeprefix("blk.4.") for n in g.raw if n.startswith("blk.4.")}
+    assert set(g.mtp_tensors) == {f"blk.4.{n}" for n in blk4}
+    card = json.loads(g.meta("workbench.random_weights"))
+    assert any("multi-token-prediction (MTP" in n for n in card["notes"]) == bool(mtp)
+    if not mtp:
+        assert not blk4
+        return
+    full = {n.removeprefix("blk.3.") for n in g.raw if n.startswith("blk.3.")}        # layer 3: full attention
+    nextn = {"nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight", "nextn.shared_head_norm.weight"}
+    assert blk4 == full | nextn and "ffn_gate_exps.weight" in full and "ffn_up_shexp.weight" in full
+    d = g.spec.hidden_size
+    assert [int(x) for x in g.raw["blk.4.nextn.eh_proj.weight"].shape] == [2 * d, d]
+    for n in ("enorm", "hnorm", "shared_head_norm"):
+        assert (np.asarray(g.raw[f"blk.4.nextn.{n}.weight"].data) == 1).all()
+    w = g._dequantized("blk.4.nextn.eh_proj.weight")
+    assert abs(w.std() / STD - 1) < 0.02
 
 
 def test_dequantized_experts_and_matrices_have_the_intended_std(made):
@@ -99,19 +127,40 @@ def _llama_logits(path, ids):
         return llm.forward(ids)
 
 
+def _llama_mtp(path):
+    """(main layers, MTP layers, an MTP draft context made?) as llama.cpp sees the file with its MTP loaded."""
+    from engines.llamacpp_engine import _init
+    lc = _init()["lc"]
+    mp = lc.llama_model_default_params()
+    mp.n_gpu_layers, mp.use_extra_bufts, mp.load_mtp = 0, False, True
+    model = lc.llama_model_load_from_file(str(path).encode(), mp)
+    assert model, f"llama.cpp did not load {path} with load_mtp"
+    cp = lc.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.ctx_type = 64, 64, 64, lc.LLAMA_CONTEXT_TYPE_MTP
+    ctx = lc.llama_init_from_model(model, cp)
+    out = (lc.llama_model_n_layer(model), lc.llama_model_n_layer_nextn(model), bool(ctx))
+    if ctx:
+        lc.llama_free(ctx)
+    lc.llama_model_free(model)
+    return out
+
+
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "qwen3.6-35b-a3b", "qwen3-next-80b-a3b"])
 def test_stock_llamacpp_loads_it_and_gives_finite_logits(made, shape):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     z = in_child(_llama_logits, made[shape], [1, 5, 17, 200])
     assert z.shape[-1] == 4096 and np.isfinite(z).all() and z.std() > 0
+    if SHAPES[shape]["arch"].get("mtp_num_hidden_layers"):       # and its MTP block, as a draft model
+        assert in_child(_llama_mtp, made[shape]) == (4, 1, True)
 
 
 def test_making_a_model_many_times_the_bound_keeps_memory_flat(tmp_path):
-    """Peak RSS of the writer (a fresh process) grows by less than `bound` for a file many times `bound`."""
+    """Peak RSS of the writer (a fresh process) grows by less than `bound` for a file many times `bound` (the
+    Qwen3.6 shape: DeltaNet, gated attention, shared expert and the MTP block)."""
     bound = 64 << 20
     code = ("import resource, subprocess, sys\n"
             "make = ('import sys, engines.gguf_random as g; g.CHUNK = 4 << 20; '\n"
-            "        'g.make_gguf(\"qwen3-30b-a3b\", sys.argv[1], 2, %d)')\n"
+            "        'g.make_gguf(\"qwen3.6-35b-a3b\", sys.argv[1], 4, %d)')\n"
             "subprocess.run([sys.executable, '-c', make, sys.argv[1]], check=True)\n"
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
@@ -121,7 +170,7 @@ def test_making_a_model_many_times_the_bound_keeps_memory_flat(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         return int(r.stdout.split()[-1])
 
-    small, big = peak(8, tmp_path / "small.gguf"), peak(128, tmp_path / "big.gguf")
+    small, big = peak(8, tmp_path / "small.gguf"), peak(64, tmp_path / "big.gguf")
     assert (tmp_path / "big.gguf").stat().st_size > 8 * bound
     assert big - small < bound, f"peak RSS grew {(big - small) / 2**20:.0f} MiB"
 

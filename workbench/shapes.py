@@ -44,15 +44,18 @@ SHAPES = {
     "qwen3.6-35b-a3b": dict(
         hidden_size=2048, moe_intermediate_size=512, num_experts=256, num_experts_per_tok=8, num_hidden_layers=40,
         num_attention_heads=16, num_key_value_heads=2, head_dim=256, hybrid=True, shared_expert=512,
-        arch=dict(model_type="qwen3_5_moe", rope_theta=1e7, max_position_embeddings=262144, **_DELTANET),
+        arch=dict(model_type="qwen3_5_moe", rope_theta=1e7, max_position_embeddings=262144, mtp_num_hidden_layers=1,
+                  **_DELTANET),
         source=f"{_T5} Qwen/Qwen3.5-35B-A3B (Qwen3_5MoeTextConfig); transformers' qwen3_5_moe docs: Qwen3.6 "
-               "checkpoints share the architecture and model_type of Qwen3.5"),
+               "checkpoints share the architecture and model_type of Qwen3.5; one MTP layer "
+               "(mtp_num_hidden_layers in the published config.json)"),
     "qwen3-next-80b-a3b": dict(
         hidden_size=2048, moe_intermediate_size=512, num_experts=512, num_experts_per_tok=10, num_hidden_layers=48,
         num_attention_heads=16, num_key_value_heads=2, head_dim=256, hybrid=True, shared_expert=512,
         arch=dict(model_type="qwen3_next", rope_theta=1e7, max_position_embeddings=262144, intermediate_size=5632,
-                  **_DELTANET),
-        source=f"{_T5} Qwen/Qwen3-Next-80B-A3B-Instruct (Qwen3NextConfig)"),
+                  mtp_num_hidden_layers=1, **_DELTANET),
+        source=f"{_T5} Qwen/Qwen3-Next-80B-A3B-Instruct (Qwen3NextConfig); one MTP layer (mtp_num_hidden_layers in "
+               "the published config.json)"),
     "minicpm-v-4.7": dict(
         hidden_size=2048, moe_intermediate_size=512, num_experts=256, num_experts_per_tok=8, num_hidden_layers=40,
         num_attention_heads=16, num_key_value_heads=2, head_dim=256, hybrid=True, shared_expert=512,
@@ -78,7 +81,9 @@ def card(shape: str, layers: int, experts: int, gguf: str | None = None) -> dict
     if gguf:
         notes.append(f"the real architecture, llama.cpp's {ARCH[s['arch']['model_type']]}"
                      + (f": Gated DeltaNet layers, full attention every {s['arch']['full_attention_interval']}th, a "
-                        f"{s['shared_expert']}-wide gated shared expert; no MTP (nextn) layer" if s["hybrid"] else ""))
+                        f"{s['shared_expert']}-wide gated shared expert" if s["hybrid"] else "")
+                     + (f"; {mtp} multi-token-prediction (MTP, llama.cpp's nextn) block after the {layers} layers"
+                        if (mtp := s["arch"].get("mtp_num_hidden_layers")) else ""))
     else:
         if s["hybrid"]:
             notes.append("the real model's Gated DeltaNet / gated attention layers are not supported yet (issue 15): "

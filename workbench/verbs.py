@@ -61,10 +61,12 @@ def _info_gguf(args):
     for t in g.reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
     obj = {"path": str(g.path), "kind": "gguf", "architecture": g.arch, "spec": g.spec.to_dict(),
-           "tensors": len(g.raw), "tensor_types": types, "file_size": g.path.stat().st_size}
+           "tensors": len(g.raw), "tensor_types": types, "file_size": g.path.stat().st_size,
+           "mtp_layers": g.mtp_layers}
     s = obj["spec"]
-    emit(args, obj, f"{g.path}: GGUF {g.arch} ({s['family']}), {s['num_layers']} layers, {s['num_experts']} experts, "
-                    f"top-{s['top_k']}, d={s['hidden_size']}, types {types}")
+    mtp = f" (+{g.mtp_layers} MTP, not read)" if g.mtp_layers else ""
+    emit(args, obj, f"{g.path}: GGUF {g.arch} ({s['family']}), {s['num_layers']} layers{mtp}, {s['num_experts']} "
+                    f"experts, top-{s['top_k']}, d={s['hidden_size']}, types {types}")
 
 
 def _convert_flags(p):

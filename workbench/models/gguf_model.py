@@ -20,6 +20,11 @@ with ne [d, ff, E] is (E, ff, d) here, and one expert's rows are one contiguous 
 llama.cpp's converter permutes the Q/K rows of `llama` models (for its interleaved RoPE); they are
 un-permuted on read (whole rows move, so quantized rows can move too). qwen*/olmoe/dots1 use NEOX
 RoPE and are stored as in Hugging Face.
+
+Multi-token prediction (llama.cpp's nextn blocks, e.g. in Qwen3-Next and Qwen3.5/3.6-MoE files): the last
+`{arch}.nextn_predict_layers` of the `{arch}.block_count` blocks are MTP blocks (a decoder block plus
+blk.N.nextn.*). The model is the main layers; every tensor of those blocks is accepted, listed in `mtp_tensors`
+and never read (so it is in no index or pack and never in memory); `mtp_layers` and source_info say how many.
 """
 from __future__ import annotations
 
@@ -155,6 +160,8 @@ class GGUFModel:
         self.stacked: dict[tuple[int, str], str] = {}     # (layer, gate|up|down|gate_up) -> GGUF name
         self.split: dict[tuple[int, int, str], str] = {}  # (layer, expert, part) -> GGUF name (old Mixtral)
         self.kv_b_split: dict[int, dict[str, str]] = {}  # layer -> {k_b, v_b} -> GGUF name (deepseek2, absorbed)
+        first_mtp = self._mtp_blocks()
+        self.mtp_tensors: list[str] = []                  # the MTP blocks' tensors: accepted, never read
         unknown = []
         for name in self.raw:
             if name in _GLOBAL:
@@ -165,6 +172,9 @@ class GGUFModel:
                 unknown.append(name)
                 continue
             i, rest = int(m[1]), m[2]
+            if first_mtp is not None and i >= first_mtp:
+                self.mtp_tensors.append(name)
+                continue
             if rest in HYBRID_BLOCKS.get(self.arch, {}):
                 if HYBRID_BLOCKS[self.arch][rest]:
                     self.where[f"layers.{i}.{HYBRID_BLOCKS[self.arch][rest]}"] = name
@@ -190,6 +200,17 @@ class GGUFModel:
         self._derived_shapes: dict[str, list[int]] = {}     # built once for its shape, not on every plan pass
         self._check_complete()
 
+    def _mtp_blocks(self) -> int | None:
+        """The first MTP block (blocks from there to block_count are nextn blocks), or None when there are none."""
+        self.mtp_layers = int(self.meta("{arch}.nextn_predict_layers", 0) or 0)
+        if not self.mtp_layers:
+            return None
+        blocks = int(self.meta("{arch}.block_count", 0) or 0)
+        if not 0 < self.mtp_layers < blocks:
+            raise WorkbenchError(f"{self.path}: {self.arch}.nextn_predict_layers {self.mtp_layers} leaves no main "
+                                 f"layers of {self.arch}.block_count {blocks}")
+        return blocks - self.mtp_layers
+
     # ------------------------------------------------------------ metadata
 
     def meta(self, key: str, default=None):
@@ -210,7 +231,7 @@ class GGUFModel:
             if v is None:
                 raise WorkbenchError(f"{self.path}: GGUF metadata lacks {key.format(arch=a)}")
             return v[0] if isinstance(v, list) else v     # per-layer arrays: the workbench needs them uniform
-        n_layer = int(need("{arch}.block_count"))
+        n_layer = int(need("{arch}.block_count")) - self.mtp_layers      # the main layers
         if not 0 < n_layer <= len(self.raw) or n_expert > sum(int(t.n_elements) for t in self.raw.values()):
             raise WorkbenchError(f"{self.path}: {n_layer} blocks of {n_expert} experts do not fit its {len(self.raw)} tensors")
         d = int(need("{arch}.embedding_length"))
@@ -531,7 +552,8 @@ class GGUFModel:
         with open(self.path, "rb") as f:                  # the header region: metadata and tensor table
             h.update(f.read(min(st.st_size, int(self.reader.data_offset))))
         return {"path": str(self.path.resolve()), "format": "gguf", "architecture": self.arch,
-                "file_size": st.st_size, "header_sha256": h.hexdigest()}
+                "file_size": st.st_size, "header_sha256": h.hexdigest(),
+                **({"mtp_layers": self.mtp_layers} if self.mtp_layers else {})}
 
     def tokenizer_json(self) -> str | None:
         """A byte-level BPE tokenizer.json from tokenizer.ggml.* (gpt2 model only), or None."""
