@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from engines.llamacpp_engine import GGUF_TYPES, KQUANTS, quantize_gguf
@@ -54,11 +55,12 @@ def bench_llamacpp(args) -> dict:
     from workbench.runs import write_run
     path = resolve_gguf(args.model, args.gguf_type, progress=not args.json)
     mode = "warm" if args.warm else "cold"
-    res = bench_gguf(path, tokens=args.tokens, prompt=args.prompt, mode=mode, threads=args.llama_threads)
+    threads = args.threads or os.cpu_count() or 1
+    res = bench_gguf(path, tokens=args.tokens, prompt=args.prompt, mode=mode, threads=threads)
     res.update(model=args.model, gguf_type=args.gguf_type if not str(args.model).endswith(".gguf") else "as_is")
     if not args.no_record:
         cfg = {"model": args.model, "engine": "llamacpp", "gguf": str(path), "mode": mode,
-               "threads": args.llama_threads, "tokens": args.tokens, "prompt": args.prompt}
+               "threads": threads, "tokens": args.tokens, "prompt": args.prompt}
         res["run"] = str(write_run(f"llamacpp-{mode}", cfg, res, [], []))
     return res
 
@@ -67,4 +69,3 @@ def bench_flags(p):
     """`bench`'s flags for --engine llamacpp."""
     p.add_argument("--gguf-type", default="f16", choices=list(GGUF_TYPES),
                    help="--engine llamacpp: the GGUF type when exporting a workbench model")
-    p.add_argument("--llama-threads", type=int, default=1, help="--engine llamacpp: llama.cpp threads")

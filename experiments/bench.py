@@ -45,6 +45,7 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
     res = {k: s[k] for k in SUMMARY_KEYS}
     res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
                reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], read_retries=s["read_retries"],
+               threads=s["threads"],
                achieved_over_floor=s["tok_s"] / fl["floor_tok_s"], expert_mem_bytes=s["expert_mem_bytes"],
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
                device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
@@ -68,9 +69,9 @@ def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: 
 
 def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
           engine: str | None = None, direct: bool = True, record: bool = True, device: str | None = None,
-          routing_trace: str | None = None, warm: bool = False) -> dict:
+          routing_trace: str | None = None, warm: bool = False, threads: int | None = None) -> dict:
     with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct,
-                      device=device, routing_trace=routing_trace) as s:
+                      device=device, routing_trace=routing_trace, threads=threads) as s:
         record_run = lambda summary, failed=False: write_run(
             s.preset.name, {**s.config(), "tokens": tokens, "prompt": prompt}, summary, s.tel.per_layer("decode"),
             s.tel.event_rows(), s.tel.token_rows(), failed=failed)

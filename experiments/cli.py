@@ -36,7 +36,7 @@ def cmd_bench(args):
     from experiments.bench import bench
     res = bench(args.model, args.preset, budget=args.budget, tokens=args.tokens, prompt=args.prompt,
                 engine=args.engine, direct=not args.page_cache, record=not args.no_record, device=args.device,
-                routing_trace=args.routing_trace, warm=args.warm)
+                routing_trace=args.routing_trace, warm=args.warm, threads=args.threads)
     emit(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "per_layer"))
 
 

@@ -51,6 +51,7 @@ def running(p):
     p.add_argument("--budget", default=None, help="0.25 (fraction of all experts), 96MiB, or all")
     p.add_argument("--engine", default=None)   # None: packed, or numpy for packs it cannot compute (engines.default_engine)
     p.add_argument("--page-cache", action="store_true", help="buffered reads (labelled page-cache) instead of O_DIRECT")
+    p.add_argument("--threads", type=int, default=None, help="the cores the kernels share (default: every core)")
     return p
 
 
