@@ -76,6 +76,8 @@ class Session:
             check_fits(memory_needs(s, {n: t["shape"] for n, t in self.pack.tensors.items()}, budget, self.item_bytes,
                                     resident),
                        f"{self.pack_path} at --budget {self.budget_text}")
+        # the usage profile runs a session of its own: before this one holds its cache and weights
+        profile = self.usage() if not drive and (p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED) else None
         self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache.policy.value,
                                  scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
         self.reader = open_reader(self.pack.data_path, device, direct=direct, # device: emulated flash
@@ -99,7 +101,7 @@ class Session:
             usage = self.drive.usage
             predictor, router_hook, hook_deltas = self.drive.predictor(), self.drive.route, {}
         else:
-            usage = self.usage() if p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED else None
+            usage = profile
             predictor = make_predictor(p.prefetch, s, w, usage=usage, trace=trace, pack=self.pack)
             router_hook, hook_deltas = self._routing(predictor, w)
         self.warm_usage = usage if p.cache.warm else None
