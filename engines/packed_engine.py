@@ -37,7 +37,7 @@ from engines import ggml_kernels as G
 from engines import packed_kernels as K
 from engines.base import Hooks, dense_weights
 from engines.decoder import Decoder
-from workbench.arena import slot_bytes
+from workbench.arena import planned_slot_bytes, slot_bytes
 from workbench.errors import WorkbenchError
 from workbench.store import quant
 from workbench.store.pack import PARTS, Pack
@@ -144,8 +144,11 @@ class PackedEngine(Decoder):
     slot_arena = True       # the session gives the cache a slot arena; the streamer reads into it
 
     @classmethod
-    def expert_bytes(cls, pack) -> int:
-        return slot_bytes(pack)
+    def expert_bytes(cls, pack, storage=None) -> int:
+        """An expert's slot: the pack's 4 KiB-aligned bytes for it (of a spec: those of the pack at `storage`)."""
+        if isinstance(pack, Pack):
+            return slot_bytes(pack)
+        return planned_slot_bytes(pack, storage.layout.value, storage.experts)
 
     @classmethod
     def needed_weights(cls, pack) -> dict:
