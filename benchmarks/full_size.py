@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from engines.llamacpp_engine import bench_gguf  # noqa: E402
 from experiments.simulate import belady_of  # noqa: E402
 from workbench.atomic import atomic_write  # noqa: E402
+from workbench.commands import flags  # noqa: E402
 
 PROMPT = "Once upon a time"
 
@@ -64,10 +65,10 @@ def bound(od: dict) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a GGUF")
+    flags("model", model={"default": None, "required": True, "help": "a GGUF"})(ap)
     ap.add_argument("--budgets", default="2GiB,4GiB,8GiB")
     ap.add_argument("--designs", default="on_demand,les,smol")
-    ap.add_argument("--tokens", type=int, default=16)
+    flags("tokens", tokens=16)(ap)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads")
     ap.add_argument("--llama", default="cold", choices=["cold", "warm"],
