@@ -55,7 +55,7 @@ def bound(od: dict) -> dict:
     """Belady's MIN over on_demand's decode routing with its slots, as tok/s."""
     seq = decode_accesses(od["run"])
     expert = od["bytes_read"] / max(1, od["misses"])              # bytes one demand read brings in
-    slots = od["budget_bytes"] // od["expert_mem_bytes"]
+    slots = od["cache_slots"]
     b = belady_of(seq, int(slots), initial=None)
     steps = max(1, od["decode_steps"])
     read_s = b["belady_misses"] / steps * expert / od["disk_bw_at_read_size"]

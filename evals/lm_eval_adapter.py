@@ -8,7 +8,7 @@ discovers models only through imports (it has no entry-point group for them).
 Scoring follows lm-eval's HFLM: a (context, continuation) pair is encoded as encode(context) and
 encode(context + continuation)[len(encode(context)):] (trailing spaces of the context move to the
 continuation), an empty context is replaced by the EOS token, and inputs longer than max_length
-keep their last max_length tokens. Requests sharing a context reuse its KV cache (numpy engine).
+keep their last max_length tokens. Requests sharing a context reuse its KV cache (Engine.truncate).
 """
 from __future__ import annotations
 

@@ -44,6 +44,7 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
     res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
                reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], read_retries=s["read_retries"],
                achieved_over_floor=s["tok_s"] / fl["floor_tok_s"], expert_mem_bytes=s["expert_mem_bytes"],
+               cache_slots=session.cache.slots,
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
                device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
                routing_trace=s["routing_trace"], start="warm" if warm else "cold", page_cache_dropped=page_cache)
