@@ -9,8 +9,9 @@ topk (the experts chosen, best first), logits (the router's logits over all expe
 (the residual stream entering the MoE block: llama.cpp's `ffn_inp-N`, the numpy engine's `h`).
 The file's schema metadata (`workbench.trace`) holds the engine, the model, the spec and the data.
 
-Replay: every token is a decode step through the MoE layers in order, as in the engine: a layer's
-routed experts are hits if already in the cache (else read: a miss); the design's predictor then names
+Replay: the cache holds the slots the budget buys in --engine's cache (the default engine's, as bench's Session:
+engines.expert_bytes, Budget.slots). Every token is a decode step through the MoE layers in order, as in the
+engine: a layer's routed experts are hits if already in the cache (else read: a miss); the design's predictor then names
 experts of a later layer, which are prefetched without evicting the current layer's. Prefetches are
 assumed to land in time (no timing is simulated), so hit rates are upper bounds for a design's
 scheduling; recall/precision are exact. Designs (predictors from workbench.predict, same code as the
