@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from engines.llamacpp_engine import bench_gguf  # noqa: E402
 from experiments.simulate import belady_of  # noqa: E402
 from workbench.atomic import atomic_write  # noqa: E402
+from workbench.commands import flags  # noqa: E402
 
 PROMPT = "Once upon a time"
 
@@ -54,7 +55,7 @@ def bound(od: dict) -> dict:
     """Belady's MIN over on_demand's decode routing with its slots, as tok/s."""
     seq = decode_accesses(od["run"])
     expert = od["bytes_read"] / max(1, od["misses"])              # bytes one demand read brings in
-    slots = od["budget_bytes"] // od["expert_mem_bytes"]
+    slots = od["cache_slots"]
     b = belady_of(seq, int(slots), initial=None)
     steps = max(1, od["decode_steps"])
     read_s = b["belady_misses"] / steps * expert / od["disk_bw_at_read_size"]
@@ -64,10 +65,10 @@ def bound(od: dict) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a GGUF")
+    flags("model", model={"default": None, "required": True, "help": "a GGUF"})(ap)
     ap.add_argument("--budgets", default="2GiB,4GiB,8GiB")
     ap.add_argument("--designs", default="on_demand,les,smol")
-    ap.add_argument("--tokens", type=int, default=16)
+    flags("tokens", tokens=16)(ap)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads")
     ap.add_argument("--llama", default="cold", choices=["cold", "warm"],

@@ -12,14 +12,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench.atomic import atomic_write  # noqa: E402
+from workbench.commands import flags  # noqa: E402
 from experiments.ladder import run_ladder, table  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="demo")
-    ap.add_argument("--budget", default="0.25")
-    ap.add_argument("--tokens", type=int, default=48)
+    flags("model", "budget", "tokens", budget="0.25", tokens=48)(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default="les,smol,cache")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.peer import run_peer  # noqa: E402
 from workbench.atomic import atomic_write  # noqa: E402
+from workbench.commands import flags  # noqa: E402
 
 TARGET = 0.3
 
@@ -58,9 +59,7 @@ def interleaved_steps(model: str, tokens: int, rounds: int) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="demo")
-    ap.add_argument("--budget", default="0.25")
-    ap.add_argument("--tokens", type=int, default=64)
+    flags("model", "budget", "tokens", budget="0.25")(ap)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     a = ap.parse_args(argv)

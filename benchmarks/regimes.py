@@ -30,12 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.base import Engine  # noqa: E402
+from engines import expert_bytes as engine_expert_bytes  # noqa: E402
 from experiments.bench import bench  # noqa: E402
 from experiments.ladder import expert_bytes, les_rungs, smol_rungs  # noqa: E402
 from experiments.simulate import compute_from_run, measure_compute, run as simulate  # noqa: E402
 from experiments.traces import read_trace  # noqa: E402
 from workbench.atomic import atomic_write  # noqa: E402
+from workbench.commands import flags  # noqa: E402
 from workbench.presets import get_preset  # noqa: E402
 from workbench.spec import MoESpec  # noqa: E402
 
@@ -264,11 +265,11 @@ def smol_misses(tokens):
     """The pager's pool of 56 experts of 512 at top-10 is 10.9% of a layer's experts and 5.6 times its top-k; on the
     demo's 32 experts at top-4 those are 4 (the least a layer can hold) and 22 experts: both are simulated."""
     spec = MoESpec.from_dict(read_trace(TRACE)["meta"]["spec"])
-    item = Engine.expert_bytes(spec)      # an expert in the cache (the budget's unit)
     cp = measure_compute("demo", spec, "q2")
     rows = []
     for pool, why in ((4, "the paper's fraction of experts (10.9%), at least top-k"), (22, "the paper's 5.6 x top-k")):
         for rung in smol_rungs()[:2]:
+            item = engine_expert_bytes(cp.engine, spec, rung.storage)       # an expert in the cache (the budget's unit)
             s = simulate(TRACE, rung, str(pool * len(spec.moe_layers) * item), "ufs22-phone", tokens=tokens, compute=cp,
                          record=False)
             rows.append({"rung": rung.name, "miss_rate": 1 - s["hit_rate"], "belady_miss_rate": 1 - s["belady_hit_rate"],
@@ -356,8 +357,8 @@ def ufs35b_gguf(rounds, tokens, model_dir, log=print):
     experts then hold more of them, as the papers compare), and with an LFU cache there (not LES's design). Beside
     each les arm, Belady's bound: the fewest experts any replacement (with prefetching or not) reads at its slots,
     read at the profile's peak bandwidth, or its measured compute, whichever is longer."""
-    from engines import default_engine, engine_class
     from engines.llamacpp_engine import resolve_gguf
+    from workbench.presets import Budget
     from experiments.routing_trace import TraceDrive
     from experiments.simulate import belady
     from workbench import devices
@@ -382,13 +383,13 @@ def ufs35b_gguf(rounds, tokens, model_dir, log=print):
     for t, path in packs.items():
         p = Pack(path)
         reads = [n for L in p.spec.moe_layers for e in range(p.spec.num_experts) for _, n in p.expert_reads(L, e)]
-        facts[t] = (p, engine_class(default_engine(p)).expert_bytes(p), sum(reads) / len(reads),
+        facts[t] = (p, engine_expert_bytes(None, p), sum(reads) / len(reads),
                     ", ".join(sorted({k.removeprefix("gguf:") for L in p.spec.moe_layers for k in p.kinds_of(L).values()})))
     rows = []
     for (i, b), ms in runs.items():
         d, preset, t, how = GGUF_ARMS[i]
         p, item, mean_bytes, blocks = facts[t]
-        slots = ms[0]["budget_bytes"] // item
+        slots = Budget(str(ms[0]["budget_bytes"])).slots(item, p.num_expert_total)
         row = {"design": d, "blocks": blocks, "budget": b, "memory": how, "pack": packs[t],
                "budget_bytes": ms[0]["budget_bytes"], "slots": int(slots), "mean_expert_bytes": mean_bytes,
                "measured_tok_s": med([m["tok_s"] for m in ms]), "bucket_median": bucket_median([buckets(m) for m in ms])}
@@ -547,7 +548,7 @@ def markdown(res: dict, cmd: str) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=32)
+    flags("tokens", tokens=32)(ap)
     ap.add_argument("--only", default="calibrate,les,smol,ufs35b,ufs35b_gguf")
     ap.add_argument("--model35b", default=None, help="a make-model checkpoint (qwen3.6-35b-a3b, --layers layers, 64 experts)")
     ap.add_argument("--layers", type=int, default=4, help="MoE layers of the 35B-A3B-shape checkpoint (the trace has 8; "

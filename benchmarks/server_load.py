@@ -23,6 +23,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from workbench.commands import flags  # noqa: E402
+
 PROMPTS = ["Once upon a time", "The little dog", "She looked at the sky and", "Tom had a red ball.",
            "In the morning, the sun", "The cat said"]
 
@@ -157,9 +161,7 @@ def post_get(port: int, path: str) -> bytes:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="demo")
-    ap.add_argument("--preset", default="les")
-    ap.add_argument("--budget", default="0.25")
+    flags("model", "preset", "budget", preset="les", budget="0.25")(ap)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=8)

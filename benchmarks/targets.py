@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench.atomic import atomic_write  # noqa: E402
+from workbench.commands import flags  # noqa: E402
 from workbench.registry import cache_dir  # noqa: E402
 from experiments.ladder import run_ladder, table  # noqa: E402
 from experiments.rss import growth  # noqa: E402
@@ -140,9 +141,7 @@ def memory_md(m) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="demo")
-    ap.add_argument("--budget", default="0.25")
-    ap.add_argument("--tokens", type=int, default=64)
+    flags("model", "budget", "tokens", budget="0.25")(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline-rev", help="a git revision whose les is benchmarked alternately (e.g. 1a3cb38)")
     ap.add_argument("--out", type=Path, default=ROOT / "results")

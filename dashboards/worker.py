@@ -45,11 +45,12 @@ def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens:
             os.setpriority(os.PRIO_PROCESS, int(task), WORKER_NICE)
     s = None
     try:
-        from experiments.bench import open_session
+        from experiments.routing_trace import drive
         from workbench.errors import WorkbenchError
         from workbench.runs import write_run
+        from workbench.session import open_session
         conn.send(("status", "starting"))
-        s = open_session(model, design, budget=budget, prompt=prompt, tokens=tokens, routing_trace=routing_trace,
+        s = open_session(model, design, budget, prompt=prompt, tokens=tokens, drive=drive(routing_trace),
                          device=device)
         conn.send(("status", "running"))
         last = [0.0]

@@ -1,4 +1,5 @@
-"""Engines by name behind one interface (engines/base.py): `engine_class(name)`, `load_engine(name, ...)`.
+"""Engines by name behind one interface (engines/base.py): `engine_class(name)`, and what one expert costs in an
+engine's cache (`expert_bytes`).
 
 packed is the default (experts computed from their packed bytes, results/targets.md); numpy is the reference
 engine, the correctness oracle. Backends that need another compute framework are imported only when asked
@@ -30,14 +31,19 @@ def engine_class(name: str):
                              f"(mlx on macOS, mlx[cpu] on Linux)") from None
 
 
-def default_engine(pack) -> str:
-    """The packed engine, or the numpy engine for a pack whose experts it cannot compute (a GGUF's own blocks)."""
-    return DEFAULT if engine_class(DEFAULT).computes(pack) else "numpy"
+def default_engine(pack=None) -> str:
+    """The packed engine, or the numpy engine for a pack whose experts it cannot compute (a GGUF's own blocks).
+    No pack (a model not converted yet, a trace's spec): the packed engine, which computes every precision the
+    workbench writes."""
+    return DEFAULT if pack is None or engine_class(DEFAULT).computes(pack) else "numpy"
 
 
-def load_engine(name: str, pack, streamer, telemetry, hooks=None, **kw):
-    from engines.base import Hooks
-    return engine_class(name)(pack, streamer, telemetry, hooks or Hooks(), **kw)
+def expert_bytes(engine: str | None, model, storage=None) -> int:
+    """What one expert costs in `engine`'s expert cache, the budget's unit (Budget.slots turns a budget into slots
+    of it): of `model`, a Pack, or a MoESpec with the presets.Storage its pack would be written at (the simulator,
+    the trace replay, `info` on a checkpoint). engine None: the default engine (default_engine)."""
+    engine = engine or default_engine(model if storage is None else None)
+    return int(engine_class(engine).expert_bytes(model, storage))
 
 
 def available() -> list[str]:

@@ -114,9 +114,9 @@ class Engine(ABC):
         return None
 
     @classmethod
-    def expert_bytes(cls, pack) -> int:
-        """What one expert of `pack` (or of a spec) costs in the expert cache (the budget's unit): gate, up and
-        down in f32."""
+    def expert_bytes(cls, pack, storage=None) -> int:
+        """What one expert costs in this engine's expert cache (the budget's unit; engines.expert_bytes): of `pack`,
+        or of a spec whose pack would be written at `storage` (a presets.Storage). Here: gate, up and down in f32."""
         spec = getattr(pack, "spec", pack)
         return 4 * 3 * spec.hidden_size * spec.moe_intermediate_size
 

@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 
 from engines.llamacpp_engine import GGUF_TYPES, KQUANTS, quantize_gguf
-from workbench.commands import command, emit
+from workbench.commands import command, emit, flags
 
 
 def _export_flags(p):
-    p.add_argument("--model", default="demo")
+    flags("model")(p)
     p.add_argument("out", help="the .gguf file to write")
     p.add_argument("--type", default="f16", choices=list(GGUF_TYPES),
                    help="f16 | q8_0 (gguf package); k-quants through llama.cpp's own quantizer")

@@ -7,7 +7,7 @@ measure it from outside, and read its routing during real forwards.
                                            (in a fresh child process, page cache dropped for "cold")
     capture_trace(path, ids)               per-token, per-layer routing + router inputs -> rows for Parquet
     resolve_gguf(model, qtype)             a GGUF for `demo`, a model directory, a pack, or a .gguf path
-    LlamaCppEngine                         the `llamacpp` name in engines.load_engine (Session's engine API)
+    LlamaCppEngine                         the `llamacpp` engine behind engines.engine_class (the engine interface)
 
 llama_cpp is imported lazily: the rest of the workbench runs without it.
 
@@ -435,7 +435,7 @@ def capture_trace(path, ids: list[int], n_batch: int = 256, threads: int = 1) ->
             "moe_layers": layers, "final_logits": final}
 
 
-# ---------------------------------------------------------------- the engines.load_engine facade
+# ---------------------------------------------------------------- the engine interface (engines.engine_class)
 
 def source_gguf(pack) -> Path | None:
     """The GGUF whose blocks a raw pack keeps, if it is still there unchanged: llama.cpp runs that file itself."""

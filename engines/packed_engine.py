@@ -16,10 +16,9 @@ same bytes.
 Non-expert matrices stay as the pack stores them too (`rest` q4/q8: attention, the head, shared experts, dense
 layers; Encoded), so they cost their packed bytes in memory, not 7x that in f32, and a decoded token's projections
 run in the same kernels (K.dense), up to 16 rows (a speculative batch); a longer prompt multiplies a dequantized
-copy in BLAS instead (at 64 rows the kernel's 64 passes over the bytes cost about as much as dequantizing once).
-results/kernels.md: the demo's whole resident decode step takes 0.57x the time it takes with f32 copies, and a
-4096 x 2048 q4 matrix a third of f32 BLAS's; alone, one small matrix whose f32 copy stays hot in cache is faster
-in BLAS, which a decode step, reading each matrix once, never sees.
+copy in BLAS instead (the kernel passes over the bytes once per row: for many rows, dequantizing once costs less).
+A decode step reads each matrix once, so reading fewer bytes wins; alone, one small matrix whose f32 copy stays hot
+in cache is faster in BLAS, which a decode step never sees (results/kernels.md has the measurements).
 Embeddings (a lookup), the router, norms, biases and tensors the loader splits stay f32.
 
 Numerics: the kernels compute scale * (codes . x) + bias * sum(x) per group of 64 in float32, where the
@@ -38,7 +37,7 @@ from engines import ggml_kernels as G
 from engines import packed_kernels as K
 from engines.base import Hooks, dense_weights
 from engines.decoder import Decoder
-from workbench.arena import slot_bytes
+from workbench.arena import planned_slot_bytes, slot_bytes
 from workbench.errors import WorkbenchError
 from workbench.store import quant
 from workbench.store.pack import PARTS, Pack
@@ -153,8 +152,11 @@ class PackedEngine(Decoder):
     slot_arena = True       # the session gives the cache a slot arena; the streamer reads into it
 
     @classmethod
-    def expert_bytes(cls, pack) -> int:
-        return slot_bytes(pack)
+    def expert_bytes(cls, pack, storage=None) -> int:
+        """An expert's slot: the pack's 4 KiB-aligned bytes for it (of a spec: those of the pack at `storage`)."""
+        if isinstance(pack, Pack):
+            return slot_bytes(pack)
+        return planned_slot_bytes(pack, storage.layout.value, storage.experts)
 
     @classmethod
     def needed_weights(cls, pack) -> dict:
@@ -211,7 +213,7 @@ class PackedEngine(Decoder):
         return y
 
     def rms_norm(self, x, w):
-        """A decoded token's norms in one kernel call (seventeen a demo token; numpy's five operations cost ~8 us)."""
+        """A decoded token's norm in one kernel call instead of numpy's five operations (a token has many norms)."""
         if x.ndim != 2 or x.shape[0] > KERNEL_ROWS or w.dtype != np.float32:
             return super().rms_norm(x, w)
         y = np.empty(x.shape, np.float32)

@@ -109,7 +109,7 @@ def _affine_kernel(bits: int):
                 dot = np.float32(0.0)
                 # A byte is split in float32, exactly (integers below 2^8; the floor of a product by a power of two).
                 # Integer shifts and masks are widened to 64-bit lanes by numba's integer typing, 8 a vector instead
-                # of 16: q4 1.2-1.5x, q2 1.4-1.6x, q3 1.1x slower so (one thread, per matrix).
+                # of float32's 16: slower (benchmarks/kernels.py times the kernels).
                 if bits == 4:
                     for k in range(32):
                         f = np.float32(c[k])

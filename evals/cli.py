@@ -3,7 +3,7 @@
 """
 from __future__ import annotations
 
-from workbench.commands import command, emit, flash, group, running
+from workbench.commands import command, emit, flags, flash, group, running
 
 group("eval", "quality: perplexity, teacher comparison, lm-eval, comparisons, report")
 
@@ -82,7 +82,7 @@ def cmd_lm(args):
 
 
 def _compare_flags(p):
-    p.add_argument("--model", default=None, help="only this model")
+    flags("model", model={"default": None, "help": "only this model"})(p)
 
 
 @command("eval compare", "eval run records side by side against the teacher", _compare_flags)
@@ -94,10 +94,8 @@ def cmd_compare(args):
 
 def _report_flags(p):
     from evals.common import PRESET_ORDER
-    p.add_argument("--model", default="demo")
-    p.add_argument("--budget", default=None, help="for every preset but the teacher (default: each preset's own)")
-    p.add_argument("--engine", default="numpy")
-    p.add_argument("--page-cache", action="store_true", help="buffered reads instead of O_DIRECT")
+    flags("model", "budget", "engine", "page_cache",
+          budget={"help": "for every preset but the teacher (default: each preset's own)"})(p)
     p.add_argument("--out", default="results/quality.md")
     p.add_argument("--presets", default=",".join(PRESET_ORDER))
     p.add_argument("--data", default="tinystories", help="held-out text for ppl/KL (tinystories, wikitext2, a file)")

@@ -1,8 +1,7 @@
-"""Shared pieces of the evaluation layer: sessions, log-probabilities, routing capture, run records."""
+"""Shared pieces of the evaluation layer: log-probabilities, routing capture, run records (a session: workbench.session.open_session)."""
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -12,13 +11,6 @@ from workbench.errors import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET_ORDER = ("teacher", "resident", "on_demand", "les", "smol", "smol_bias", "edge0")
-
-
-def open_session(model: str, preset: str, budget=None, engine: str = "numpy", direct: bool = True,
-                 device: str | None = None):
-    """device: a device profile whose flash the reads emulate (workbench.devices); the results say so."""
-    from workbench.session import Session
-    return Session(model, preset, budget=budget, engine=engine, direct=direct, device=device)
 
 
 def emulated(res: dict) -> str:
@@ -106,12 +98,3 @@ def text_ids(tokenizer, data: str, need: int | None = None) -> list[int]:
                 return ids
             cut *= 2
     return tokenizer.encode(text).ids
-
-
-class Timer:
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *a):
-        self.s = time.perf_counter() - self.t0

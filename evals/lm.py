@@ -116,13 +116,14 @@ def items(samples: list[dict]) -> dict:
 
 
 def run(model: str, preset: str, budget=None, tasks="lambada_openai,arc_easy,piqa", limit=None, num_fewshot=None,
-        record: bool = True, engine: str = "numpy", direct: bool = True, progress: bool = True,
+        record: bool = True, engine: str | None = None, direct: bool = True, progress: bool = True,
         max_length: int | None = None, per_item: bool = False, device: str | None = None) -> dict:
     """per_item: the record keeps each task's per-item scores (evaluate's "items"), for paired comparisons."""
-    from evals.common import open_session, record as write_record
+    from evals.common import record as write_record
+    from workbench.session import open_session
     require_lm_eval()
     from evals.lm_eval_adapter import WorkbenchLM
-    with open_session(model, preset, budget, engine, direct, device) as s:
+    with open_session(model, preset, budget, prompt=None, engine=engine, direct=direct, device=device) as s:
         lm = WorkbenchLM(session=s, model=model, max_length=max_length, progress=progress)
         results = evaluate(lm, tasks, limit, num_fewshot, per_item=per_item)
         out = {"model": model, "preset": s.preset.name, "budget": s.budget_text, "tasks": local_task_names(tasks),

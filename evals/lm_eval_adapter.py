@@ -8,7 +8,7 @@ discovers models only through imports (it has no entry-point group for them).
 Scoring follows lm-eval's HFLM: a (context, continuation) pair is encoded as encode(context) and
 encode(context + continuation)[len(encode(context)):] (trailing spaces of the context move to the
 continuation), an empty context is replaced by the EOS token, and inputs longer than max_length
-keep their last max_length tokens. Requests sharing a context reuse its KV cache (numpy engine).
+keep their last max_length tokens. Requests sharing a context reuse its KV cache (Engine.truncate).
 """
 from __future__ import annotations
 
@@ -21,18 +21,20 @@ from evals.common import log_softmax, trim_telemetry
 
 
 def _float_or_none(v):
+    """A model_args value, None where it says none."""
     return None if v in (None, "", "None", "none") else v
 
 
 @register_model("workbench")
 class WorkbenchLM(LM):
-    def __init__(self, model: str = "demo", preset: str = "on_demand", budget=None, engine: str = "numpy",
+    def __init__(self, model: str = "demo", preset: str = "on_demand", budget=None, engine: str | None = None,
                  max_length=None, max_gen_toks=256, direct=True, session=None, progress=True, **kwargs):
         super().__init__()
-        from evals.common import open_session
+        from workbench.session import open_session
         if session is None:
             direct = str(direct).lower() not in ("0", "false", "no")
-            session = open_session(str(model), str(preset), _float_or_none(budget), str(engine), direct)
+            session = open_session(str(model), str(preset), _float_or_none(budget), prompt=None,
+                                   engine=_float_or_none(engine), direct=direct)
             self._owns = True
         else:
             self._owns = False

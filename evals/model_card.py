@@ -17,6 +17,7 @@ from evals.ppl import perplexity
 from workbench.atomic import atomic_write
 from workbench.registry import model_dir
 from workbench.capture import RoutingCapture
+from workbench.commands import flags
 from workbench.predict import Lookahead
 from workbench.routing import topk_desc
 from workbench.session import Session
@@ -152,7 +153,7 @@ applied to layer L's residual stream finds in its top-k / top-2k (what LES and s
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="demo")
+    flags("model")(ap)
     ap.add_argument("--chunks", type=int, default=8)
     a = ap.parse_args(argv)
     d = model_dir(a.model)

@@ -92,9 +92,10 @@ def perplexity(session, ids: list[int], n_ctx: int = 512, chunks: int | None = N
 
 def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: int = 512, chunks: int | None = None,
         stride: int | None = None, bos: bool = False, progress: bool = True, record: bool = True,
-        engine: str = "numpy", direct: bool = True, device: str | None = None) -> dict:
-    from evals.common import open_session, record as write_record
-    with open_session(model, preset, budget, engine, direct, device) as s:
+        engine: str | None = None, direct: bool = True, device: str | None = None) -> dict:
+    from evals.common import record as write_record
+    from workbench.session import open_session
+    with open_session(model, preset, budget, prompt=None, engine=engine, direct=direct, device=device) as s:
         need = tokens_needed(n_ctx, chunks, stride)
         ids = text_ids(s.tokenizer, data, need)
         if need:

@@ -21,7 +21,7 @@ DEFAULT_TASKS = ("tinystories_ending", "tinystories_cloze")
 
 def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "tinystories", n_ctx: int = 512,
           chunks: int = 8, tasks=DEFAULT_TASKS, limit: int | None = None, record: bool = True, progress: bool = True,
-          engine: str = "numpy", direct: bool = True, log=print) -> dict:
+          engine: str | None = None, direct: bool = True, log=print) -> dict:
     """Every preset's `eval teacher` and `eval lm` as the cells of one sweep (experiments.sweep, a local Ray), then
     the rows from their run records. Each teacher cell computes the teacher's side on the same tokens; each lm cell
     keeps its per-item scores, by which every preset is paired with the teacher item by item."""
@@ -31,12 +31,14 @@ def build(model: str = "demo", presets=PRESET_ORDER, budget=None, data: str = "t
     from evals.lm import local_task_names, primaries, require_lm_eval
     from evals.paired import paired
     from evals.sweep import RUNNERS
+    from engines import DEFAULT
     from experiments.grid import Cell, Grid
     from experiments.sweep import run_grid
     from workbench.errors import WorkbenchError
     from workbench.presets import budget_for, get_preset
     from workbench.runs import environment, runs_dir
     require_lm_eval()
+    engine = engine or DEFAULT           # a cell names its engine (its id and table row)
     t0 = time.time()
     tasks = local_task_names(tasks)
     cells = []

@@ -627,9 +627,9 @@ def make_server(session, host: str = "127.0.0.1", port: int = 8000, model_id: st
 
 
 def serve(model: str, preset: str, budget=None, host: str = "127.0.0.1", port: int = 8000, model_id: str | None = None,
-          engine: str = "numpy", direct: bool = True, quiet: bool = False):
-    from evals.common import open_session
-    s = open_session(model, preset, budget, engine, direct)
+          engine: str | None = None, direct: bool = True, quiet: bool = False):
+    from workbench.session import open_session
+    s = open_session(model, preset, budget, prompt=None, engine=engine, direct=direct)
     try:
         srv = make_server(s, host, port, model_id, quiet)
     except OSError as e:

@@ -91,16 +91,17 @@ def compare(student, trace: TeacherTrace, progress: bool = True) -> dict:
 
 
 def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: int = 512, chunks: int | None = 4,
-        stride: int | None = None, progress: bool = True, record: bool = True, engine: str = "numpy",
+        stride: int | None = None, progress: bool = True, record: bool = True, engine: str | None = None,
         direct: bool = True, trace: TeacherTrace | None = None, device: str | None = None) -> dict:
     """device: the preset's reads emulate that device's flash (the teacher, the reference, reads this machine's)."""
-    from evals.common import open_session, record as write_record
-    with open_session(model, preset, budget, engine, direct, device) as s:
+    from evals.common import record as write_record
+    from workbench.session import open_session
+    with open_session(model, preset, budget, prompt=None, engine=engine, direct=direct, device=device) as s:
         if trace is None:
             need = tokens_needed(n_ctx, chunks, stride)
             ids = text_ids(s.tokenizer, data, need)
             ids = ids[:need] if need else ids
-            with open_session(model, "teacher", None, engine, direct) as t:
+            with open_session(model, "teacher", prompt=None, engine=engine, direct=direct) as t:
                 trace = TeacherTrace(t, ids, n_ctx, chunks, stride, progress, data)
         res = compare(s, trace, progress)
         res.update(model=model, preset=s.preset.name, budget=s.budget_text, data=trace.data, teacher_pack=trace.pack_id,

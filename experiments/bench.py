@@ -1,13 +1,11 @@
 """`bench`: one preset at one budget, warm-up first, then a cold measured run, the floor, and a run record."""
 from __future__ import annotations
 
-from functools import partial
-
-from experiments.routing_trace import TraceDrive
+from experiments.routing_trace import drive
 from workbench.floor import floor_tok_s, probe
-from workbench.presets import Predictor, get_preset
+from workbench.presets import Predictor
 from workbench.runs import write_run
-from workbench.session import Session, oracle_trace
+from workbench.session import Session, open_session
 from workbench.errors import WorkbenchError
 
 SUMMARY_KEYS = ("tok_s", "prefill_tok_s", "hit_rate", "late_rate", "miss_rate", "hits", "late", "misses", "bytes_read",
@@ -47,6 +45,7 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
                reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], read_retries=s["read_retries"],
                threads=s["threads"],
                achieved_over_floor=s["tok_s"] / fl["floor_tok_s"], expert_mem_bytes=s["expert_mem_bytes"],
+               cache_slots=session.cache.slots,
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
                device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
                routing_trace=s["routing_trace"], start="warm" if warm else "cold", page_cache_dropped=page_cache)
@@ -56,22 +55,11 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
     return res
 
 
-def open_session(model, preset, budget=None, prompt="Once upon a time", tokens: int = 64,
-                 routing_trace: str | None = None, **kw) -> Session:
-    """A Session; the oracle's trace is captured first from the same tokens, unless a routing trace (a file,
-    experiments/routing_trace.py) drives the routing and predictions."""
-    p = get_preset(preset) if isinstance(preset, str) else preset
-    if routing_trace:
-        kw["drive"] = partial(TraceDrive, routing_trace)
-    trace = None if routing_trace else oracle_trace(model, p, prompt, tokens)
-    return Session(model, p, budget=budget, trace=trace, **kw)
-
-
 def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
           engine: str | None = None, direct: bool = True, record: bool = True, device: str | None = None,
           routing_trace: str | None = None, warm: bool = False, threads: int | None = None) -> dict:
-    with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct,
-                      device=device, routing_trace=routing_trace, threads=threads) as s:
+    with open_session(model, preset, budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct,
+                      device=device, drive=drive(routing_trace), threads=threads) as s:
         record_run = lambda summary, failed=False: write_run(
             s.preset.name, {**s.config(), "tokens": tokens, "prompt": prompt}, summary, s.tel.per_layer("decode"),
             s.tel.event_rows(), s.tel.token_rows(), failed=failed)

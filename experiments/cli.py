@@ -7,20 +7,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workbench.commands import command, emit, flash, running
+from workbench.commands import command, emit, flags, flash, running
 from workbench.errors import WorkbenchError
 
 
 def _bench_flags(p):
     from engines.llamacpp_cli import bench_flags
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--prompt", default="Once upon a time")
+    flags("tokens", "prompt", "threads")(p)
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--warm", action="store_true",
                    help="measure warm: the warm-up decodes the measured prompt and its experts stay in memory "
                         "(default: cold, an empty expert cache and the model's file out of the page cache)")
-    p.add_argument("--routing-trace", default=None, metavar="FILE",
-                   help="route and predict as recorded in this trace (real reads, real compute; ids mapped, see JSON)")
+    flags("routing_trace", routing_trace={"help": "route and predict as recorded in this trace (real reads, real "
+                                                  "compute; ids mapped, see JSON)"})(p)
     bench_flags(p)
 
 
@@ -42,15 +41,13 @@ def cmd_bench(args):
 
 def _ladder_flags(p):
     p.add_argument("name", choices=["les", "smol", "cache", "designs", "budgets", "edge0"])
-    p.add_argument("--model", default="demo")
-    p.add_argument("--budget", default="0.25")
-    p.add_argument("--tokens", type=int, default=48)
+    flags("model", "budget", "tokens", budget="0.25", tokens=48)(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--chunks", type=int, default=4, help="edge0: held-out chunks for the quality rungs")
     p.add_argument("--chunk-tokens", type=int, default=256, help="edge0: tokens per held-out chunk")
     p.add_argument("--skip-layers", type=int, default=None, help="edge0: MoE layers routed exactly (default: the heads')")
-    p.add_argument("--routing-trace", default=None, metavar="FILE",
-                   help="every rung routes and predicts as recorded in this trace (a model with random weights)")
+    flags("routing_trace", routing_trace={"help": "every rung routes and predicts as recorded in this trace (a model "
+                                                  "with random weights)"})(p)
 
 
 @command("ladder", "a design's ablation ladder, alternating arms, one run record per rung "
@@ -83,13 +80,14 @@ def _trace_ids(args, tokenize) -> list[int]:
 
 def _trace_flags(p):
     from engines.llamacpp_engine import GGUF_TYPES
-    p.add_argument("--engine", default="llamacpp", choices=["llamacpp", "numpy"])
-    p.add_argument("--model", default="demo", help="a .gguf, or a workbench model (exported to GGUF for llamacpp)")
+    flags("engine", "model", "tokens", "preset",
+          engine={"default": "llamacpp", "choices": ["llamacpp", "numpy"], "help": "whose routing is traced"},
+          model={"help": "a .gguf, or a workbench model (exported to GGUF for llamacpp)"},
+          tokens={"default": 512, "help": "tokens of the text to trace"},
+          preset={"default": "teacher", "help": "the pack the numpy engine traces"})(p)
     p.add_argument("--data", default="tinystories", help="tinystories, wikitext2, or a text file")
-    p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--out", required=True)
     p.add_argument("--type", default="f16", choices=list(GGUF_TYPES), help="GGUF type when exporting (llamacpp)")
-    p.add_argument("--preset", default="teacher", help="the pack the numpy engine traces")
     p.add_argument("--threads", type=int, default=1)
 
 
@@ -135,9 +133,9 @@ def cmd_trace(args):
 
 def _replay_flags(p):
     p.add_argument("trace")
-    p.add_argument("--preset", default="les")
-    p.add_argument("--budget", default=None, help="0.25 (fraction of all experts), 96MiB, or all")
-    p.add_argument("--model", default=None, help="where to read the routers for lookahead (default: the trace's)")
+    flags("preset", "budget", "engine", "model", preset="les",
+          engine={"help": "whose expert cache the budget sizes (default: packed, as bench's: engines.default_engine)"},
+          model={"default": None, "help": "where to read the routers for lookahead (default: the trace's)"})(p)
     p.add_argument("--designs", default=None, help="comma-separated subset of on_demand,history,shuffled,lookahead,oracle")
     p.add_argument("--skip", type=int, default=0, help="tokens that only warm the cache, not counted")
 
@@ -149,20 +147,21 @@ def cmd_replay(args):
     bad = [d for d in designs if d not in DESIGNS]
     if bad:
         raise WorkbenchError(f"--designs {bad[0]!r}: choose from {', '.join(DESIGNS)}")
-    res = replay(args.trace, args.preset, args.budget, model=args.model, designs=designs, skip=args.skip)
+    res = replay(args.trace, args.preset, args.budget, model=args.model, designs=designs, skip=args.skip,
+                 engine=args.engine)
     emit(args, res, table(res))
 
 
 def _simulate_flags(p):
     p.add_argument("--trace", required=True)
-    p.add_argument("--preset", default="les")
-    p.add_argument("--budget", default=None)
-    p.add_argument("--device", default="this-machine", help="the device profile that times the reads")
+    flags("preset", "budget", "device", "tokens", "engine", "model", preset="les",
+          device={"default": "this-machine", "help": "the device profile that times the reads"},
+          engine={"help": "the engine whose compute is measured, and whose expert cache the budget sizes (default: "
+                          "packed: engines.default_engine; a --compute profile names its own)"},
+          model={"default": None, "help": "measure the compute profile on this model (default: the trace's)"})(p)
     p.add_argument("--shape", default=None, help="a real model's expert shape (make-model's shapes)")
-    p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=4, help="trace rows replayed as the prompt (untimed)")
     p.add_argument("--workers", type=int, default=None, help="reader threads (default: the profile's queue depth)")
-    p.add_argument("--model", default=None, help="measure the compute profile on this model (default: the trace's)")
     p.add_argument("--compute", default=None, help="a compute profile JSON instead of measuring one")
     p.add_argument("--predictor", default=None, help="prefetch with this recorded predictor instead of the preset's "
                                                     "(e.g. prerouter, where the trace recorded Edge0's heads)")
@@ -174,7 +173,8 @@ def cmd_simulate(args):
     from experiments.simulate import load_compute, run
     res = run(args.trace, args.preset, args.budget, args.device, shape=args.shape, tokens=args.tokens,
               prompt=args.prompt_tokens, compute=load_compute(args.compute) if args.compute else None,
-              workers=args.workers, model=args.model, record=not args.no_record, predictor=args.predictor)
+              workers=args.workers, model=args.model, record=not args.no_record, predictor=args.predictor,
+              engine=args.engine)
     emit(args, res, f"SIMULATED {res['preset']} on {res['device']['label']} ({res['shape_note']}): "
                     f"{res['tok_s']:.2f} tok/s, hit {res['hit_rate']:.3f}; Belady bound: hit {res['belady_hit_rate']:.3f}, "
                     f"{res['belady_tok_s']:.2f} tok/s")
@@ -182,13 +182,10 @@ def cmd_simulate(args):
 
 def _peer_flags(p):
     from engines.llamacpp_engine import GGUF_TYPES
-    p.add_argument("--model", default="demo")
-    p.add_argument("--budget", default="0.25")
-    p.add_argument("--tokens", type=int, default=64)
+    flags("model", "budget", "tokens", "prompt", budget="0.25")(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--type", default="q4_k_m", choices=list(GGUF_TYPES), help="the GGUF llama.cpp runs")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads")
-    p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
 
 

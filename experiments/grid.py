@@ -384,9 +384,9 @@ def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
 def heldout(cell: Cell) -> dict:
     """Held-out TinyStories decoded token by token (teacher-forced) in a fresh session, so the cache and a
     cache-aware bias evolve as in generation: its perplexity and miss rate."""
-    from experiments.bench import open_session
+    from workbench.session import open_session
     from workbench.textdata import heldout_ids
-    with open_session(cell.model, cell.preset_obj(), budget=cell.budget, prompt=cell.get("prompt"),
+    with open_session(cell.model, cell.preset_obj(), cell.budget, prompt=cell.get("prompt"),
                       tokens=cell.get("tokens"), engine=cell.engine, direct=not cell.get("page_cache")) as s:
         ids = heldout_ids(s.tokenizer, "tinystories", cell.get("heldout_tokens"))
         s.reset_telemetry()

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engines import DEFAULT, default_engine, engine_class
+import engines
+from engines import DEFAULT
 from workbench.presets import get_preset
 from workbench.registry import resolve_pack, storage_for
 from workbench.store.pack import Pack
@@ -46,7 +47,7 @@ def expert_bytes(model: str, preset: str) -> tuple[int, int]:
     session, no experts loaded."""
     st = get_preset(preset).storage
     pack = Pack(resolve_pack(model, *storage_for(model, st)))
-    return pack.spec.top_k, engine_class(default_engine(pack)).expert_bytes(pack)
+    return pack.spec.top_k, engines.expert_bytes(None, pack)
 
 
 def cache_rungs(spec_top_k: int, item_bytes: int, preset: str = "les"):

@@ -62,9 +62,8 @@ def row(name: str, z: np.ndarray, ref: np.ndarray) -> str:
 def main(argv=None):
     from engines.llamacpp_engine import GGUF_TYPES, LlamaCpp, resolve_gguf
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="demo", help="a .gguf, or a workbench model exported to GGUF")
+    flags("model", "tokens", model={"help": "a .gguf, or a workbench model exported to GGUF"})(ap)
     ap.add_argument("--type", default="q4_k_m", choices=GGUF_TYPES)
-    ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args(argv)
     path = resolve_gguf(args.model, args.type)
     with LlamaCpp(path, n_ctx=256) as llm:

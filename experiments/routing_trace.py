@@ -24,6 +24,8 @@ Mixing weights are uniform over the routed experts (the trace keeps which expert
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from workbench.errors import WorkbenchError
@@ -117,6 +119,11 @@ def expert_map(path, trace_spec: dict, spec: MoESpec) -> tuple[int, str]:
             f"and it has r x {E} experts; this model has {spec.num_experts} experts top-{spec.top_k}"
             + (f" (make-model --experts {r * E} fits)" if r and not spec.top_k % k else ""))
     return r, f"experts: trace expert e -> model experts {r}e..{r}e+{r - 1} (top-{k} -> top-{spec.top_k})"
+
+
+def drive(path):
+    """What a Session's `drive` takes for the routing trace at `path` (None: no trace, routing as the model's)."""
+    return partial(TraceDrive, path) if path else None
 
 
 class TraceDrive:

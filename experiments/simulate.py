@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.base import Engine
+from engines import expert_bytes
 from workbench.cache import ExpertCache, GuessAdmission, reserve_ahead, warm_set
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
@@ -76,8 +76,8 @@ class ComputeProfile:
                               # compared, the cache entry made the slot) and computes on its fresh bytes
     row_s: float | None = None    # per MoE layer, dense + router time of each row of a batch after the first
                                   # (speculative verification); None: each row costs what one token does
-    slots: bool = False       # the engine's cache holds packed slots (an expert costs its reads' aligned bytes, as
-                              # arena.slot_bytes), not f32 experts (the numpy engine): what a byte budget buys
+    engine: str = "numpy"     # the engine measured: what an expert costs in its cache (engines.expert_bytes), so what
+                              # a byte budget buys (the packed engine's slots of packed bytes, numpy's f32 experts)
     source: str = ""
 
 
@@ -101,12 +101,6 @@ class ReadPlan:
             else:
                 out += [(run, len(run) * _align(b)) for b in self.part_bytes]
         return out
-
-
-def item_bytes(spec: MoESpec, plan: ReadPlan, compute: ComputeProfile) -> int:
-    """What one expert costs in the engine's cache, as its Session counts the budget: a slot of its reads' aligned
-    bytes (the packed engine), or the expert in f32 (the numpy engine)."""
-    return sum(n for _, n in plan.reads([0])) if compute.slots else Engine.expert_bytes(spec)
 
 
 def read_plan(spec: MoESpec, layout: str, experts: str) -> ReadPlan:
@@ -217,11 +211,11 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore). split: a large read goes to
     several readers in pieces (workbench.io.split_sizes), as reads into slots do; the numpy engine's reads do not."""
     plan = plan or read_plan(spec, preset.storage.layout.value, preset.storage.experts)
-    item = item_bytes(spec, plan, compute)
-    total = item * spec.num_experts * len(spec.moe_layers)
-    budget_bytes = Budget(budget).nbytes(item, spec.num_experts * len(spec.moe_layers))
-    cache = ExpertCache(budget_bytes, item, spec.moe_layers, policy=preset.cache.policy.value, scope=preset.cache.scope.value,
-                        min_slots_per_layer=spec.top_k)
+    item, n_experts = expert_bytes(compute.engine, spec, preset.storage), spec.num_experts * len(spec.moe_layers)
+    total = item * n_experts
+    budget_bytes = Budget(budget).nbytes(item, n_experts)
+    cache = ExpertCache(Budget(budget).slots(item, n_experts), item, spec.moe_layers, policy=preset.cache.policy.value,
+                        scope=preset.cache.scope.value, min_slots_per_layer=spec.top_k)
     import sys
     # a read that lands while the compute thread computes is dequantized at the contended speed, measured (GIL waits
     # included, so the switch-interval model is then off unless asked for)
@@ -416,15 +410,14 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
 
 
 def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, initial=(),
-           item: int | None = None) -> dict:
+           engine: str = "numpy") -> dict:
     """Optimal replacement with perfect foresight (Belady's MIN) over the same decode accesses: the fewest experts
     any policy must read at this budget. Its hit rate bounds demand fetching; a prefetching design can show a higher
     hit rate (a prefetch is a read that lands in time), never fewer reads. initial: the experts in memory when
     decoding starts (the prompt's, a warm set), as the design had them; None: the best start any policy could have
     (the first experts decoding asks for, as many as fit), so that the bound holds whatever the prompt left.
-    item: what one expert costs in the cache (item_bytes; default f32), for a budget in bytes."""
-    item = item or Engine.expert_bytes(spec)
-    slots = Budget(budget).nbytes(item, spec.num_experts * len(spec.moe_layers)) // item
+    engine: whose cache the budget buys slots in (engines.expert_bytes), for a budget in bytes."""
+    slots = Budget(budget).slots(expert_bytes(engine, spec, preset.storage), spec.num_experts * len(spec.moe_layers))
     per_layer = preset.cache.scope is CacheScope.PER_LAYER
 
     pos = _Position()
@@ -475,10 +468,11 @@ def simulable(p):
 def run(trace_path: str, preset, budget: str | None, device: str, shape: str | None = None,
         tokens: int = 64, prompt: int = 4, compute: ComputeProfile | None = None, workers: int | None = None,
         model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None,
-        predictor: str | None = None) -> dict:
+        predictor: str | None = None, engine: str | None = None) -> dict:
     """One design over a trace. The simulated model: `spec` if given, else the traced model at `shape`'s expert
     shape, else the traced model itself. preset: a name or a Preset (a ladder rung). rung: {ladder, rung,
-    rung_index, model} for the run record, so the dashboard's ladders page shows a simulated ladder beside the rest."""
+    rung_index, model} for the run record, so the dashboard's ladders page shows a simulated ladder beside the rest.
+    engine: whose compute is measured (None: the default engine), unless `compute` is given: its engine's."""
     from workbench import devices
     from workbench.presets import get_preset
     from experiments.routing_trace import TraceDrive
@@ -495,16 +489,18 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     spec = spec or MoESpec.from_dict(meta["spec"])
     if shape:
         spec, note = shape_spec(shape, meta, spec)
+    if compute is not None and engine is not None and engine != compute.engine:
+        raise WorkbenchError(f"--engine {engine}: the compute profile given was measured on the {compute.engine} "
+                             f"engine")
     drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace)
     own = model is None or model == meta.get("model")        # the traced model: measured on its own trace
     compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts, preset=p,
-                                         routing_trace=str(trace_path) if own else None)
+                                         routing_trace=str(trace_path) if own else None, engine=engine)
     workers = workers or dev.queue_depth
     plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
                        shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil)
-    bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"),
-                   item=item_bytes(spec, plan, compute))
+    bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"), engine=compute.engine)
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)
     miss_bytes = bound["belady_misses"] * sum(plan.part_bytes)
@@ -557,14 +553,15 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     Expert compute and what a reader thread does per expert are then timed on this spec's expert shape with the
     engine's own kernels: the numpy engine's matmuls and codec (dequant), or the packed engine's compiled kernels on
     the encoded bytes, one call per layer's top-k, and the crc its readers check (`dequant_s` is then that check)."""
-    from experiments.bench import open_session
+    from experiments.routing_trace import drive
     from workbench.presets import get_preset
+    from workbench.session import open_session
     from workbench.store import quant
     p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
     p = p.with_(experts=experts, speculative=0)     # a batch's rows: _row_cost
     runs, row = {}, None
     for budget in ("all", stream_budget):
-        with open_session(model, p, budget=budget, prompt=[1, 2, 3, 4], tokens=tokens, routing_trace=routing_trace,
+        with open_session(model, p, budget, prompt=[1, 2, 3, 4], tokens=tokens, drive=drive(routing_trace),
                           engine=engine) as s:
             if budget == "all":     # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
                 s.generate([1, 2, 3, 4], tokens=4)      # after it needs none, and would find the same experts cached)
@@ -611,7 +608,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     from workbench import slot_reads
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
                           issue_call_s=issue_call, land_s=land, row_s=row,
-                          reader_holds_gil=not (packed and slot_reads.AVAILABLE), slots=packed,
+                          reader_holds_gil=not (packed and slot_reads.AVAILABLE), engine=name,
                           dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
                               np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
@@ -632,7 +629,7 @@ def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> Comp
     return ComputeProfile(dense_s=(res["compute_s"] - moe) / n / nl, router_s=res["router_s"] / n / nl,
                           expert_s=moe / max(1, sum(r["routed"] for r in layers)), dequant_s=measured.dequant_s,
                           dequant_busy_s=measured.dequant_busy_s, reader_holds_gil=measured.reader_holds_gil,
-                          slots=measured.slots,
+                          engine=measured.engine,
                           other_s=res["other_s"] / n, issue_s=0.0, wake_s=measured.wake_s,
                           source="the measured run's own compute, router and other time (issue cost inside them)")
 
@@ -772,4 +769,7 @@ def _read_costs(resident_events, stream_events, expert_s: float) -> tuple[float,
 
 
 def load_compute(path) -> ComputeProfile:
-    return ComputeProfile(**json.loads(open(path).read()))
+    d = json.loads(open(path).read())
+    if "slots" in d:                        # a profile written before it named its engine
+        d["engine"] = "packed" if d.pop("slots") else "numpy"
+    return ComputeProfile(**d)

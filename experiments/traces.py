@@ -9,8 +9,9 @@ topk (the experts chosen, best first), logits (the router's logits over all expe
 (the residual stream entering the MoE block: llama.cpp's `ffn_inp-N`, the numpy engine's `h`).
 The file's schema metadata (`workbench.trace`) holds the engine, the model, the spec and the data.
 
-Replay: every token is a decode step through the MoE layers in order, as in the engine: a layer's
-routed experts are hits if already in the cache (else read: a miss); the design's predictor then names
+Replay: the cache holds the slots the budget buys in --engine's cache (the default engine's, as bench's Session:
+engines.expert_bytes, Budget.slots). Every token is a decode step through the MoE layers in order, as in the
+engine: a layer's routed experts are hits if already in the cache (else read: a miss); the design's predictor then names
 experts of a later layer, which are prefetched without evicting the current layer's. Prefetches are
 assumed to land in time (no timing is simulated), so hit rates are upper bounds for a design's
 scheduling; recall/precision are exact. Designs (predictors from workbench.predict, same code as the
@@ -162,16 +163,17 @@ def _predictor(design: str, preset, spec, weights, trace: dict, usage: dict):
 
 
 def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weights: dict, usage: dict,
-             skip: int = 0) -> dict:
-    """One design over the whole trace; counts from token `skip` on (earlier tokens only warm the cache)."""
-    from engines import engine_class
+             skip: int = 0, engine: str | None = None) -> dict:
+    """One design over the whole trace; counts from token `skip` on (earlier tokens only warm the cache). The budget
+    buys the slots it buys `engine`'s cache (None: the default engine) for the preset's pack of the traced model."""
+    from engines import expert_bytes
     from workbench.cache import ExpertCache
     layers, topk, h = trace["moe_layers"], trace["topk"], trace["router_input"]
     T = topk.shape[0]
-    item = engine_class("numpy").expert_bytes(spec)      # one expert in the cache, as bench's engine counts it
-    budget_bytes = Budget(budget).nbytes(item, spec.num_experts * len(layers))
-    cache = ExpertCache(budget_bytes, item, layers, policy=preset.cache.policy.value, scope=preset.cache.scope.value,
-                        min_slots_per_layer=spec.top_k)
+    item, n_experts = expert_bytes(engine, spec, preset.storage), spec.num_experts * len(layers)
+    budget_bytes = Budget(budget).nbytes(item, n_experts)
+    cache = ExpertCache(Budget(budget).slots(item, n_experts), item, layers, policy=preset.cache.policy.value,
+                        scope=preset.cache.scope.value, min_slots_per_layer=spec.top_k)
     if preset.cache.warm:                                 # the most-used experts of each layer (this trace's counts)
         for k in warm_set(cache, usage):
             cache.reserve(k, True)
@@ -248,7 +250,7 @@ def near_ties(logits: np.ndarray, topk: np.ndarray, k: int) -> dict:
 
 
 def replay(path, preset: str = "les", budget: str | None = None, model: str | None = None,
-           designs=DESIGNS, skip: int = 0) -> dict:
+           designs=DESIGNS, skip: int = 0, engine: str | None = None) -> dict:
     from workbench.presets import get_preset
     tr = read_trace(path)
     meta = tr["meta"]
@@ -269,9 +271,11 @@ def replay(path, preset: str = "les", budget: str | None = None, model: str | No
         check = float(np.abs(mine - tr["logits"][:, j]).max())
     else:
         check = None
-    rows = [simulate(d, tr, spec, p, budget, weights, usage, skip=skip) for d in designs]
+    from engines import default_engine
+    engine = engine or default_engine()
+    rows = [simulate(d, tr, spec, p, budget, weights, usage, skip=skip, engine=engine) for d in designs]
     return {"trace": str(path), "engine": meta.get("engine"), "model": meta.get("gguf") or meta.get("model"),
-            "tokens": len(tr["ids"]), "skip": skip, "preset": p.name, "budget": budget,
+            "tokens": len(tr["ids"]), "skip": skip, "preset": p.name, "budget": budget, "cache_engine": engine,
             "cache_policy": p.cache.policy.value, "cache_scope": p.cache.scope.value, "warm": p.cache.warm,
             "router_recompute_max_abs": check, "routing_check": near_ties(tr["logits"], tr["topk"], spec.top_k),
             "designs": rows}
@@ -279,7 +283,7 @@ def replay(path, preset: str = "les", budget: str | None = None, model: str | No
 
 def table(res: dict) -> str:
     lines = [f"replay of {res['trace']} ({res['engine']}, {res['tokens']} tokens) preset {res['preset']}, "
-             f"budget {res['budget']} ({res['designs'][0]['cache_slots']} slots)",
+             f"budget {res['budget']} ({res['designs'][0]['cache_slots']} slots of the {res['cache_engine']} engine's cache)",
              f"{'design':12} {'hit':>6} {'recall':>7} {'precision':>9} {'miss/tok':>9} {'prefetch/tok':>12}"]
     for r in res["designs"]:
         f = lambda v: "" if v is None else f"{v:.3f}"

@@ -25,10 +25,6 @@ PROMPT = "Once upon a time"
 
 # ---------------------------------------------------------------- parameters and places
 
-def small_from_env() -> bool:
-    return os.environ.get("WB_NB_SMALL", "").strip().lower() not in ("", "0", "false", "no")
-
-
 def figures_dir(small: bool) -> Path:
     env = os.environ.get("WB_NB_FIGURES")
     if env:
@@ -70,14 +66,15 @@ def paper_label(pub: dict | None) -> str:
 
 def bench_arm(model: str, preset, budget, tokens: int, warmup: int = 4, note: dict | None = None,
               prompt: str = PROMPT) -> dict:
-    """One arm, one round: a fresh Session (experiments.bench.open_session), experiments.bench.measure, a run record.
+    """One arm, one round: a fresh Session (workbench.session.open_session), experiments.bench.measure, a run record.
 
     Returns measure's fields plus the per-token TokenRecords (`token_rows`), the cache's slots per layer and
     the record's path. Measured cold (experiments.bench.measure), after `warmup` tokens on other text.
     """
-    from experiments.bench import measure, open_session
+    from experiments.bench import measure
     from workbench.runs import write_run
-    with open_session(model, preset, budget=budget, prompt=prompt, tokens=tokens) as s:
+    from workbench.session import open_session
+    with open_session(model, preset, budget, prompt=prompt, tokens=tokens) as s:
         res = measure(s, prompt, tokens, warmup=warmup)
         res.update(preset=s.preset.name, budget=s.budget_text, slots_per_layer=min(s.cache.capacity.values()),
                    item_bytes=s.item_bytes, token_rows=s.tel.token_rows())

@@ -50,7 +50,7 @@ def test_budget_below_one_layers_top_k_is_refused(tiny_models):
 
 
 def test_pinned_and_protected_experts_are_not_evicted():
-    c = ExpertCache(budget_bytes=300, item_bytes=100, layers=[0])
+    c = ExpertCache(slots=3, item_bytes=100, layers=[0])
     assert c.pin((0, 1), {"w": 1})
     assert c.reserve((0, 2), {"w": 2})
     assert c.reserve((0, 3), {"w": 3})
@@ -63,7 +63,7 @@ def test_a_guess_never_evicts_what_the_last_token_used():
     """A prefetch that guesses (spare: one token of layer steps, 2 here) finds no slot while the expert that would
     go was used within the last token; once a token has passed since its use it may go, and a demand read takes
     the LRU slot whatever its age."""
-    c = ExpertCache(budget_bytes=200, item_bytes=100, layers=[0, 1])
+    c = ExpertCache(slots=2, item_bytes=100, layers=[0, 1])
     c.step()
     c.reserve((0, 1), "a")                          # token 0, layer 0 uses 1 (step 1)
     c.step()

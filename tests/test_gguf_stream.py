@@ -82,7 +82,7 @@ def test_streamed_experts_are_the_ggufs_bytes(gguf_file):
                for h, (off, n) in zip(heads[L][e], pack.expert_reads(L, e)))    # a read reaches past the end
     keys = [(L, e) for L in s.moe_layers for e in range(s.num_experts)]
     item = slot_bytes(pack)
-    cache = ExpertCache(item * len(keys), item, s.moe_layers)
+    cache = ExpertCache(len(keys), item, s.moe_layers)
     arena = SlotArena(pack, cache)
     reader = Reader(pack.data_path, workers=slot_readers())
     try:

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments.bench import measure, open_session
-from experiments.routing_trace import TraceDrive
-from workbench.session import Session
+from experiments.bench import measure
+from experiments.routing_trace import TraceDrive, drive
+from workbench.session import Session, open_session
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = str(REPO / "data" / "traces" / "demo-tinystories-256.parquet")
@@ -46,7 +46,7 @@ def test_cold_start_keeps_what_the_design_keeps():
 
 @pytest.mark.parametrize("preset", ["on_demand", "les", "smol"])
 def test_hit_late_and_miss_rates_add_up(preset):
-    with open_session("demo", preset, budget="0.25", tokens=12, routing_trace=TRACE) as s:
+    with open_session("demo", preset, budget="0.25", tokens=12, drive=drive(TRACE)) as s:
         res = measure(s, [1, 2, 3, 4], 12)
         assert res["hit_rate"] + res["late_rate"] + res["miss_rate"] == pytest.approx(1.0)
         per_layer = s.tel.per_layer("decode")
@@ -60,7 +60,7 @@ def test_two_packs_of_one_model_at_the_same_slots_agree_on_hit_plus_late():
     in memory or on their way: hit + late is the same on a q3 and a q8 pack at the same slots and routing."""
     got = {}
     for experts in ("q3", "q8"):
-        with open_session("demo", "les", budget="0.25", tokens=24, routing_trace=TRACE, experts=experts) as s:
+        with open_session("demo", "les", budget="0.25", tokens=24, drive=drive(TRACE), experts=experts) as s:
             res = measure(s, [1, 2, 3, 4], 24)
             got[experts] = (min(s.cache.capacity.values()), res["hits"] + res["late"], res["misses"])
     assert got["q3"] == got["q8"]

@@ -8,6 +8,7 @@ import re
 import pytest
 
 import workbench.memory as memory
+from engines import expert_bytes
 from workbench.cli import main
 from workbench.memory import largest_budget, memory_needs
 from workbench.presets import Budget
@@ -24,8 +25,8 @@ def pack(tiny_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sizes(pack):
     p = Pack(pack)
-    m = memory_needs(p.spec, {n: t["shape"] for n, t in p.tensors.items()}, Budget("all"))
-    return m["resident_f32_bytes"], m["all_experts_f32_bytes"]
+    m = memory_needs(p.spec, {n: t["shape"] for n, t in p.tensors.items()}, Budget("all"), expert_bytes("numpy", p))
+    return m["resident_f32_bytes"], m["all_experts_cache_bytes"]
 
 
 def test_available_memory_is_what_the_system_reports():
@@ -67,9 +68,9 @@ def test_info_says_what_fits(pack, sizes, monkeypatch, capsys):
     monkeypatch.setattr(memory, "available_bytes", lambda: dense + experts // 2)
     assert main(["info", "--model", str(pack), "--engine", "numpy", "--budget", "all", "--json"]) == 0
     mem = json.loads(capsys.readouterr().out)["memory"]
-    assert {k: mem[k] for k in ("available_bytes", "resident_f32_bytes", "all_experts_f32_bytes", "needed_bytes",
+    assert {k: mem[k] for k in ("available_bytes", "resident_f32_bytes", "all_experts_cache_bytes", "needed_bytes",
                                 "largest_budget")} == {
-        "available_bytes": dense + experts // 2, "resident_f32_bytes": dense, "all_experts_f32_bytes": experts,
+        "available_bytes": dense + experts // 2, "resident_f32_bytes": dense, "all_experts_cache_bytes": experts,
         "needed_bytes": dense + experts, "largest_budget": "0.50"}
     assert main(["info", "--model", str(pack), "--engine", "numpy", "--budget", "0.25", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["memory"]["needed_bytes"] == dense + experts // 4

@@ -321,17 +321,18 @@ def test_the_streamers_timers_see_every_read_it_issues_and_takes_in(preset):
 def test_a_byte_budget_holds_the_experts_the_packed_engines_cache_holds(preset):
     """The packed engine's cache counts an expert as its slot (the aligned bytes of its reads), so the simulator
     counts a budget in bytes the same way: 6 slots' bytes hold 6 experts, as a Session of the demo holds."""
+    from engines import expert_bytes
     from engines.packed_engine import PackedEngine
-    from experiments.simulate import item_bytes, read_plan
+    from experiments.simulate import read_plan
     from workbench.registry import resolve_pack
     from workbench.store.pack import Pack
     st = get_preset(preset).storage
     pack = Pack(resolve_pack("demo", st.layout.value, st.experts, st.rest))
     slot = PackedEngine.expert_bytes(pack)
     plan = read_plan(pack.spec, st.layout.value, st.experts)
-    assert item_bytes(pack.spec, plan, dataclasses.replace(CPU, slots=True)) == slot
+    assert expert_bytes("packed", pack.spec, st) == slot
     p = get_preset(preset).with_(predictor=None, cache_scope="global", warm=False)
     drive = Drive([{L: [0, 1, 2, 3] for L in pack.spec.moe_layers}] * 3)
-    res = simulate_run(drive, pack.spec, p, str(6 * slot), DEV, dataclasses.replace(CPU, slots=True), tokens=2,
+    res = simulate_run(drive, pack.spec, p, str(6 * slot), DEV, dataclasses.replace(CPU, engine="packed"), tokens=2,
                        prompt=1, workers=2, plan=plan)
     assert res["cache_slots"] == 6

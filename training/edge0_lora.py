@@ -27,6 +27,7 @@ from workbench.edge0.artifacts import artifact_path, model_identity, save_safete
 from workbench.edge0.serve import Heads
 from training.edge0_common import (PROJ, Clock, HeadSet, LoRASet, TorchMoE, command_line, data_digest,
                                           open_pack, sample_windows)
+from workbench.commands import flags
 from workbench.registry import REPO, tokenizer_for
 from workbench.errors import WorkbenchError
 from training.corpora import TRAIN, encode_train
@@ -46,7 +47,7 @@ def reverse_kl(s_logits, t_logits, mask):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="demo")
+    flags("model")(ap)
     ap.add_argument("--heads", default=None, help="default: <model dir>/edge0/prerouter.safetensors")
     ap.add_argument("--skip-layers", type=int, default=None, help="default: the heads' skip_layers")
     ap.add_argument("--rank", type=int, default=16)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from workbench.edge0.artifacts import artifact_path, model_identity, save_safetensors
 from training.edge0_common import (Clock, HeadSet, TorchMoE, command_line, data_digest,
                                           onehot, open_pack, sample_windows)
+from workbench.commands import flags
 from workbench.registry import REPO, tokenizer_for
 from workbench.errors import WorkbenchError
 from training.corpora import TRAIN, encode_train
@@ -98,7 +99,7 @@ def evaluate(heads, data, owners, moe, rows, E, k, chunk=4096):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="demo")
+    flags("model")(ap)
     ap.add_argument("--windows", type=int, default=512, help="training-corpus windows through the teacher")
     ap.add_argument("--ctx", type=int, default=256, help="tokens per window")
     ap.add_argument("--hidden", type=int, default=128)

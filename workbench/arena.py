@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from workbench.io import ALIGN, aligned_empty
-from workbench.store.pack import PARTS
+from workbench.store.pack import PARTS, _nbytes, expert_kind
 
 
 def _aligned(n: int) -> int:
@@ -49,6 +49,15 @@ def slot_layout(pack, layer: int) -> tuple[list[tuple[int, int]], dict[str, int]
 def slot_bytes(pack) -> int:
     """What one expert costs in the arena: the 4 KiB-aligned bytes of its reads (the largest layer's)."""
     return int(max(sum(n for _, n in slot_layout(pack, L)[0]) for L in pack.spec.moe_layers))
+
+
+def planned_slot_bytes(spec, layout: str, experts: str) -> int:
+    """slot_bytes of the pack that convert would write of `spec` at `layout` and `experts` precision, without one
+    (the simulator, the trace replay, `info` on a checkpoint not yet converted)."""
+    d, ff = spec.hidden_size, spec.moe_intermediate_size
+    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    sizes = [_nbytes(shapes[p], expert_kind(shapes[p], experts)) for p in PARTS]
+    return _aligned(sum(sizes)) if layout == "contiguous" else sum(map(_aligned, sizes))
 
 
 class SlotArena:

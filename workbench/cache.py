@@ -1,5 +1,5 @@
-"""The expert cache: a byte budget that is never exceeded, counted in slots of one expert each
-(the budget in bytes: workbench.presets.Budget.nbytes).
+"""The expert cache: a number of slots of one expert each that is never exceeded (what a budget buys:
+workbench.presets.Budget.slots, at what one expert costs in the engine's cache: engines.expert_bytes).
 
 A slot is taken when a read is issued (in-flight reads count: their buffers exist), and
 freed on eviction. Policies: LRU or LFU; scope: one global pool, or one pool per MoE layer
@@ -22,14 +22,14 @@ def _in_flight(v) -> bool:
 
 
 class ExpertCache:
-    def __init__(self, budget_bytes: int, item_bytes: int, layers: list[int], policy: str = "lru",
+    def __init__(self, slots: int, item_bytes: int, layers: list[int], policy: str = "lru",
                  scope: str = "global", min_slots_per_layer: int = 1):
+        """slots: experts the cache holds at most (per_layer: shared evenly between the layers); item_bytes: what
+        one costs, for the cache's byte counts."""
         if policy not in ("lru", "lfu"):
             raise WorkbenchError(f"cache policy {policy!r}: choose lru or lfu")
-        self.item_bytes = item_bytes
-        self.budget_bytes = budget_bytes
+        self.slots, self.item_bytes = slots, item_bytes
         self.policy, self.scope = policy, scope
-        slots = budget_bytes // item_bytes
         if scope == "per_layer":
             self.pools = {L: OrderedDict() for L in layers}
             self.capacity = {L: slots // len(layers) for L in layers}
@@ -43,8 +43,8 @@ class ExpertCache:
         per_layer = min(self.capacity.values()) if layers else slots
         if per_layer < min_slots_per_layer:
             raise WorkbenchError(
-                f"--budget {budget_bytes} bytes is below one layer's top-k: need at least {min_slots_per_layer} expert slots "
-                f"of {item_bytes} bytes{' per layer' if scope == 'per_layer' else ''}, the budget gives {per_layer}")
+                f"--budget of {slots} expert slots of {item_bytes} bytes is below one layer's top-k: need at least "
+                f"{min_slots_per_layer} slots{' per layer' if scope == 'per_layer' else ''}, the budget gives {per_layer}")
         self.pinned: set = set()
         self.slots_used = 0                 # experts held, all pools (kept as they change: reserve runs per read)
         self.uses: Counter = Counter()
@@ -118,7 +118,7 @@ class ExpertCache:
         self.slots_used += 1
         if self.slots_used * self.item_bytes > self.peak_bytes:
             self.peak_bytes = self.bytes
-            assert self.peak_bytes <= self.budget_bytes, "expert cache exceeded its budget"
+            assert self.slots_used <= self.slots, "expert cache exceeded its budget"
         return True
 
     def set(self, key, value):

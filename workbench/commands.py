@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -44,21 +45,42 @@ def group(name: str, help: str):
     GROUPS[name] = help
 
 
-def running(p):
-    """The flags of every verb that runs a model."""
-    p.add_argument("--model", default="demo")
-    p.add_argument("--preset", default="on_demand")
-    p.add_argument("--budget", default=None, help="0.25 (fraction of all experts), 96MiB, or all")
-    p.add_argument("--engine", default=None)   # None: packed, or numpy for packs it cannot compute (engines.default_engine)
-    p.add_argument("--page-cache", action="store_true", help="buffered reads (labelled page-cache) instead of O_DIRECT")
-    p.add_argument("--threads", type=int, default=None, help="the cores the kernels share (default: every core)")
-    return p
+# Each flag that several parsers share, declared once: (argparse keywords). A parser takes them through flags().
+FLAGS = {
+    "model": dict(default="demo", help="a model: demo, a Hugging Face directory, a pack or a .gguf file "
+                                     "(default: %(default)s)"),
+    "preset": dict(default="on_demand", help="a design: a preset of workbench.presets (default: %(default)s)"),
+    "budget": dict(default=None, help="the expert cache: 0.25 (fraction of all experts), 96MiB, or all "
+                                      "(default: the preset's)"),
+    "engine": dict(default=None, help="numpy | packed | mlx | llamacpp (default: packed, or numpy for a pack it "
+                                      "cannot compute: engines.default_engine)"),
+    "page_cache": dict(action="store_true", help="buffered reads (labelled page-cache) instead of O_DIRECT"),
+    "device": dict(default=None, help="emulate a device's flash (a profile in data/devices); labelled emulated"),
+    "tokens": dict(type=int, default=64, help="tokens to generate (default: %(default)s)"),
+    "prompt": dict(default="Once upon a time", help="the prompt text (default: %(default)s)"),
+    "routing_trace": dict(default=None, metavar="FILE", help="route and predict as recorded in this routing trace"),
+    "threads": dict(type=int, default=None, help="the cores the kernels share (default: every core)"),
+}
 
 
-def flash(p):
-    """The flag of the verbs whose reads may emulate a device's flash (workbench.devices)."""
-    p.add_argument("--device", default=None, help="emulate a device's flash (a profile in data/devices); labelled emulated")
-    return p
+def flags(*names: str, **changed):
+    """A function that adds the shared flags `names` (FLAGS) to a parser: a verb's flags for @command, or called on
+    any argparse parser. changed: {name: default, or a dict of argparse keywords} where a parser differs."""
+    def add(p):
+        for name in names:
+            kw = dict(FLAGS[name])
+            if isinstance(changed.get(name), dict):
+                kw.update(changed[name])
+            elif name in changed:           # another default: the help says which
+                kw["default"] = changed[name]
+                kw["help"] = re.sub(r"\(default: [^)]*\)$", "(default: %(default)s)", kw.get("help", ""))
+            p.add_argument("--" + name.replace("_", "-"), **kw)
+        return p
+    return add
+
+
+running = flags("model", "preset", "budget", "engine", "page_cache")     # every verb that runs a model
+flash = flags("device")             # the verbs whose reads may emulate a device's flash (workbench.devices)
 
 
 def emit(args, obj: dict, human: str):

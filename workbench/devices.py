@@ -203,9 +203,9 @@ class EmulatedReader(Reader):
         return slot_reads.emulation(self.profile)
 
     def _wait_until(self, deadline: float):
-        """Sleep, then yield the last stretch: time.sleep wakes late (timer slack: about 0.1 ms on these VMs, as
-        long as a small read's whole profile time, so every emulated read was that much slower than its profile).
-        The stretch yielded is the lateness seen so far, plus 20 us."""
+        """Sleep, then yield the last stretch: time.sleep wakes late (timer slack, which can be as long as a small
+        read's whole profile time, so every emulated read would be that much slower than its profile). The stretch
+        yielded is the lateness seen so far, plus 20 us."""
         while (left := deadline - time.perf_counter()) > self._late + 20e-6:
             want = time.perf_counter() + left - self._late - 20e-6
             time.sleep(left - self._late - 20e-6)

@@ -387,7 +387,7 @@ class Reader:
     def wait(self, futures, timeout: float, every: bool = False) -> list:
         """The done ones of `futures` (this reader's), once any is done (every: all are), or at `timeout` seconds.
         One condition that the reader threads notify after each read, instead of concurrent.futures.wait's waiter
-        objects installed on every future per call (~80 us of CPU a call here, a dozen calls a token)."""
+        objects installed on every future per call (CPU on the compute thread, a dozen calls a token)."""
         if futures and isinstance(futures[0], SlotRead):
             return self._slots.wait(futures, timeout, every)
         with self._landed:

@@ -5,7 +5,8 @@ mid-run. `python -m workbench info --model DIR --budget B` prints the same numbe
 - resident: the non-expert weights (attention, norms, routers, shared experts, embeddings, head), always in
   memory: as the engine holds them (the packed engine: its encoded matrices), in f32 and in bf16;
 - experts: every routed expert, on disk, in each precision a pack can store them in;
-- cache: the expert cache at the budget, in the engine's unit (the packed engine: packed experts; numpy: f32);
+- cache: the expert cache at the budget: the slots it buys (Budget.slots) of what one expert costs in the engine's
+  cache (engines.expert_bytes: the packed engine's slot of packed bytes, numpy's f32 expert), as the Session sizes it;
 - context: KV cache bytes per token (full-attention layers), and the fixed recurrent state of the
   linear-attention layers (Gated DeltaNet: conv and delta-rule state, whatever the context length);
 - needed: resident (as held) + the cache, at most every expert; available: /proc/meminfo's MemAvailable, capped by
@@ -53,17 +54,17 @@ def largest_budget(resident: int, all_experts: int, available: int | None) -> st
     return f"{math.floor(100 * room / all_experts) / 100:.2f}"
 
 
-def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int | None = None,
-                 resident_bytes: int | None = None) -> dict:
-    """expert_bytes: what one expert costs in the cache (the engine's Engine.expert_bytes; f32 by default);
+def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_bytes: int | None = None,
+                 engine: str = "") -> dict:
+    """expert_bytes: what one expert costs in the engine's cache (engines.expert_bytes, the Session's item_bytes);
     resident_bytes: what the non-expert weights take as the engine holds them (Engine.resident_bytes; f32 by
-    default)."""
+    default); engine: its name, for the description."""
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     elements = sum(math.prod(s) for s in tensor_shapes.values())
     n_experts = len(spec.moe_layers) * spec.num_experts
     per_expert = {k: sum(quant.encoded_nbytes(shape, expert_kind(shape, k)) for shape in ((ff, d), (ff, d), (d, ff)))
                   for k in PRECISIONS}
-    item = expert_bytes or 4 * 3 * d * ff
+    item = expert_bytes
     full = [i for i in range(spec.num_layers) if not spec.is_linear(i)]
     kv_heads, kv_dim = (1, spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.attention == "mla" else \
         (spec.num_kv_heads, 2 * spec.head_dim)
@@ -81,7 +82,8 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int | None = N
         "resident_bytes": resident, "resident_f32_bytes": 4 * elements, "resident_bf16_bytes": 2 * elements,
         "shared_expert_bytes_f32": 4 * 3 * d * spec.shared_expert_size * len(spec.moe_layers),
         "experts": n_experts, "expert_bytes": {k: v * n_experts for k, v in per_expert.items()},
-        "cache_bytes": cache, "cache_budget": budget.text, "all_experts_f32_bytes": all_experts,
+        "cache_bytes": cache, "cache_budget": budget.text, "cache_slots": budget.slots(item, n_experts),
+        "cache_expert_bytes": item, "cache_engine": engine, "all_experts_cache_bytes": all_experts,
         "kv_bytes_per_token": 4 * len(full) * kv_heads * kv_dim,
         "linear_state_bytes": linear_state,
         "needed_bytes": resident + min(cache, all_experts), "available_bytes": available,
@@ -106,7 +108,8 @@ def describe(m: dict) -> str:
     avail = "unknown" if m["available_bytes"] is None else gib(m["available_bytes"])
     return (f"memory: resident non-expert weights {gib(m['resident_bytes'])} as the engine holds them "
             f"({gib(m['resident_f32_bytes'])} f32, {gib(m['resident_bf16_bytes'])} bf16, shared experts included); {m['experts']} experts on disk: {ex}; expert cache at budget "
-            f"{m['cache_budget']}: {gib(m['cache_bytes'])} (f32); KV cache {m['kv_bytes_per_token']} bytes per token "
+            f"{m['cache_budget']}: {gib(m['cache_bytes'])} ({m['cache_slots']} slots of {m['cache_expert_bytes']} bytes, "
+            f"one expert in the {m['cache_engine'] or 'engine'} engine's cache); KV cache {m['kv_bytes_per_token']} bytes per token "
             f"of context; linear-attention state {gib(m['linear_state_bytes'])} (fixed)\n"
             f"needs {gib(m['needed_bytes'])}, {avail} available; largest --budget that fits: "
             f"{m['largest_budget']}")

@@ -89,11 +89,16 @@ class Budget:
         return (x, 0) if not m[2] and x < 1.0 else (0.0, int(x * _UNITS[m[2].upper()]))
 
     def nbytes(self, expert_bytes: int, n_experts: int) -> int:
-        """The one budget converter: bytes the cache may hold, given the engine's cost of one expert in memory
-        (Engine.expert_bytes) and the number of experts; the cache's slots are nbytes // expert_bytes."""
+        """Bytes the cache may hold, given what one expert costs in the engine's cache (engines.expert_bytes) and
+        the number of experts."""
         frac, n = self.parse()
         total = expert_bytes * n_experts
         return total if frac == 1.0 else int(frac * total) if frac else n
+
+    def slots(self, expert_bytes: int, n_experts: int) -> int:
+        """What the budget buys: the expert slots (of expert_bytes each) its bytes hold. The one budget converter:
+        the Session's cache, `info`, the simulator and the trace replay all size their cache with it."""
+        return self.nbytes(expert_bytes, n_experts) // expert_bytes
 
     @property
     def all(self) -> bool:

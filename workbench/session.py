@@ -1,6 +1,6 @@
 """A Session: one model, one preset, one budget, wired up and ready to generate.
 
-    with Session("demo", "les", budget="0.25") as s:
+    with open_session("demo", "les", budget="0.25") as s:
         out = s.generate("Once upon a time", tokens=60)
         print(out["text"], s.summary()["tok_s"])
 """
@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from engines import default_engine, engine_class
+from engines import default_engine, engine_class, expert_bytes
 from engines.base import Hooks
 from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
@@ -66,20 +66,22 @@ class Session:
         self.spec = self.pack.spec
         self.tokenizer = tokenizer_for(self.pack)
         s = self.spec
-        cls = engine_class(engine or default_engine(self.pack))
-        self.item_bytes = cls.expert_bytes(self.pack)
-        self.all_expert_bytes = self.item_bytes * self.pack.num_expert_total
+        engine = engine or default_engine(self.pack)
+        cls = engine_class(engine)
+        self.item_bytes = expert_bytes(engine, self.pack)
+        n_experts = self.pack.num_expert_total
+        self.all_expert_bytes = self.item_bytes * n_experts
         self.budget_text = str(budget if budget is not None else p.cache.budget)
         budget = Budget(self.budget_text)
-        self.budget_bytes = budget.nbytes(self.item_bytes, self.pack.num_expert_total)
+        self.budget_bytes = budget.nbytes(self.item_bytes, n_experts)
         if (resident := cls.resident_bytes(self.pack)) is not None:
             check_fits(memory_needs(s, {n: t["shape"] for n, t in self.pack.tensors.items()}, budget, self.item_bytes,
-                                    resident),
+                                    resident, engine),
                        f"{self.pack_path} at --budget {self.budget_text}")
         # the usage profile runs a session of its own: before this one holds its cache and weights
         profile = self.usage() if not drive and (p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED) else None
-        self.cache = ExpertCache(self.budget_bytes, self.item_bytes, s.moe_layers, policy=p.cache.policy.value,
-                                 scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
+        self.cache = ExpertCache(budget.slots(self.item_bytes, n_experts), self.item_bytes, s.moe_layers,
+                                 policy=p.cache.policy.value, scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
         self.reader = open_reader(self.pack.data_path, device, direct=direct, # device: emulated flash
                                   workers=workers or (slot_readers() if cls.slot_arena and not device else None))
         self.device = getattr(self.reader, "profile", None)
@@ -253,6 +255,19 @@ class Session:
 
     def __exit__(self, *a):
         self.close()
+
+
+def open_session(model: str = "demo", preset: str | Preset = "on_demand", budget=None, *,
+                 prompt="Once upon a time", tokens: int = 64, drive=None, **kw) -> Session:
+    """The one way to open a Session: every verb, bench, the evaluations, sweep cells and dashboard workers. The
+    oracle's trace is captured first from what it will decode (`tokens` greedy tokens after `prompt`), unless
+    `drive` routes and predicts (a routing trace: experiments.routing_trace.drive). prompt None: no decoding known
+    ahead (an evaluation's prefills, a server's requests): the oracle has no future to replay and names nothing.
+    kw: Session's (engine, device, direct, ...); engine None is engines.default_engine."""
+    p = preset if isinstance(preset, Preset) else get_preset(preset)
+    if p.prefetch.predictor is Predictor.ORACLE and drive is None:
+        kw["trace"] = {} if prompt is None else oracle_trace(model, p, prompt, tokens)
+    return Session(model, p, budget=budget, drive=drive, **kw)
 
 
 def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int) -> dict | None:

@@ -98,9 +98,9 @@ def _take(demand, prefetch, jid) -> bool:
 def _next_job(tickets, demand, prefetch, jid, ticket, pfd, ts, idle, mutex) -> None:
     """Wait for a job id (into jid[0]): poll the pipes for idle[SPIN_NS] while fewer than idle[SPINNERS] other
     readers do, then sleep on the tickets. A submit writes tickets only for the ids no spinning reader will take:
-    a ticket's wake-up of a sleeping thread costs the submitting thread 20-300 us on these VMs (an interrupt to an
-    idle virtual CPU), a pipe poll a microsecond. A reader stops spinning under the mutex, then looks at the pipes
-    once more (the submit writes its ids, then reads the count: one of the two sees the other)."""
+    a ticket's wake-up of a sleeping thread costs the submitting thread far more (an interrupt to an idle virtual
+    CPU) than a pipe poll. A reader stops spinning under the mutex, then looks at the pipes once more (the submit
+    writes its ids, then reads the count: one of the two sees the other)."""
     while True:
         if _take(demand, prefetch, jid):
             _read(tickets, ticket.ctypes.data, 8)       # the ticket of this id, if it was written (non-blocking)
@@ -160,7 +160,7 @@ def _serve(fd, tickets, demand, prefetch, done, jobs, state, stamps, depths, iov
         t1 = real = _now(ts)
         if emulated:            # latency + size / min(read_bw, peak_bw / depth), as DeviceProfile.read_s
             end = t0 + np.int64(np.ceil(device[0] + jobs[j, LEN] / min(device[1], device[2] / depth)))
-            # Sleep to the lateness wake-ups have shown (20-50 us on these VMs even with 1 ns of timer slack), then
+            # Sleep to the lateness wake-ups have shown (late even with 1 ns of timer slack), then
             # yield the last stretch, as EmulatedReader._wait_until does: the read ends on its time, never before.
             while end - t1 > late + 20_000:
                 want = end - late - 20_000
@@ -248,10 +248,8 @@ class SlotReads:
     # Idle readers that poll the pipes before they sleep, and for how long; how long a waiting thread looks again at
     # once before it sleeps. A polling reader catches the next read of a burst (a layer's reads, then the next
     # layer's) without a wake-up, but takes a core the compute thread may want: the best setting moves with the
-    # machine. Alternating in one process (demo, budget 0.25, 64 tokens): on a machine whose wake-ups cost 20-300 us,
-    # two polling 2 ms against sleeping at once: on_demand 1.21x, les 1.23x, smol 1.32x, oracle 1.29x tok/s; on the
-    # next (AMD EPYC, 2 cores), one polling 200 us against two polling 2 ms, 8 rounds: les 1.07x, on_demand 1.02x,
-    # oracle 1.06x (none polling: 1.06x, 1.07x, 1.06x); under the emulated UFS phone, 6 rounds: 1.09x, 1.04x, 1.05x.
+    # machine (the cost of a wake-up, the cores to spare). These won or tied against more polling and against none,
+    # alternating arms in one process, on this machine's reads and an emulated device's; measure again on another.
     SPINNERS, SPIN_US, WAIT_SPIN_S = 1, 200, 1e-3
 
     def __init__(self, reader):
@@ -407,12 +405,11 @@ class SlotReads:
             self.reader.retries += 1        # the read the compiled loop did not get whole, got now
 
     def wait(self, futures, timeout: float, every: bool) -> list:
-        """Look again for WAIT_SPIN_S (a sleeping thread's wake-up by a reader costs 50-90 us on these VMs), yielding
-        the core between looks, then sleep on the readers' count, looking again within 2 ms (another waiting thread
-        may take it). The yield hands the core to a reader that is ready to run there: an emulated read ends on a
-        reader's timed wake-up, which a spin that keeps its core delays to the scheduler's next tick. Against the
-        spin without yields, alternating in one process (demo, budget 0.25, 8 rounds of 64 tokens): under the
-        emulated UFS phone les 1.42x, oracle 1.43x, on_demand 1.19x tok/s; on this machine's reads 0.95-1.08x."""
+        """Look again for WAIT_SPIN_S (a reader waking a sleeping thread costs more than looking), yielding the core
+        between looks, then sleep on the readers' count, looking again within 2 ms (another waiting thread may take
+        it). The yield hands the core to a reader that is ready to run there: an emulated read ends on a reader's
+        timed wake-up, which a spin that keeps its core delays to the scheduler's next tick. Against a spin without
+        yields it was faster under an emulated device and no slower on real reads (alternating arms)."""
         spin_until = time.perf_counter() + self.WAIT_SPIN_S
 
         def sleep(left):

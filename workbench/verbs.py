@@ -6,49 +6,44 @@ from __future__ import annotations
 
 import json
 
-from workbench.commands import command, emit, flash, running
+from workbench.commands import command, emit, flags, flash, running
 from workbench.errors import WorkbenchError
 
 
-def session(args, **kw):
-    from workbench.session import Session, oracle_trace
-    kw["trace"] = oracle_trace(args.model, args.preset, args.prompt, args.tokens)     # the oracle's: what it decodes
-    return Session(args.model, args.preset, budget=args.budget, engine=args.engine, direct=not args.page_cache,
-                   device=args.device, **kw)
-
-
 def _info_flags(p):
-    p.add_argument("--model", default="demo")
-    p.add_argument("--budget", default="0.25", help="the expert cache to size the memory needs at")
-    p.add_argument("--engine", default=None, help="whose expert cost sizes the cache (a pack's default engine if not given)")
+    flags("model", "preset", "budget", "engine",
+          budget={"help": "the expert cache to size the memory needs at (default: the preset's)"},
+          preset={"help": "whose storage a checkpoint not yet converted is sized at"})(p)
 
 
 @command("info", "describe a model, pack or GGUF", _info_flags)
 def cmd_info(args):
+    from engines import default_engine, engine_class, expert_bytes
+    from workbench.presets import Budget, get_preset
     from workbench.registry import is_pack, model_dir
     if str(args.model).endswith(".gguf"):
         return _info_gguf(args)
     p = model_dir(args.model)
+    preset = get_preset(args.preset)
     if is_pack(p):
         from workbench.store.pack import Pack
         pack = Pack(p)
         obj = {"path": str(p), "kind": "pack", "spec": pack.spec.to_dict(), "layout": pack.layout, "quant": pack.quant,
                "expert_nbytes": pack.expert_nbytes, "experts": pack.num_expert_total, "file_size": pack.header["file_size"]}
         spec, shapes = pack.spec, {n: t["shape"] for n, t in pack.tensors.items()}
-        from engines import default_engine, engine_class
         obj["engine"] = args.engine or default_engine(pack)
-        engine = engine_class(obj["engine"])
-        expert_bytes, resident_bytes = engine.expert_bytes(pack), engine.resident_bytes(pack)  # what its Session counts
+        item, resident_bytes = expert_bytes(obj["engine"], pack), engine_class(obj["engine"]).resident_bytes(pack)
     else:
         from workbench.models.hf import HFModel
         m = HFModel(p)
         obj = {"path": str(p), "kind": "huggingface", "spec": m.spec.to_dict(), "tensors": len(m.where),
-               "expert_tensors": len(m.experts)}
+               "expert_tensors": len(m.experts), "engine": args.engine or default_engine()}
         spec, shapes = m.spec, {n: m.tensor_shape(n) for n in m.where}
-        expert_bytes = resident_bytes = None         # not converted yet: counted in f32
+        # not converted yet: an expert costs what it will in the pack the preset's Session converts it to
+        item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
     from workbench.memory import describe, memory_needs
-    from workbench.presets import Budget
-    obj["memory"] = memory_needs(spec, shapes, Budget(args.budget), expert_bytes, resident_bytes)
+    budget = Budget(str(args.budget if args.budget is not None else preset.cache.budget))
+    obj["memory"] = memory_needs(spec, shapes, budget, item, resident_bytes, obj["engine"])
     s = obj["spec"]
     emit(args, obj, f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, "
                     f"d={s['hidden_size']}\n{describe(obj['memory'])}")
@@ -152,14 +147,15 @@ def cmd_make_model(args):
 
 
 def _generate_flags(p):
-    p.add_argument("--prompt", default="Once upon a time")
-    p.add_argument("--tokens", type=int, default=60)
+    flags("prompt", "tokens", "threads")(p)
     p.add_argument("--stop-at-eos", action="store_true")
 
 
 @command("generate", "generate text greedily", running, flash, _generate_flags)
 def cmd_generate(args):
-    with session(args) as s:
+    from workbench.session import open_session
+    with open_session(args.model, args.preset, args.budget, prompt=args.prompt, tokens=args.tokens,
+                      engine=args.engine, direct=not args.page_cache, device=args.device, threads=args.threads) as s:
         out = s.generate(args.prompt, tokens=args.tokens, stop_at_eos=args.stop_at_eos)
         summ = s.summary()
         out.update(preset=s.preset.name, hit_rate=summ["hit_rate"], bytes_read=summ["bytes_read"])
