@@ -34,13 +34,20 @@ from workbench.commands import flags  # noqa: E402
 PROMPT = "Once upon a time"
 
 
-def bench_arm(model: str, preset: str, budget: str, tokens: int) -> dict:
-    cmd = [sys.executable, "-m", "workbench", "bench", "--model", model, "--preset", preset, "--budget", budget,
-           "--tokens", str(tokens), "--prompt", PROMPT, "--json"]
+def verb(*args) -> dict:
+    cmd = [sys.executable, "-m", "workbench", *map(str, args), "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)}: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
     return json.loads(p.stdout)
+
+
+def bench_arm(model: str, preset: str, budget: str, tokens: int, threads: int | None) -> dict:
+    """One design in a fresh process, and what `info` said it would hold (run_bytes, for --tokens of context)."""
+    res = verb("bench", "--model", model, "--preset", preset, "--budget", budget, "--tokens", tokens, "--prompt",
+               PROMPT, *(["--threads", threads] if threads else []))
+    res["info_run_bytes"] = verb("info", "--model", model, "--preset", preset, "--budget", budget)["memory"]["run_bytes"]
+    return res
 
 
 def decode_accesses(run: str) -> list:
@@ -71,6 +78,7 @@ def main(argv=None):
     flags("tokens", tokens=16)(ap)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads")
+    ap.add_argument("--design-threads", type=int, default=None, help="the designs' (default: the engine's)")
     ap.add_argument("--llama", default="cold", choices=["cold", "warm"],
                     help="llama.cpp's start: cold, or warm (the whole file read into the page cache first)")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
@@ -81,7 +89,7 @@ def main(argv=None):
         for (d, b), got in arms.items():
             t0 = time.time()
             got.append(bench_gguf(a.model, tokens=a.tokens, prompt=PROMPT, mode=a.llama, threads=a.threads, warmup=0)
-                       if d == "llama.cpp" else bench_arm(a.model, d, b, a.tokens))
+                       if d == "llama.cpp" else bench_arm(a.model, d, b, a.tokens, a.design_threads))
             print(f"round {r + 1}: {d} @{b}: {got[-1]['tok_s']:.3f} tok/s ({time.time() - t0:.0f} s)", flush=True)
     rows = []
     for (d, b), got in arms.items():
@@ -104,7 +112,8 @@ def main(argv=None):
         if row["budget"] in bounds:
             row["over_belady"] = row["tok_s"] / bounds[row["budget"]]["belady_tok_s"]
     command = f"python benchmarks/full_size.py --model {a.model} --budgets {a.budgets} --designs {a.designs} " \
-              f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads} --llama {a.llama}"
+              f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads} --llama {a.llama}" + \
+              (f" --design-threads {a.design_threads}" if a.design_threads else "")
     res = {"command": command, "model": a.model, "file_size": os.path.getsize(a.model), "rows": rows,
            "bounds": bounds, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
            "random_weights": rows[1]["median_run"].get("random_weights") if len(rows) > 1 else None,
@@ -117,8 +126,8 @@ def main(argv=None):
           "(min-max). llama.cpp's memory is its peak RSS plus the file's pages in the page cache after the run "
           "(its mapped pages counted once).\n",
           "| design | budget | tok/s | min-max | x llama.cpp | peak RSS GiB | memory GiB | / llama.cpp's | MB read/tok "
-          "| hit | late | miss | recall | / floor | / Belady |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-          "---:|---:|---:|---:|"]
+          "| hit | late | miss | recall | / floor | / Belady | threads | RSS / info's |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         m = r["median_run"]
         f = lambda k, fmt=".3f", scale=1: "" if m.get(k) is None else format(m[k] * scale, fmt)
@@ -127,7 +136,9 @@ def main(argv=None):
                   f"{r.get('memory_over_llama_cpp', 1.0):.2f} | "
                   f"{f('bytes_read_per_token', '.0f', 1e-6)} | "
                   f"{f('hit_rate')} | {f('late_rate')} | {f('miss_rate')} | {f('prefetch_recall', '.2f')} | "
-                  f"{f('achieved_over_floor', '.2f')} | {'' if 'over_belady' not in r else format(r['over_belady'], '.2f')} |")
+                  f"{f('achieved_over_floor', '.2f')} | {'' if 'over_belady' not in r else format(r['over_belady'], '.2f')} | "
+                  f"{m.get('threads', '')} | "
+                  f"{format(m['peak_rss_bytes'] / m['info_run_bytes'], '.2f') if m.get('info_run_bytes') else ''} |")
     md += ["", "Belady's bound per budget (MIN over on_demand's decode routing, its slots; reads at the run's disk "
            "bandwidth, compute as on_demand's):", ""]
     md += [f"- {b}: {v['slots']} slots, {v['belady_misses']} misses of {v['accesses']} accesses "

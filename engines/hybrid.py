@@ -20,9 +20,8 @@ that reuses a prompt's cache cuts back to it). A truncate to any other position 
 from __future__ import annotations
 
 from workbench.errors import WorkbenchError
+from workbench.spec_hybrid import CHECKPOINT_WINDOW, checkpoint_window
 
-CHECKPOINT_WINDOW = 32
-CHECKPOINT_BYTES = 256 * 2**20
 
 
 class GatedDeltaNet:
@@ -35,9 +34,7 @@ class GatedDeltaNet:
             return
         L = s.linear
         channels = 2 * L["num_key_heads"] * L["key_head_dim"] + L["num_value_heads"] * L["value_head_dim"]
-        state = 4 * ((L["conv_kernel"] - 1) * channels + L["num_value_heads"] * L["key_head_dim"] * L["value_head_dim"])
-        per_position = state * sum(map(s.is_linear, range(s.num_layers)))
-        self.checkpoint_window = max(1, min(CHECKPOINT_WINDOW, CHECKPOINT_BYTES // per_position))
+        self.checkpoint_window = checkpoint_window(s)
         for i in range(s.num_layers):
             if s.is_linear(i):
                 self.lin[i] = (xp.zeros((L["conv_kernel"] - 1, channels), dtype=xp.float32),

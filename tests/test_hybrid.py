@@ -390,12 +390,12 @@ def test_mtp_heads_are_not_read_and_bad_configs_fail_in_one_line(hybrid_models, 
 def test_a_large_state_keeps_few_checkpoints_but_every_one_a_rollback_needs(hybrid_models, monkeypatch):
     """At full size one position's linear-attention state is tens of MiB: the checkpoints kept are bounded in bytes
     (CHECKPOINT_BYTES), yet a rejected draft, the step before and the prompt's end still roll back exactly."""
-    import engines.hybrid as H
+    import workbench.spec_hybrid as H
     path = hybrid_models["qwen3_5_moe"]
     with Session(str(path), "teacher", engine="numpy") as s:
         s.engine.reset()
-        layer = next(iter(s.engine.lin.values()))
-        per = sum(a.nbytes for a in layer) * len(s.engine.lin)
+        per = sum(a.nbytes for layer in s.engine.lin.values() for a in layer)
+        assert per == H.linear_state_bytes(s.spec)
         monkeypatch.setattr(H, "CHECKPOINT_BYTES", 2 * per)
         s.engine.reset()
         assert s.engine.checkpoint_window == 2

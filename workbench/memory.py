@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
+from workbench.spec_hybrid import checkpoint_window, linear_state_bytes
 from workbench.store import quant
 from workbench.store.pack import expert_kind
 
@@ -55,10 +56,12 @@ def largest_budget(resident: int, all_experts: int, available: int | None) -> st
 
 
 def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_bytes: int | None = None,
-                 engine: str = "") -> dict:
+                 engine: str = "", context: int = 4096, runtime_bytes: int = 0) -> dict:
     """expert_bytes: what one expert costs in the engine's cache (engines.expert_bytes, the Session's item_bytes);
     resident_bytes: what the non-expert weights take as the engine holds them (Engine.resident_bytes; f32 by
-    default); engine: its name, for the description."""
+    default); engine: its name, for the description. run_bytes: what a run of `context` tokens holds at its peak:
+    needed_bytes, the linear-attention checkpoints, the KV cache and `runtime_bytes` (the interpreter and its
+    libraries: `info` counts its own, having loaded what a run loads)."""
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     elements = sum(math.prod(s) for s in tensor_shapes.values())
     n_experts = len(spec.moe_layers) * spec.num_experts
@@ -68,12 +71,9 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_
     full = [i for i in range(spec.num_layers) if not spec.is_linear(i)]
     kv_heads, kv_dim = (1, spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.attention == "mla" else \
         (spec.num_kv_heads, 2 * spec.head_dim)
-    linear_state = 0
-    if spec.linear:
-        L = spec.linear
-        channels = 2 * L["num_key_heads"] * L["key_head_dim"] + L["num_value_heads"] * L["value_head_dim"]
-        linear_state = 4 * (spec.num_layers - len(full)) * (
-            (L["conv_kernel"] - 1) * channels + L["num_value_heads"] * L["key_head_dim"] * L["value_head_dim"])
+    linear_state = linear_state_bytes(spec)
+    # kept for rollback: the window, the last step's start, position 0 and a prompt's end, and the state being made
+    states = linear_state * (checkpoint_window(spec) + 4) if linear_state else 0
     resident = 4 * elements if resident_bytes is None else resident_bytes
     all_experts = item * n_experts
     cache = budget.nbytes(item, n_experts)
@@ -85,8 +85,11 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_
         "cache_bytes": cache, "cache_budget": budget.text, "cache_slots": budget.slots(item, n_experts),
         "cache_expert_bytes": item, "cache_engine": engine, "all_experts_cache_bytes": all_experts,
         "kv_bytes_per_token": 4 * len(full) * kv_heads * kv_dim,
-        "linear_state_bytes": linear_state,
+        "linear_state_bytes": linear_state, "linear_checkpoint_bytes": states, "context": context,
         "needed_bytes": resident + min(cache, all_experts), "available_bytes": available,
+        "runtime_bytes": runtime_bytes,
+        "run_bytes": resident + min(cache, all_experts) + states + 4 * len(full) * kv_heads * kv_dim * context
+        + runtime_bytes,
         "largest_budget": largest_budget(resident, all_experts, available),
     }
 
@@ -110,6 +113,9 @@ def describe(m: dict) -> str:
             f"({gib(m['resident_f32_bytes'])} f32, {gib(m['resident_bf16_bytes'])} bf16, shared experts included); {m['experts']} experts on disk: {ex}; expert cache at budget "
             f"{m['cache_budget']}: {gib(m['cache_bytes'])} ({m['cache_slots']} slots of {m['cache_expert_bytes']} bytes, "
             f"one expert in the {m['cache_engine'] or 'engine'} engine's cache); KV cache {m['kv_bytes_per_token']} bytes per token "
-            f"of context; linear-attention state {gib(m['linear_state_bytes'])} (fixed)\n"
-            f"needs {gib(m['needed_bytes'])}, {avail} available; largest --budget that fits: "
-            f"{m['largest_budget']}")
+            f"of context; linear-attention state {gib(m['linear_state_bytes'])} a position "
+            f"({gib(m['linear_checkpoint_bytes'])} with the checkpoints kept)\n"
+            f"needs {gib(m['needed_bytes'])} (weights and cache), {avail} available; largest --budget that fits: "
+            f"{m['largest_budget']}\n"
+            f"a run of {m['context']} tokens holds about {gib(m['run_bytes'])} at its peak (the checkpoints, the KV "
+            f"cache and {gib(m['runtime_bytes'])} of runtime added)")

@@ -21,10 +21,13 @@ def cmd_info(args):
     from engines import default_engine, engine_class, expert_bytes
     from workbench.presets import Budget, get_preset
     from workbench.registry import is_pack, model_dir
-    if str(args.model).endswith(".gguf"):
-        return _info_gguf(args)
-    p = model_dir(args.model)
     preset = get_preset(args.preset)
+    gguf = _info_gguf(args) if str(args.model).endswith(".gguf") else None
+    if gguf:                 # a run streams it through its index: sized as that pack (made once, in seconds)
+        from workbench.registry import resolve_pack, storage_for
+        p = resolve_pack(args.model, *storage_for(args.model, preset.storage))
+    else:
+        p = model_dir(args.model)
     if is_pack(p):
         from workbench.store.pack import Pack
         pack = Pack(p)
@@ -42,14 +45,21 @@ def cmd_info(args):
         # not converted yet: an expert costs what it will in the pack the preset's Session converts it to
         item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
     from workbench.memory import describe, memory_needs
+    from workbench.session import peak_rss_bytes
     budget = Budget(str(args.budget if args.budget is not None else preset.cache.budget))
-    obj["memory"] = memory_needs(spec, shapes, budget, item, resident_bytes, obj["engine"])
+    engine_class(obj["engine"])         # its module imported: this process's memory is a run's runtime
+    obj["memory"] = memory_needs(spec, shapes, budget, item, resident_bytes, obj["engine"],
+                                 runtime_bytes=peak_rss_bytes())
     s = obj["spec"]
-    emit(args, obj, f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, "
-                    f"d={s['hidden_size']}\n{describe(obj['memory'])}")
+    head = f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, " \
+           f"d={s['hidden_size']}"
+    if gguf:
+        obj = {**gguf[0], "index": str(p), "engine": obj["engine"], "memory": obj["memory"]}
+        head = gguf[1]
+    emit(args, obj, f"{head}\n{describe(obj['memory'])}")
 
 
-def _info_gguf(args):
+def _info_gguf(args) -> tuple[dict, str]:
     from workbench.models.gguf_model import GGUFModel
     g = GGUFModel(args.model)
     types = {}
@@ -60,8 +70,8 @@ def _info_gguf(args):
            "mtp_layers": g.mtp_layers}
     s = obj["spec"]
     mtp = f" (+{g.mtp_layers} MTP, not read)" if g.mtp_layers else ""
-    emit(args, obj, f"{g.path}: GGUF {g.arch} ({s['family']}), {s['num_layers']} layers{mtp}, {s['num_experts']} "
-                    f"experts, top-{s['top_k']}, d={s['hidden_size']}, types {types}")
+    return obj, (f"{g.path}: GGUF {g.arch} ({s['family']}), {s['num_layers']} layers{mtp}, {s['num_experts']} "
+                 f"experts, top-{s['top_k']}, d={s['hidden_size']}, types {types}")
 
 
 def _convert_flags(p):
