@@ -41,6 +41,9 @@ def linear_tensors(model, i: int) -> dict[str, np.ndarray]:
         return {"attn_qkv.weight": w[p + "lin_qkv"], "attn_gate.weight": w[p + "lin_z"], **out}
     qk, dv = 2 * L["num_key_heads"] * L["key_head_dim"], L["value_head_dim"]
     qkv = model.tensor(p + "lin_qkv")
+    if L.get("value_heads") == "tiled":          # read from a qwen35moe GGUF: in its order already
+        return {"attn_qkv.weight": qkv, "attn_gate.weight": model.tensor(p + "lin_z"),
+                "ssm_beta.weight": model.tensor(p + "lin_b"), "ssm_alpha.weight": model.tensor(p + "lin_a"), **out}
     return {"attn_qkv.weight": np.concatenate([qkv[:qk], tile_value_heads(s, qkv[qk:], 0, dv)]),
             "attn_gate.weight": tile_value_heads(s, model.tensor(p + "lin_z"), 0, dv),
             "ssm_beta.weight": tile_value_heads(s, model.tensor(p + "lin_b"), 0, 1),

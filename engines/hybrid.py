@@ -80,7 +80,10 @@ class GatedDeltaNet:
         q = self.l2norm(mixed[:, :hk * dk].reshape(T, hk, dk)) * self.scalar(dk ** -0.5)
         k = self.l2norm(mixed[:, hk * dk:2 * hk * dk].reshape(T, hk, dk))
         v = mixed[:, 2 * hk * dk:].reshape(T, hv, dv)
-        q, k = xp.repeat(q, hv // hk, axis=1), xp.repeat(k, hv // hk, axis=1)  # each key head serves hv/hk value heads
+        if L.get("value_heads") == "tiled":          # value head j reads key head j % hk (llama.cpp's qwen35moe)
+            q, k = xp.tile(q, (1, hv // hk, 1)), xp.tile(k, (1, hv // hk, 1))
+        else:                                        # grouped: j reads j // (hv / hk), as Hugging Face's
+            q, k = xp.repeat(q, hv // hk, axis=1), xp.repeat(k, hv // hk, axis=1)
         beta = 1.0 / (1.0 + xp.exp(-self.linear(x, p + "lin_b")))
         decay = xp.exp(-xp.exp(W(p + "lin_A_log")) * xp.logaddexp(self.scalar(0.0), self.linear(x, p + "lin_a") + W(p + "lin_dt_bias")))
         out = []

@@ -7,6 +7,7 @@ blocks through the same kernels).
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -324,3 +325,27 @@ def test_nextn_predict_layers_that_leave_no_main_layers_are_refused(tmp_path):
         GGUFModel(relabel(src, tmp_path / "bad.gguf", 5, 5))
     with pytest.raises(WorkbenchError, match="nextn.eh_proj.weight has no place"):   # nextn tensors in a main block
         GGUFModel(relabel(src, tmp_path / "main.gguf", 5))
+
+
+def test_a_streaming_run_holds_its_budget_and_never_the_model(tmp_path):
+    """On a GGUF made for the test (the Qwen3-Next architecture, 4 layers of 512 experts, 2.8 GB), a streaming
+    run's peak RSS (a fresh process each) grows with the budget by the budget, and stays far under the file: the
+    experts are read into the cache, never mapped or copied whole (the 80B run in results/full_size.md is the
+    same code)."""
+    from engines.gguf_random import make_gguf
+    g = make_gguf("qwen3-next-80b-a3b", tmp_path / "next.gguf", layers=4, experts=512)
+    env = {**os.environ, "WORKBENCH_CACHE": str(tmp_path / "cache")}
+    repo = Path(__file__).resolve().parents[1]
+
+    def peak(budget):
+        r = subprocess.run([sys.executable, "-m", "workbench", "bench", "--model", str(g), "--preset", "les",
+                            "--budget", budget, "--tokens", "4", "--no-record", "--json"],
+                           capture_output=True, text=True, env=env, cwd=repo)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout)
+
+    small, big = peak("64MiB"), peak("320MiB")
+    grown, cache = big["peak_rss_bytes"] - small["peak_rss_bytes"], big["budget_bytes"] - small["budget_bytes"]
+    assert cache > 200 * 2**20
+    assert abs(grown - cache) < 0.1 * cache + 32 * 2**20, (grown / 2**20, cache / 2**20)
+    assert big["peak_rss_bytes"] < g.stat().st_size / 2, big["peak_rss_bytes"] / 2**20

@@ -329,17 +329,22 @@ def test_llamacpp_runs_the_exported_gguf_with_our_greedy_tokens(hybrid_models, f
     theirs, logits = in_child(llama_greedy_and_logits, gguf_path, prompt, 16, prompt + mine[:-1])
     assert theirs == mine
     np.testing.assert_allclose(logits, ours(path, prompt + mine[:-1]), atol=3e-2, rtol=0)
-    # and back: the same model (f16 holds the bf16 weights exactly). A qwen35moe GGUF is family qwen3_5_moe, and
-    # no layer is dense, so the dense width it records is unused.
+    # and back: the same model (f16 holds the bf16 weights exactly). A qwen35moe GGUF is family qwen3_5_moe, keeps
+    # its value heads in llama.cpp's tiled order (the decoder broadcasts q and k to match), and no layer is dense,
+    # so the dense width it records is unused.
     want, got = HFModel(path).spec, GGUFModel(gguf_path).spec
     assert got.family == {"qwen3_next": "qwen3_next"}.get(family, "qwen3_5_moe")
+    tiled = got.linear.pop("value_heads", None)
+    assert tiled == (None if family == "qwen3_next" else "tiled")
     assert replace(got, family=want.family, dense_intermediate_size=want.dense_intermediate_size) == want
     np.testing.assert_allclose(ours(gguf_path, prompt + mine[:-1]), ours(path, prompt + mine[:-1]), atol=ATOL, rtol=0)
 
 
 def test_qwen35moe_gguf_tiles_the_value_heads_over_the_key_heads(hybrid_models, tmp_path):
     """llama.cpp's qwen35moe holds DeltaNet's value heads tiled over the key heads (v0 of every key head, then
-    v1 ...), Hugging Face's Qwen3.5 grouped by key head: the export reorders them and the import puts them back."""
+    v1 ...), Hugging Face's Qwen3.5 grouped by key head: the export reorders them; the import keeps the GGUF's
+    order (every value-head axis tiled alike, so nothing is regrouped and the blocks stay as they lie), and
+    exported again gives the same file's tensors."""
     import gguf
 
     from engines.gguf_export import export_gguf
@@ -349,9 +354,17 @@ def test_qwen35moe_gguf_tiles_the_value_heads_over_the_key_heads(hybrid_models, 
     z = HFModel(path).tensor("layers.0.lin_z").reshape(2, 2, 8, -1)        # (key head, value head in it, dv, d)
     written = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}["blk.0.attn_gate.weight"]
     np.testing.assert_array_equal(np.asarray(written.data, np.float32).reshape(2, 2, 8, -1), z.swapaxes(0, 1))
-    g = GGUFModel(gguf_path)
-    for name in ("lin_qkv", "lin_z", "lin_b", "lin_a", "lin_conv", "lin_dt_bias", "lin_out"):
-        np.testing.assert_array_equal(g.tensor(f"layers.0.{name}"), HFModel(path).tensor(f"layers.0.{name}"), name)
+    from workbench.spec_hybrid import tile_value_heads
+    g, hf = GGUFModel(gguf_path), HFModel(path)
+    assert g.spec.linear["value_heads"] == "tiled"
+    qk = 2 * 2 * g.spec.linear["key_head_dim"]
+    for name, axis, dim in (("lin_z", 0, 8), ("lin_b", 0, 1), ("lin_a", 0, 1), ("lin_dt_bias", 0, 1), ("lin_out", 1, 8)):
+        np.testing.assert_array_equal(g.tensor(f"layers.0.{name}"),
+                                      tile_value_heads(hf.spec, hf.tensor(f"layers.0.{name}"), axis, dim), name)
+    qkv = hf.tensor("layers.0.lin_qkv")
+    np.testing.assert_array_equal(g.tensor("layers.0.lin_qkv"),
+                                  np.concatenate([qkv[:qk], tile_value_heads(hf.spec, qkv[qk:], 0, 8)]))
+    assert not {"layers.0.lin_qkv", "layers.0.lin_z", "layers.0.lin_out"} & set(g.derived)    # read as they lie
 
 
 def test_a_gguf_of_an_architecture_without_experts_is_refused_in_one_line(tmp_path):

@@ -120,6 +120,7 @@ class GatedDeltaNet(nn.Module):
         L, d = c.linear, c.hidden_size
         self.prefix = f"layers.{layer}."
         self.hk, self.hv, self.dk, self.dv = L["num_key_heads"], L["num_value_heads"], L["key_head_dim"], L["value_head_dim"]
+        self.tiled = L.get("value_heads") == "tiled"       # a qwen35moe GGUF's order (engines/hybrid.py)
         C = 2 * self.hk * self.dk + self.hv * self.dv
         self.in_proj_qkv = nn.Linear(d, C, bias=False)
         self.in_proj_z = nn.Linear(d, self.hv * self.dv, bias=False)
@@ -143,7 +144,11 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], -1)
         q = self.l2norm(q.view(B, T, hk, dk)) * dk ** -0.5
         k = self.l2norm(k.view(B, T, hk, dk))
-        q, k, v = q.repeat_interleave(hv // hk, 2), k.repeat_interleave(hv // hk, 2), v.view(B, T, hv, dv)
+        if self.tiled:
+            q, k = q.repeat(1, 1, hv // hk, 1), k.repeat(1, 1, hv // hk, 1)
+        else:
+            q, k = q.repeat_interleave(hv // hk, 2), k.repeat_interleave(hv // hk, 2)
+        v = v.view(B, T, hv, dv)
         beta = torch.sigmoid(self.in_proj_b(x))
         decay = torch.exp(-self.A_log.exp() * F.softplus(self.in_proj_a(x) + self.dt_bias))
         S = x.new_zeros(B, hv, dk, dv) if S is None else S

@@ -1,15 +1,14 @@
 """llama.cpp's `qwen3next` and `qwen35moe` GGUFs read back into the workbench's Qwen3-Next and Qwen3.5-MoE (the
 inverse of engines/gguf_export_hybrid.py). qwen3next: `attn_qkv` and `attn_gate` are already the decoder's lin_qkv
 and lin_z (the split that spec_hybrid.split_fused_projections makes of in_proj_qkvz), so they stay in their GGUF
-blocks and ggml computes them; `ssm_ba` is in_proj_ba as it is. qwen35moe: q, k, v, z, b, a apart as Qwen3.5 keeps them, every value-head axis untiled
-back to Hugging Face's grouped order (spec_hybrid.tile_value_heads). Both: A_log = log(-ssm_a), the conv kernel
+blocks and ggml computes them; `ssm_ba` is in_proj_ba as it is. qwen35moe: q, k, v, z, b, a apart as Qwen3.5 keeps them, every value-head axis in llama.cpp's
+order, tiled over the key heads (spec.linear["value_heads"] = "tiled": spec_hybrid.tile_value_heads). Both: A_log = log(-ssm_a), the conv kernel
 as (channels, 1, K); the post-attention norm is the MoE block's input norm. Norms are stored as 1 + w, as the
 workbench holds them. A qwen35moe GGUF imports as family qwen3_5_moe (MiniCPM-V 4.7's language model too)."""
 from __future__ import annotations
 
 import numpy as np
 
-from workbench.spec_hybrid import tile_value_heads
 
 _COMMON = {"post_attention_norm.weight": "mlp_norm", "ssm_conv1d.weight": "lin_conv", "ssm_a": "lin_A_log",
            "ssm_dt.bias": "lin_dt_bias", "ssm_norm.weight": "lin_norm", "ssm_out.weight": "lin_out"}
@@ -20,7 +19,7 @@ BLOCKS = {  # GGUF block tensor -> canonical (None: read with another tensor)
 }
 
 
-def hybrid_gguf_spec(common: dict, meta, shared_ff: int):
+def hybrid_gguf_spec(common: dict, meta, shared_ff: int, tiled: bool = False):
     from workbench.spec import MoESpec
     n = common["num_layers"]
     interval = int(meta("{arch}.full_attention_interval", 4))
@@ -32,40 +31,22 @@ def hybrid_gguf_spec(common: dict, meta, shared_ff: int):
                    linear=dict(num_key_heads=int(meta("{arch}.ssm.group_count")), num_value_heads=value_heads,
                                key_head_dim=int(meta("{arch}.ssm.state_size")),
                                value_head_dim=int(meta("{arch}.ssm.inner_size")) // value_heads,
-                               conv_kernel=int(meta("{arch}.ssm.conv_kernel"))))
+                               conv_kernel=int(meta("{arch}.ssm.conv_kernel")),
+                               **({"value_heads": "tiled"} if tiled else {})))
 
 
 def hybrid_derived(g) -> dict:
-    """{canonical name: () -> f32 array} for the tensors that are not one GGUF tensor as it is."""
+    """{canonical name: () -> f32 array} for the tensors that are not one GGUF tensor as it is: the decay (A_log =
+    log(-ssm_a)) and the conv kernel's shape. A qwen35moe file keeps its value heads tiled over the key heads
+    (spec.linear["value_heads"] "tiled"): the decoder broadcasts q and k to match, so no matrix is regrouped."""
     s, out = g.spec, {}
-    L = s.linear
-    hk, dk, dv = L["num_key_heads"], L["key_head_dim"], L["value_head_dim"]
-    qk = 2 * hk * dk
-    tiled = g.arch == "qwen35moe"
 
     def read(name):
         return g._dequantized(g.where[name])
 
-    def grouped(a, axis, dim):
-        return tile_value_heads(s, a, axis, dim, back=True) if tiled else a
-
-    def qkv(p):
-        a = read(p + "lin_qkv")
-        return np.concatenate([a[:qk], grouped(a[qk:], 0, dv)])
-
-    def conv(p):
-        c = read(p + "lin_conv")
-        return np.concatenate([c[:qk], grouped(c[qk:], 0, dv)])[:, None, :]
-
     for i in range(s.num_layers):
         if s.is_linear(i):
             p = f"layers.{i}."
-            out[p + "lin_conv"] = lambda p=p: conv(p)
-            out[p + "lin_A_log"] = lambda p=p: np.log(-grouped(read(p + "lin_A_log"), 0, 1))
-            if not tiled:
-                continue
-            out[p + "lin_qkv"] = lambda p=p: qkv(p)
-            for name, axis, dim in (("lin_z", 0, dv), ("lin_b", 0, 1), ("lin_a", 0, 1), ("lin_dt_bias", 0, 1),
-                                    ("lin_out", 1, dv)):
-                out[p + name] = lambda p=p, name=name, axis=axis, dim=dim: grouped(read(p + name), axis, dim)
+            out[p + "lin_conv"] = lambda p=p: read(p + "lin_conv")[:, None, :]
+            out[p + "lin_A_log"] = lambda p=p: np.log(-read(p + "lin_A_log"))
     return out

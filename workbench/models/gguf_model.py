@@ -270,7 +270,8 @@ class GGUFModel:
         if a == "deepseek2":
             return self._deepseek2_spec(common, ff)
         if a in HYBRID_BLOCKS:
-            return hybrid_gguf_spec(common, m, self._ne(self.where[f"layers.{moe[0]}.shared.gate"])[1])
+            return hybrid_gguf_spec(common, m, self._ne(self.where[f"layers.{moe[0]}.shared.gate"])[1],
+                                    tiled=a == "qwen35moe")
         if a == "qwen3moe":        # norm_w true, softmax, per-head q/k norm
             return MoESpec(**common, norm_topk_prob=True, qk_norm="head")
         if a == "qwen2moe":        # norm_w false, a sigmoid-gated shared expert
