@@ -25,6 +25,8 @@ import math
 import os
 import queue
 import secrets
+import selectors
+import socket
 import sys
 import threading
 import time
@@ -41,6 +43,7 @@ MAX_BODY = 2 * 2**20        # 64 prompts of 4096 token ids fit
 MAX_WAITING = 8             # generation requests queued behind the running one
 MAX_CONNECTIONS = 128
 READ_TIMEOUT = 20.0         # seconds from the last answer (or the connection) to a whole request
+LINGER_S = 1.0              # a refused connection is read (and dropped) this long before it is closed
 MAX_LOGPROBS = 20
 ROLES = ("system", "user", "assistant")
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
@@ -720,6 +723,8 @@ class Server(ThreadingHTTPServer):
         self.refused = 0                      # connections answered 429 at the door (over max_connections)
         self.open = 0
         self.count_lock = threading.Lock()
+        self.lingering: queue.Queue = queue.Queue()
+        threading.Thread(target=self._linger, name="serve-linger", daemon=True).start()
 
     def process_request(self, request, client_address):
         with self.count_lock:
@@ -734,9 +739,40 @@ class Server(ThreadingHTTPServer):
             request.setblocking(False)
             request.send(b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
                          b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            request.shutdown(socket.SHUT_WR)
         except OSError:
-            pass
-        self.shutdown_request(request)
+            request.close()
+            return
+        self.lingering.put(request)
+
+    def _linger(self):
+        """Refused connections, each read (and dropped) for LINGER_S before it is closed: a close with the
+        client's request unread would reset the connection, and the client could lose the 429 it was sent."""
+        sel, until = selectors.DefaultSelector(), {}
+        while True:
+            try:
+                while True:
+                    sock = self.lingering.get(block=not until)
+                    if len(until) >= self.max_connections:       # a flood: no lingering for the rest
+                        sock.close()
+                        continue
+                    until[sock] = time.monotonic() + LINGER_S
+                    sel.register(sock, selectors.EVENT_READ)
+            except queue.Empty:
+                pass
+            ready = {key.fileobj for key, _ in sel.select(0.05)}
+            now = time.monotonic()
+            for sock in list(until):
+                done = until[sock] < now
+                if sock in ready:
+                    try:
+                        done = done or not sock.recv(2**16)
+                    except OSError:
+                        done = True
+                if done:
+                    sel.unregister(sock)
+                    sock.close()
+                    del until[sock]
 
     def process_request_thread(self, request, client_address):
         try:
