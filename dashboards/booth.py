@@ -111,15 +111,34 @@ def steps(booth: K.Booth) -> list[tuple[str, object]]:
     return out
 
 
-def prepare(booth: K.Booth, todo: list) -> float:
-    """Run the steps, the status file saying which; returns the seconds it took."""
+def prepare(booth: K.Booth, todo: list, page=None) -> float:
+    """Run the steps, the status file saying which; returns the seconds it took. page: the page's server process,
+    which must stay up meanwhile (a port in use ends it at once)."""
     t0 = time.time()
     for i, (what, make) in enumerate(todo):
+        if page is not None and page.poll() is not None:
+            raise WorkbenchError(f"the page's server exited (code {page.returncode}; is its port taken?)")
         K.set_status(booth, state="preparing", step=what, done=i, total=len(todo))
         print(f"booth: preparing {i + 1}/{len(todo)}: {what}", file=sys.stderr, flush=True)
         make()
     K.set_status(booth, state="ready", done=len(todo), total=len(todo), seconds=round(time.time() - t0, 1))
     return time.time() - t0
+
+
+def wait_up(page, host: str, port: int, timeout: float = 120):
+    """Until the page's server answers; a WorkbenchError when it exits first."""
+    import urllib.request
+    near = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, host)      # every interface: ask this machine's
+    url = f"http://{near}:{port}/_stcore/health"
+    deadline = time.time() + timeout
+    while page.poll() is None and time.time() < deadline:
+        try:
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                return
+        except OSError:
+            time.sleep(0.25)
+    raise WorkbenchError(f"the page's server exited (code {page.returncode}; is its port taken?)"
+                         if page.poll() is not None else f"the page's server did not answer on {url} in {timeout:g} s")
 
 
 def streamlit_cmd(host: str, port: int) -> list[str]:
@@ -141,7 +160,8 @@ def main(argv=None) -> int:
                                 env={**os.environ, K.BOOTH_ENV: str(tmp / "booth.json")})
         print(f"booth: http://{a.host}:{a.port} (the page says what is prepared until the first round)",
               file=sys.stderr, flush=True)
-        seconds = prepare(booth, todo)
+        seconds = prepare(booth, todo, proc)
+        wait_up(proc, a.host, a.port)
         print(f"booth: ready after {seconds:.0f} s", file=sys.stderr, flush=True)
         return proc.wait()
     except WorkbenchError as e:

@@ -12,6 +12,7 @@ from workbench.errors import WorkbenchError
 
 _LOOPS: dict[tuple, "Loop"] = {}
 _LOCK = threading.Lock()
+KEEP = 32           # programs remembered; past that, the idle ones are forgotten (a URL can name many)
 
 
 class Loop:
@@ -70,6 +71,9 @@ class Loop:
 def loop(cfg: dict) -> Loop:
     key = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(cfg.items()))
     with _LOCK:
+        if key not in _LOOPS and len(_LOOPS) >= KEEP:
+            for k in [k for k, lp in _LOOPS.items() if not any(r.active for r in lp.runs())]:
+                del _LOOPS[k]
         return _LOOPS.setdefault(key, Loop(cfg))
 
 

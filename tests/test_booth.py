@@ -131,3 +131,15 @@ def test_the_booth_prepares_what_its_rounds_open(tmp_path):
     cfg, notes = K.settings({}, booth)
     assert not notes and cfg["model"] == booth.models["demo-moe"] and cfg["routing_trace"] == str(trace)
     assert K.settings({"model": "demo"}, booth)[0]["model"] == "demo", "the registered models stay on the list"
+
+
+def test_a_taken_port_ends_the_booth_in_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "dashboards.booth", "--designs", "on_demand,les,smol", "--port",
+                              str(port)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1].startswith("error: the page's server exited"), res.stderr[-2000:]

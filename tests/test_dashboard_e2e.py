@@ -39,7 +39,7 @@ def server(tmp_path_factory):
     port, log = free_port(), tmp / "server.log"
     env = {**os.environ, "WORKBENCH_RUNS": str(tmp / "runs")}
     cmd = [sys.executable, "-m", "streamlit", "run", "dashboards/live.py", "--server.headless", "true",
-           "--server.port", str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
+           "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
