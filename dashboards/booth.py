@@ -98,6 +98,7 @@ def steps(booth: K.Booth) -> list[tuple[str, object]]:
         if not M.made(plan):
             out.append((f"making the RANDOM-weight checkpoint of {plan.label}", lambda: M.make(plan)))
     model, trace = cfg["model"], cfg["routing_trace"]
+    label = f"the {booth.shape} checkpoint" if booth.shape else M.shown(model)
     designs = list(booth.designs) or list(dict.fromkeys(d for i in (0, 1) for d in booth_round(i, model)[1]))
 
     def opener(design):
@@ -107,7 +108,7 @@ def steps(booth: K.Booth) -> list[tuple[str, object]]:
                          routing_trace=trace).close()
         return open_once
     for d in designs:
-        out.append((f"{d}: its pack of {M.shown(model)} and what it warms from", opener(d)))
+        out.append((f"{d}: its pack of {label} and what it warms from", opener(d)))
     return out
 
 
@@ -146,9 +147,15 @@ def streamlit_cmd(host: str, port: int) -> list[str]:
             *KIOSK_FLAGS]
 
 
+def _stop(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     import os
+    import signal
     a = args_parser().parse_args(argv)
+    old = signal.signal(signal.SIGTERM, _stop)     # a terminate takes the page's server down with it, as Ctrl-C
     tmp = Path(tempfile.mkdtemp(prefix="wb-booth-"))
     proc = None
     try:
@@ -170,6 +177,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        signal.signal(signal.SIGTERM, old)
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:

@@ -48,8 +48,8 @@ def listening(pid: int) -> set[tuple[str, int]]:
 
 
 def serve_until(cmd: list[str], port: int, done, timeout: float = 180):
-    """Run cmd (its python replaced by this interpreter) until done(proc, log) is true; returns (what the server
-    listens on, the log)."""
+    """Run cmd (its python replaced by this interpreter) until done(port, log) is true, then terminate it; returns
+    (what the server listens on, the log). Nothing it started outlives it."""
     log = Path(os.environ["WORKBENCH_RUNS"]).parent / f"serve-{port}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, *cmd[1:]], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
@@ -60,6 +60,7 @@ def serve_until(cmd: list[str], port: int, done, timeout: float = 180):
             if proc.poll() is not None or time.time() > deadline:
                 pytest.fail(f"{shlex.join(cmd)}: not up:\n{log.read_text()[-3000:]}")
             time.sleep(0.25)
+        children = psutil.Process(proc.pid).children(recursive=True)
         return listening(proc.pid), log.read_text()
     finally:
         proc.terminate()
@@ -67,6 +68,9 @@ def serve_until(cmd: list[str], port: int, done, timeout: float = 180):
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if "children" in locals():
+            gone, alive = psutil.wait_procs(children, timeout=15)
+            assert not alive, f"{shlex.join(cmd)} left {[p.cmdline() for p in alive]} running"
 
 
 def healthy(port: int, _log: str = "") -> bool:
