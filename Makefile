@@ -3,8 +3,9 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 PORT    ?= 8501
+HOST    ?= 127.0.0.1
 
-.PHONY: demo test browser venv notebooks figures clean-packs
+.PHONY: demo booth test browser venv notebooks figures clean-packs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,8 +43,13 @@ browser:
 
 venv: $(VENV)/.runtime
 
+# The page listens on this machine only; HOST=0.0.0.0 opens it to the network (docs/booth.md: what that exposes).
 demo: $(VENV)/.runtime
-	$(BIN)/python -m streamlit run dashboards/live.py --server.headless true --server.port $(PORT)
+	$(BIN)/python -m streamlit run dashboards/live.py --server.headless true --server.address $(HOST) --server.port $(PORT)
+
+# A booth: every model, pack and trace it shows made first, then the kiosk page; ARGS are its options (docs/booth.md).
+booth: $(VENV)/.runtime
+	$(BIN)/python -m dashboards.booth --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(VENV)/.test $(OC_VENV)/.ok browser
 	$(BIN)/python -m pytest -q

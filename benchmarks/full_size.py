@@ -82,10 +82,16 @@ def main(argv=None):
     ap.add_argument("--llama", default="cold", choices=["cold", "warm"],
                     help="llama.cpp's start: cold, or warm (the whole file read into the page cache first)")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--tables-from", type=Path, default=None, metavar="JSON",
+                    help="write the tables again from a results JSON this script wrote (its runs), measuring nothing")
     a = ap.parse_args(argv)
     budgets, designs = a.budgets.split(","), a.designs.split(",")
     arms = {("llama.cpp", f"mmap, {a.llama}"): []} | {(d, b): [] for b in budgets for d in designs}
-    for r in range(a.rounds):
+    if a.tables_from:
+        old = json.loads(a.tables_from.read_text())
+        for d, b, got in old.get("arms") or [(r["design"], r["budget"], [r["median_run"]]) for r in old["rows"]]:
+            arms[(d, b)] = got
+    for r in range(0 if a.tables_from else a.rounds):
         for (d, b), got in arms.items():
             t0 = time.time()
             got.append(bench_gguf(a.model, tokens=a.tokens, prompt=PROMPT, mode=a.llama, threads=a.threads, warmup=0)
@@ -97,8 +103,8 @@ def main(argv=None):
         med = sorted(got, key=lambda g: g["tok_s"])[len(got) // 2]
         row = {"design": d, "budget": b, "tok_s": statistics.median(tok), "tok_s_min": min(tok), "tok_s_max": max(tok),
                "peak_rss_bytes": med["peak_rss_bytes"], "median_run": med}
-        if d == "llama.cpp":
-            row["memory_bytes"] = med["peak_rss_bytes"] + med["file_resident_after_bytes"] - med["gguf_mapped_rss_bytes"]
+        if d == "llama.cpp":      # its own memory and the file's pages it brought into the page cache
+            row["memory_bytes"] = med["rss_anon_bytes"] + med["file_resident_after_bytes"]
         else:
             row["memory_bytes"] = med["peak_rss_bytes"]
         rows.append(row)
@@ -115,16 +121,21 @@ def main(argv=None):
               f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads} --llama {a.llama}" + \
               (f" --design-threads {a.design_threads}" if a.design_threads else "")
     res = {"command": command, "model": a.model, "file_size": os.path.getsize(a.model), "rows": rows,
+           "arms": [[d, b, got] for (d, b), got in arms.items()],
            "bounds": bounds, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
            "random_weights": rows[1]["median_run"].get("random_weights") if len(rows) > 1 else None,
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0]}
+    if a.tables_from:               # measured then: said as it was
+        res.update({k: old[k] for k in ("command", "date", "machine") if k in old}, load=old.get("load"))
+        command = res["command"]
     gib = lambda n: n / 2 ** 30
     md = [f"# Full size: {Path(a.model).name} ({gib(res['file_size']):.1f} GiB), stock llama.cpp and the designs\n",
-          f"`{command}` ({res['date']}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}). "
+          f"`{command}` ({res['date']}, {res['machine']['cores']} cores, load "
+          f"{'?' if res['load'] is None else format(res['load'], '.1f')}). "
           f"{res['random_weights'] or ''}\n",
           "Each arm a fresh process, cold (file out of the page cache), alternating within a round; tok/s median "
-          "(min-max). llama.cpp's memory is its peak RSS plus the file's pages in the page cache after the run "
-          "(its mapped pages counted once).\n",
+          "(min-max). llama.cpp's memory is its anonymous RSS plus the file's pages in the page cache after the run "
+          "(what its mmap holds of the machine's memory); a design's is its peak RSS.\n",
           "| design | budget | tok/s | min-max | x llama.cpp | peak RSS GiB | memory GiB | / llama.cpp's | MB read/tok "
           "| hit | late | miss | recall | / floor | / Belady | threads | RSS / info's |",
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -121,6 +121,10 @@ class DesignRun:
     def active(self) -> bool:
         return self.status in ("queued", "starting", "running")
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     def start(self) -> "DesignRun":
         self.thread.start()
         return self
@@ -175,12 +179,18 @@ class DesignRun:
 _RUNS: dict[str, DesignRun] = {}
 _RUNS_LOCK = threading.Lock()
 KEEP = 48
+MAX_RUNS = 8        # design processes at once on this server: every page, session and visitor together
 
 
 def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens: int, device: str | None = None,
                routing_trace: str | None = None) -> list[str]:
-    runs = [DesignRun(model, d, budget, prompt, tokens, device, routing_trace) for d in designs]
+    """Start one process per design; refused, in one line, when that would run more than MAX_RUNS at once."""
     with _RUNS_LOCK:
+        busy = sum(r.active and not r.stopping for r in _RUNS.values())
+        if busy + len(designs) > MAX_RUNS:
+            raise WorkbenchError(f"busy: {busy} designs are running on this machine and at most {MAX_RUNS} run at "
+                                 f"once; stop some or wait for them to finish")
+        runs = [DesignRun(model, d, budget, prompt, tokens, device, routing_trace) for d in designs]
         _RUNS.update((r.id, r) for r in runs)
         old = [k for k, r in _RUNS.items() if not r.active]
         for k in old[: max(0, len(_RUNS) - KEEP)]:

@@ -1,10 +1,13 @@
 """Live dashboard: designs side by side, experts streaming from flash, token by token.
 
-    streamlit run dashboards/live.py
+    streamlit run dashboards/live.py --server.address 127.0.0.1     (make demo; HOST=0.0.0.0 opens it to a network)
 
-Booth mode, unattended: add ?booth=1 to the URL (optional: &designs=on_demand,les &tokens=48 &pause=6
-&model=demo &device=ufs22-phone &shape=qwen3.6-35b-a3b; without designs it alternates between two comparisons; a
-shape replaces the model, as the sidebar's model size does; an unknown device or shape is ignored, with a caption).
+Booth mode, unattended, a kiosk (dashboards/kiosk.py, docs/booth.md): `make booth` (python -m dashboards.booth)
+prepares what it will show, then every page of its server is the booth. On a plain page, ?booth=1 in the URL
+(optional: &designs=on_demand,les &tokens=48 &pause=6 &model=demo &trace=NAME &device=ufs22-phone
+&shape=qwen3.6-35b-a3b; names from the allow-list only, never paths; without designs it alternates between two
+comparisons; a shape replaces the model, as the sidebar's model size does, once it is made; what is not on the
+allow-list is ignored, with a caption). A visitor can Start and Stop the comparison shown, nothing else.
 
 Each design generates in its own process (dashboards/worker.py); this page only reads the telemetry they send.
 """
@@ -18,12 +21,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import streamlit as st  # noqa: E402
 
 from dashboards import common as C  # noqa: E402
+from dashboards import kiosk as K  # noqa: E402
 from dashboards import model_size as M  # noqa: E402
+from dashboards import rounds as R  # noqa: E402
 from workbench.presets import PRESETS  # noqa: E402
 from workbench.errors import WorkbenchError  # noqa: E402
 
 st.set_page_config(page_title="moe-workbench · live", page_icon="⚡", layout="wide")
-BOOTH = st.query_params.get("booth") == "1"
+try:
+    KIOSK = K.load()            # the operator's booth (make booth): then every session is the booth
+except WorkbenchError as e:
+    st.error(str(e))
+    st.stop()
+BOOTH = KIOSK is not None or st.query_params.get("booth") == "1"
+if KIOSK is not None:       # this page alone: the kiosk serves none of pages/ (st.navigation replaces that folder)
+    def booth():
+        pass
+    st.navigation([st.Page(booth, title="booth", default=True)], position="hidden").run()
+LOCAL = K.is_local(st.get_option("server.address"))
 state = st.session_state
 state.setdefault("run_ids", [])
 state.setdefault("numbers", {})
@@ -102,9 +117,13 @@ def charts_view(ids: list[str]):
 
 def shape_model(shape: str, trace: str | None) -> tuple[str, str]:
     """(model, routing trace) for a model size: its random-weight checkpoint, made here the first time (a spinner
-    meanwhile), and the trace that drives it (the demo trace unless one is given)."""
+    meanwhile; only on a page that listens on this machine alone), and the trace that drives it (the demo trace
+    unless one is given)."""
     p = M.plan(shape, trace)
     if not M.made(p):
+        if not LOCAL:
+            raise WorkbenchError(f"model size {shape}: not made on this machine, and this page, open to the network, "
+                                 f"makes none (python -m dashboards.booth --shape {shape} makes it)")
         with st.spinner(f"making the RANDOM-weight checkpoint of {p.label} (once: later runs reuse it) ..."):
             M.make(p)
     return str(p.path), p.trace
@@ -114,13 +133,17 @@ def start(model, designs, budget, prompt, tokens, device=None, routing_trace=Non
     C.stop_runs(state.run_ids)
     state.run_ids, state.numbers, state.records = [], {}, {}
     try:
+        if not LOCAL:       # open to the network: no path outside the allowed roots
+            if not shape:
+                K.check_path(model, "model")
+            if routing_trace:
+                K.check_path(routing_trace, "routing trace")
         if shape:
             model, routing_trace = shape_model(shape, routing_trace)
         C.check_inputs(model, designs, budget, prompt, tokens)
+        state.run_ids = C.start_runs(model, designs, budget, prompt, tokens, device, routing_trace)
     except WorkbenchError as e:
         st.error(str(e))
-        return
-    state.run_ids = C.start_runs(model, designs, budget, prompt, tokens, device, routing_trace)
 
 
 THIS_MACHINE = "this machine (real reads)"
@@ -160,47 +183,26 @@ def sidebar():
             if pressed else None)
 
 
-def booth_settings() -> dict:
-    """The booth's settings from the URL; `notes` says what was ignored, and why."""
-    from workbench.devices import names
-    q = st.query_params
-    try:
-        tokens, pause = int(q.get("tokens", 48)), float(q.get("pause", 6))
-    except ValueError:
-        tokens, pause = 48, 6.0
-    designs = [d for d in q.get("designs", "").split(",") if d in PRESETS]
-    cfg = {"model": q.get("model", "demo"), "tokens": max(1, tokens), "pause": pause, "designs": designs,
-           "device": q.get("device") or None, "routing_trace": None, "notes": []}
-    if cfg["device"] == "this-machine":
-        cfg["device"] = None
-    elif cfg["device"] and cfg["device"] not in names():
-        cfg["notes"].append(f"device={cfg['device']!r} ignored: not a device profile in data/devices (one of "
-                            f"{', '.join(names())}); the flash is this machine's")
-        cfg["device"] = None
-    shape = q.get("shape") or M.DEMO
-    if shape != M.DEMO:
-        try:
-            cfg["model"], cfg["routing_trace"] = shape_model(shape, None)
-        except WorkbenchError as e:
-            cfg["notes"].append(f"shape={shape!r} ignored ({e}); the model is {cfg['model']}")
-    return cfg
+@st.fragment(run_every=1.0)
+def preparing_view():
+    """Booth: what the operator's set-up is preparing; the page redraws in full once all is ready."""
+    s = K.status(KIOSK)
+    if s["state"] == "ready":
+        st.rerun()
+    done, total = s.get("done", 0), max(1, s.get("total", 1))
+    st.info(f"Preparing the booth: {s.get('step', '')} ({min(done + 1, total)} of {total}). The first comparison "
+            "starts as soon as every model, pack and trace it shows is ready.")
+    st.progress(min(1.0, done / total))
 
 
 @st.fragment(run_every=1.0)
 def booth_controller():
-    """Booth: start the next round (prompt and designs) a few seconds after the last one ends."""
-    b = state.setdefault("booth", {"round": -1, "done_at": None})
-    runs, cfg, now = C.get_runs(state.run_ids), state.booth_cfg, time.time()
-    st.caption(f"booth · round {b['round'] + 1} · a new round starts {cfg['pause']:g} s after every design finishes")
-    if any(r.active for r in runs):
-        return
-    if runs and b["done_at"] is None:
-        b["done_at"] = now
-    if not runs or now - b["done_at"] >= cfg["pause"]:
-        b["round"], b["done_at"] = b["round"] + 1, None
-        prompt, designs = C.booth_round(b["round"], cfg["model"])
-        state.run_ids = C.start_runs(cfg["model"], cfg["designs"] or designs, "0.25", prompt, cfg["tokens"],
-                                     cfg["device"], cfg["routing_trace"])
+    """Booth: start the next round of the shared loop a few seconds after the last one ends."""
+    started = LOOP.tick()
+    when = ("stopped: press Start for the next comparison" if LOOP.paused else LOOP.waiting or
+            f"a new round starts {LOOP.cfg['pause']:g} s after every design finishes")
+    st.caption(f"booth · round {LOOP.round + 1} · {when}")
+    if started or state.run_ids != LOOP.run_ids:
         st.rerun()
 
 
@@ -209,9 +211,20 @@ if BOOTH:
                 "[data-testid=stHeader],[data-testid=stToolbar]{display:none} "
                 "[data-testid=stMetricValue]{font-size:2.4rem}</style>", unsafe_allow_html=True)
     st.title("Experts streaming from flash, live")
-    state.booth_cfg = booth_settings()
-    for note in state.booth_cfg["notes"]:
+    prep = K.status(KIOSK)
+    if prep is not None and prep["state"] != "ready":
+        preparing_view()
+        st.stop()
+    cfg, notes = K.settings(st.query_params, KIOSK or K.Booth())
+    state.booth = LOOP = R.loop(cfg)
+    for note in notes:
         st.caption(note)
+    go, halt, _ = st.columns([1, 1, 6])
+    if go.button("Start", key="start", type="primary", width="stretch"):
+        LOOP.start()
+    if halt.button("Stop", key="stop", width="stretch"):
+        LOOP.stop()
+    state.run_ids = LOOP.run_ids
 else:
     st.title("Live: MoE experts streaming from flash")
     settings = sidebar()

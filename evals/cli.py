@@ -135,8 +135,10 @@ def _report_command(args) -> str:
 
 
 def _serve_flags(p):
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' (default: "
+                                                   "$WORKBENCH_API_KEY, which keeps the key out of the process list)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model's name)")
     p.add_argument("--quiet", action="store_true", help="no request log")
 
@@ -145,5 +147,5 @@ def _serve_flags(p):
 def cmd_serve(args):
     from evals.server import serve
     serve(args.model, args.preset, args.budget, args.host, args.port, args.served_model_name, args.engine,
-          not args.page_cache, quiet=args.quiet)
+          not args.page_cache, quiet=args.quiet, api_key=args.api_key)
 

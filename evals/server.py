@@ -7,13 +7,26 @@ Endpoints: GET /health, GET /v1/models, POST /v1/completions (echo + logprobs: l
 chunks), and vLLM-style POST /tokenize, POST /detokenize, GET /tokenizer_info (lm-eval's remote
 tokenizer). Requests are validated and refused with a 4xx JSON error; one engine serves every
 request, one at a time, behind a lock; a client that goes away mid-stream ends only its own request.
+
+Limits (docs/booth.md; measured in results/server_limits.md): it listens on 127.0.0.1 unless --host says otherwise;
+with an API key (--api-key or WORKBENCH_API_KEY) every endpoint but /health wants `Authorization: Bearer KEY` (401);
+a body over MAX_BODY is refused (413); a request must arrive whole within READ_TIMEOUT s of the connection's last
+answer (408, or the connection closed); at most MAX_WAITING generation requests wait behind the one running (429
+with Retry-After); at most MAX_CONNECTIONS connections are open at once (the next is answered 429 and closed).
 """
 from __future__ import annotations
 
+import contextlib
+import hmac
+import io
+import ipaddress
 import json
 import math
+import os
 import queue
 import secrets
+import selectors
+import socket
 import sys
 import threading
 import time
@@ -26,7 +39,11 @@ from evals.common import log_softmax, trim_telemetry
 from workbench.chat import render
 from workbench.errors import WorkbenchError
 
-MAX_BODY = 8 * 2**20
+MAX_BODY = 2 * 2**20        # 64 prompts of 4096 token ids fit
+MAX_WAITING = 8             # generation requests queued behind the running one
+MAX_CONNECTIONS = 128
+READ_TIMEOUT = 20.0         # seconds from the last answer (or the connection) to a whole request
+LINGER_S = 1.0              # a refused connection is read (and dropped) this long before it is closed
 MAX_LOGPROBS = 20
 ROLES = ("system", "user", "assistant")
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
@@ -35,9 +52,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['con
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
+                 type_: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -110,10 +128,9 @@ class Engine:
     def chat_prompt(self, messages: list[dict]) -> str:
         if not self.template:
             return chat_prompt(messages)
-        bos = self.s.spec.bos_token_id
         try:
-            return render(self.template, messages, self.decode([bos]) if bos is not None else "",
-                          self.decode([self.eos]) if self.eos is not None else "")
+            return render(self.template, messages, self.special(self.s.spec.bos_token_id) or "",
+                          self.special(self.eos) or "")
         except Exception as e:      # the template's own raise_exception, or a Jinja error in it
             raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages") from None
 
@@ -122,6 +139,13 @@ class Engine:
 
     def decode(self, ids) -> str:
         return self.s.decode(ids)
+
+    def special(self, i: int | None) -> str | None:
+        """A special token's own text (decode drops special tokens: `<|endoftext|>` decodes to "")."""
+        if i is None:
+            return None
+        tok = self.s.tokenizer
+        return (tok.id_to_token(int(i)) if tok is not None else None) or self.decode([i]) or None
 
     def token_str(self, i: int) -> str:
         return self.s.decode([int(i)])
@@ -232,14 +256,47 @@ def generate(eng: Engine, prompt_ids: list[int], max_tokens: int, temperature: f
     return res
 
 
+class _Deadline(io.RawIOBase):
+    """The request side of a connection: a read past `until` (time.monotonic) raises TimeoutError, however slowly
+    the bytes trickle in (a slow-loris client resets a plain socket timeout with every byte)."""
+
+    def __init__(self, sock):
+        self.sock, self.until = sock, None
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        if self.until is not None:
+            left = self.until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request did not arrive in time")
+            self.sock.settimeout(left)
+        return self.sock.recv_into(b)
+
+
 class Handler(BaseHTTPRequestHandler):
     server_version = "workbench-serve/0.1"
     protocol_version = "HTTP/1.1"
-    timeout = 120                              # socket timeout: an idle or stalled client is dropped after this
+    timeout = 120                              # socket timeout for writes: a client that stops reading is dropped
 
     @property
     def eng(self) -> Engine:
         return self.server.engine
+
+    def setup(self):
+        super().setup()
+        self._in = _Deadline(self.connection)
+        self.rfile = io.BufferedReader(self._in, self.rbufsize if self.rbufsize > 0 else io.DEFAULT_BUFFER_SIZE)
+
+    def handle_one_request(self):
+        self._in.until = time.monotonic() + self.server.read_timeout
+        super().handle_one_request()
+
+    def _received(self):
+        """The whole request is in: what follows (generation, the answer) runs under the write timeout."""
+        self._in.until = None
+        self.connection.settimeout(self.timeout)
 
     def log_message(self, fmt, *args):
         if not self.server.quiet:
@@ -247,17 +304,21 @@ class Handler(BaseHTTPRequestHandler):
 
     # -------------------------------------------------------------- plumbing
 
-    def _send_json(self, status: int, obj: dict):
+    def _send_json(self, status: int, obj: dict, headers: dict | None = None):
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
     def _read_body(self):
         """Read the whole request body before anything else, so a refused request leaves the connection clean."""
-        self._raw = b""
+        self._raw, self._unread = b"", 0
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             self.close_connection = True
             raise ApiError(411, "chunked request bodies are not supported; send Content-Length")
@@ -269,9 +330,13 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise ApiError(400, "bad Content-Length")
         if n > MAX_BODY:
-            self.close_connection = True
+            self.close_connection, self._unread = True, n
             raise ApiError(413, f"request body over {MAX_BODY} bytes")
-        self._raw = self.rfile.read(n) if n else b""
+        try:
+            self._raw = self.rfile.read(n) if n else b""
+        except TimeoutError:
+            self.close_connection = True
+            raise ApiError(408, f"the request body did not arrive within {self.server.read_timeout:g} s") from None
         if len(self._raw) < n:
             self.close_connection = True
             raise ApiError(400, "request body shorter than Content-Length")
@@ -281,6 +346,8 @@ class Handler(BaseHTTPRequestHandler):
             body = json.loads(self._raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ApiError(400, f"request body is not valid JSON: {e}")
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
@@ -296,6 +363,9 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if method != "GET":
                 self._read_body()
+            self._received()
+            if self.server.api_key is not None and (method, path) != ("GET", "/health"):
+                self._check_key()
             fn = routes.get((method, path))
             if fn is None:
                 if any(p == path for (_, p) in routes):
@@ -303,7 +373,10 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(404, f"no route {path}", code="not_found")
             fn()
         except ApiError as e:
-            self._try_send(e.status, e.body())
+            self._received()
+            self._try_send(e.status, e.body(), e.headers)
+            if getattr(self, "_unread", 0):
+                self._linger(self._unread)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.close_connection = True
         except WorkbenchError as e:   # the model's files failed (a read, a checksum): one line naming them
@@ -313,9 +386,19 @@ class Handler(BaseHTTPRequestHandler):
             traceback.print_exc()
             self._try_send(500, ApiError(500, f"internal error: {type(e).__name__}: {e}", type_="server_error").body())
 
-    def _try_send(self, status, obj):
+    def _linger(self, n: int):
+        """After refusing a body unread: take (and drop) what the client still sends, for a moment, so that the
+        close does not reset the connection before the client has read the answer."""
+        self._in.until = time.monotonic() + 2.0
         try:
-            self._send_json(status, obj)
+            while n > 0 and (got := self.rfile.read1(min(n, 2**16))):
+                n -= len(got)
+        except (OSError, ValueError):
+            pass
+
+    def _try_send(self, status, obj, headers=None):
+        try:
+            self._send_json(status, obj, headers)
         except (BrokenPipeError, ConnectionResetError, TimeoutError, ValueError):
             self.close_connection = True
 
@@ -344,12 +427,10 @@ class Handler(BaseHTTPRequestHandler):
                                                           "max_model_len": self.eng.ctx}]})
 
     def tokenizer_info(self):
-        eos = self.eng.eos
-        tok = self.eng.decode([eos]) if eos is not None else None
-        bos = self.eng.s.spec.bos_token_id
-        self._send_json(200, {"eos_token": tok, "bos_token": self.eng.decode([bos]) if bos is not None else None,
-                              "pad_token": tok, "model_max_length": self.eng.ctx, "chat_template": self.eng.template or CHAT_TEMPLATE,
-                              "tokenizer_class": "workbench"})
+        """lm-eval's remote tokenizer reads bos_token (else eos_token) and encodes it to score an empty context."""
+        eos, bos = self.eng.special(self.eng.eos), self.eng.special(self.eng.s.spec.bos_token_id)
+        self._send_json(200, {"eos_token": eos, "bos_token": bos, "pad_token": eos, "model_max_length": self.eng.ctx,
+                              "chat_template": self.eng.template or CHAT_TEMPLATE, "tokenizer_class": "workbench"})
 
     def tokenize(self):
         body = self._body()
@@ -372,6 +453,13 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(200, {"prompt": self.eng.decode(ids)})
 
     # -------------------------------------------------------------- validation
+
+    def _check_key(self):
+        got = self.headers.get("Authorization", "")
+        scheme, _, key = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.server.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", code="invalid_api_key",
+                           type_="authentication_error", headers={"WWW-Authenticate": "Bearer"})
 
     def _check_model(self, body):
         m = body.get("model")
@@ -448,6 +536,17 @@ class Handler(BaseHTTPRequestHandler):
                                 f"{n_prompt} prompt tokens and asks for {max_tokens} more", "max_tokens",
                            "context_length_exceeded")
 
+    @contextlib.contextmanager
+    def _turn(self):
+        """A place in the queue for the engine (the running request and MAX_WAITING behind it), else 429."""
+        if not self.server.turns.acquire(blocking=False):
+            raise ApiError(429, f"busy: {self.server.max_waiting} requests already wait for the model; try again",
+                           code="rate_limit_exceeded", type_="rate_limit_error", headers={"Retry-After": "1"})
+        try:
+            yield
+        finally:
+            self.server.turns.release()
+
     # -------------------------------------------------------------- completions
 
     def completions(self):
@@ -463,8 +562,13 @@ class Handler(BaseHTTPRequestHandler):
         if stream and len(prompts) > 1:
             raise ApiError(400, "stream supports one prompt", "prompt")
         cid = f"cmpl-{secrets.token_hex(12)}"
-        if stream:
-            return self._stream(cid, "text_completion", prompts[0], sp, chat=False, echo=echo)
+        with self._turn():
+            if stream:
+                return self._stream(cid, "text_completion", prompts[0], sp, chat=False, echo=echo)
+            answer = self._complete(cid, prompts, sp, echo, logprobs)
+        self._send_json(200, answer)      # outside the turn: a client slow to read holds no place in the queue
+
+    def _complete(self, cid, prompts, sp, echo, logprobs) -> dict:
         choices, n_prompt, n_gen = [], 0, 0
         for i, ids in enumerate(prompts):
             with self.eng.lock:
@@ -483,10 +587,9 @@ class Handler(BaseHTTPRequestHandler):
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": r["finish_reason"]})
             n_prompt += len(ids)
             n_gen += len(r["gen_ids"])
-        self._send_json(200, {"id": cid, "object": "text_completion", "created": int(time.time()),
-                              "model": self.eng.model_id, "choices": choices,
-                              "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
-                                        "total_tokens": n_prompt + n_gen}})
+        return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.eng.model_id,
+                "choices": choices, "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
+                                              "total_tokens": n_prompt + n_gen}}
 
     # -------------------------------------------------------------- chat
 
@@ -501,11 +604,13 @@ class Handler(BaseHTTPRequestHandler):
         sp["stops"] = sp["stops"] or ["\nUser:", "\nSystem:"]
         self._fits(len(ids), sp["max_tokens"])
         cid = f"chatcmpl-{secrets.token_hex(12)}"
-        if _bool(body, "stream"):
-            return self._stream(cid, "chat.completion.chunk", ids, sp, chat=True)
-        with self.eng.lock:
-            r = generate(self.eng, ids, sp["max_tokens"], sp["temperature"], sp["top_p"], sp["stops"], None, False,
-                         sp["seed"], min_tokens=sp["min_tokens"])
+        stream = _bool(body, "stream")
+        with self._turn():
+            if stream:
+                return self._stream(cid, "chat.completion.chunk", ids, sp, chat=True)
+            with self.eng.lock:
+                r = generate(self.eng, ids, sp["max_tokens"], sp["temperature"], sp["top_p"], sp["stops"], None,
+                             False, sp["seed"], min_tokens=sp["min_tokens"])
         text = r["text"].lstrip(" ")
         self._send_json(200, {"id": cid, "object": "chat.completion", "created": int(time.time()),
                               "model": self.eng.model_id,
@@ -605,12 +710,76 @@ class Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 64
 
-    def __init__(self, addr, engine: Engine, quiet: bool = False):
+    def __init__(self, addr, engine: Engine, quiet: bool = False, api_key: str | None = None,
+                 max_waiting: int = MAX_WAITING, max_connections: int = MAX_CONNECTIONS,
+                 read_timeout: float = READ_TIMEOUT):
         super().__init__(addr, Handler)
         self.engine = engine
         self.quiet = quiet
+        self.api_key = api_key or None
+        self.max_waiting, self.max_connections, self.read_timeout = max_waiting, max_connections, read_timeout
+        self.turns = threading.BoundedSemaphore(max_waiting + 1)
         self.disconnects = 0                  # streams whose client went away (diagnostics, tests)
+        self.refused = 0                      # connections answered 429 at the door (over max_connections)
+        self.open = 0
         self.count_lock = threading.Lock()
+        self.lingering: queue.Queue = queue.Queue()
+        threading.Thread(target=self._linger, name="serve-linger", daemon=True).start()
+
+    def process_request(self, request, client_address):
+        with self.count_lock:
+            full = self.open >= self.max_connections
+            self.open += not full
+            self.refused += full
+        if not full:
+            return super().process_request(request, client_address)
+        body = json.dumps(ApiError(429, f"too many connections (at most {self.max_connections}); try again",
+                                   code="rate_limit_exceeded", type_="rate_limit_error").body()).encode()
+        try:        # from the accepting thread: never wait on this client
+            request.setblocking(False)
+            request.send(b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            request.shutdown(socket.SHUT_WR)
+        except OSError:
+            request.close()
+            return
+        self.lingering.put(request)
+
+    def _linger(self):
+        """Refused connections, each read (and dropped) for LINGER_S before it is closed: a close with the
+        client's request unread would reset the connection, and the client could lose the 429 it was sent."""
+        sel, until = selectors.DefaultSelector(), {}
+        while True:
+            try:
+                while True:
+                    sock = self.lingering.get(block=not until)
+                    if len(until) >= self.max_connections:       # a flood: no lingering for the rest
+                        sock.close()
+                        continue
+                    until[sock] = time.monotonic() + LINGER_S
+                    sel.register(sock, selectors.EVENT_READ)
+            except queue.Empty:
+                pass
+            ready = {key.fileobj for key, _ in sel.select(0.05)}
+            now = time.monotonic()
+            for sock in list(until):
+                done = until[sock] < now
+                if sock in ready:
+                    try:
+                        done = done or not sock.recv(2**16)
+                    except OSError:
+                        done = True
+                if done:
+                    sel.unregister(sock)
+                    sock.close()
+                    del until[sock]
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.count_lock:
+                self.open -= 1
 
     def handle_error(self, request, client_address):
         exc = sys.exc_info()[1]
@@ -619,25 +788,39 @@ class Server(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def make_server(session, host: str = "127.0.0.1", port: int = 8000, model_id: str | None = None,
-                quiet: bool = False) -> Server:
+                quiet: bool = False, **limits) -> Server:
+    """limits: api_key, max_waiting, max_connections, read_timeout (Server)."""
     from pathlib import Path
     mid = model_id or Path(str(session.model)).name
-    return Server((host, port), Engine(session, mid), quiet=quiet)
+    return Server((host, port), Engine(session, mid), quiet=quiet, **limits)
 
 
 def serve(model: str, preset: str, budget=None, host: str = "127.0.0.1", port: int = 8000, model_id: str | None = None,
-          engine: str | None = None, direct: bool = True, quiet: bool = False):
+          engine: str | None = None, direct: bool = True, quiet: bool = False, api_key: str | None = None):
     from workbench.session import open_session
+    api_key = api_key or os.environ.get("WORKBENCH_API_KEY") or None
     s = open_session(model, preset, budget, prompt=None, engine=engine, direct=direct)
     try:
-        srv = make_server(s, host, port, model_id, quiet)
+        srv = make_server(s, host, port, model_id, quiet, api_key=api_key)
     except OSError as e:
         s.close()
         raise WorkbenchError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
     h, p = srv.server_address[:2]
-    print(f"serving {srv.engine.model_id!r} ({s.preset.name}, budget {s.budget_text}) on http://{h}:{p}/v1",
-          file=sys.stderr, flush=True)
+    print(f"serving {srv.engine.model_id!r} ({s.preset.name}, budget {s.budget_text}) on http://{h}:{p}/v1"
+          + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+    if not is_loopback(host) and not api_key:
+        print(f"WARNING: {host} is reachable from other machines and no API key is set: anyone who reaches "
+              f"port {p} can use the model (--api-key, or WORKBENCH_API_KEY)", file=sys.stderr, flush=True)
     try:
         srv.serve_forever()
     except KeyboardInterrupt:

@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dashboards import common as C  # noqa: E402  (the same module the pages import)
+from dashboards import kiosk as K  # noqa: E402
+from dashboards import rounds as R  # noqa: E402
 from workbench.presets import PRESETS  # noqa: E402
 from workbench.runs import read_run, write_run  # noqa: E402
 
@@ -35,6 +37,19 @@ def runs_root(tmp_path, monkeypatch):
     root = tmp_path / "runs"
     monkeypatch.setenv("WORKBENCH_RUNS", str(root))
     return root
+
+
+@pytest.fixture(autouse=True)
+def bound(monkeypatch):
+    """The page bound as `make demo` binds it (this machine only), no booth file; bound(address) rebinds it.
+    Every booth loop a test started is stopped after it."""
+    from streamlit import config
+    old = config.get_option("server.address")
+    monkeypatch.delenv(K.BOOTH_ENV, raising=False)
+    config.set_option("server.address", "127.0.0.1")
+    yield lambda address: config.set_option("server.address", address)
+    config.set_option("server.address", old)
+    R.reset()
 
 
 def app(path: str, **query) -> AppTest:
@@ -239,16 +254,127 @@ def test_stop_ends_the_runs_without_records(runs_root):
     assert len(at.warning) == 2 and not at.error
 
 
-def test_booth_mode_has_no_controls_and_loops_unattended():
+def test_booth_mode_has_only_start_and_stop_and_loops_unattended():
     at = ok(app(LIVE, booth="1", designs="on_demand,les", tokens="3", pause="0"))
-    try:
-        assert not at.sidebar.button and not at.text_input and not at.multiselect
-        first = list(at.session_state["run_ids"])
-        assert len(first) == 2
-        poll(at, lambda a: a.session_state["booth"]["round"] >= 1, timeout=60)
-        assert at.session_state["run_ids"] != first, "a new round started when the first one finished"
-    finally:
-        C.stop_runs(at.session_state["run_ids"])
+    assert not at.sidebar.button and not at.text_input and not at.multiselect and not at.number_input
+    assert not at.selectbox and not at.text_area and [b.label for b in at.button] == ["Start", "Stop"]
+    first = list(at.session_state["run_ids"])
+    assert len(first) == 2
+    poll(at, lambda a: a.session_state["booth"].round >= 1, timeout=60)
+    assert at.session_state["run_ids"] != first, "a new round started when the first one finished"
+
+
+def test_a_visitor_stops_and_starts_the_comparison_shown():
+    at = ok(app(LIVE, booth="1", designs="on_demand,les", tokens="2000", pause="0"))
+    loop = at.session_state["booth"]
+    first = list(loop.run_ids)
+    ok(at.button(key="stop").click().run())
+    poll(at, lambda a: not any(r.active for r in C.get_runs(first)), timeout=30)
+    assert loop.paused and {r.status for r in C.get_runs(first)} == {"stopped"}
+    time.sleep(1.5)
+    ok(at.run())
+    assert loop.run_ids == first, "no next round while stopped"
+    assert any("stopped: press Start" in c.value for c in at.caption)
+    ok(at.button(key="start").click().run())
+    assert not loop.paused and loop.run_ids != first and len(loop.run_ids) == 2
+    assert at.session_state["run_ids"] == loop.run_ids
+
+
+def test_two_viewers_of_the_booth_share_one_set_of_runs():
+    """A second browser on the same booth starts no processes of its own."""
+    a = ok(app(LIVE, booth="1", designs="on_demand,les", tokens="2000", pause="0"))
+    b = ok(app(LIVE, booth="1", designs="on_demand,les", tokens="2000", pause="0"))
+    assert a.session_state["booth"] is b.session_state["booth"]
+    assert b.session_state["run_ids"] == a.session_state["run_ids"] and len(a.session_state["run_ids"]) == 2
+    assert sum(r.active and not r.stopping for r in C._RUNS.values()) == 2
+
+
+def test_booth_takes_names_from_the_allow_list_never_paths(tmp_path):
+    """A URL naming a path, an unknown trace, too many tokens or designs: the booth's own program, with captions."""
+    outside = tmp_path / "model"
+    outside.mkdir()
+    at = ok(app(LIVE, booth="1", model=str(outside), trace="/etc/passwd", tokens="100000", pause="600",
+                designs="on_demand,les,smol,history,oracle,teacher"))
+    captions = [c.value for c in at.caption]
+    assert any(c.startswith(f"model={str(outside)!r} ignored: not one this booth shows (one of demo")
+               for c in captions), captions
+    assert any(c.startswith("trace='/etc/passwd' ignored") and "demo-tinystories-256" in c for c in captions)
+    assert f"tokens=100000 capped at {K.MAX_TOKENS}" in captions
+    assert f"designs: the first {K.MAX_DESIGNS} shown (a round shows at most {K.MAX_DESIGNS})" in captions
+    runs = C.get_runs(at.session_state["run_ids"])
+    assert [(r.model, r.design, r.tokens, r.routing_trace) for r in runs] == [
+        ("demo", d, K.MAX_TOKENS, None) for d in ("on_demand", "les", "smol", "history")]
+
+
+def test_booth_plays_a_trace_from_data_traces_by_name():
+    at = ok(app(LIVE, booth="1", designs="les", trace="demo-tinystories-256", tokens="2", pause="600"))
+    assert not any("ignored" in c.value for c in at.caption)
+    assert [r.routing_trace for r in C.get_runs(at.session_state["run_ids"])] == [str(M.DEMO_TRACE)]
+
+
+def test_the_machine_runs_at_most_max_runs_designs_at_once(monkeypatch):
+    monkeypatch.setattr(C, "MAX_RUNS", 3)
+    at = ok(app(LIVE, booth="1", designs="on_demand,les", tokens="2000", pause="600"))
+    assert len(at.session_state["run_ids"]) == 2
+    other = start(app(LIVE), ["on_demand", "les"], tokens=2000)     # the sidebar page, another session
+    assert "busy: 2 designs are running on this machine and at most 3 run at once" in errors(other)
+    assert not other.session_state["run_ids"]
+    elsewhere = ok(app(LIVE, booth="1", designs="smol,history", tokens="2000", pause="600"))
+    assert not elsewhere.session_state["run_ids"], "another booth program waits for room"
+    assert any("busy: 2 designs" in c.value for c in elsewhere.caption)
+    ok(at.button(key="stop").click().run())
+    poll(elsewhere, lambda a: len(a.session_state["run_ids"]) == 2, timeout=30)
+
+
+def test_a_page_open_to_the_network_refuses_paths_outside_the_allowed_roots(tmp_path, bound, monkeypatch):
+    bound("0.0.0.0")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (tmp_path / "inside").mkdir()
+    (tmp_path / "inside" / "link").symlink_to(outside)
+    monkeypatch.setenv(K.ALLOW_ENV, str(tmp_path / "inside"))
+    for model in (str(outside), "/etc", str(REPO / "data" / "models" / ".." / ".." / "README.md"),
+                  str(tmp_path / "inside" / "link")):
+        at = start(app(LIVE), ["on_demand"], model=model)
+        assert f"model {model}: outside the folders this page opens" in errors(at), model
+        assert not at.session_state["run_ids"]
+    at = app(LIVE)
+    at.text_input(key="routing_trace").set_value("/etc/hostname")
+    at = start(at, ["les"])
+    assert "routing trace /etc/hostname: outside the folders" in errors(at)
+    at = app(LIVE)
+    at.text_input(key="routing_trace").set_value(str(M.DEMO_TRACE))
+    at = poll(start(at, ["les"], model=str(REPO / "data" / "models" / "demo-moe"), tokens=2), finished)
+    assert not at.error, errors(at)
+    bound("127.0.0.1")      # this machine only: any path, as before (this one is no model: its design says so)
+    at = poll(start(app(LIVE), ["on_demand"], model=str(outside)), finished)
+    assert "outside the folders" not in errors(at) and str(outside) in errors(at)
+
+
+def test_a_page_open_to_the_network_makes_no_model_size(tmp_path, bound, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    bound("0.0.0.0")
+    at = app(LIVE)
+    at.selectbox(key="shape").set_value(SHAPE)
+    at = start(at, ["on_demand"])
+    assert f"model size {SHAPE}: not made on this machine" in errors(at)
+    assert not (tmp_path / "cache" / "models").exists()
+
+
+def test_the_kiosk_says_what_it_prepares_then_every_page_is_the_booth(tmp_path, monkeypatch):
+    booth = K.Booth(designs=("on_demand", "les"), tokens=3, pause=600, status=str(tmp_path / "status.json"))
+    K.write(booth, tmp_path / "booth.json")
+    K.set_status(booth, state="preparing", step="les: its pack of demo", done=1, total=3)
+    monkeypatch.setenv(K.BOOTH_ENV, str(tmp_path / "booth.json"))
+    at = ok(app(LIVE))                        # no ?booth=1: the kiosk's every page is the booth
+    assert "Preparing the booth: les: its pack of demo (2 of 3)" in at.info[0].value
+    assert not at.session_state["run_ids"] and not at.text_input and not at.button
+    K.set_status(booth, state="ready", done=3, total=3)
+    at = poll(at, lambda a: len(a.session_state["run_ids"]) == 2)
+    assert [r.design for r in C.get_runs(at.session_state["run_ids"])] == ["on_demand", "les"]
+    assert [b.label for b in at.button] == ["Start", "Stop"] and not at.text_input
+    with pytest.raises(Exception, match="Could not find a navigation page"):
+        at.switch_page("pages/1_Ladders.py")        # the record viewers are not served by the kiosk
 
 
 # ---------------------------------------------------------------- pages
@@ -428,30 +554,32 @@ def test_a_shape_whose_top_k_cannot_replay_the_trace_is_refused_in_one_line():
     assert not at.session_state["run_ids"]
 
 
-def test_booth_params_pick_the_device_and_the_shape(shape_cache):
-    at = ok(app(LIVE, booth="1", designs="on_demand", tokens="2", pause="600", device="ufs22-phone", shape=SHAPE))
-    try:
-        runs = C.get_runs(at.session_state["run_ids"])
-        made = str(checkpoint_path(SHAPE, 1, 64))
-        assert [(r.model, r.device, r.routing_trace) for r in runs] == [(made, "ufs22-phone", str(M.DEMO_TRACE))]
-        at = poll(at, finished, timeout=180)
-        captions = " ".join(c.value for c in at.caption)
-        assert "EMULATED ufs22-phone" in captions and "RANDOM weights, routing replayed from" in captions
-        assert "ignored" not in captions and not at.error, errors(at)
-    finally:
-        C.stop_runs(at.session_state["run_ids"])
+def test_booth_params_pick_the_device_and_the_shape(shape_cache, monkeypatch, tmp_path):
+    query = dict(booth="1", designs="on_demand", tokens="2", pause="600", device="ufs22-phone", shape=SHAPE)
+    with monkeypatch.context() as m:
+        m.setenv("WORKBENCH_CACHE", str(tmp_path / "empty-cache"))
+        m.setattr(M, "make_model", lambda *a, **k: pytest.fail("a visitor's URL made a checkpoint"))
+        at = ok(app(LIVE, **query))
+    assert any(c.value.startswith(f"shape={SHAPE!r} ignored (not made on this machine") for c in at.caption)
+    R.reset()
+    M.make(M.plan(SHAPE))                   # what `python -m dashboards.booth --shape` prepares
+    at = ok(app(LIVE, **query))
+    runs = C.get_runs(at.session_state["run_ids"])
+    made = str(checkpoint_path(SHAPE, 1, 64))
+    assert [(r.model, r.device, r.routing_trace) for r in runs] == [(made, "ufs22-phone", str(M.DEMO_TRACE))]
+    at = poll(at, finished, timeout=180)
+    captions = " ".join(c.value for c in at.caption)
+    assert "EMULATED ufs22-phone" in captions and "RANDOM weights, routing replayed from" in captions
+    assert "ignored" not in captions and not at.error, errors(at)
 
 
 def test_booth_ignores_an_unknown_device_or_shape_with_a_caption():
     at = ok(app(LIVE, booth="1", designs="on_demand", tokens="2", pause="600", device="nokia-3310", shape="gpt-5"))
-    try:
-        captions = [c.value for c in at.caption]
-        assert any(c.startswith("device='nokia-3310' ignored") and "ufs22-phone" in c for c in captions)
-        assert any(c.startswith("shape='gpt-5' ignored") and SHAPE in c for c in captions)
-        runs = C.get_runs(at.session_state["run_ids"])
-        assert [(r.model, r.device, r.routing_trace) for r in runs] == [("demo", None, None)]
-    finally:
-        C.stop_runs(at.session_state["run_ids"])
+    captions = [c.value for c in at.caption]
+    assert any(c.startswith("device='nokia-3310' ignored") and "ufs22-phone" in c for c in captions)
+    assert any(c.startswith("shape='gpt-5' ignored") and SHAPE in c for c in captions)
+    runs = C.get_runs(at.session_state["run_ids"])
+    assert [(r.model, r.device, r.routing_trace) for r in runs] == [("demo", None, None)]
 
 
 # ---------------------------------------------------------------- the simulated ladder

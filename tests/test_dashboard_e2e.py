@@ -39,7 +39,7 @@ def server(tmp_path_factory):
     port, log = free_port(), tmp / "server.log"
     env = {**os.environ, "WORKBENCH_RUNS": str(tmp / "runs")}
     cmd = [sys.executable, "-m", "streamlit", "run", "dashboards/live.py", "--server.headless", "true",
-           "--server.port", str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
+           "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -184,3 +184,75 @@ def check_live_updates(log):
     for d in designs:
         tokens = [tok for t, dd, _, tok, _ in log if dd == d and start <= t / 1e3 <= end]
         assert tokens and tokens[-1] > tokens[0], f"{d}: the token count did not move while all ran"
+
+
+@pytest.fixture(scope="module")
+def booth(tmp_path_factory):
+    """`python -m dashboards.booth` (what `make booth` runs) showing on_demand and les, in a fresh workbench cache:
+    it converts their packs before the first round. Yields (url, log path)."""
+    tmp = tmp_path_factory.mktemp("booth")
+    port, log = free_port(), tmp / "booth.log"
+    env = {**os.environ, "WORKBENCH_RUNS": str(tmp / "runs"), "WORKBENCH_CACHE": str(tmp / "cache")}
+    cmd = [sys.executable, "-m", "dashboards.booth", "--designs", "on_demand,les", "--tokens", "256", "--pause", "600",
+           "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail(f"the booth did not come up:\n{log.read_text()[-3000:]}")
+            time.sleep(0.25)
+        yield url, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_the_booth_in_a_browser_shows_tokens_from_two_designs(booth):
+    """The kiosk as a visitor meets it: no inputs, Start and Stop only; tokens from both designs soon after the
+    set-up says it is ready; Stop ends the round."""
+    url, log = booth
+    args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--disable-renderer-backgrounding", "--disable-background-timer-throttling"]
+    with playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
+        try:
+            page = browser.new_page(viewport={"width": 1800, "height": 2000})
+            page.set_default_timeout(60_000)
+            page.goto(url)
+            page.get_by_text("Experts streaming from flash, live").wait_for()
+            page.evaluate(WATCH)
+            deadline = time.time() + 120
+            while "booth: ready after" not in log.read_text():
+                assert time.time() < deadline, log.read_text()[-3000:]
+                page.wait_for_timeout(100)
+            ready = time.time()
+            shown = wait_for(page, lambda s: {"on_demand", "les"} <= set(s) and all(s[d][0] > 0 for d in
+                                                                                    ("on_demand", "les")), 90,
+                             "tokens from both designs")
+            first_tokens = time.time() - ready
+            assert first_tokens < 30, f"the first tokens came {first_tokens:.0f} s after the booth was ready"
+            assert set(shown) == {"on_demand", "les"}
+            assert page.locator("input, textarea, select").count() == 0, "a kiosk takes no typed input"
+            labelled = [t for t in page.get_by_role("button").all_inner_texts() if t.strip()]
+            assert labelled == ["Start", "Stop"], "a visitor starts and stops the comparison, nothing else"
+            assert page.locator('[data-testid="stException"]').count() == 0, log.read_text()[-3000:]
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "booth.png"), full_page=True)
+            page.get_by_role("button", name="Stop").click()
+            page.get_by_text("stopped: press Start for the next comparison").wait_for(timeout=30_000)
+            final = wait_for(page, lambda s: all(st in ("stopped", "done") for _, st, _ in s.values()), 30,
+                             "both designs to stop")
+            assert set(final) == {"on_demand", "les"}
+        finally:
+            browser.close()

@@ -217,8 +217,11 @@ def test_concurrent_requests_share_the_engine_safely(server):
     for t in threads:
         t.join(120)
     assert not errors and len(results) == 12
-    for p, (st, body) in results:
-        assert st == 200
+    done = [(p, body) for p, (st, body) in results if st == 200]
+    busy = [body for p, (st, body) in results if st != 200]
+    assert len(done) >= server.max_waiting + 1, "the running request and every one that found a place waiting"
+    assert all(b["error"]["code"] == "rate_limit_exceeded" for b in busy)
+    for p, body in done:
         a, b = body["choices"][0], ref[p]["choices"][0]
         assert a["text"] == b["text"]
         assert np.allclose(a["logprobs"]["token_logprobs"][1:], b["logprobs"]["token_logprobs"][1:], atol=1e-5)
@@ -295,3 +298,158 @@ def test_safe_len_holds_back_stop_prefixes_and_partial_characters():
     assert _safe_len("hello wor", ["world"]) == 6
     assert _safe_len("hello", ["xyz"]) == 5
     assert _safe_len("caf\ufffd", []) == 3
+
+
+# ---------------------------------------------------------------- limits: key, sizes, queue, connections, slow clients
+
+@pytest.fixture
+def limited(monkeypatch, tmp_path):
+    """make(**limits): a server on the tiny model with its own limits (evals.server.Server's keywords)."""
+    from evals.server import make_server
+    from workbench.session import Session
+    s = Session(use_tiny(monkeypatch, tmp_path), "les", direct=False)
+    made = []
+
+    def make(**limits):
+        srv = make_server(s, "127.0.0.1", 0, model_id="tiny", quiet=True, **limits)
+        th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        th.start()
+        made.append((srv, th))
+        return srv
+    yield make
+    for srv, th in made:
+        srv.shutdown()
+        srv.server_close()
+        th.join(5)
+    s.close()
+
+
+def keyed(srv, method, path, key=None, body=None):
+    host, port = srv.server_address[:2]
+    c = http.client.HTTPConnection(host, port, timeout=60)
+    headers = {"Content-Type": "application/json", **({"Authorization": key} if key else {})}
+    c.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+    r = c.getresponse()
+    out = r.status, dict(r.getheaders()), json.loads(r.read())
+    c.close()
+    return out
+
+
+def test_the_server_listens_on_localhost_unless_told(monkeypatch):
+    import inspect
+    from evals.server import is_loopback, make_server, serve
+    import workbench.cli  # noqa: F401  (registers the verbs)
+    from workbench.commands import parser
+    assert inspect.signature(serve).parameters["host"].default == "127.0.0.1"
+    assert inspect.signature(make_server).parameters["host"].default == "127.0.0.1"
+    assert parser().parse_args(["serve", "--model", "demo"]).host == "127.0.0.1"
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("192.168.1.20")
+
+
+def test_an_api_key_guards_every_endpoint_but_health(limited):
+    srv = limited(api_key="s3cret")
+    for path in ("/v1/models", "/tokenizer_info"):
+        st, headers, err = keyed(srv, "GET", path)
+        assert st == 401 and err["error"]["code"] == "invalid_api_key" and headers["WWW-Authenticate"] == "Bearer"
+        assert keyed(srv, "GET", path, "Bearer wrong")[0] == 401
+        assert keyed(srv, "GET", path, "Basic s3cret")[0] == 401
+        assert keyed(srv, "GET", path, "Bearer s3cret")[0] == 200
+    body = {"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
+    assert keyed(srv, "POST", "/v1/completions", None, body)[0] == 401
+    assert keyed(srv, "POST", "/v1/completions", "Bearer s3cret", body)[0] == 200
+    assert keyed(srv, "GET", "/health")[0] == 200
+
+
+def test_tokenizer_info_gives_the_real_special_tokens(server):
+    """lm-eval's remote tokenizer encodes bos_token (else eos_token) to score an empty context: "" there was an
+    IndexError inside lm-eval."""
+    st, info = jcall(server, "GET", "/tokenizer_info")
+    s = server.engine.s
+    assert st == 200 and info["eos_token"] == info["bos_token"] == "<|endoftext|>" == s.tokenizer.id_to_token(0)
+    st, enc = jcall(server, "POST", "/tokenize", {"prompt": info["bos_token"], "add_special_tokens": False})
+    assert enc["tokens"] == [s.spec.bos_token_id] == [s.spec.eos_token_id]
+
+
+def test_an_oversize_body_is_refused_413_and_the_next_request_answered(limited, monkeypatch):
+    import evals.server as S
+    monkeypatch.setattr(S, "MAX_BODY", 2**16)
+    srv = limited()
+    st, _, err = call(srv, "POST", "/v1/completions", raw=b'{"prompt": "' + b"a" * 2**17 + b'"}')
+    assert st == 413 and "over 65536 bytes" in json.loads(err)["error"]["message"]
+    st, _, err = call(srv, "POST", "/v1/completions", raw=b"[" * 20_000 + b"]" * 20_000)
+    assert st == 400 and "nested too deeply" in json.loads(err)["error"]["message"]
+    assert jcall(srv, "GET", "/health")[0] == 200
+
+
+def test_a_full_queue_answers_429_and_frees_when_the_engine_does(limited):
+    srv = limited(max_waiting=2)
+    body = {"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
+    got = []
+    srv.engine.lock.acquire()       # the engine busy: requests take their places in the queue and wait
+    try:
+        waiting = [threading.Thread(target=lambda: got.append(jcall(srv, "POST", "/v1/completions", body)[0]))
+                   for _ in range(3)]
+        for t in waiting:
+            t.start()
+        deadline = time.time() + 30
+        while srv.turns._value > 0 and time.time() < deadline:
+            time.sleep(0.02)
+        st, headers, err = keyed(srv, "POST", "/v1/completions", None, body)
+        assert st == 429 and headers["Retry-After"] == "1" and err["error"]["code"] == "rate_limit_exceeded"
+        assert keyed(srv, "GET", "/health")[0] == 200, "what needs no engine is answered meanwhile"
+    finally:
+        srv.engine.lock.release()
+    for t in waiting:
+        t.join(60)
+    assert got == [200, 200, 200]
+    assert keyed(srv, "POST", "/v1/completions", None, body)[0] == 200
+
+
+def test_connections_over_the_cap_are_answered_429_at_the_door(limited):
+    srv = limited(max_connections=3)
+    idle = [socket.create_connection(srv.server_address[:2], timeout=10) for _ in range(3)]
+    try:
+        deadline = time.time() + 10
+        while srv.open < 3 and time.time() < deadline:
+            time.sleep(0.02)
+        extra = socket.create_connection(srv.server_address[:2], timeout=10)
+        answer = b""
+        while chunk := extra.recv(4096):
+            answer += chunk
+        extra.close()
+        assert answer.startswith(b"HTTP/1.1 429 ") and b"too many connections (at most 3)" in answer
+        assert srv.refused == 1
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.time() + 10
+    while srv.open and time.time() < deadline:
+        time.sleep(0.02)
+    assert jcall(srv, "GET", "/health")[0] == 200
+
+
+def test_a_slow_loris_is_dropped_and_a_slow_body_answered_408(limited):
+    srv = limited(read_timeout=1.0)
+    loris = socket.create_connection(srv.server_address[:2], timeout=10)
+    t0, closed = time.time(), False
+    try:
+        for ch in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"y" * 40:
+            loris.sendall(bytes([ch]))          # a byte at a time, each well inside any per-read timeout
+            time.sleep(0.1)
+    except OSError:
+        closed = True
+    if not closed:
+        loris.settimeout(5)
+        closed = loris.recv(4096) == b""
+    loris.close()
+    assert closed and time.time() - t0 < 6, "the server hung up once the request was not in after read_timeout"
+    slow = socket.create_connection(srv.server_address[:2], timeout=10)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"prompt\"")
+    answer = b""
+    while chunk := slow.recv(4096):
+        answer += chunk
+    slow.close()
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 1 s" in answer
+    assert jcall(srv, "GET", "/health")[0] == 200

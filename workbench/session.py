@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import time
@@ -147,6 +148,7 @@ class Session:
         from workbench.textdata import heldout_ids
         counts = usage_profile(self.pack_path, heldout_ids(self.tokenizer, "tinystories", min(512, self.spec.max_position_embeddings)))
         atomic_write(path, json.dumps(counts))
+        gc.collect()        # the profile's session (its arena, its weights) is cyclic garbage: gone before this one fills
         return counts
 
     def warm_start(self, usage: dict):
