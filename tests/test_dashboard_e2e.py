@@ -5,15 +5,13 @@ update at least once a second while they run, wait for every design's charts, sa
 from __future__ import annotations
 
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import answers, free_port, serving
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -27,12 +25,6 @@ pytestmark = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
@@ -40,27 +32,9 @@ def server(tmp_path_factory):
     env = {**os.environ, "WORKBENCH_RUNS": str(tmp / "runs")}
     cmd = [sys.executable, "-m", "streamlit", "run", "dashboards/live.py", "--server.headless", "true",
            "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"the dashboard server did not come up:\n{log.read_text()[-3000:]}")
-            time.sleep(0.25)
+    with serving(cmd, log, lambda: answers(f"{url}/_stcore/health"), 60, cwd=REPO, env=env):
         yield url, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 # In the page: log every change of a design's status line and redraw counter, timed by the browser
@@ -195,27 +169,9 @@ def booth(tmp_path_factory):
     env = {**os.environ, "WORKBENCH_RUNS": str(tmp / "runs"), "WORKBENCH_CACHE": str(tmp / "cache")}
     cmd = [sys.executable, "-m", "dashboards.booth", "--designs", "on_demand,les", "--tokens", "256", "--pause", "600",
            "--port", str(port)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"the booth did not come up:\n{log.read_text()[-3000:]}")
-            time.sleep(0.25)
+    with serving(cmd, log, lambda: answers(f"{url}/_stcore/health"), 120, stop_s=15, cwd=REPO, env=env):
         yield url, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_the_booth_in_a_browser_shows_tokens_from_two_designs(booth):

@@ -8,24 +8,16 @@ from __future__ import annotations
 
 import http.client
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
 
 from eval_tiny import CTX, REPO, use_tiny
+from servers import free_port, serving
 
 lm_eval = pytest.importorskip("lm_eval")
 LIMIT = 3
 TASKS = sorted(p.stem for p in (REPO / "evals" / "tasks").glob("*.yaml"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,29 +29,18 @@ def served(tmp_path_factory):
     port, log = free_port(), tmp / "serve.log"
     cmd = [sys.executable, "-m", "workbench", "serve", "--model", model, "--preset", "les", "--page-cache",
            "--port", str(port), "--served-model-name", "tiny", "--quiet"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
-                                stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"serve did not come up:\n{log.read_text()[-3000:]}")
-            time.sleep(0.25)
-        yield f"http://127.0.0.1:{port}", model
-    finally:
-        proc.terminate()
+
+    def up():
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            c.request("GET", "/health")
+            return c.getresponse().status == 200
+        except OSError:
+            return False
+    try:
+        with serving(cmd, log, up, 120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}):
+            yield f"http://127.0.0.1:{port}", model
+    finally:
         mp.undo()
 
 
