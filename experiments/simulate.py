@@ -437,22 +437,30 @@ def belady_of(seq: list, cap: int, per_layer: bool = False, initial=()) -> dict:
     for i in range(len(seq) - 1, -1, -1):
         nxt[i] = last.get(seq[i], len(seq) + i)
         last[seq[i]] = i
-    pools: dict = {}
+    pools: dict = {}            # pool -> {key: its next use}, and a max-heap of (-next use, key), stale entries skipped
     first = {}
     for i, k in enumerate(seq):
         first.setdefault(k, i)
+
+    def put(pool, k, use):
+        pool[0][k] = use
+        heapq.heappush(pool[1], (-use, k))
     for k in (sorted(first, key=first.get) if initial is None else initial):
-        pool = pools.setdefault(k[0] if per_layer else 0, {})
-        if len(pool) < cap:
-            pool[tuple(k)] = first.get(tuple(k), 2 * len(seq) + 1)
+        pool = pools.setdefault(k[0] if per_layer else 0, ({}, []))
+        if len(pool[0]) < cap:
+            put(pool, tuple(k), first.get(tuple(k), 2 * len(seq) + 1))
     misses = 0
     for i, k in enumerate(seq):
-        pool = pools.setdefault(k[0] if per_layer else 0, {})
-        if k not in pool:
+        pool = pools.setdefault(k[0] if per_layer else 0, ({}, []))
+        if k not in pool[0]:
             misses += 1
-            if len(pool) >= cap:
-                del pool[max(pool, key=pool.get)]       # the one used farthest in the future
-        pool[k] = nxt[i]
+            if len(pool[0]) >= cap:                    # evict the one used farthest in the future
+                while True:
+                    use, victim = heapq.heappop(pool[1])
+                    if pool[0].get(victim) == -use:
+                        del pool[0][victim]
+                        break
+        put(pool, k, nxt[i])
     return {"belady_hit_rate": 1 - misses / max(1, len(seq)), "belady_misses": misses, "accesses": len(seq)}
 
 
