@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import resource
+import sys
 import time
 
 import numpy as np
@@ -35,7 +36,14 @@ from workbench.telemetry import Telemetry, TokenRecord
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's high-water resident set. Linux's VmHWM, not getrusage's ru_maxrss: a process started from a
+    larger one (a benchmark's or a test's child) inherits that one's ru_maxrss across fork and exec."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return ru if sys.platform == "darwin" else ru * 1024       # bytes on macOS, KiB elsewhere
 
 
 class Session:
