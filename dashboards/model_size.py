@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
-from workbench.shapes import SHAPES, checkpoint_bytes, checkpoint_path, free_bytes, make_model
+from workbench.shapes import SHAPES, checkpoint_bytes, checkpoint_path, free_bytes, make_model, random_label
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = "demo"
@@ -88,7 +88,11 @@ def make(p: Plan) -> Path:
 
 
 def caption(model: str, trace: str | None) -> str | None:
-    """What the page says under the runs of a make-model checkpoint (its random_weights.json card), else None."""
+    """What the page says under the runs of a make-model checkpoint (its random_weights.json card, or a GGUF's
+    metadata), else None."""
+    if str(model).endswith(".gguf"):        # make-model's GGUF: its label is in its metadata
+        label = random_label(model)
+        return None if label is None else f"Model: {label}; its routing follows the tokens, its text means nothing."
     card = Path(model) / "random_weights.json"
     if not card.is_file():
         return None

@@ -111,6 +111,8 @@ def test_the_gguf_is_labelled_random_wherever_it_goes(made, capsys):
     assert card["random_weights"] and card["seed"] == 0 and "12 of 128 experts per layer" in card["notes"]
     assert main(["info", "--model", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["architecture"] == "qwen3moe"
+    from dashboards.model_size import caption                  # the live page, under its runs
+    assert random_label(path) in caption(str(path), None)
 
 
 @pytest.mark.parametrize("shape,layers", [("qwen3-30b-a3b", 1), ("qwen3.6-35b-a3b", 4)])
