@@ -4,6 +4,7 @@ update at least once a second while they run, wait for every design's charts, sa
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -23,6 +24,22 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is missing (apt-get install -y chromium)"),
 ]
+
+
+@contextlib.contextmanager
+def browser_page(url: str, height: int):
+    """Debian's chromium, headless, on `url`: the page, closed after."""
+    args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--disable-renderer-backgrounding", "--disable-background-timer-throttling"]
+    with playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
+        try:
+            page = browser.new_page(viewport={"width": 1800, "height": height})
+            page.set_default_timeout(60_000)
+            page.goto(url)
+            yield page
+        finally:
+            browser.close()
 
 
 @pytest.fixture(scope="module")
@@ -94,46 +111,37 @@ def warm_packs():
 
 def test_live_dashboard_in_a_browser(server, warm_packs):
     url, log = server
-    args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--disable-renderer-backgrounding", "--disable-background-timer-throttling"]
-    with playwright.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
-        try:
-            page = browser.new_page(viewport={"width": 1800, "height": 2600})
-            page.set_default_timeout(60_000)
-            page.goto(url)
-            start = page.get_by_role("button", name="Start")
-            start.wait_for(timeout=30_000)
-            designs = page.locator('[data-testid="stMultiSelect"] [data-tag]').all_inner_texts()
-            assert designs == warm_packs and len(designs) == 4, designs
-            box = page.get_by_label("tokens")
-            box.fill(str(TOKENS))
-            box.press("Enter")
-            page.wait_for_timeout(800)     # the rerun that takes the new value
-            page.evaluate(WATCH)
-            start.click()
+    with browser_page(url, 2600) as page:
+        start = page.get_by_role("button", name="Start")
+        start.wait_for(timeout=30_000)
+        designs = page.locator('[data-testid="stMultiSelect"] [data-tag]').all_inner_texts()
+        assert designs == warm_packs and len(designs) == 4, designs
+        box = page.get_by_label("tokens")
+        box.fill(str(TOKENS))
+        box.press("Enter")
+        page.wait_for_timeout(800)     # the rerun that takes the new value
+        page.evaluate(WATCH)
+        start.click()
 
-            # every design generating, then watch the page for a few seconds
-            wait_for(page, lambda s: len(s) == 4 and all(t > 0 for t, _, _ in s.values()), 90,
-                     "tokens from all four designs")
+        # every design generating, then watch the page for a few seconds
+        wait_for(page, lambda s: len(s) == 4 and all(t > 0 for t, _, _ in s.values()), 90,
+                 "tokens from all four designs")
 
-            done = wait_for(page, lambda s: len(s) == 4 and all(st == "done" for _, st, _ in s.values()), 180,
-                            "all four designs to finish")
-            assert all(t == TOKENS for t, _, _ in done.values()), done
-            page.wait_for_timeout(1500)    # the final redraw, then let vega finish drawing
-            assert page.locator('[data-testid="stException"]').count() == 0, log.read_text()[-3000:]
-            assert page.get_by_text("run record:").count() == 4
-            assert page.locator(".vega-embed").count() >= 4 * 4      # per design: tok/s, heatmap, layers, breakdown
-            for design in designs:       # the heatmap and the time breakdown drawn for every design
-                for chart in ("heatmap", "breakdown"):
-                    drawn = page.locator(f'[aria-label="{design}: {chart} chart"]').locator("canvas, svg").first
-                    box = drawn.bounding_box()
-                    assert box and box["width"] > 100 and box["height"] > 50, (design, chart, box)
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
-            check_live_updates(page.evaluate("() => window.__wb"))
-        finally:
-            browser.close()
+        done = wait_for(page, lambda s: len(s) == 4 and all(st == "done" for _, st, _ in s.values()), 180,
+                        "all four designs to finish")
+        assert all(t == TOKENS for t, _, _ in done.values()), done
+        page.wait_for_timeout(1500)    # the final redraw, then let vega finish drawing
+        assert page.locator('[data-testid="stException"]').count() == 0, log.read_text()[-3000:]
+        assert page.get_by_text("run record:").count() == 4
+        assert page.locator(".vega-embed").count() >= 4 * 4      # per design: tok/s, heatmap, layers, breakdown
+        for design in designs:       # the heatmap and the time breakdown drawn for every design
+            for chart in ("heatmap", "breakdown"):
+                drawn = page.locator(f'[aria-label="{design}: {chart} chart"]').locator("canvas, svg").first
+                box = drawn.bounding_box()
+                assert box and box["width"] > 100 and box["height"] > 50, (design, chart, box)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+        check_live_updates(page.evaluate("() => window.__wb"))
 
 
 def check_live_updates(log):
@@ -178,37 +186,28 @@ def test_the_booth_in_a_browser_shows_tokens_from_two_designs(booth):
     """The kiosk as a visitor meets it: no inputs, Start and Stop only; tokens from both designs soon after the
     set-up says it is ready; Stop ends the round."""
     url, log = booth
-    args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--disable-renderer-backgrounding", "--disable-background-timer-throttling"]
-    with playwright.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=args)
-        try:
-            page = browser.new_page(viewport={"width": 1800, "height": 2000})
-            page.set_default_timeout(60_000)
-            page.goto(url)
-            page.get_by_text("Experts streaming from flash, live").wait_for()
-            page.evaluate(WATCH)
-            deadline = time.time() + 120
-            while "booth: ready after" not in log.read_text():
-                assert time.time() < deadline, log.read_text()[-3000:]
-                page.wait_for_timeout(100)
-            ready = time.time()
-            shown = wait_for(page, lambda s: {"on_demand", "les"} <= set(s) and all(s[d][0] > 0 for d in
-                                                                                    ("on_demand", "les")), 90,
-                             "tokens from both designs")
-            first_tokens = time.time() - ready
-            assert first_tokens < 30, f"the first tokens came {first_tokens:.0f} s after the booth was ready"
-            assert set(shown) == {"on_demand", "les"}
-            assert page.locator("input, textarea, select").count() == 0, "a kiosk takes no typed input"
-            labelled = [t for t in page.get_by_role("button").all_inner_texts() if t.strip()]
-            assert labelled == ["Start", "Stop"], "a visitor starts and stops the comparison, nothing else"
-            assert page.locator('[data-testid="stException"]').count() == 0, log.read_text()[-3000:]
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "booth.png"), full_page=True)
-            page.get_by_role("button", name="Stop").click()
-            page.get_by_text("stopped: press Start for the next comparison").wait_for(timeout=30_000)
-            final = wait_for(page, lambda s: all(st in ("stopped", "done") for _, st, _ in s.values()), 30,
-                             "both designs to stop")
-            assert set(final) == {"on_demand", "les"}
-        finally:
-            browser.close()
+    with browser_page(url, 2000) as page:
+        page.get_by_text("Experts streaming from flash, live").wait_for()
+        page.evaluate(WATCH)
+        deadline = time.time() + 120
+        while "booth: ready after" not in log.read_text():
+            assert time.time() < deadline, log.read_text()[-3000:]
+            page.wait_for_timeout(100)
+        ready = time.time()
+        shown = wait_for(page, lambda s: {"on_demand", "les"} <= set(s) and all(s[d][0] > 0 for d in
+                                                                                ("on_demand", "les")), 90,
+                         "tokens from both designs")
+        first_tokens = time.time() - ready
+        assert first_tokens < 30, f"the first tokens came {first_tokens:.0f} s after the booth was ready"
+        assert set(shown) == {"on_demand", "les"}
+        assert page.locator("input, textarea, select").count() == 0, "a kiosk takes no typed input"
+        labelled = [t for t in page.get_by_role("button").all_inner_texts() if t.strip()]
+        assert labelled == ["Start", "Stop"], "a visitor starts and stops the comparison, nothing else"
+        assert page.locator('[data-testid="stException"]').count() == 0, log.read_text()[-3000:]
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "booth.png"), full_page=True)
+        page.get_by_role("button", name="Stop").click()
+        page.get_by_text("stopped: press Start for the next comparison").wait_for(timeout=30_000)
+        final = wait_for(page, lambda s: all(st in ("stopped", "done") for _, st, _ in s.values()), 30,
+                         "both designs to stop")
+        assert set(final) == {"on_demand", "les"}
