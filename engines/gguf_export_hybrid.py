@@ -34,8 +34,7 @@ def linear_tensors(model, i: int) -> dict[str, np.ndarray]:
            "ssm_out.weight": model.tensor(p + "lin_out")}
     if s.family == "qwen3_next":      # fused in a Hugging Face checkpoint, apart in a qwen3next GGUF
         fused = p + "lin_qkvz" in model.names()
-        w = {n: model.tensor(p + n) for n in (("lin_qkvz",) if fused else ("lin_qkv", "lin_z")) + ("lin_ba",)}
-        w = {p + n: a for n, a in w.items()}
+        w = {p + n: model.tensor(p + n) for n in (("lin_qkvz",) if fused else ("lin_qkv", "lin_z")) + ("lin_ba",)}
         out["ssm_ba.weight"] = w[p + "lin_ba"]
         split_fused_projections(s, w)
         return {"attn_qkv.weight": w[p + "lin_qkv"], "attn_gate.weight": w[p + "lin_z"], **out}

@@ -23,7 +23,6 @@ from workbench.errors import WorkbenchError
 from workbench.spec_hybrid import CHECKPOINT_WINDOW, checkpoint_window
 
 
-
 class GatedDeltaNet:
     """Mixed into the Decoder: the linear-attention layers and their per-position state checkpoints."""
 

@@ -71,6 +71,7 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_
     full = [i for i in range(spec.num_layers) if not spec.is_linear(i)]
     kv_heads, kv_dim = (1, spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.attention == "mla" else \
         (spec.num_kv_heads, 2 * spec.head_dim)
+    kv_per_token = 4 * len(full) * kv_heads * kv_dim
     linear_state = linear_state_bytes(spec)
     # kept for rollback: the window, the last step's start, position 0 and a prompt's end, and the state being made
     states = linear_state * (checkpoint_window(spec) + 4) if linear_state else 0
@@ -84,12 +85,11 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_
         "experts": n_experts, "expert_bytes": {k: v * n_experts for k, v in per_expert.items()},
         "cache_bytes": cache, "cache_budget": budget.text, "cache_slots": budget.slots(item, n_experts),
         "cache_expert_bytes": item, "cache_engine": engine, "all_experts_cache_bytes": all_experts,
-        "kv_bytes_per_token": 4 * len(full) * kv_heads * kv_dim,
+        "kv_bytes_per_token": kv_per_token,
         "linear_state_bytes": linear_state, "linear_checkpoint_bytes": states, "context": context,
         "needed_bytes": resident + min(cache, all_experts), "available_bytes": available,
         "runtime_bytes": runtime_bytes,
-        "run_bytes": resident + min(cache, all_experts) + states + 4 * len(full) * kv_heads * kv_dim * context
-        + runtime_bytes,
+        "run_bytes": resident + min(cache, all_experts) + states + kv_per_token * context + runtime_bytes,
         "largest_budget": largest_budget(resident, all_experts, available),
     }
 

@@ -93,7 +93,7 @@ def split_fused_projections(spec, w: dict):
     hk, dk, dv, r = L["num_key_heads"], L["key_head_dim"], L["value_head_dim"], L["num_value_heads"] // L["num_key_heads"]
     for i in range(spec.num_layers):
         p = f"layers.{i}."
-        if p + "lin_qkvz" in w:         # a qwen3next GGUF holds q, k, v and z apart already
+        if p + "lin_qkvz" in w:         # Hugging Face's fusion; a qwen3next GGUF holds them apart
             g = np.asarray(w.pop(p + "lin_qkvz")).reshape(hk, 2 * dk + 2 * r * dv, -1)
             q, k, v, z = np.split(g, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
             w[p + "lin_qkv"] = np.concatenate([a.reshape(-1, a.shape[-1]) for a in (q, k, v)])

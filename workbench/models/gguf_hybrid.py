@@ -1,10 +1,11 @@
 """llama.cpp's `qwen3next` and `qwen35moe` GGUFs read back into the workbench's Qwen3-Next and Qwen3.5-MoE (the
 inverse of engines/gguf_export_hybrid.py). qwen3next: `attn_qkv` and `attn_gate` are already the decoder's lin_qkv
 and lin_z (the split that spec_hybrid.split_fused_projections makes of in_proj_qkvz), so they stay in their GGUF
-blocks and ggml computes them; `ssm_ba` is in_proj_ba as it is. qwen35moe: q, k, v, z, b, a apart as Qwen3.5 keeps them, every value-head axis in llama.cpp's
-order, tiled over the key heads (spec.linear["value_heads"] = "tiled": spec_hybrid.tile_value_heads). Both: A_log = log(-ssm_a), the conv kernel
-as (channels, 1, K); the post-attention norm is the MoE block's input norm. Norms are stored as 1 + w, as the
-workbench holds them. A qwen35moe GGUF imports as family qwen3_5_moe (MiniCPM-V 4.7's language model too)."""
+blocks and ggml computes them; `ssm_ba` is in_proj_ba as it is. qwen35moe: q, k, v, z, b, a apart as Qwen3.5
+keeps them, every value-head axis in llama.cpp's order, tiled over the key heads (spec.linear["value_heads"] =
+"tiled": spec_hybrid.tile_value_heads). Both: A_log = log(-ssm_a), the conv kernel as (channels, 1, K); the
+post-attention norm is the MoE block's input norm. Norms are stored as 1 + w, as the workbench holds them. A
+qwen35moe GGUF imports as family qwen3_5_moe (MiniCPM-V 4.7's language model too)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,7 @@ import numpy as np
 
 _COMMON = {"post_attention_norm.weight": "mlp_norm", "ssm_conv1d.weight": "lin_conv", "ssm_a": "lin_A_log",
            "ssm_dt.bias": "lin_dt_bias", "ssm_norm.weight": "lin_norm", "ssm_out.weight": "lin_out"}
-BLOCKS = {  # GGUF block tensor -> canonical (None: read with another tensor)
+BLOCKS = {  # GGUF block tensor -> canonical
     "qwen3next": {**_COMMON, "attn_qkv.weight": "lin_qkv", "attn_gate.weight": "lin_z", "ssm_ba.weight": "lin_ba"},
     "qwen35moe": {**_COMMON, "attn_qkv.weight": "lin_qkv", "attn_gate.weight": "lin_z", "ssm_beta.weight": "lin_b",
                   "ssm_alpha.weight": "lin_a"},

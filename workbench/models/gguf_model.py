@@ -176,8 +176,7 @@ class GGUFModel:
                 self.mtp_tensors.append(name)
                 continue
             if rest in HYBRID_BLOCKS.get(self.arch, {}):
-                if HYBRID_BLOCKS[self.arch][rest]:
-                    self.where[f"layers.{i}.{HYBRID_BLOCKS[self.arch][rest]}"] = name
+                self.where[f"layers.{i}.{HYBRID_BLOCKS[self.arch][rest]}"] = name
             elif rest in _BLOCK:
                 self.where[f"layers.{i}.{_BLOCK[rest]}"] = name
             elif rest in _STACKED:
