@@ -135,3 +135,27 @@ def test_the_guard_counts_the_weights_as_each_engine_holds_them(pack, sizes, mon
     with Session(str(pack), "resident", engine="llamacpp") as s:
         assert all(n.endswith(("router", "norm", "router_bias")) for n in s.engine.w)
         assert {f"layers.{i}.router" for i in s.spec.moe_layers} <= set(s.engine.w)
+
+
+def test_a_safetensors_shard_is_read_slice_by_slice_without_holding_the_file(tmp_path):
+    """convert and export-gguf read a Hugging Face checkpoint one tensor (one expert of a fused tensor) at a time:
+    reading every slice of a 256 MiB shard grows the process's peak resident set by far less than the shard."""
+    import subprocess
+    import sys
+    import numpy as np
+    from safetensors.numpy import save_file
+    shard = tmp_path / "model.safetensors"
+    save_file({"experts.down_proj": np.ones((64, 1024, 1024), np.float32)}, str(shard))
+    script = f"""
+import json
+from pathlib import Path
+from workbench.models.hf import Shard
+from workbench.session import peak_rss_bytes
+sh = Shard(Path({str(shard)!r}))
+before = peak_rss_bytes()
+total = sum(float(sh.array("experts.down_proj", e)[0, 0]) for e in range(64))
+print(json.dumps({{"grew": peak_rss_bytes() - before, "total": total}}))
+"""
+    out = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    assert out["total"] == 64.0
+    assert out["grew"] < shard.stat().st_size / 8, out

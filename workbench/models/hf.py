@@ -80,7 +80,6 @@ class Shard:
         self.base = 8 + n
         for name, h in self.header.items():
             self._check(name, h)
-        self._mm = None
 
     def _check(self, name: str, h):
         """Every entry: a known dtype, a shape, and a byte range inside the file that holds exactly that shape."""
@@ -101,16 +100,29 @@ class Shard:
         start, end = h["data_offsets"]
         if self.base + end > self.size:
             raise WorkbenchError(f"{self.path}: truncated: tensor {name} ends at byte {self.base + end}, file has {self.size}")
-        if self._mm is None:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        raw = self._mm[self.base + start:self.base + end]
         dt = _DTYPES.get(h["dtype"])
         if dt is None:
             raise WorkbenchError(f"{self.path}: tensor {name} has unsupported dtype {h['dtype']}")
-        a = raw.view(dt).reshape(h["shape"])
-        if index is not None:  # one slice of a fused (E, ...) tensor, converted alone
-            a = a[index]
+        shape, offset, n = list(h["shape"]), self.base + start, end - start
+        if index is not None:  # one slice of a fused (E, ...) tensor, read and converted alone
+            n //= shape[0]
+            offset, shape = offset + index * n, shape[1:]
+        a = self._read(offset, n).view(dt).reshape(shape)
         return bf16_to_f32(a) if h["dtype"] == "BF16" else a.astype(np.float32)
+
+    def _read(self, offset: int, n: int) -> np.ndarray:
+        """n bytes at offset, read into memory of their own: a mapping of the shard would keep every page it touched
+        in the process's resident set, the whole checkpoint by the end of a conversion."""
+        buf = np.empty(n, np.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(offset)
+            got = 0
+            while got < n:
+                k = f.readinto(memoryview(buf)[got:])
+                if not k:
+                    raise WorkbenchError(f"{self.path}: truncated while reading ({got} of {n} bytes at {offset})")
+                got += k
+        return buf
 
     def dtype(self, name: str) -> str:
         return self.header[name]["dtype"]
