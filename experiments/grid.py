@@ -384,7 +384,7 @@ def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
 def heldout(cell: Cell) -> dict:
     """Held-out TinyStories decoded token by token (teacher-forced) in a fresh session, so the cache and a
     cache-aware bias evolve as in generation: its perplexity and miss rate."""
-    from workbench.session import open_session
+    from runtime.session import open_session
     from workbench.textdata import heldout_ids
     with open_session(cell.model, cell.preset_obj(), cell.budget, prompt=cell.get("prompt"),
                       tokens=cell.get("tokens"), engine=cell.engine, direct=not cell.get("page_cache")) as s:

@@ -563,7 +563,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     the encoded bytes, one call per layer's top-k, and the crc its readers check (`dequant_s` is then that check)."""
     from experiments.routing_trace import drive
     from workbench.presets import get_preset
-    from workbench.session import open_session
+    from runtime.session import open_session
     from workbench.store import quant
     p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
     p = p.with_(experts=experts, speculative=0)     # a batch's rows: _row_cost

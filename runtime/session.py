@@ -19,7 +19,7 @@ from engines.base import Hooks
 from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache, warm_set
-from workbench.capture import RoutingCapture
+from runtime.capture import RoutingCapture
 from workbench.io import drop_page_cache, slot_readers
 from workbench.devices import open_reader
 from workbench.memory import check_fits, memory_needs
@@ -30,7 +30,7 @@ from workbench.routing import route
 from workbench.shapes import random_label
 from workbench.streamer import ExpertStreamer
 from workbench.errors import WorkbenchError
-from workbench.speculative import speculative_decode
+from runtime.speculative import speculative_decode
 from workbench.store.pack import Pack
 from workbench.telemetry import Telemetry, TokenRecord
 
@@ -65,7 +65,7 @@ class Session:
         p = self.preset
         if p.prefetch.predictor is Predictor.ORACLE and trace is None and drive is None:
             raise WorkbenchError(f"preset {p.name}: the oracle replays the true routing of the tokens it will decode; "
-                                 f"give it that trace (workbench.session.oracle_trace) or a routing trace to drive it")
+                                 f"give it that trace (runtime.session.oracle_trace) or a routing trace to drive it")
         self.model = model
         layout, experts, rest = storage_for(model, p.storage, overrides)
         if (layout, experts, rest) != (p.storage.layout.value, p.storage.experts, p.storage.rest):

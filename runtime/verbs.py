@@ -45,7 +45,7 @@ def cmd_info(args):
         # not converted yet: an expert costs what it will in the pack the preset's Session converts it to
         item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
     from workbench.memory import describe, memory_needs
-    from workbench.session import peak_rss_bytes
+    from runtime.session import peak_rss_bytes
     budget = Budget(str(args.budget if args.budget is not None else preset.cache.budget))
     engine_class(obj["engine"])         # its module imported: this process's memory is a run's runtime
     obj["memory"] = memory_needs(spec, shapes, budget, item, resident_bytes, obj["engine"],
@@ -163,7 +163,7 @@ def _generate_flags(p):
 
 @command("generate", "generate text greedily", running, flash, _generate_flags)
 def cmd_generate(args):
-    from workbench.session import open_session
+    from runtime.session import open_session
     with open_session(args.model, args.preset, args.budget, prompt=args.prompt, tokens=args.tokens,
                       engine=args.engine, direct=not args.page_cache, device=args.device, threads=args.threads) as s:
         out = s.generate(args.prompt, tokens=args.tokens, stop_at_eos=args.stop_at_eos)

@@ -221,7 +221,7 @@ def test_simulate_on_the_demo_trace_is_marked_simulated_and_never_beats_belady(t
 
 
 def test_bad_simulate_input_is_a_one_line_error(tmp_path, capsys):
-    from workbench.cli import main
+    from cli import main
     trace = str(REPO / "data/traces/demo-tinystories-256.parquet")
     assert main(["simulate", "--trace", str(tmp_path / "none.parquet"), "--no-record"]) == 2
     assert "no such trace file" in capsys.readouterr().err
@@ -301,7 +301,7 @@ def test_the_streamers_timers_see_every_read_it_issues_and_takes_in(preset):
     at most once; on_demand, which waits for its reads in the layer, takes in each one it issued. With every
     expert in memory nothing is issued."""
     from workbench.io import ALIGN
-    from workbench.session import Session
+    from runtime.session import Session
     with Session("demo", preset, budget="0.25") as s:
         s.generate([1, 2, 3, 4], tokens=6)
         dec = [e for e in s.tel.events if e.phase == "decode"]
