@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines import expert_bytes as engine_expert_bytes  # noqa: E402
 from experiments.bench import bench  # noqa: E402
 from experiments.ladder import expert_bytes, les_rungs, smol_rungs  # noqa: E402
-from experiments.simulate import compute_from_run, measure_compute, run as simulate  # noqa: E402
+from experiments.compute_profile import compute_from_run, measure_compute  # noqa: E402
+from experiments.simulate import run as simulate  # noqa: E402
 from experiments.traces import read_trace  # noqa: E402
 from workbench.atomic import atomic_write  # noqa: E402
 from workbench.commands import flags  # noqa: E402

@@ -310,7 +310,8 @@ def run_bench(cell: Cell) -> dict:
 def run_simulate(cell: Cell) -> dict:
     """A simulate cell: `python -m workbench simulate` (run record included), on the grid's compute profile for
     the cell's design or expert precision, else one measured on the cell's model; returns its result."""
-    from experiments.simulate import load_compute, run
+    from experiments.compute_profile import load_compute
+    from experiments.simulate import run
     p = cell.preset_obj()
     compute = cell.get("compute").format(experts=p.storage.experts, preset=p.name)
     return run(str(REPO / cell.get("trace")), p, cell.budget, cell.device, shape=cell.get("shape") or None,

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.simulate import load_compute, run as simulate
+from experiments.compute_profile import load_compute
+from experiments.simulate import run as simulate
 from experiments.traces import replay
 from cli import main
 from runtime.session import open_session

@@ -175,7 +175,8 @@ def test_the_recorded_drafts_are_prompt_lookups_and_a_drive_accepts_what_the_tex
 
 def test_simulate_replays_the_prerouter_and_the_speculative_rung(edge0_trace, tmp_path):
     from experiments.traces import write_trace
-    from experiments.simulate import ComputeProfile, run
+    from experiments.compute_profile import ComputeProfile
+    from experiments.simulate import run
     tr = edge0_trace
     path = tmp_path / "t.parquet"
     write_trace(path, {k: tr[k] for k in ("topk", "logits", "router_input", "moe_layers")}, tr["ids"], tr["meta"],

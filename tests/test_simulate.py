@@ -9,7 +9,8 @@ import pytest
 
 from workbench.devices import DeviceProfile
 from workbench.presets import get_preset
-from experiments.simulate import ComputeProfile, ReadPlan, belady, simulate_run
+from experiments.compute_profile import ComputeProfile
+from experiments.simulate import ReadPlan, belady, simulate_run
 from workbench.spec import MoESpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -237,7 +238,7 @@ def test_compute_profile_is_measured_on_the_engine_that_runs():
     """The packed engine computes from the bytes read: its profile times its compiled kernel and, per expert read,
     the crc its reader checks (nothing is dequantized); the numpy engine's times its codec. Both are positive
     measurements labelled with the engine, with what an issue of reads costs measured in a streaming run."""
-    from experiments.simulate import measure_compute
+    from experiments.compute_profile import measure_compute
     from workbench.store.pack import Pack
     from workbench.registry import resolve_pack
     spec = Pack(resolve_pack("demo", "contiguous", "q4", "q4")).spec

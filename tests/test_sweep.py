@@ -223,7 +223,8 @@ def test_simulate_and_emulated_cells_run_the_verbs_code(tmp_path, tiny, monkeypa
     """A simulate cell is `simulate` (its record says simulated, and the virtual clock run again on the record's
     compute profile gives the same numbers); a bench cell on a device is `bench --device` (its record says emulated)."""
     from experiments.grid import load_grid
-    from experiments.simulate import ComputeProfile, run
+    from experiments.compute_profile import ComputeProfile
+    from experiments.simulate import run
     from experiments.sweep import markdown, run_grid
     from workbench.runs import read_run
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))

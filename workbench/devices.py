@@ -110,7 +110,7 @@ def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), 
     Where the GIL-free readers stamp when a read landed, a read's time is from its submit to that stamp (the
     reader's wake-up and the transfer), and the rest, until the waiting thread has it, is that thread's wake-up:
     sources["wake_s"] (its median), which the simulator charges once per wait that blocks
-    (experiments/simulate.py ComputeProfile.wake_s), not once per read."""
+    (experiments/compute_profile.py ComputeProfile.wake_s), not once per read."""
     import random
     import statistics
     import numpy as np
