@@ -193,7 +193,7 @@ def prompt_tokens(model="demo") -> int:
 def calibrate(rounds, tokens, device=None, log=print):
     """Measured vs simulated, twice: reads timed by the stored profile (probe-disk for this machine), and by that
     profile floored at this machine's reads as the engine's reader sees them now (probe_reader, each round)."""
-    from workbench import devices
+    from workbench import devices, disk_probe
     from workbench.io import slot_readers
     from workbench.registry import resolve_pack
     spec = MoESpec.from_dict(read_trace(TRACE)["meta"]["spec"])
@@ -204,7 +204,7 @@ def calibrate(rounds, tokens, device=None, log=print):
     insitu_fits, profiles = [], {d: [] for d in DESIGNS}
     for r in range(rounds):
         # as many readers as the packed engine's bench runs have (their peak bandwidth: one read's times that)
-        now = devices.probe_reader(resolve_pack("demo", "contiguous", "q4", "q4"), workers=slot_readers())
+        now = disk_probe.probe_reader(resolve_pack("demo", "contiguous", "q4", "q4"), workers=slot_readers())
         insitu_fits.append({"reads": now.sources["fit"], "wake_s": now.sources["wake_s"]})
         # each design's profile, measured in runs of its own (every expert in memory; at budget 0.5 for what its
         # reads cost), on the same trace; the compute thread's wake-up after a blocking wait, measured with the reads

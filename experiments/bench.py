@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from experiments.routing_trace import drive
-from workbench.floor import floor_tok_s, probe
+from workbench.disk_probe import probe
+from workbench.floor import floor_tok_s
 from workbench.presets import Predictor
 from workbench.runs import write_run
 from runtime.session import Session, open_session

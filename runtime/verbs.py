@@ -107,11 +107,12 @@ def _probe_flags(p):
 
 @command("probe-disk", "bandwidth and latency by read size and queue depth", _probe_flags)
 def cmd_probe_disk(args):
-    from workbench.floor import probe
+    from workbench.disk_probe import probe
     res = probe(args.path, seconds_per_point=args.seconds, refresh=True)
     if args.save_device:              # this machine as a device profile (data/devices/NAME.json)
         from workbench.atomic import atomic_write
-        from workbench.devices import DEVICES, profile_from_probe
+        from workbench.devices import DEVICES
+        from workbench.disk_probe import profile_from_probe
         prof = profile_from_probe(res, args.save_device, f"this machine ({args.save_device}), measured by probe-disk")
         res["device_profile"] = str(atomic_write(DEVICES / f"{args.save_device}.json", json.dumps(prof, indent=1) + "\n"))
     lines = [f"{p['size'] // 1024:>6} KiB  qd {p['depth']}:  {p['mb_s']:8.1f} MB/s  p50 {p['lat_ms_p50']:.3f} ms"

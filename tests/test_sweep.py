@@ -21,14 +21,14 @@ PAGE = REPO / "dashboards" / "pages" / "3_Sweeps.py"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 2-layer Qwen3-MoE checkpoint, and a quick disk probe saved where every Ray worker finds it (the floor)."""
-    import workbench.floor as floor
-    real = floor.probe_disk
-    floor.probe_disk = lambda path, seconds_per_point=0.3, **kw: real(path, sizes=(65536, 262144), depths=(1,),
+    import workbench.disk_probe as disk_probe
+    real = disk_probe.probe_disk
+    disk_probe.probe_disk = lambda path, seconds_per_point=0.3, **kw: real(path, sizes=(65536, 262144), depths=(1,),
                                                                       seconds_per_point=0.05)
     try:
-        floor.probe()
+        disk_probe.probe()
     finally:
-        floor.probe_disk = real
+        disk_probe.probe_disk = real
     return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("sweep") / "tiny")
 
 
