@@ -307,7 +307,7 @@ def bench_dense(repeat, rng):
 def rest_end_to_end(rounds: int = 5, steps: int = 200) -> dict:
     """The demo's resident decode step (packed engine) with its non-expert matrices encoded, as it runs, against a
     session of the same engine given their dequantized f32 copies, alternating in one process: ms per token."""
-    from workbench.session import Session
+    from runtime.session import Session
     with Session("demo", "resident", engine="packed") as enc:
         f32 = {k: np.ascontiguousarray(np.asarray(v)) for k, v in enc.engine.w.items()}   # Encoded: dequantized
         with Session("demo", "resident", engine="packed", weights=f32) as full:
@@ -349,7 +349,7 @@ def token_split(repeat) -> list[tuple[str, int, float, float]]:
     from engines import packed_kernels as K
     from engines.decoder import Decoder
     from workbench.routing import route
-    from workbench.session import Session
+    from runtime.session import Session
 
     def t(fn):
         ts = timings_us(fn, repeat)

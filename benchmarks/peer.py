@@ -37,7 +37,7 @@ def interleaved_steps(model: str, tokens: int, rounds: int) -> dict:
     import numpy as np
 
     from engines.llamacpp_engine import LlamaCpp, resolve_gguf
-    from workbench.session import Session
+    from runtime.session import Session
     ids = [3, 17, 42, 99]                       # the demo's tokenizer is the GGUF's: the same ids
     times = {"workbench resident": [], "llama.cpp": []}
     with Session(model, "resident", engine="packed") as s, \

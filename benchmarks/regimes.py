@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines import expert_bytes as engine_expert_bytes  # noqa: E402
 from experiments.bench import bench  # noqa: E402
 from experiments.ladder import expert_bytes, les_rungs, smol_rungs  # noqa: E402
-from experiments.simulate import compute_from_run, measure_compute, run as simulate  # noqa: E402
+from experiments.compute_profile import compute_from_run, measure_compute  # noqa: E402
+from experiments.simulate import run as simulate  # noqa: E402
 from experiments.traces import read_trace  # noqa: E402
 from workbench.atomic import atomic_write  # noqa: E402
 from workbench.commands import flags  # noqa: E402
@@ -192,7 +193,7 @@ def prompt_tokens(model="demo") -> int:
 def calibrate(rounds, tokens, device=None, log=print):
     """Measured vs simulated, twice: reads timed by the stored profile (probe-disk for this machine), and by that
     profile floored at this machine's reads as the engine's reader sees them now (probe_reader, each round)."""
-    from workbench import devices
+    from workbench import devices, disk_probe
     from workbench.io import slot_readers
     from workbench.registry import resolve_pack
     spec = MoESpec.from_dict(read_trace(TRACE)["meta"]["spec"])
@@ -203,7 +204,7 @@ def calibrate(rounds, tokens, device=None, log=print):
     insitu_fits, profiles = [], {d: [] for d in DESIGNS}
     for r in range(rounds):
         # as many readers as the packed engine's bench runs have (their peak bandwidth: one read's times that)
-        now = devices.probe_reader(resolve_pack("demo", "contiguous", "q4", "q4"), workers=slot_readers())
+        now = disk_probe.probe_reader(resolve_pack("demo", "contiguous", "q4", "q4"), workers=slot_readers())
         insitu_fits.append({"reads": now.sources["fit"], "wake_s": now.sources["wake_s"]})
         # each design's profile, measured in runs of its own (every expert in memory; at budget 0.5 for what its
         # reads cost), on the same trace; the compute thread's wake-up after a blocking wait, measured with the reads

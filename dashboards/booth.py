@@ -104,7 +104,7 @@ def steps(booth: K.Booth) -> list[tuple[str, object]]:
     def opener(design):
         def open_once():
             from experiments.routing_trace import drive
-            from workbench.session import open_session
+            from runtime.session import open_session
             open_session(model, design, budget_for(PRESETS[design], "0.25"), prompt=booth_round(0, model)[0],
                          tokens=2, drive=drive(trace)).close()
         return open_once

@@ -48,7 +48,7 @@ def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens:
         from experiments.routing_trace import drive
         from workbench.errors import WorkbenchError
         from workbench.runs import write_run
-        from workbench.session import open_session
+        from runtime.session import open_session
         conn.send(("status", "starting"))
         s = open_session(model, design, budget, prompt=prompt, tokens=tokens, drive=drive(routing_trace),
                          device=device)

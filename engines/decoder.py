@@ -20,6 +20,7 @@ import numpy as np
 from engines.base import Engine
 from engines.hybrid import GatedDeltaNet
 from workbench.errors import WorkbenchError
+from workbench.routing import route
 from workbench.spec import yarn_mscale
 
 
@@ -215,6 +216,14 @@ class Decoder(GatedDeltaNet, Engine):
         y = (att @ C[0]) @ W(p + "v_b").transpose(0, 2, 1)                       # (H, T, v)
         return self.linear(y.transpose(1, 0, 2).reshape(T, -1), p + "o")
 
+    def route(self, i: int, logits, ctx) -> tuple:
+        """Layer i's (expert ids, mixing weights): the router hook's where the session gave one (the preset's
+        routing: workbench.routing.cache_bias_router, Edge0's prerouter, a trace), else the exact router with the
+        checkpoint's selection correction."""
+        if self.router_hook is not None:
+            return self.router_hook(i, logits, ctx)
+        return route(self.spec, logits, self.w.get(f"layers.{i}.router_bias"))
+
     def mlp(self, x, gate, up, down):
         return (self.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
@@ -223,12 +232,15 @@ class Decoder(GatedDeltaNet, Engine):
         return self.linear(self.silu(self.linear(x, p + "gate")) * self.linear(x, p + "up"), p + "down")
 
     def moe(self, i: int, x, h, phase: str):
-        """Route (the streamer: hooks, prefetches), bring the experts in, and let the backend's expert-compute
-        object compute and sum them; the shared expert is added here."""
+        """Route (the router hook, else the exact router), let the streamer bring the experts in (its predictor's
+        prefetches started first), and let the backend's expert-compute object compute and sum them; the shared
+        expert is added here."""
         s, W, p = self.spec, self.W, f"layers.{i}."
         t0 = time.perf_counter()
-        idx, weights, needed, ev = self.streamer.begin_layer(self, i, self.to_numpy(x), self.to_numpy(h),
-                                                             self.to_numpy(self.linear(x, p + "router")), phase, t0)
+        ctx = {"x": self.to_numpy(x), "h": self.to_numpy(h), "logits": self.to_numpy(self.linear(x, p + "router")),
+               "phase": phase, "engine": self}
+        idx, weights = self.route(i, ctx["logits"], ctx)
+        needed, ev = self.streamer.begin_layer(i, idx, self.token_index, ctx, self.predictor, t0)
         compute = self.experts.begin(i, x, idx, weights)
         self.streamer.run_layer(i, needed, compute, ev)
         t0 = time.perf_counter()

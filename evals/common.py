@@ -1,4 +1,4 @@
-"""Shared pieces of the evaluation layer: log-probabilities, routing capture, run records (a session: workbench.session.open_session)."""
+"""Shared pieces of the evaluation layer: log-probabilities, routing capture, run records (a session: runtime.session.open_session)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.capture import RoutingCapture  # noqa: F401  (the eval modules use it from here)
+from runtime.capture import RoutingCapture  # noqa: F401  (the eval modules use it from here)
 from workbench.errors import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]

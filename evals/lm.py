@@ -120,7 +120,7 @@ def run(model: str, preset: str, budget=None, tasks="lambada_openai,arc_easy,piq
         max_length: int | None = None, per_item: bool = False, device: str | None = None) -> dict:
     """per_item: the record keeps each task's per-item scores (evaluate's "items"), for paired comparisons."""
     from evals.common import record as write_record
-    from workbench.session import open_session
+    from runtime.session import open_session
     require_lm_eval()
     from evals.lm_eval_adapter import WorkbenchLM
     with open_session(model, preset, budget, prompt=None, engine=engine, direct=direct, device=device) as s:

@@ -30,7 +30,7 @@ class WorkbenchLM(LM):
     def __init__(self, model: str = "demo", preset: str = "on_demand", budget=None, engine: str | None = None,
                  max_length=None, max_gen_toks=256, direct=True, session=None, progress=True, **kwargs):
         super().__init__()
-        from workbench.session import open_session
+        from runtime.session import open_session
         if session is None:
             direct = str(direct).lower() not in ("0", "false", "no")
             session = open_session(str(model), str(preset), _float_or_none(budget), prompt=None,

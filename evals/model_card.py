@@ -16,11 +16,11 @@ import numpy as np
 from evals.ppl import perplexity
 from workbench.atomic import atomic_write
 from workbench.registry import model_dir
-from workbench.capture import RoutingCapture
+from runtime.capture import RoutingCapture
 from workbench.commands import flags
 from workbench.predict import Lookahead
 from workbench.routing import topk_desc
-from workbench.session import Session
+from runtime.session import Session
 from workbench.textdata import heldout_ids
 
 DOMAINS = ("tinystories", "wikitext2")

@@ -94,7 +94,7 @@ def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: in
         stride: int | None = None, bos: bool = False, progress: bool = True, record: bool = True,
         engine: str | None = None, direct: bool = True, device: str | None = None) -> dict:
     from evals.common import record as write_record
-    from workbench.session import open_session
+    from runtime.session import open_session
     with open_session(model, preset, budget, prompt=None, engine=engine, direct=direct, device=device) as s:
         need = tokens_needed(n_ctx, chunks, stride)
         ids = text_ids(s.tokenizer, data, need)

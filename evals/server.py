@@ -807,7 +807,7 @@ def make_server(session, host: str = "127.0.0.1", port: int = 8000, model_id: st
 
 def serve(model: str, preset: str, budget=None, host: str = "127.0.0.1", port: int = 8000, model_id: str | None = None,
           engine: str | None = None, direct: bool = True, quiet: bool = False, api_key: str | None = None):
-    from workbench.session import open_session
+    from runtime.session import open_session
     api_key = api_key or os.environ.get("WORKBENCH_API_KEY") or None
     s = open_session(model, preset, budget, prompt=None, engine=engine, direct=direct)
     try:

@@ -95,7 +95,7 @@ def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: in
         direct: bool = True, trace: TeacherTrace | None = None, device: str | None = None) -> dict:
     """device: the preset's reads emulate that device's flash (the teacher, the reference, reads this machine's)."""
     from evals.common import record as write_record
-    from workbench.session import open_session
+    from runtime.session import open_session
     with open_session(model, preset, budget, prompt=None, engine=engine, direct=direct, device=device) as s:
         if trace is None:
             need = tokens_needed(n_ctx, chunks, stride)

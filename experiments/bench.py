@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from experiments.routing_trace import drive
-from workbench.floor import floor_tok_s, probe
+from workbench.disk_probe import probe
+from workbench.floor import floor_tok_s
 from workbench.presets import Predictor
 from workbench.runs import write_run
-from workbench.session import Session, open_session
+from runtime.session import Session, open_session
 from workbench.errors import WorkbenchError
 
 SUMMARY_KEYS = ("tok_s", "prefill_tok_s", "hit_rate", "late_rate", "miss_rate", "hits", "late", "misses", "bytes_read",

@@ -170,7 +170,8 @@ def _simulate_flags(p):
 
 @command("simulate", "a design over a routing trace on a virtual clock (no model run); marked simulated", _simulate_flags)
 def cmd_simulate(args):
-    from experiments.simulate import load_compute, run
+    from experiments.compute_profile import load_compute
+    from experiments.simulate import run
     res = run(args.trace, args.preset, args.budget, args.device, shape=args.shape, tokens=args.tokens,
               prompt=args.prompt_tokens, compute=load_compute(args.compute) if args.compute else None,
               workers=args.workers, model=args.model, record=not args.no_record, predictor=args.predictor,

@@ -29,7 +29,7 @@ from workbench.edge0.serve import Heads, LoRA, Prerouter, edge0_counters, featur
 from workbench.presets import get_preset
 from workbench.routing import route, topk_desc
 from workbench.runs import write_run
-from workbench.session import Session
+from runtime.session import Session
 from workbench.errors import WorkbenchError
 from workbench.store import quant
 from workbench.textdata import heldout_ids

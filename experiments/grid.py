@@ -310,7 +310,8 @@ def run_bench(cell: Cell) -> dict:
 def run_simulate(cell: Cell) -> dict:
     """A simulate cell: `python -m workbench simulate` (run record included), on the grid's compute profile for
     the cell's design or expert precision, else one measured on the cell's model; returns its result."""
-    from experiments.simulate import load_compute, run
+    from experiments.compute_profile import load_compute
+    from experiments.simulate import run
     p = cell.preset_obj()
     compute = cell.get("compute").format(experts=p.storage.experts, preset=p.name)
     return run(str(REPO / cell.get("trace")), p, cell.budget, cell.device, shape=cell.get("shape") or None,
@@ -384,7 +385,7 @@ def run_timing(cells: list[Cell], rounds: int | None = None) -> list[dict]:
 def heldout(cell: Cell) -> dict:
     """Held-out TinyStories decoded token by token (teacher-forced) in a fresh session, so the cache and a
     cache-aware bias evolve as in generation: its perplexity and miss rate."""
-    from workbench.session import open_session
+    from runtime.session import open_session
     from workbench.textdata import heldout_ids
     with open_session(cell.model, cell.preset_obj(), cell.budget, prompt=cell.get("prompt"),
                       tokens=cell.get("tokens"), engine=cell.engine, direct=not cell.get("page_cache")) as s:

@@ -41,7 +41,7 @@ def llama_logits(path, ids, context=None) -> np.ndarray:
 
 def workbench_logits(path, ids, nudge: bool = False, **kw) -> np.ndarray:
     """nudge: every attention norm's weights one float32 step up (a calibration: what one ulp does)."""
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(str(path), "resident", **kw) as s:
         if nudge:
             w = s.engine.w

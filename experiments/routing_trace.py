@@ -9,7 +9,7 @@ and the traced model's own routers for lookahead): lookahead at depth 1 and 2, w
 previous token's experts at that layer); the oracle (the true routing); and, where an Edge0 head is trained for the
 traced model (<model dir>/edge0/prerouter.safetensors), `prerouter`: what the heads name for (token t, layer j) from
 token t-1 at layer j-1, as the engine's Prerouter names it one token ahead. `drafts` adds, per token, the
-prompt-lookup draft (workbench.speculative) proposed after it, for replaying LES's speculative batch verification:
+prompt-lookup draft (runtime.speculative) proposed after it, for replaying LES's speculative batch verification:
 a draft token is accepted while it equals the trace's next token (the traced text plays the model's greedy output).
 
 `TraceDrive` replaces a Session's router and predictor, so the run reads real experts of the model's own size
@@ -39,7 +39,7 @@ DRAFT = 4               # draft tokens recorded per position: LES's speculative 
 
 def drafts(ids: list[int], n: int = DRAFT) -> np.ndarray:
     """(T, n) int32: the prompt-lookup draft proposed after token t (context ids[:t+1]), -1 past its end."""
-    from workbench.speculative import prompt_lookup_draft
+    from runtime.speculative import prompt_lookup_draft
     out = np.full((len(ids), n), -1, np.int32)
     for t in range(len(ids)):
         d = prompt_lookup_draft(list(ids[:t + 1]), n)

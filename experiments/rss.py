@@ -33,7 +33,7 @@ def peak_rss(model: str, preset: str, budget: str, tokens: int = 32) -> dict:
 
 def smallest_budget(model: str, preset: str) -> str:
     """One layer's top-k expert slots, in bytes: the least a Session of this design runs with."""
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(model, preset, budget="all") as s:
         return str(s.spec.top_k * s.item_bytes)
 
@@ -56,7 +56,7 @@ def _vm(field: str) -> int:
 def _child(model, preset, budget, tokens):
     """Peak RSS over generation: the peak is reset (Linux clear_refs) once the Session is open, so the load's
     transients (the same at every budget, but noisy) are not in it; the arena, touched at open, is."""
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(model, preset, budget=budget) as s:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

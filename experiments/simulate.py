@@ -15,7 +15,7 @@ adjacent reads merged as Reader.submit merges them). What is modelled, mirroring
                   takes the device profile's read_s(bytes, n), a large one in pieces on several threads as
                   the engine's reads into slots are (workbench.io.split_sizes); the pool thread then dequantizes
                   each expert of that read (as the streamer's read callback does), so an expert is ready after both
-  compute         a measured profile of this engine (ComputeProfile): dense and router time per layer, expert
+  compute         a measured profile of this engine (experiments.compute_profile): dense and router time per layer, expert
                   compute per expert, dequant (the packed engine: the crc check) per expert read, other per token,
                   a wake-up per wait that blocked (the compute thread runs again that long after the read lands),
                   and what reads cost the compute thread: an issue (per submit, per expert) and taking each read
@@ -37,15 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import json
-import statistics
-import time
-import zlib
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from engines import expert_bytes
+from experiments.compute_profile import ComputeProfile, measure_compute
 from workbench.cache import ExpertCache, GuessAdmission, reserve_ahead, warm_set
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
@@ -54,31 +52,6 @@ from workbench.presets import Budget, CacheScope, Order, Router
 from workbench.spec import MoESpec
 from workbench.store.pack import PARTS, _align, _nbytes, expert_kind   # the pack's own read plan
 from workbench.telemetry import rates
-
-
-@dataclass(frozen=True)
-class ComputeProfile:
-    """Seconds on the compute thread (dense, router, expert per expert, other per token) and on a reader
-    thread (dequant per expert)."""
-    dense_s: float            # per MoE layer: attention, norms, and the token's share of embedding/head
-    router_s: float           # per MoE layer
-    expert_s: float           # per expert computed
-    dequant_s: float          # per expert read, at the pack's expert precision
-    other_s: float = 0.0      # per token: what the engine spends outside the measured parts
-    issue_s: float = 0.0      # per expert read issued: the compute thread's cost of submitting it (reader pool, futures)
-    issue_call_s: float = 0.0     # per issue (a layer's demand reads, a predictor's reads for one layer): its fixed cost
-    dequant_busy_s: float = 0.0   # per expert, on a reader thread while the compute thread computes (GIL contention)
-    reader_holds_gil: bool = True   # the reader's per-expert work takes the compute thread's GIL (numpy's dequant,
-                                    # Python reader threads); not the packed engine's GIL-free readers (slot_reads)
-    wake_s: float = 0.0       # per blocking wait: from the read it waits for landing to the compute thread running
-                              # again (its poll returning, the settle); probe_reader measures it
-    land_s: float = 0.0       # per expert read, when the compute thread takes it in (its read settled, its crc
-                              # compared, the cache entry made the slot) and computes on its fresh bytes
-    row_s: float | None = None    # per MoE layer, dense + router time of each row of a batch after the first
-                                  # (speculative verification); None: each row costs what one token does
-    engine: str = "numpy"     # the engine measured: what an expert costs in its cache (engines.expert_bytes), so what
-                              # a byte budget buys (the packed engine's slots of packed bytes, numpy's f32 experts)
-    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -200,6 +173,268 @@ def _layer_event(layer):
     return dict(layer=layer, hits=0, late=0, misses=0, bytes_read=0, wait_s=0.0, compute_s=0.0)
 
 
+class _LayerStep:
+    """One MoE layer of one decode step: the batch's routed experts and where each stands (in memory and ready,
+    a read pending, not yet issued), as run_layer's locals are in the streamer."""
+
+    def __init__(self, L: int, routed: list[set], ev: dict):
+        self.L, self.routed, self.ev = L, routed, ev
+        self.uses = {e: sum(e in r for r in routed) for e in set().union(*routed)}     # (token, expert) pairs
+        self.needed = sorted(self.uses)
+        self.protect = {(L, e) for e in self.needed}
+        self.named: dict = {}           # target layer -> experts the predictor named for it here
+        self.ready, self.pending, self.backlog = [], {}, []
+        self.spare, self.guess = 0, True
+
+
+class _Simulation:
+    """The state of one simulated run, and its steps: prefill, then per decode step and MoE layer route, name
+    ahead, look up, issue, compute, wait (simulate_run)."""
+
+    def __init__(self, drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
+                 workers: int, plan: ReadPlan | None, shared_cpu: bool, switch_s: float | None, split: bool):
+        self.drive, self.spec, self.preset, self.compute = drive, spec, preset, compute
+        self.plan = plan or read_plan(spec, preset.storage.layout.value, preset.storage.experts)
+        item, n_experts = expert_bytes(compute.engine, spec, preset.storage), spec.num_experts * len(spec.moe_layers)
+        self.budget_bytes = Budget(budget).nbytes(item, n_experts)
+        self.cache = ExpertCache(Budget(budget).slots(item, n_experts), item, spec.moe_layers,
+                                 policy=preset.cache.policy.value, scope=preset.cache.scope.value,
+                                 min_slots_per_layer=spec.top_k)
+        # a read that lands while the compute thread computes is dequantized at the contended speed, measured (GIL
+        # waits included, so the switch-interval model is then off unless asked for)
+        self.shared_cpu = shared_cpu
+        self.busy = compute.dequant_busy_s if shared_cpu else 0.0
+        if switch_s is None:
+            switch_s = sys.getswitchinterval() if shared_cpu and not self.busy else 0.0
+        self.clock = _Clock(switch_s)
+        self.pool = _Pool(workers, device, compute.dequant_s, split)
+        self.fill(item * n_experts)
+        self.pos = _Position()
+        self.predictor = drive.predictor()
+        self.admission, self.named_for = GuessAdmission(len(spec.moe_layers)), {}     # as the streamer's prefetches
+        self.layers = {L: _layer_event(L) for L in spec.moe_layers}
+        self.n = dict(bytes=0, wait=0.0, issued=0, used=0, predicted=0, demand=0, spec_steps=0, spec_accepted=0)
+        self.prefetched: set = set()
+
+    def fill(self, total: int):
+        """What is in memory before the prompt: every expert (all-resident), else the design's warm set."""
+        landed = _Read(-1.0, self.clock, taken=True)
+        if self.budget_bytes >= total:
+            for L in self.spec.moe_layers:
+                for e in range(self.spec.num_experts):
+                    self.cache.pin((L, e), landed)
+        elif self.preset.cache.warm:
+            for k in warm_set(self.cache, self.drive.usage):
+                self.cache.reserve(k, landed)
+
+    # ------------------------------------------------------------ the compute thread and the reader pool
+
+    def work(self, seconds: float):
+        """The compute thread works `seconds`, plus (shared_cpu) every dequant that takes the GIL from it: one whose
+        read ended at t preempts the work at t + switch_s if the work is still going then."""
+        clock, pool = self.clock, self.pool
+        start, end = clock.now, clock.now + seconds
+        if self.shared_cpu:
+            if clock.ends and start > clock.ends[-1]:       # it waited since its last work: those ran meanwhile
+                pool.dequants = [t for t in pool.dequants if t >= start]
+            while (mine := [t for t in pool.dequants if t + clock.switch_s < end]):
+                pool.dequants = [t for t in pool.dequants if t + clock.switch_s >= end]
+                end += len(mine) * self.compute.dequant_s
+        if end > start:
+            clock.starts.append(start)
+            clock.ends.append(end)
+        clock.now = end
+
+    def issue(self, keys: list, counted: bool) -> int:
+        """Submit reads of `keys` (slots reserved): the compute thread pays the issue, the pool reads them in merged
+        runs; returns the bytes read."""
+        c = self.compute
+        self.work(c.issue_call_s + c.issue_s * len(keys))
+        groups = [(g, b) for L in sorted({k[0] for k in keys})
+                  for g, b in [([(L, e) for e in run], nb)
+                               for run, nb in self.plan.reads([k[1] for k in keys if k[0] == L])]]
+        ready = self.pool.submit(self.clock.now, groups)
+        for k in keys:
+            self.cache.set(k, _Read(ready[k][0], self.clock, ready[k][1], c.dequant_s, self.busy))
+        if counted:
+            self.n["bytes"] += sum(b for _, b in groups)
+        return sum(b for _, b in groups)
+
+    def take(self, ent: _Read):
+        """The compute thread takes a landed read in (once)."""
+        if not ent.taken:
+            ent.taken = True
+            self.work(self.compute.land_s)
+
+    def wait(self, until: float, ev: dict):
+        """The compute thread blocks until `until`; having slept, it runs again a wake-up later."""
+        wait = max(0.0, until - self.clock.now)
+        wait += self.compute.wake_s if wait > 0 else 0.0
+        self.clock.now += wait
+        ev["wait_s"] += wait
+        self.n["wait"] += wait
+
+    # ------------------------------------------------------------ the run's steps
+
+    def prefill(self, prompt: int):
+        """Every routed expert of the prompt rows, read and landed before decoding starts (untimed)."""
+        cache, clock = self.cache, self.clock
+        ctx = self.pos.step(0, "prefill")
+        for L in self.spec.moe_layers:
+            idx = self.drive.route(L, np.zeros((prompt, 1)), ctx)[0]
+            keys = [(L, int(e)) for e in sorted(set(idx.reshape(-1).tolist())) if (L, int(e)) not in cache]
+            for k in keys:
+                if not cache.reserve(k, None):
+                    break
+            keys = [k for k in keys if cache.peek(k) is None and k in cache]
+            if keys:
+                self.issue(keys, False)
+            clock.now = max([clock.now] + [cache.peek(k).ready for k in cache.keys(L)
+                                           if isinstance(cache.peek(k), _Read)])
+        at_decode = list(cache.keys())                   # what any policy starts decoding with (Belady too)
+        for k in at_decode:
+            if isinstance(ent := cache.peek(k), _Read):
+                ent.taken = True                         # taken in while the prompt ran
+        self.pool.dequants = []                          # the prompt's dequants are done before decoding starts
+        return at_decode
+
+    def decode_step(self, step: int, drafts: int) -> int:
+        """One decode step: one token, or (speculative) the last token and up to `drafts` draft tokens verified in
+        one batch. Returns the draft tokens accepted."""
+        draft, accepted = self.drive.draft(step, drafts) if drafts else ([], 0)
+        batch = range(step, step + len(draft) + 1)
+        self.n["spec_steps"] += 1
+        self.n["spec_accepted"] += accepted
+        for L in self.spec.moe_layers:
+            self.layer(L, batch)
+        self.work(self.compute.other_s)
+        return accepted
+
+    def layer(self, L: int, batch: range):
+        """One MoE layer, as ExpertStreamer.begin_layer and run_layer: route, name ahead, look up, issue the misses
+        and then the predictor's reads, compute (ready_first: what is in memory first), wait for the rest."""
+        st = self.route(L, batch)
+        self.name_ahead(st, batch)
+        self.look_up(st)
+        self.issue_backlog(st, predicted=True)
+        wait_all = self.preset.execution.order is Order.WAIT_ALL
+        if not wait_all:
+            self.run(st, st.ready)
+            st.ready = []
+        while st.pending or st.backlog or st.ready:
+            if st.pending and (wait_all or not st.ready):
+                self.wait_for_reads(st, wait_all)
+            self.run(st, st.ready)
+            st.ready = []
+            self.issue_backlog(st)
+            if st.backlog and not st.pending:          # every free slot holds a read in flight: wait for one
+                self.wait_for_a_slot(st)
+
+    def route(self, L: int, batch: range) -> _LayerStep:
+        """The layer's clock (dense + router, each further row of a batch at its own cost) and its routing."""
+        c = self.compute
+        self.cache.step()
+        one = c.dense_s + c.router_s
+        self.work(one + (len(batch) - 1) * (one if c.row_s is None else c.row_s))
+        routed = [set(int(e) for e in self.drive.route(L, np.zeros((1, 1)), self.pos.step(b))[0].reshape(-1))
+                  for b in batch]
+        return _LayerStep(L, routed, self.layers[L])
+
+    def name_ahead(self, st: _LayerStep, batch: range):
+        """GuessAdmission judges the names made for this layer; the predictor names later layers' experts."""
+        L = st.L
+        for i, b in enumerate(batch):
+            if (L, b) in self.named_for:
+                self.admission.scored(self.named_for.pop((L, b)), st.routed[i])
+        for b in batch if self.predictor is not None else ():
+            for target, experts in self.predictor.predict(L, self.pos.step(b)).items():
+                # a later layer of this token, or (layer, token) of a later token (Edge0's prerouter)
+                st.named.setdefault(target[0] if isinstance(target, tuple) else target, []).extend(experts)
+                self.named_for[target if isinstance(target, tuple) else (target, b)] = list(map(int, experts))
+        if not getattr(self.predictor, "certain", False):
+            st.spare, st.guess = self.admission.spare(), self.admission.admit()
+
+    def look_up(self, st: _LayerStep):
+        """Each needed expert: a hit (taken in), a read still in flight (late), or a miss for the backlog."""
+        for e in st.needed:
+            k = (st.L, e)
+            ent = self.cache.get(k)
+            self.admission.asked_for(ent is not None, k in self.prefetched)
+            if k in self.prefetched:
+                self.prefetched.discard(k)
+                self.n["used"] += 1
+            if ent is None:
+                st.backlog.append(e)
+                st.ev["misses"] += 1
+            elif ent.done():
+                st.ev["hits"] += 1
+                self.take(ent)
+                st.ready.append(e)
+            else:
+                st.ev["late"] += 1
+                st.pending[e] = ent
+
+    def issue_backlog(self, st: _LayerStep, predicted: bool = False):
+        """As the streamer's: the backlog's reads, then (predicted) the predictor's, queued behind them."""
+        keys = []
+        while st.backlog and self.cache.reserve((st.L, st.backlog[0]), None, st.protect):
+            keys.append((st.L, st.backlog.pop(0)))
+        if keys:
+            self.n["demand"] += len(keys)
+            st.ev["bytes_read"] += self.issue(keys, True)
+            for k in keys:
+                st.pending[k[1]] = self.cache.peek(k)
+        for target, experts in (st.named.items() if predicted and st.guess else ()):
+            experts = list(dict.fromkeys(int(e) for e in experts))
+            self.n["predicted"] += len(experts)
+            then = reserve_ahead(self.cache, [(target, e) for e in experts], None, st.protect, st.spare)
+            if then:
+                self.issue(then, True)
+                self.prefetched.update(then)
+                self.n["issued"] += len(then)
+
+    def run(self, st: _LayerStep, es: list):
+        """One compute call on the experts `es` (in memory together)."""
+        t = sum(self.compute.expert_s * st.uses[e] for e in es)
+        st.protect.difference_update((st.L, e) for e in es)
+        self.work(t)
+        st.ev["compute_s"] += t
+
+    def wait_for_reads(self, st: _LayerStep, every: bool):
+        """Wait for the first pending read (every: for all of them), then take in each that has landed, in order."""
+        at = [r.ready for r in st.pending.values()]
+        self.wait(max(at) if every else min(at), st.ev)
+        for e in sorted((e for e, r in st.pending.items() if r.done()), key=lambda e: st.pending[e].ready):
+            self.take(st.pending.pop(e))
+            st.ready.append(e)
+
+    def wait_for_a_slot(self, st: _LayerStep):
+        """Every free slot is taken by a read in flight (prefetches): wait for the first to land."""
+        flying = [v.ready for k in self.cache.keys() if isinstance(v := self.cache.peek(k), _Read) and not v.done()]
+        if not flying:
+            raise WorkbenchError(f"layer {st.L}: no cache slot for expert {st.backlog[0]}: pinned experts fill the "
+                                 f"budget")
+        wait = min(flying) - self.clock.now + self.compute.wake_s
+        self.clock.now += wait
+        st.ev["wait_s"] += wait
+        self.n["wait"] += wait
+
+    def result(self, steps: int, decode_s: float, at_decode: list) -> dict:
+        n, layers = self.n, self.layers
+        hits, late, misses = (sum(r[k] for r in layers.values()) for k in ("hits", "late", "misses"))
+        for r in layers.values():
+            r.update(rates(r["hits"], r["late"], r["misses"]))
+        return {"tok_s": steps / decode_s if decode_s > 0 else float("inf"), **rates(hits, late, misses),
+                "hits": hits, "late": late, "misses": misses, "bytes_read": n["bytes"],
+                "bytes_read_per_token": n["bytes"] / max(1, steps),
+                "flash_wait_s": n["wait"], "flash_wait_per_token_s": n["wait"] / max(1, steps), "decode_s": decode_s,
+                "decode_steps": steps, "prefetch_issued": n["issued"], "prefetch_used": n["used"],
+                "experts_read": n["demand"] + n["issued"], "spec_steps": n["spec_steps"],
+                "spec_accepted": n["spec_accepted"], "budget_bytes": self.budget_bytes,
+                "cache_slots": self.cache.capacity[self.spec.moe_layers[0]], "cache_at_decode": at_decode,
+                "per_layer": [layers[L] for L in self.spec.moe_layers]}
+
+
 def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
                  tokens: int, prompt: int = 4, workers: int = 1, plan: ReadPlan | None = None,
                  shared_cpu: bool = True, switch_s: float | None = None, split: bool = True) -> dict:
@@ -210,203 +445,17 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     time (compute.dequant_busy_s); without a measured contended time, a read that ends while the compute thread
     works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore). split: a large read goes to
     several readers in pieces (workbench.io.split_sizes), as reads into slots do; the numpy engine's reads do not."""
-    plan = plan or read_plan(spec, preset.storage.layout.value, preset.storage.experts)
-    item, n_experts = expert_bytes(compute.engine, spec, preset.storage), spec.num_experts * len(spec.moe_layers)
-    total = item * n_experts
-    budget_bytes = Budget(budget).nbytes(item, n_experts)
-    cache = ExpertCache(Budget(budget).slots(item, n_experts), item, spec.moe_layers, policy=preset.cache.policy.value,
-                        scope=preset.cache.scope.value, min_slots_per_layer=spec.top_k)
-    import sys
-    # a read that lands while the compute thread computes is dequantized at the contended speed, measured (GIL waits
-    # included, so the switch-interval model is then off unless asked for)
-    busy = compute.dequant_busy_s if shared_cpu else 0.0
-    if switch_s is None:
-        switch_s = sys.getswitchinterval() if shared_cpu and not busy else 0.0
-    clock = _Clock(switch_s)
-    pool = _Pool(workers, device, compute.dequant_s, split)
-    resident = budget_bytes >= total
-    landed = _Read(-1.0, clock, taken=True)
-    if resident:
-        for L in spec.moe_layers:
-            for e in range(spec.num_experts):
-                cache.pin((L, e), landed)
-    elif preset.cache.warm:
-        for k in warm_set(cache, drive.usage):
-            cache.reserve(k, landed)
-
-    pos = _Position()
-    predictor = drive.predictor()
-    admission, named_for = GuessAdmission(len(spec.moe_layers)), {}     # as the streamer's prefetches
-    layers = {L: _layer_event(L) for L in spec.moe_layers}
-    n = dict(bytes=0, wait=0.0, issued=0, used=0, predicted=0, demand=0, spec_steps=0, spec_accepted=0)
-    prefetched: set = set()
-
-    def work(seconds):
-        """The compute thread works `seconds`, plus (shared_cpu) every dequant that takes the GIL from it: one whose
-        read ended at t preempts the work at t + switch_s if the work is still going then."""
-        start, end = clock.now, clock.now + seconds
-        if shared_cpu:
-            if clock.ends and start > clock.ends[-1]:       # it waited since its last work: those ran meanwhile
-                pool.dequants = [t for t in pool.dequants if t >= start]
-            while (mine := [t for t in pool.dequants if t + clock.switch_s < end]):
-                pool.dequants = [t for t in pool.dequants if t + clock.switch_s >= end]
-                end += len(mine) * compute.dequant_s
-        if end > start:
-            clock.starts.append(start)
-            clock.ends.append(end)
-        clock.now = end
-
-    def issue(keys, t, counted):
-        work(compute.issue_call_s + compute.issue_s * len(keys))
-        t = clock.now
-        groups = [(g, b) for L in sorted({k[0] for k in keys})
-                  for g, b in [([(L, e) for e in run], nb) for run, nb in plan.reads([k[1] for k in keys if k[0] == L])]]
-        ready = pool.submit(t, groups)
-        for k in keys:
-            cache.set(k, _Read(ready[k][0], clock, ready[k][1], compute.dequant_s, busy))
-        if counted:
-            n["bytes"] += sum(b for _, b in groups)
-        return sum(b for _, b in groups)
-
-    # prefill: every routed expert of the prompt rows, read and landed before decoding starts (untimed)
-    ctx = pos.step(0, "prefill")
-    for L in spec.moe_layers:
-        idx = drive.route(L, np.zeros((prompt, 1)), ctx)[0]
-        keys = [(L, int(e)) for e in sorted(set(idx.reshape(-1).tolist())) if (L, int(e)) not in cache]
-        for k in keys:
-            if not cache.reserve(k, None):
-                break
-        keys = [k for k in keys if cache.peek(k) is None and k in cache]
-        if keys:
-            issue(keys, clock.now, False)
-        clock.now = max([clock.now] + [cache.peek(k).ready for k in cache.keys(L) if isinstance(cache.peek(k), _Read)])
-    t_decode = clock.now
-    at_decode = list(cache.keys())                   # what any policy starts decoding with (Belady too)
-    for k in at_decode:
-        if isinstance(ent := cache.peek(k), _Read):
-            ent.taken = True                         # taken in while the prompt ran
-    pool.dequants = []                               # the prompt's dequants are done before decoding starts
-    steps = max(0, tokens - 1)
-    produced, step, n_spec = 0, 1, preset.execution.speculative
+    sim = _Simulation(drive, spec, preset, budget, device, compute, workers, plan, shared_cpu, switch_s, split)
+    at_decode = sim.prefill(prompt)
+    t_decode = sim.clock.now
+    steps, n_spec = max(0, tokens - 1), preset.execution.speculative
+    produced, step = 0, 1
     while produced < steps:
-        # one decode step: one token, or (speculative) the last token and its draft verified in one batch
-        draft, accepted = drive.draft(step, min(n_spec, steps - produced)) if n_spec else ([], 0)
-        batch = range(step, step + len(draft) + 1)
-        n["spec_steps"] += 1
-        n["spec_accepted"] += accepted
-        for L in spec.moe_layers:
-            ev = layers[L]
-            cache.step()
-            one = compute.dense_s + compute.router_s
-            work(one + (len(batch) - 1) * (one if compute.row_s is None else compute.row_s))
-            routed = [set(int(e) for e in drive.route(L, np.zeros((1, 1)), pos.step(b))[0].reshape(-1)) for b in batch]
-            uses = {e: sum(e in r for r in routed) for e in set().union(*routed)}     # (token, expert) pairs
-            needed = sorted(uses)
-            protect = {(L, e) for e in needed}
-            for i, b in enumerate(batch):       # the streamer's GuessAdmission judges the names made for here
-                if (L, b) in named_for:
-                    admission.scored(named_for.pop((L, b)), routed[i])
-            named: dict = {}
-            for b in batch if predictor is not None else ():
-                for target, experts in predictor.predict(L, pos.step(b)).items():
-                    # a later layer of this token, or (layer, token) of a later token (Edge0's prerouter)
-                    named.setdefault(target[0] if isinstance(target, tuple) else target, []).extend(experts)
-                    named_for[target if isinstance(target, tuple) else (target, b)] = list(map(int, experts))
-            ready, pending, backlog = [], {}, []
-
-            def take(ent):
-                """The compute thread takes a landed read in (once)."""
-                if not ent.taken:
-                    ent.taken = True
-                    work(compute.land_s)
-
-            certain = getattr(predictor, "certain", False)
-            spare, guess = (0, True) if certain else (admission.spare(), admission.admit())
-            for e in needed:
-                k = (L, e)
-                ent = cache.get(k)
-                admission.asked_for(ent is not None, k in prefetched)
-                if k in prefetched:
-                    prefetched.discard(k)
-                    n["used"] += 1
-                if ent is None:
-                    backlog.append(e)
-                    ev["misses"] += 1
-                elif ent.done():
-                    ev["hits"] += 1
-                    take(ent)
-                    ready.append(e)
-                else:
-                    ev["late"] += 1
-                    pending[e] = ent
-
-            def issue_backlog(predicted=False):
-                """As the streamer's: the backlog's reads, then (predicted) the predictor's, queued behind them."""
-                keys = []
-                while backlog and cache.reserve((L, backlog[0]), None, protect):
-                    keys.append((L, backlog.pop(0)))
-                if keys:
-                    n["demand"] += len(keys)
-                    ev["bytes_read"] += issue(keys, clock.now, True)
-                    for k in keys:
-                        pending[k[1]] = cache.peek(k)
-                for target, experts in (named.items() if predicted and guess else ()):
-                    experts = list(dict.fromkeys(int(e) for e in experts))
-                    n["predicted"] += len(experts)
-                    then = reserve_ahead(cache, [(target, e) for e in experts], None, protect, spare)
-                    if then:
-                        issue(then, clock.now, True)
-                        prefetched.update(then)
-                        n["issued"] += len(then)
-
-            def run(es):
-                """One compute call on the experts `es` (in memory together)."""
-                t = sum(compute.expert_s * uses[e] for e in es)
-                protect.difference_update((L, e) for e in es)
-                work(t)
-                ev["compute_s"] += t
-
-            issue_backlog(predicted=True)
-            if preset.execution.order is Order.READY_FIRST:
-                run(ready)
-                ready = []
-            while pending or backlog or ready:
-                if pending and (preset.execution.order is Order.WAIT_ALL or not ready):
-                    at = [r.ready for r in pending.values()]
-                    until = max(at) if preset.execution.order is Order.WAIT_ALL else min(at)
-                    wait = max(0.0, until - clock.now)
-                    wait += compute.wake_s if wait > 0 else 0.0    # it slept: it runs again a wake-up later
-                    clock.now += wait
-                    ev["wait_s"] += wait
-                    n["wait"] += wait
-                    for e in sorted((e for e, r in pending.items() if r.done()), key=lambda e: pending[e].ready):
-                        take(pending.pop(e))
-                        ready.append(e)
-                run(ready)
-                ready = []
-                issue_backlog()
-                if backlog and not pending:          # every free slot holds a read in flight: wait for one
-                    flying = [v.ready for k in cache.keys() if isinstance(v := cache.peek(k), _Read) and not v.done()]
-                    if not flying:
-                        raise WorkbenchError(f"layer {L}: no cache slot for expert {backlog[0]}: pinned experts fill the budget")
-                    wait = min(flying) - clock.now + compute.wake_s
-                    clock.now += wait
-                    ev["wait_s"] += wait
-                    n["wait"] += wait
-        work(compute.other_s)
+        accepted = sim.decode_step(step, min(n_spec, steps - produced) if n_spec else 0)
         produced = min(steps, produced + accepted + 1)
         step += accepted + 1
-    decode_s = clock.now - t_decode
-    hits, late, misses = (sum(r[k] for r in layers.values()) for k in ("hits", "late", "misses"))
-    for r in layers.values():
-        r.update(rates(r["hits"], r["late"], r["misses"]))
-    return {"tok_s": steps / decode_s if decode_s > 0 else float("inf"), **rates(hits, late, misses),
-            "hits": hits, "late": late, "misses": misses, "bytes_read": n["bytes"], "bytes_read_per_token": n["bytes"] / max(1, steps),
-            "flash_wait_s": n["wait"], "flash_wait_per_token_s": n["wait"] / max(1, steps), "decode_s": decode_s,
-            "decode_steps": steps, "prefetch_issued": n["issued"], "prefetch_used": n["used"],
-            "experts_read": n["demand"] + n["issued"], "spec_steps": n["spec_steps"], "spec_accepted": n["spec_accepted"],
-            "budget_bytes": budget_bytes, "cache_slots": cache.capacity[spec.moe_layers[0]], "cache_at_decode": at_decode,
-            "per_layer": [layers[L] for L in spec.moe_layers]}
+    return sim.result(steps, sim.clock.now - t_decode, at_decode)
+
 
 
 def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, initial=(),
@@ -546,238 +595,3 @@ def shape_spec(shape: str, meta: dict, traced: MoESpec) -> tuple[MoESpec, str]:
     return spec, (f"{shape}'s expert shape (d {s['hidden_size']}, moe ff {s['moe_intermediate_size']}, top-{k}; "
                   f"{s['num_attention_heads']}/{s['num_key_value_heads']} heads of {s['head_dim']}) with "
                   f"{r * meta['num_experts']} experts ({r} x the trace's) on the trace's {len(traced.moe_layers)} MoE layers")
-
-
-def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, engine: str | None = None,
-                    preset=None, routing_trace: str | None = None, stream_budget: str = "0.5") -> ComputeProfile:
-    """This engine's compute, measured in two runs of the model as `preset` (None: resident), driven by
-    `routing_trace` if given (as the runs it predicts are):
-      every expert in memory   dense, router (the predictor's naming inside) and other time per layer and token,
-                               expert compute per expert on bytes in memory
-      at `stream_budget`       what reading costs the compute thread, from the streamer's own timers: an issue (per
-                               submit and per expert, fitted over the layers' issues), taking a landed read in (less
-                               what a layer's look at its experts costs with every one in memory), and computing
-                               on bytes just read instead of bytes long in memory (per expert read)
-    Expert compute and what a reader thread does per expert are then timed on this spec's expert shape with the
-    engine's own kernels: the numpy engine's matmuls and codec (dequant), or the packed engine's compiled kernels on
-    the encoded bytes, one call per layer's top-k, and the crc its readers check (`dequant_s` is then that check)."""
-    from experiments.routing_trace import drive
-    from workbench.presets import get_preset
-    from workbench.session import open_session
-    from workbench.store import quant
-    p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
-    p = p.with_(experts=experts, speculative=0)     # a batch's rows: _row_cost
-    runs, row = {}, None
-    for budget in ("all", stream_budget):
-        with open_session(model, p, budget, prompt=[1, 2, 3, 4], tokens=tokens, drive=drive(routing_trace),
-                          engine=engine) as s:
-            if budget == "all":     # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
-                s.generate([1, 2, 3, 4], tokens=4)      # after it needs none, and would find the same experts cached)
-                s.reset_telemetry()
-            s.generate([1, 2, 3, 4], tokens=tokens)
-            runs[budget] = ([t for t in s.tel.tokens if t.phase == "decode"],
-                            [e for e in s.tel.events if e.phase == "decode"])
-            if budget == "all" and not routing_trace:
-                row = _row_cost(s)
-            measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
-    dec, evs = runs["all"]
-    nl, steps = len(measured_model.moe_layers), max(1, len(dec))
-    dense = (sum(t.compute_s for t in dec) - sum(e.compute_s for e in evs)) / steps / nl
-    router = sum(e.router_s for e in evs) / max(1, len(evs))
-    other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
-    expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
-    issue_call, issue, land = _read_costs(evs, runs[stream_budget][1], expert_measured)
-    rng = np.random.default_rng(0)
-    d, ff = spec.hidden_size, spec.moe_intermediate_size
-    w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
-         "up": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
-         "down": rng.standard_normal((d, ff), dtype=np.float32) * 0.02}
-    packed = name == "packed"
-    kernel = (lambda d_, ff_: _packed_time(d_, ff_, experts, spec.top_k)) if packed else (lambda d_, ff_: _mlp_time(mlp, d_, ff_))
-    expert = expert_measured
-    if (measured_model.hidden_size, measured_model.moe_intermediate_size) != (d, ff):
-        # another expert shape: the kernel timed at both shapes, the engine's per-expert overhead carried over
-        expert += kernel(d, ff) - kernel(measured_model.hidden_size, measured_model.moe_intermediate_size)
-    reps = 20
-    enc = {p: (quant.encode(w[p], expert_kind(w[p].shape, experts)) if expert_kind(w[p].shape, experts) != "bf16"
-               else None) for p in PARTS}
-    reader_work = (lambda: _crc(enc)) if packed else (lambda: _dequant(enc, w, experts))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        reader_work()
-    deq = (time.perf_counter() - t0) / reps
-    if measured_model.to_dict() != spec.to_dict():
-        # another shape: attention projections and the router timed at both shapes, the difference added
-        dense += _dense_time(spec) - _dense_time(measured_model)
-        if row is not None:
-            row = max(0.0, row + _row_time(spec) - _row_time(measured_model))
-        router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
-                                                                                  measured_model.hidden_size)
-    from workbench import slot_reads
-    return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
-                          issue_call_s=issue_call, land_s=land, row_s=row,
-                          reader_holds_gil=not (packed and slot_reads.AVAILABLE), engine=name,
-                          dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
-                              np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
-                          source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
-                                 f"loaded), {name} engine: {model} as {p.name}{' (routing trace)' if routing_trace else ''} with "
-                                 f"every expert in memory for dense/router/other, at budget {stream_budget} for "
-                                 f"issues and reads taken in (the streamer's timers, {p.storage.layout.value} "
-                                 f"layout); expert and {experts} "
-                                 f"{'crc check' if packed else 'dequant'} at d={d}, ff={ff} with the engine's kernels")
-
-
-def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> ComputeProfile:
-    """The compute thread's profile of one measured `bench` run (its per-layer expert compute, dense, router and
-    other time per token), with dequant per expert from `measured`: simulating with it checks only the flash
-    model (reads, waits, overlap), not the compute measurement."""
-    n, nl = max(1, res["decode_steps"]), len(spec.moe_layers)
-    layers = res["per_layer"]
-    moe = sum(r["compute_s"] for r in layers)
-    return ComputeProfile(dense_s=(res["compute_s"] - moe) / n / nl, router_s=res["router_s"] / n / nl,
-                          expert_s=moe / max(1, sum(r["routed"] for r in layers)), dequant_s=measured.dequant_s,
-                          dequant_busy_s=measured.dequant_busy_s, reader_holds_gil=measured.reader_holds_gil,
-                          engine=measured.engine,
-                          other_s=res["other_s"] / n, issue_s=0.0, wake_s=measured.wake_s,
-                          source="the measured run's own compute, router and other time (issue cost inside them)")
-
-
-def _dequant(enc, w, experts):
-    """As Pack.decode_expert: the checksum, then the codec, for each part."""
-    from workbench.store import quant
-    for p in PARTS:
-        if enc[p] is not None:
-            zlib.crc32(enc[p])
-            quant.decode(enc[p], w[p].shape, expert_kind(w[p].shape, experts))
-
-
-def _crc(enc):
-    """What the packed engine's reader thread does per expert (Pack.decode_expert(raw=True)): the checksum."""
-    crc = 0
-    for p in PARTS:
-        if enc[p] is not None:
-            crc = zlib.crc32(enc[p], crc)
-    return crc
-
-
-def _packed_time(d: int, ff: int, experts: str, k: int, reps: int = 10) -> float:
-    """Per expert: the packed engine's kernel (engines/packed_kernels.moe_layer) on k experts' encoded bytes in
-    one call, as the engine calls it per layer."""
-    from engines import packed_kernels as K
-    from workbench.store import quant
-    rng = np.random.default_rng(0)
-    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
-    kinds = {p: expert_kind(shapes[p], experts) for p in PARTS}
-    parts, nbytes = K.expert_parts(shapes, kinds)
-    slot = np.concatenate([quant.encode(rng.standard_normal(shapes[p], dtype=np.float32) * 0.02, kinds[p]) for p in PARTS])
-    arena = np.tile(slot, k)
-    off, idx = np.arange(k, dtype=np.int64) * nbytes, np.arange(k, dtype=np.int64)
-    X, Y, w = np.ones((1, d), np.float32), np.empty((k, d), np.float32), np.ones(k, np.float32)
-    call = lambda: K.moe_layer(arena, off, np.zeros(k, np.int64), idx, w, X, Y, parts, d, ff, K.F16)
-    call()                                           # compiled (cached) before timing
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        call()
-    return (time.perf_counter() - t0) / reps / k
-
-
-def _contended(dequant, compute, n: int = 40) -> float:
-    """Mean time of `dequant` on a second thread while this engine's expert compute runs without pause on another:
-    what a reader thread's dequant takes in a ready-first design (GIL waits and all), measured."""
-    import threading
-    stop = threading.Event()
-
-    def busy():
-        while not stop.is_set():
-            compute()
-    t = threading.Thread(target=busy, daemon=True)
-    t.start()
-    try:
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            dequant()
-            times.append(time.perf_counter() - t0)
-    finally:
-        stop.set()
-        t.join()
-    return float(np.mean(times))
-
-
-def _matvec_time(rows: int, cols: int, reps: int = 20, tokens: int = 1) -> float:
-    w = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32) * 0.02
-    x = np.ones((tokens, cols), np.float32)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        x @ w.T
-    return (time.perf_counter() - t0) / reps
-
-
-def _dense_time(spec: MoESpec, tokens: int = 1) -> float:
-    """The attention projections of one layer for `tokens` tokens (q, k, v, o)."""
-    q, kv, d = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
-    t = lambda r, c: _matvec_time(r, c, tokens=tokens)
-    return t(q, d) + 2 * t(kv, d) + t(d, q)
-
-
-def _row_time(spec: MoESpec, rows: int = 5) -> float:
-    """What each token after the first adds to one layer's attention projections in a batch of `rows`."""
-    return (_dense_time(spec, rows) - _dense_time(spec)) / (rows - 1)
-
-
-def _mlp_time(mlp, d: int, ff: int, reps: int = 20) -> float:
-    rng = np.random.default_rng(0)
-    g, u, dn = (rng.standard_normal(s, dtype=np.float32) * 0.02 for s in ((ff, d), (ff, d), (d, ff)))
-    x = rng.standard_normal((1, d), dtype=np.float32)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        mlp(x, g, u, dn)
-    return (time.perf_counter() - t0) / reps
-
-
-def _row_cost(s, rows: int = 5, reps: int = 8) -> float:
-    """Per MoE layer, what each row after the first adds to a decode step's dense and router time (a speculative
-    batch of `rows`, the LES ladder's 1 + 4): decode steps of 1 and of `rows` tokens at the session's position, the
-    KV cache truncated back after each, medians."""
-    e, tel, nl = s.engine, s.tel, len(s.spec.moe_layers)
-    took = {1: [], rows: []}
-    for _ in range(reps):
-        for n in took:
-            pos, n_ev = e.pos, len(tel.events)
-            s.step([1] * n, "decode")
-            e.truncate(pos)
-            evs, tok = tel.events[n_ev:], tel.tokens[-1]
-            took[n].append((tok.compute_s - sum(v.compute_s for v in evs) + tok.router_s) / nl)
-    return max(0.0, (statistics.median(took[rows]) - statistics.median(took[1])) / (rows - 1))
-
-
-def _read_costs(resident_events, stream_events, expert_s: float) -> tuple[float, float, float]:
-    """(per issue, per expert issued, per expert read taken in and computed) from the streamer's own timers in a
-    streaming run (telemetry.LayerEvent), less what the same layers cost with every expert in memory. The issue's
-    two costs: a line through the median time of a layer's one submit of n experts, for each n."""
-    by_n: dict = {}             # experts in a layer's one submit -> its times (the median resists a stall)
-    for e in stream_events:
-        if e.issues == 1:
-            by_n.setdefault(e.issued, []).append(e.issue_s)
-    per_call = per_expert = 0.0
-    by_n = {k: v for k, v in by_n.items() if len(v) >= 3} or by_n     # a size seen once or twice: a stall decides it
-    if by_n:
-        n = np.array(sorted(by_n), float)
-        med = np.array([statistics.median(by_n[k]) for k in sorted(by_n)])
-        w = np.sqrt([len(by_n[k]) for k in sorted(by_n)])
-        if len(n) > 1:
-            per_expert, per_call = np.linalg.lstsq(np.c_[n, np.ones_like(n)] * w[:, None], med * w, rcond=None)[0]
-        if len(n) == 1 or per_expert < 0 or per_call < 0:      # one size, or a fit that makes no sense: per expert
-            per_call, per_expert = 0.0, float(np.sum(med * w ** 2) / np.sum(n * w ** 2))
-    taken = sum(e.taken for e in stream_events)
-    look = sum(e.take_s for e in resident_events) / max(1, len(resident_events))
-    take = sum(e.take_s for e in stream_events) - look * len(stream_events)
-    fresh = sum(e.compute_s for e in stream_events) - expert_s * sum(len(e.routed) for e in stream_events)
-    return float(per_call), float(per_expert), max(0.0, (take + fresh) / taken) if taken else 0.0
-
-
-def load_compute(path) -> ComputeProfile:
-    d = json.loads(open(path).read())
-    if "slots" in d:                        # a profile written before it named its engine
-        d["engine"] = "packed" if d.pop("slots") else "numpy"
-    return ComputeProfile(**d)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from workbench.cache import GuessAdmission, reserve_ahead, warm_set
-from workbench.capture import RoutingCapture
+from runtime.capture import RoutingCapture
 from workbench.errors import WorkbenchError
 from workbench.presets import Budget, Predictor, Prefetch
 from workbench.runs import write_table
@@ -105,7 +105,7 @@ def read_trace(path) -> dict:
 
 def capture_numpy(model: str, ids: list[int], preset: str = "teacher") -> tuple[dict, dict]:
     """The workbench engine's own routing on `ids` (one teacher-forced batch, every expert resident)."""
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(model, preset, budget="all") as s, RoutingCapture(s, keep_logits=True, keep_h=True) as cap:
         s.engine.reset()
         s.step(ids, "prefill")

@@ -1,7 +1,7 @@
 """Helpers for the ablation notebooks: parameters, labels, published numbers, alternating arms, tables, figures.
 
 No engine logic lives here: every number comes from the library (experiments.ladder, experiments.bench,
-workbench.session, workbench.io, workbench.edge0, evals.*); this module arranges, labels and draws them.
+runtime.session, workbench.io, workbench.edge0, evals.*); this module arranges, labels and draws them.
 
     WB_NB_SMALL=1        the tests' setting (read by each notebook's first cell)
     WB_NB_FIGURES=DIR    where figures go (default: notebooks/figures at the full setting, a temporary
@@ -66,14 +66,14 @@ def paper_label(pub: dict | None) -> str:
 
 def bench_arm(model: str, preset, budget, tokens: int, warmup: int = 4, note: dict | None = None,
               prompt: str = PROMPT) -> dict:
-    """One arm, one round: a fresh Session (workbench.session.open_session), experiments.bench.measure, a run record.
+    """One arm, one round: a fresh Session (runtime.session.open_session), experiments.bench.measure, a run record.
 
     Returns measure's fields plus the per-token TokenRecords (`token_rows`), the cache's slots per layer and
     the record's path. Measured cold (experiments.bench.measure), after `warmup` tokens on other text.
     """
     from experiments.bench import measure
     from workbench.runs import write_run
-    from workbench.session import open_session
+    from runtime.session import open_session
     with open_session(model, preset, budget, prompt=prompt, tokens=tokens) as s:
         res = measure(s, prompt, tokens, warmup=warmup)
         res.update(preset=s.preset.name, budget=s.budget_text, slots_per_layer=min(s.cache.capacity.values()),

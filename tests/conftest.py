@@ -125,9 +125,9 @@ def _isolated_cache(tmp_path_factory):
 @pytest.fixture()
 def fast_probe(monkeypatch):
     """A disk probe of a few points, so tests that compute the floor don't spend seconds probing."""
-    import workbench.floor as floor
-    real = floor.probe_disk
-    monkeypatch.setattr(floor, "probe_disk", lambda path, seconds_per_point=0.3, **kw:
+    import workbench.disk_probe as disk_probe
+    real = disk_probe.probe_disk
+    monkeypatch.setattr(disk_probe, "probe_disk", lambda path, seconds_per_point=0.3, **kw:
                         real(path, sizes=(65536, 262144), depths=(1,), seconds_per_point=0.05))
 
 

@@ -39,7 +39,7 @@ def presets_for(name: str) -> list[str]:
 
 def logits_of(model: Path, preset: str) -> np.ndarray:
     """(len(PROMPT) + DECODE, vocab): every prefill row, then one row per greedy decode step."""
-    from workbench.session import open_session
+    from runtime.session import open_session
     with open_session(str(model), preset, prompt=PROMPT, tokens=DECODE + 1, engine="numpy") as s:
         s.engine.reset()
         rows = [s.step(PROMPT, "prefill")]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.session import Session
+from runtime.session import Session
 
 
 @pytest.mark.parametrize("knobs", [dict(), dict(execution="ready_first", predictor="lookahead:1:2k"),

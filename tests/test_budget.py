@@ -6,7 +6,7 @@ import pytest
 
 from workbench.cache import ExpertCache
 from workbench.presets import Budget
-from workbench.session import Session
+from runtime.session import Session
 from workbench.errors import WorkbenchError
 
 

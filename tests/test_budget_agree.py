@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from experiments.simulate import load_compute, run as simulate
+from experiments.compute_profile import load_compute
+from experiments.simulate import run as simulate
 from experiments.traces import replay
-from workbench.cli import main
-from workbench.session import open_session
+from cli import main
+from runtime.session import open_session
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = str(REPO / "data" / "traces" / "demo-tinystories-256.parquet")

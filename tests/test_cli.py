@@ -58,7 +58,7 @@ def test_bench_reports_the_contract_fields_and_writes_a_record(tiny_models, pres
 
 def test_the_oracle_replays_the_routing_of_what_it_decodes_and_is_refused_without_it(tiny_models):
     from workbench.errors import WorkbenchError
-    from workbench.session import Session, oracle_trace
+    from runtime.session import Session, oracle_trace
     model = str(tiny_models["qwen3_moe"])
     with pytest.raises(WorkbenchError, match="oracle replays the true routing"):
         Session(model, "oracle", budget="0.25")         # it would prefetch nothing: on demand under the oracle's name

@@ -6,7 +6,7 @@ import ast
 
 import pytest
 
-import workbench.cli  # noqa: F401  the program: importing it declares every verb
+import cli  # noqa: F401  the program: importing it declares every verb
 from test_layering import modules
 from workbench.commands import COMMANDS, command, parser
 
@@ -14,8 +14,8 @@ from workbench.commands import COMMANDS, command, parser
 def test_every_verb_is_declared_where_it_lives():
     where = {name: c.run.__module__ for name, c in COMMANDS.items()}
     assert where == {
-        "info": "workbench.verbs", "convert": "workbench.verbs", "probe-disk": "workbench.verbs",
-        "make-model": "workbench.verbs", "generate": "workbench.verbs", "bench": "experiments.cli",
+        "info": "runtime.verbs", "convert": "runtime.verbs", "probe-disk": "runtime.verbs",
+        "make-model": "runtime.verbs", "generate": "runtime.verbs", "bench": "experiments.cli",
         "ladder": "experiments.cli", "trace": "experiments.cli", "replay": "experiments.cli",
         "simulate": "experiments.cli", "bench-peer": "experiments.cli",
         "eval ppl": "evals.cli", "eval teacher": "evals.cli", "eval lm": "evals.cli", "eval compare": "evals.cli",

@@ -410,7 +410,8 @@ def test_ladders_page_groups_rungs_and_shows_published_numbers():
 
 def test_ladders_page_shows_a_simulated_ladder_labelled_as_such():
     from experiments.ladder import les_rungs
-    from experiments.simulate import ComputeProfile, run
+    from experiments.compute_profile import ComputeProfile
+    from experiments.simulate import run
     cpu = ComputeProfile(dense_s=1e-4, router_s=1e-5, expert_s=5e-5, dequant_s=1e-4)
     for i, rung in enumerate(les_rungs()[:2]):
         run(str(REPO / "data/traces/demo-tinystories-256.parquet"), rung, "0.25", "iphone-les", tokens=6, compute=cpu,

@@ -102,7 +102,7 @@ def warm_packs():
     so that the four designs generate at the same time in the browser test."""
     sys.path.insert(0, str(REPO))
     from dashboards.common import default_designs
-    from workbench.session import Session
+    from runtime.session import Session
     designs = default_designs("demo")
     for d in designs:
         Session("demo", d).close()

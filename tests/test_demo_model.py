@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from evals.ppl import perplexity
-from workbench.session import Session
+from runtime.session import Session
 from workbench.textdata import heldout_ids
 
 DEMO = Path(__file__).resolve().parents[1] / "data" / "models" / "demo-moe"

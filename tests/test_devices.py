@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workbench import devices, slot_reads
+from workbench import devices, disk_probe, slot_reads
 from workbench.errors import WorkbenchError
 from workbench.io import aligned_empty
 
@@ -88,7 +88,7 @@ def test_profile_fitted_to_a_probe_reproduces_its_lone_reads():
         {"size": 4096, "depth": 1, "mb_s": 40.0, "lat_ms_p50": 0.1},
         {"size": 2**20, "depth": 1, "mb_s": 1000.0, "lat_ms_p50": 1.05},
         {"size": 2**20, "depth": 4, "mb_s": 1600.0, "lat_ms_p50": 2.6}]}
-    d = devices.profile_from_probe(probe, "m", "m")
+    d = disk_probe.profile_from_probe(probe, "m", "m")
     assert d["read"] == {"latency_us": pytest.approx(95.9, abs=0.1), "read_mb_s": 1000.0, "peak_mb_s": 1600.0,
                          "queue_depth": 4}
 

@@ -13,7 +13,7 @@ from conftest import make_checkpoint
 from workbench.edge0.artifacts import artifact_path, load_safetensors, model_identity, save_safetensors
 from workbench.edge0.serve import LoRA, edge0_counters
 from workbench.registry import resolve_pack
-from workbench.session import Session
+from runtime.session import Session
 from workbench.errors import WorkbenchError
 from workbench.store.pack import Pack
 
@@ -248,7 +248,7 @@ def test_mismatched_lora_fails_clearly(tiny4, tmp_path, bad, match):
 def test_ladder_edge0_cli(tiny4, tmp_path, capsys, fast_probe):
     import json
 
-    from workbench.cli import main
+    from cli import main
     m = fresh(tiny4, tmp_path)
     write_heads(m)
     write_lora(m)
@@ -269,7 +269,7 @@ def test_ladder_edge0_a_read_that_keeps_failing(tiny4, tmp_path, capsys, monkeyp
     the offset and the expert, exit 2, nothing on stdout and no run record."""
     from faults import faults
     from test_faults import assert_names_the_read
-    from workbench.cli import main
+    from cli import main
     m = fresh(tiny4, tmp_path)
     write_heads(m)
     write_lora(m)

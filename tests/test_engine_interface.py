@@ -11,7 +11,7 @@ from engines import ENGINES, engine_class
 from engines.base import Engine, Hooks
 from test_layering import modules
 from workbench.errors import WorkbenchError
-from workbench.session import Session
+from runtime.session import Session
 
 
 def test_every_engine_is_an_engine():

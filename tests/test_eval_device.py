@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from workbench.cli import main
+from cli import main
 
 TEXT = ["--model", "demo", "--preset", "on_demand", "--budget", "0.25", "--data", "tinystories", "--ctx", "32",
         "--chunks", "1", "--quiet"]

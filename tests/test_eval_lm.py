@@ -19,7 +19,7 @@ def tiny(monkeypatch, tmp_path):
 @pytest.fixture
 def lm(tiny):
     from evals.lm_eval_adapter import WorkbenchLM
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(tiny, "les", direct=False) as s:
         yield WorkbenchLM(session=s, model=tiny, progress=False)
 
@@ -80,7 +80,7 @@ def test_loglikelihood_rolling_is_the_whole_text_after_eos(lm):
 
 def test_loglikelihood_rolling_windows_beyond_max_length(tiny):
     from evals.lm_eval_adapter import WorkbenchLM
-    from workbench.session import Session
+    from runtime.session import Session
     text = (REPO / "data/corpora/tinystories/tinystories_val_head.txt").read_text()[:3000]
     with Session(tiny, "resident", direct=False) as s:
         small = WorkbenchLM(session=s, max_length=64, progress=False)
@@ -135,7 +135,7 @@ def test_benchmark_files_have_provenance_and_stay_small():
 
 
 def test_lm_cli_json(tiny, tmp_path, capsys):
-    from workbench.cli import main
+    from cli import main
     from workbench.runs import list_runs, read_run
     rc = main(["eval", "lm", "--tasks", "arc_easy,piqa", "--limit", "2", "--model", tiny, "--preset", "resident",
                "--quiet", "--page-cache", "--json"])

@@ -50,7 +50,7 @@ def direct_nll(session, ids, spans):
 def test_perplexity_equals_direct_numpy(tiny, tmp_path, stride):
     from evals.common import text_ids
     from evals.ppl import perplexity
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(tiny, "resident", direct=False) as s:
         ids = text_ids(s.tokenizer, text_file(tmp_path))[:200]
         res = perplexity(s, ids, n_ctx=64, chunks=3, stride=stride, progress=False)
@@ -71,7 +71,7 @@ def test_perplexity_equals_direct_numpy(tiny, tmp_path, stride):
 def test_ppl_bos_replaces_first_token(tiny, tmp_path):
     from evals.common import text_ids
     from evals.ppl import perplexity
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(tiny, "resident", direct=False) as s:
         ids = text_ids(s.tokenizer, text_file(tmp_path))[:128]
         with_bos = perplexity(s, ids, n_ctx=64, chunks=2, bos=True, progress=False)
@@ -82,7 +82,7 @@ def test_ppl_bos_replaces_first_token(tiny, tmp_path):
 
 
 def test_ppl_cli_json_and_run_record(tiny, tmp_path, capsys):
-    from workbench.cli import main
+    from cli import main
     from workbench.runs import list_runs, read_run
     rc = main(["eval", "ppl", "--model", tiny, "--preset", "on_demand", "--data", text_file(tmp_path),
                "--ctx", "32", "--chunks", "2", "--quiet", "--page-cache", "--json"])
@@ -97,7 +97,7 @@ def test_ppl_cli_json_and_run_record(tiny, tmp_path, capsys):
 
 
 def test_ppl_refuses_context_beyond_the_model(tiny, tmp_path, capsys):
-    from workbench.cli import main
+    from cli import main
     rc = main(["eval", "ppl", "--model", tiny, "--preset", "resident", "--data", text_file(tmp_path),
                "--ctx", "512", "--chunks", "1", "--quiet", "--no-record"])
     assert rc == 2 and "context" in capsys.readouterr().err

@@ -61,7 +61,7 @@ def test_compare_pairs_per_item_scores_with_the_teachers(tmp_path):
 
 
 def test_compare_cli(tmp_path, monkeypatch, capsys):
-    from workbench.cli import main
+    from cli import main
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
     _fake(tmp_path / "runs", "ppl", "teacher", {"data": "tinystories", "ctx": 64}, {"ppl": 5.0}, budget="all")
     assert main(["eval", "compare", "--json"]) == 0
@@ -70,7 +70,7 @@ def test_compare_cli(tmp_path, monkeypatch, capsys):
 
 
 def test_report_writes_markdown_and_json(monkeypatch, tmp_path, capsys):
-    from workbench.cli import main
+    from cli import main
     from workbench.runs import list_runs
     tiny = use_tiny(monkeypatch, tmp_path)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

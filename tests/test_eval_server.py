@@ -15,7 +15,7 @@ from eval_tiny import CTX, use_tiny
 @pytest.fixture
 def server(monkeypatch, tmp_path):
     from evals.server import make_server
-    from workbench.session import Session
+    from runtime.session import Session
     tiny = use_tiny(monkeypatch, tmp_path)
     s = Session(tiny, "les", direct=False)
     srv = make_server(s, "127.0.0.1", 0, model_id="tiny", quiet=True)
@@ -306,7 +306,7 @@ def test_safe_len_holds_back_stop_prefixes_and_partial_characters():
 def limited(monkeypatch, tmp_path):
     """make(**limits): a server on the tiny model with its own limits (evals.server.Server's keywords)."""
     from evals.server import make_server
-    from workbench.session import Session
+    from runtime.session import Session
     s = Session(use_tiny(monkeypatch, tmp_path), "les", direct=False)
     made = []
 
@@ -338,7 +338,7 @@ def keyed(srv, method, path, key=None, body=None):
 def test_the_server_listens_on_localhost_unless_told(monkeypatch):
     import inspect
     from evals.server import is_loopback, make_server, serve
-    import workbench.cli  # noqa: F401  (registers the verbs)
+    import cli  # noqa: F401  (registers the verbs)
     from workbench.commands import parser
     assert inspect.signature(serve).parameters["host"].default == "127.0.0.1"
     assert inspect.signature(make_server).parameters["host"].default == "127.0.0.1"

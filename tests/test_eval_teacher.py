@@ -19,7 +19,7 @@ def _ids(s, tmp_path, n=128):
 
 def test_teacher_against_itself_is_exact(tiny, tmp_path):
     from evals.teacher import TeacherTrace, compare
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(tiny, "teacher", direct=False) as t, Session(tiny, "teacher", direct=False) as s:
         trace = TeacherTrace(t, _ids(t, tmp_path), 64, 2, progress=False)
         r = compare(s, trace, progress=False)
@@ -37,7 +37,7 @@ def _lsm(x):
 
 def test_student_metrics_match_a_direct_computation(tiny, tmp_path):
     from evals.teacher import TeacherTrace, compare
-    from workbench.session import Session
+    from runtime.session import Session
     # les: q3 experts, exact routing (smol_bias's cache-biased routing depends on the cache's history)
     with Session(tiny, "teacher", direct=False) as t, Session(tiny, "les", direct=False) as s:
         ids = _ids(t, tmp_path)
@@ -67,7 +67,7 @@ def test_student_metrics_match_a_direct_computation(tiny, tmp_path):
 
 def test_routing_capture_agrees_with_layer_events(tiny, tmp_path):
     from evals.common import RoutingCapture, forward
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(tiny, "smol_bias", direct=False) as s:
         cap = RoutingCapture(s)
         n_ev = len(s.tel.events)
@@ -90,7 +90,7 @@ def test_routing_overlap():
 
 
 def test_teacher_cli_json(tiny, tmp_path, capsys):
-    from workbench.cli import main
+    from cli import main
     from workbench.runs import list_runs, read_run
     rc = main(["eval", "teacher", "--model", tiny, "--preset", "les", "--data", text_file(tmp_path), "--ctx", "32",
                "--chunks", "2", "--quiet", "--page-cache", "--json"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workbench.session import Session
+from runtime.session import Session
 
 PROMPT = [5, 9, 33, 71, 2, 18]
 
@@ -66,7 +66,7 @@ def test_speculative_verification_gives_plain_greedy_output(tiny_models):
 
 
 def test_prompt_lookup_draft_by_hand():
-    from workbench.speculative import prompt_lookup_draft
+    from runtime.speculative import prompt_lookup_draft
     assert prompt_lookup_draft([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
     assert prompt_lookup_draft([1, 2, 3, 4, 5], 3) == []
     assert prompt_lookup_draft([7, 8, 7], 2) == [8, 7]

@@ -21,10 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from faults import STALL_S, faults
-from workbench.cli import main
+from cli import main
 from workbench.io import RETRIES
 from workbench.runs import runs_dir
-from workbench.session import Session
+from runtime.session import Session
 from workbench.store.pack import Pack, convert
 
 FLAGS = ["--preset", "on_demand", "--budget", "0.25"]
@@ -272,7 +272,7 @@ def test_a_stalled_read_does_not_hold_up_the_process_exit(pack, first_expert, tm
         f"faults.STALL_S = {stall}\n"
         "workbench.devices.Reader = type('F', (faults.FaultyReader,), {'plan': staticmethod("
         f"lambda c, pos, n, r: 'stall' if pos >= {first_expert} else None)}})\n"
-        "from workbench.cli import main\n"
+        "from cli import main\n"
         f"sys.exit(main(['generate', '--model', {str(pack)!r}, *{FLAGS!r}, '--tokens', '4', '--engine', 'numpy']))\n")
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": f"{here.parent}{os.pathsep}{here}", "WORKBENCH_READ_TIMEOUT": "0.5"}

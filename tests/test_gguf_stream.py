@@ -43,7 +43,7 @@ def cache_files(root: Path) -> dict:
 
 
 def test_a_gguf_streams_through_a_small_index_made_once(gguf_file, tmp_path, monkeypatch):
-    from workbench.session import Session
+    from runtime.session import Session
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
     with Session(str(gguf_file), "les", budget="0.5") as s:
         assert s.pack.data_path == gguf_file.resolve() and s.reader.path == str(gguf_file.resolve())
@@ -102,7 +102,7 @@ def test_streamed_experts_are_the_ggufs_bytes(gguf_file):
 
 
 def logits_and_tokens(model, preset, budget, engine=None):
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(str(model), preset, budget=budget, engine=engine) as s:
         s.engine.reset()
         z = np.concatenate([s.step(IDS[:8], "prefill")] + [s.step([t], "decode") for t in IDS[8:]])
@@ -134,7 +134,7 @@ def test_a_changed_gguf_is_refused_in_one_line(gguf_file, tmp_path, monkeypatch)
     data[off + 7] ^= 0xFF
     g.write_bytes(data)
     os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns))
-    from workbench.session import Session
+    from runtime.session import Session
     with pytest.raises(WorkbenchError, match="checksum mismatch in expert 3 of layer 1"):
         with Session(str(index), "on_demand", budget="all"):
             pass
@@ -209,7 +209,7 @@ def test_indexing_a_large_gguf_stays_within_a_memory_bound(tmp_path):
 
 def test_the_verbs_that_take_a_model_take_the_gguf(gguf_file, tmp_path, monkeypatch, capsys):
     import json
-    from workbench.cli import main
+    from cli import main
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
 
     def run(*argv):
@@ -289,7 +289,7 @@ def test_an_mtp_block_is_accepted_never_read_and_the_run_is_the_file_without_it(
 
     from child import in_child
     from engines.gguf_random import make_gguf
-    from workbench.cli import main
+    from cli import main
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
     mtp = make_gguf("qwen3.6-35b-a3b", tmp_path / "mtp.gguf", layers=4, experts=16)
     plain = relabel(mtp, tmp_path / "plain.gguf", 4)

@@ -23,7 +23,7 @@ from test_packed_engine import ATOL as PACKED_ATOL
 from engines.hybrid import CHECKPOINT_WINDOW
 from workbench.errors import WorkbenchError
 from workbench.models.hf import HFModel
-from workbench.session import Session
+from runtime.session import Session
 from workbench.store.pack import Pack
 
 TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
@@ -195,7 +195,7 @@ def test_info_prints_what_the_model_needs_in_memory(hybrid_models, capsys):
     import json
 
     from safetensors import safe_open
-    from workbench.cli import main
+    from cli import main
     path = hybrid_models["qwen3_next"]
     assert main(["info", "--model", str(path), "--budget", "0.25", "--engine", "numpy", "--json"]) in (0, None)
     mem = json.loads(capsys.readouterr().out)["memory"]
@@ -386,7 +386,7 @@ def test_mtp_heads_are_not_read_and_bad_configs_fail_in_one_line(hybrid_models, 
     import shutil
 
     from safetensors.numpy import save_file
-    from workbench.cli import main
+    from cli import main
     m = shutil.copytree(hybrid_models["qwen3_next"], tmp_path / "with-mtp")
     save_file({"mtp.fc.weight": np.ones((64, 128), np.float32),
                "mtp.layers.0.mlp.experts.0.gate_proj.weight": np.ones((32, 64), np.float32)}, str(m / "mtp.safetensors"))

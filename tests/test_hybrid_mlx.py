@@ -16,7 +16,7 @@ else:
 
 from test_hybrid import SPLIT, TOKENS  # noqa: E402
 from test_mlx_engine import ATOL, EXACT, LES, STAGED, agree  # noqa: E402
-from workbench.session import Session  # noqa: E402
+from runtime.session import Session  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "minicpmv4_7"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workbench import io as wio
+from workbench import disk_probe, io as wio
 
 SIZE = 3 * 1024 * 1024 + 1234  # not a multiple of 4096: the last block is partial
 
@@ -213,7 +213,7 @@ def test_drop_cache_and_close(pack):
 
 def test_probe_disk_scratch_file(where):
     before = set(os.listdir(where))
-    probe = wio.probe_disk(where, sizes=(4096, 65536), depths=(1, 2), seconds_per_point=0.01)
+    probe = disk_probe.probe_disk(where, sizes=(4096, 65536), depths=(1, 2), seconds_per_point=0.01)
     assert set(os.listdir(where)) == before  # scratch file removed
     assert probe["path"] == str(where) and probe["mode"] in ("o_direct", "page-cache")
     assert [(p["size"], p["depth"]) for p in probe["points"]] == [(4096, 1), (4096, 2), (65536, 1), (65536, 2)]
@@ -226,7 +226,7 @@ def test_probe_disk_reads_a_large_pack_in_place(disk_dir):
     path = disk_dir / "big.pack"
     with open(path, "wb") as f:
         f.truncate(64 * 1024 * 1024)  # sparse is enough: only the file's own reads matter
-    probe = wio.probe_disk(path, sizes=(65536,), depths=(1,), seconds_per_point=0.01)
+    probe = disk_probe.probe_disk(path, sizes=(65536,), depths=(1,), seconds_per_point=0.01)
     assert os.listdir(disk_dir) == ["big.pack"]
     assert len(probe["points"]) == 1 and probe["points"][0]["mb_s"] > 0
 
@@ -236,20 +236,20 @@ def test_bandwidth_at_takes_the_best_depth_interpolated_in_log_size():
         {"size": 4096, "depth": 1, "mb_s": 10.0}, {"size": 4096, "depth": 4, "mb_s": 30.0},
         {"size": 262144, "depth": 1, "mb_s": 200.0}, {"size": 262144, "depth": 4, "mb_s": 500.0},
     ]}
-    assert wio.bandwidth_at(probe, 4096) == pytest.approx(30e6)
-    assert wio.bandwidth_at(probe, 32768) == pytest.approx(265e6)       # half way in log size: 2**12 .. 2**15 .. 2**18
-    assert wio.bandwidth_at(probe, 262144) == pytest.approx(500e6)
-    assert wio.bandwidth_at(probe, 1024) == pytest.approx(30e6)         # outside the probed sizes: the nearest
-    assert wio.bandwidth_at(probe, 10 * 1024 * 1024) == pytest.approx(500e6)
+    assert disk_probe.bandwidth_at(probe, 4096) == pytest.approx(30e6)
+    assert disk_probe.bandwidth_at(probe, 32768) == pytest.approx(265e6)       # half way in log size: 2**12 .. 2**15 .. 2**18
+    assert disk_probe.bandwidth_at(probe, 262144) == pytest.approx(500e6)
+    assert disk_probe.bandwidth_at(probe, 1024) == pytest.approx(30e6)         # outside the probed sizes: the nearest
+    assert disk_probe.bandwidth_at(probe, 10 * 1024 * 1024) == pytest.approx(500e6)
 
 
 def test_bandwidth_at_a_queue_depth_takes_the_best_depth_up_to_it():
     probe = {"points": [{"size": 4096, "depth": 1, "mb_s": 10.0}, {"size": 4096, "depth": 2, "mb_s": 20.0},
                         {"size": 4096, "depth": 4, "mb_s": 30.0}]}
-    assert wio.bandwidth_at(probe, 4096, depth=2) == pytest.approx(20e6)
-    assert wio.bandwidth_at(probe, 4096, depth=3) == pytest.approx(20e6)
-    assert wio.bandwidth_at(probe, 4096, depth=8) == pytest.approx(30e6)
-    assert wio.bandwidth_at({"points": probe["points"][1:]}, 4096, depth=1) == pytest.approx(20e6)  # the lowest
+    assert disk_probe.bandwidth_at(probe, 4096, depth=2) == pytest.approx(20e6)
+    assert disk_probe.bandwidth_at(probe, 4096, depth=3) == pytest.approx(20e6)
+    assert disk_probe.bandwidth_at(probe, 4096, depth=8) == pytest.approx(30e6)
+    assert disk_probe.bandwidth_at({"points": probe["points"][1:]}, 4096, depth=1) == pytest.approx(20e6)  # the lowest
 
 
 def test_split_sizes_give_each_reader_a_piece_of_a_large_read_and_leave_small_ones_whole():

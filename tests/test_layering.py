@@ -1,12 +1,17 @@
-"""The tree's dependencies point one way, read from the source with ast (every import, lazy ones included):
+"""The tree's dependencies point one way, read from the source with ast (every import, lazy ones included). Each
+top-level folder is one floor:
 
-    apps (dashboards, notebooks, evals, benchmarks, the CLI)
-      -> experiments (bench, ladders, traces, the llama.cpp peer) and training
-      -> session (session, routing capture, speculative decoding, the runtime's verbs)
-      -> engines (numpy, MLX, llama.cpp with GGUF export)
-      -> core (errors, spec, store, io, cache, streamer, predict, routing, presets, telemetry, runs, ...)
+    apps         evals/, dashboards/, benchmarks/, notebooks/, cli/ (the program: `python -m workbench`)
+    experiments  experiments/ (bench, ladders, traces, the simulator, the llama.cpp peer) and training/
+    session      runtime/ (Session, routing capture, speculative decoding, the verbs that run a session)
+    engines      engines/ (numpy, packed, MLX, llama.cpp with GGUF export)
+    core         workbench/ (errors, spec, store, io, cache, streamer, predict, routing, presets, telemetry, ...)
 
-A module may import its own layer and the layers below; no module imports itself back through others.
+A module may import its own floor and the floors below; no module imports itself back through others.
+
+One exception, by necessity: `workbench/__main__.py`. `python -m workbench` (the README, the Makefile, the docs,
+the tests) runs the core package's __main__, and the program lives on the top floor (cli/). That file is a
+program, never imported by a module, and does nothing but hand over to cli.main: it counts as an app.
 """
 from __future__ import annotations
 
@@ -14,16 +19,16 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("workbench", "engines", "evals", "experiments", "training", "dashboards", "benchmarks", "notebooks")
-
-# (layer, module prefixes), lowest first; the longest matching prefix decides a module's layer
+# (floor, its folders), lowest first
 LAYERS = [
     ("core", ["workbench"]),
     ("engines", ["engines"]),
-    ("session", ["workbench.session", "workbench.capture", "workbench.speculative", "workbench.verbs"]),
+    ("session", ["runtime"]),
     ("experiments", ["experiments", "training"]),
-    ("apps", ["evals", "dashboards", "notebooks", "benchmarks", "workbench.cli", "workbench.__main__"]),
+    ("apps", ["evals", "dashboards", "benchmarks", "notebooks", "cli"]),
 ]
+PACKAGES = [folder for _, folders in LAYERS for folder in folders]
+PROGRAM = "workbench.__main__"      # the one exception (the docstring): `python -m workbench` hands over to cli
 
 
 def modules() -> dict[str, Path]:
@@ -36,11 +41,11 @@ def modules() -> dict[str, Path]:
 
 
 def layer_of(module: str) -> int:
-    best, rank = -1, None
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, rank = len(p), i
+    """The floor of a module: its top-level folder's."""
+    if module == PROGRAM:
+        return len(LAYERS) - 1
+    folder = module.partition(".")[0]
+    rank = next((i for i, (_, folders) in enumerate(LAYERS) if folder in folders), None)
     assert rank is not None, f"{module}: in no layer"
     return rank
 
@@ -95,11 +100,25 @@ def test_no_import_cycles():
 
 def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path):
     """The two tests above can fail: a package edge that is only a name (`from a import b`) still counts."""
-    mods = {"workbench.a": tmp_path / "a.py", "workbench.b": tmp_path / "b.py", "workbench.session": tmp_path / "s.py"}
+    mods = {"workbench.a": tmp_path / "a.py", "workbench.b": tmp_path / "b.py", "runtime.session": tmp_path / "s.py"}
     mods["workbench.a"].write_text("def f():\n    from workbench import b\n")
-    mods["workbench.b"].write_text("import workbench.a\nfrom workbench.session import Session\n")
-    mods["workbench.session"].write_text("")
+    mods["workbench.b"].write_text("import workbench.a\nfrom runtime.session import Session\n")
+    mods["runtime.session"].write_text("")
     graph = imports(mods)
-    assert graph == {"workbench.a": {"workbench.b"}, "workbench.b": {"workbench.a", "workbench.session"},
-                     "workbench.session": set()}
-    assert layer_of("workbench.session") > layer_of("workbench.b")
+    assert graph == {"workbench.a": {"workbench.b"}, "workbench.b": {"workbench.a", "runtime.session"},
+                     "runtime.session": set()}
+    assert layer_of("runtime.session") > layer_of("workbench.b")
+
+
+def test_every_folder_of_python_is_on_a_floor():
+    """A new top-level folder of modules has to say which floor it is on (tests/ and the venvs aside)."""
+    folders = {f.relative_to(REPO).parts[0] for f in REPO.glob("*/**/*.py")}
+    unplaced = sorted(folders - set(PACKAGES) - {"tests"} - {f for f in folders if f.startswith(".")})
+    assert not unplaced, f"folders on no floor: {unplaced}"
+
+
+def test_the_one_exception_only_hands_over_to_the_program():
+    graph = imports(modules())
+    assert graph[PROGRAM] == {"cli"}
+    assert not [m for m, deps in graph.items() if PROGRAM in deps]
+    assert layer_of("workbench.commands") == 0 and layer_of("cli") == len(LAYERS) - 1

@@ -52,7 +52,7 @@ PROMPT = "Tom and his mom went to the park."   # our greedy path has no near-tie
 
 
 def teacher_logits(model, ids=IDS):
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(str(model), "teacher", budget="all") as s:
         s.engine.reset()
         return s.step(list(ids), "prefill")
@@ -322,7 +322,7 @@ def cli_json(*argv) -> dict:
     """`python -m workbench ARGV --json` in this process: its JSON object."""
     import contextlib
     import io
-    from workbench.cli import main
+    from cli import main
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(list(argv) + ["--json"]) == 0
@@ -331,7 +331,7 @@ def cli_json(*argv) -> dict:
 
 @needs_llama
 def test_llamacpp_runs_the_export_like_our_teacher(q3, exported):
-    from workbench.session import Session
+    from runtime.session import Session
     theirs = in_child(llama_run, exported["f16"], PROMPT, 16)
     with Session(str(q3), "teacher", budget="all") as s:
         ids = s.encode(PROMPT)
@@ -456,8 +456,8 @@ def test_ggml_dot_is_the_dequantized_matrix_times_x(kind, shape):
 def prompt_logits(path, engine):
     """The logits of IDS as one prompt, all experts resident, and the top-k each MoE layer routed each position to
     (sorted): (layers, positions, k)."""
-    from workbench.capture import RoutingCapture
-    from workbench.session import Session
+    from runtime.capture import RoutingCapture
+    from runtime.session import Session
     with Session(str(path), "resident", engine=engine) as s, RoutingCapture(s) as cap:
         s.engine.reset()
         z = s.step(IDS, "prefill")
@@ -466,7 +466,7 @@ def prompt_logits(path, engine):
 
 def packed_logits(path, preset, engine="packed", **kw):
     """Prefill IDS[:8], then decode the rest one token at a time: the logits of every position."""
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(str(path), preset, engine=engine, **kw) as s:
         s.engine.reset()
         return np.concatenate([s.step(IDS[:8], "prefill")] + [s.step([t], "decode") for t in IDS[8:]]), s.engine.name
@@ -540,7 +540,7 @@ def test_weights_stay_in_plain_cpu_buffers(kquant_model, tmp_path):
 
 @needs_llama
 def test_cli_verbs(q3, exported, tmp_path, capsys):
-    from workbench.cli import main
+    from cli import main
 
     def run(*argv):
         assert main(list(argv) + ["--json"]) == 0

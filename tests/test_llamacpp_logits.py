@@ -76,7 +76,7 @@ def llama_side(path, text: str) -> dict:
 def workbench_side(path, ids, greedy) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
     """The workbench's ids for the text, its logits on the text step by step and as one prompt (more than 16 rows:
     the dense matrices dequantized, in BLAS), and teacher-forced on llama.cpp's greedy path."""
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(str(path), "resident") as s:
         assert s.pack.quant == {"experts": "raw", "rest": "raw"}
         mine = s.encode(fixed_text())[:N]
@@ -92,7 +92,7 @@ def workbench_side(path, ids, greedy) -> tuple[list[int], np.ndarray, np.ndarray
 
 def engine_llamacpp(path, ids) -> np.ndarray:
     """Session(x.gguf, engine="llamacpp"): the text's logits as one prompt."""
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(str(path), "resident", engine="llamacpp") as s:
         s.engine.reset()
         return s.step(list(ids), "prefill")

@@ -14,7 +14,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pi
 
 from child import in_child                                     # noqa: E402
 from engines.gguf_random import RECIPES, _SCALES, STD, file_bytes, make_gguf, plan, random_blocks  # noqa: E402
-from workbench.cli import main                                 # noqa: E402
+from cli import main                                 # noqa: E402
 from workbench.errors import WorkbenchError                    # noqa: E402
 from workbench.models.gguf_model import GGUFModel              # noqa: E402
 from workbench.shapes import SHAPES, random_label              # noqa: E402
@@ -119,7 +119,7 @@ def test_the_gguf_is_labelled_random_wherever_it_goes(made, capsys):
 def test_the_workbench_runs_it_and_its_runs_are_labelled_random(tmp_path, monkeypatch, shape, layers):
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
     path = make_gguf(shape, tmp_path / "m.gguf", layers=layers, experts=16)
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(str(path), "on_demand", budget="0.5") as s:
         s.generate([1, 2, 3], tokens=2)
         assert "RANDOM" in s.summary()["random_weights"]

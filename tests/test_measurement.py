@@ -7,7 +7,7 @@ import pytest
 
 from experiments.bench import measure
 from experiments.routing_trace import TraceDrive, drive
-from workbench.session import Session, open_session
+from runtime.session import Session, open_session
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = str(REPO / "data" / "traces" / "demo-tinystories-256.parquet")

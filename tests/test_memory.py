@@ -9,7 +9,7 @@ import pytest
 
 import workbench.memory as memory
 from engines import expert_bytes
-from workbench.cli import main
+from cli import main
 from workbench.memory import largest_budget, memory_needs
 from workbench.presets import Budget
 from workbench.store.pack import Pack, convert
@@ -35,7 +35,7 @@ def test_available_memory_is_what_the_system_reports():
 
 
 def test_model_bytes_are_what_a_resident_session_holds(pack, sizes):
-    from workbench.session import Session
+    from runtime.session import Session
     dense, experts = sizes
     with Session(str(pack), "resident", budget="all", engine="numpy") as s:      # sizes counts f32 experts
         assert experts == s.all_expert_bytes
@@ -93,7 +93,7 @@ def test_expert_reads_leave_no_cyclic_garbage(pack):
     RSS stays flat (the cycle read future -> callback -> futures once kept every read buffer alive)."""
     import gc
     from concurrent.futures import Future
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(str(pack), "on_demand", budget="0.25") as s:
         s.generate("Once upon a time", tokens=2)
         gc.collect()
@@ -117,7 +117,7 @@ def test_the_guard_counts_the_weights_as_each_engine_holds_them(pack, sizes, mon
     from engines import engine_class
     from engines.packed_engine import Encoded
     from workbench.errors import WorkbenchError
-    from workbench.session import Session
+    from runtime.session import Session
     p = Pack(pack)
     dense, _ = sizes
     held = {}

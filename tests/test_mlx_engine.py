@@ -28,7 +28,7 @@ else:
 
 from conftest import FAMILIES, TINY  # noqa: E402
 from engines.mlx_engine import Slot  # noqa: E402
-from workbench.session import Session  # noqa: E402
+from runtime.session import Session  # noqa: E402
 
 TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
 SPLIT = 9          # prefill TOKENS[:SPLIT], then decode one token at a time
@@ -150,7 +150,7 @@ def test_speculative_verification_and_generate(tiny_models):
 
 
 def test_cli_generate_with_engine_mlx(tiny_models, capsys):
-    from workbench.cli import main
+    from cli import main
     got = {}
     for engine in ("numpy", "mlx"):
         assert main(["generate", "--model", str(tiny_models["olmoe"]), "--prompt", "Once upon", "--tokens", "5",

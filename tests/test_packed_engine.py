@@ -19,7 +19,7 @@ from engines import packed_kernels as K
 from workbench.arena import slot_bytes
 from workbench.errors import WorkbenchError
 from workbench.io import ALIGN, ChecksumError, Reader, aligned_empty
-from workbench.session import Session
+from runtime.session import Session
 from workbench.store import quant
 
 TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import FAMILIES, YARN, make_checkpoint
 from workbench.models.hf import HFModel
-from workbench.session import Session
+from runtime.session import Session
 from workbench.store.pack import Pack
 
 TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]

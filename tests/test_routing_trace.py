@@ -92,7 +92,7 @@ def test_a_trace_from_another_shape_is_mapped_by_the_stated_rule_or_refused(demo
 
 
 def test_a_run_driven_by_a_trace_routes_and_prefetches_exactly_as_recorded(demo_trace):
-    from workbench.session import Session
+    from runtime.session import Session
     with Session("demo", "les", budget="0.25", drive=partial(TraceDrive, str(DEMO_TRACE))) as s:
         prompt = [5, 6, 7]
         s.generate(prompt, tokens=6)
@@ -114,7 +114,7 @@ def test_a_predictor_the_trace_did_not_record_is_refused(demo_trace):
 
 
 def test_bench_with_a_missing_or_unmappable_trace_is_a_one_line_error(tmp_path, capsys):
-    from workbench.cli import main
+    from cli import main
     assert main(["bench", "--routing-trace", str(tmp_path / "none.parquet"), "--no-record", "--tokens", "2"]) == 2
     assert "no such trace file" in capsys.readouterr().err
     assert main(["bench", "--preset", "smol_bias", "--routing-trace", str(DEMO_TRACE), "--no-record", "--tokens", "2"]) == 2
@@ -124,7 +124,7 @@ def test_bench_with_a_missing_or_unmappable_trace_is_a_one_line_error(tmp_path, 
 @pytest.fixture(scope="module")
 def edge0_trace(tmp_path_factory):
     """A short trace of the demo, whose Edge0 heads are trained (data/models/demo-moe/edge0), written by `trace`."""
-    from workbench.cli import main
+    from cli import main
     out = tmp_path_factory.mktemp("t") / "t.parquet"
     assert main(["trace", "--engine", "numpy", "--model", "demo", "--data", "tinystories", "--tokens", "48",
                  "--out", str(out)]) in (0, None)
@@ -159,7 +159,7 @@ def test_the_prerouter_is_recorded_as_edge0s_heads_name_it_one_token_ahead(edge0
 
 
 def test_the_recorded_drafts_are_prompt_lookups_and_a_drive_accepts_what_the_text_continues(edge0_trace):
-    from workbench.speculative import prompt_lookup_draft
+    from runtime.speculative import prompt_lookup_draft
     tr, spec = edge0_trace, MoESpec.from_dict(edge0_trace["meta"]["spec"])
     ids = tr["ids"]
     for t in range(len(ids)):
@@ -175,7 +175,8 @@ def test_the_recorded_drafts_are_prompt_lookups_and_a_drive_accepts_what_the_tex
 
 def test_simulate_replays_the_prerouter_and_the_speculative_rung(edge0_trace, tmp_path):
     from experiments.traces import write_trace
-    from experiments.simulate import ComputeProfile, run
+    from experiments.compute_profile import ComputeProfile
+    from experiments.simulate import run
     tr = edge0_trace
     path = tmp_path / "t.parquet"
     write_trace(path, {k: tr[k] for k in ("topk", "logits", "router_input", "moe_layers")}, tr["ids"], tr["meta"],

@@ -47,7 +47,7 @@ def served(tmp_path_factory):
 def test_every_task_scores_through_the_server_as_in_process(served, monkeypatch):
     from evals.lm import evaluate, items, task_manager
     from evals.lm_eval_adapter import WorkbenchLM
-    from workbench.session import Session
+    from runtime.session import Session
     url, model = served
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

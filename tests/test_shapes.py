@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from workbench.cli import main
+from cli import main
 from workbench.models.hf import HFModel
 from workbench.shapes import SHAPES, make_model
 from workbench.errors import WorkbenchError
@@ -27,7 +27,7 @@ def test_make_model_writes_a_checkpoint_the_workbench_reads_at_the_real_expert_s
     assert m.expert(0, 15)["down"].shape == (2048, 768)
     card = json.loads((out / "random_weights.json").read_text())
     assert card["random_weights"] and "RANDOM" in card["label"] and "16 of 128 experts" in " ".join(card["notes"])
-    from workbench.session import Session
+    from runtime.session import Session
     with Session(str(out), "on_demand", budget="0.5") as s:
         s.generate([1, 2, 3], tokens=2)
         assert "RANDOM" in s.summary()["random_weights"] and "RANDOM" in s.config()["random_weights"]

@@ -9,7 +9,8 @@ import pytest
 
 from workbench.devices import DeviceProfile
 from workbench.presets import get_preset
-from experiments.simulate import ComputeProfile, ReadPlan, belady, simulate_run
+from experiments.compute_profile import ComputeProfile
+from experiments.simulate import ReadPlan, belady, simulate_run
 from workbench.spec import MoESpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,7 +222,7 @@ def test_simulate_on_the_demo_trace_is_marked_simulated_and_never_beats_belady(t
 
 
 def test_bad_simulate_input_is_a_one_line_error(tmp_path, capsys):
-    from workbench.cli import main
+    from cli import main
     trace = str(REPO / "data/traces/demo-tinystories-256.parquet")
     assert main(["simulate", "--trace", str(tmp_path / "none.parquet"), "--no-record"]) == 2
     assert "no such trace file" in capsys.readouterr().err
@@ -237,7 +238,7 @@ def test_compute_profile_is_measured_on_the_engine_that_runs():
     """The packed engine computes from the bytes read: its profile times its compiled kernel and, per expert read,
     the crc its reader checks (nothing is dequantized); the numpy engine's times its codec. Both are positive
     measurements labelled with the engine, with what an issue of reads costs measured in a streaming run."""
-    from experiments.simulate import measure_compute
+    from experiments.compute_profile import measure_compute
     from workbench.store.pack import Pack
     from workbench.registry import resolve_pack
     spec = Pack(resolve_pack("demo", "contiguous", "q4", "q4")).spec
@@ -301,7 +302,7 @@ def test_the_streamers_timers_see_every_read_it_issues_and_takes_in(preset):
     at most once; on_demand, which waits for its reads in the layer, takes in each one it issued. With every
     expert in memory nothing is issued."""
     from workbench.io import ALIGN
-    from workbench.session import Session
+    from runtime.session import Session
     with Session("demo", preset, budget="0.25") as s:
         s.generate([1, 2, 3, 4], tokens=6)
         dec = [e for e in s.tel.events if e.phase == "decode"]

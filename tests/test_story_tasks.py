@@ -78,7 +78,7 @@ def test_no_item_comes_from_the_training_text(built):
 def recorded(monkeypatch, tmp_path):
     """The tiny model behind lm-eval, recording the loglikelihood requests lm-eval makes."""
     from evals.lm_eval_adapter import WorkbenchLM
-    from workbench.session import Session
+    from runtime.session import Session
     tiny = use_tiny(monkeypatch, tmp_path)
     seen = []
 

@@ -21,14 +21,14 @@ PAGE = REPO / "dashboards" / "pages" / "3_Sweeps.py"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 2-layer Qwen3-MoE checkpoint, and a quick disk probe saved where every Ray worker finds it (the floor)."""
-    import workbench.floor as floor
-    real = floor.probe_disk
-    floor.probe_disk = lambda path, seconds_per_point=0.3, **kw: real(path, sizes=(65536, 262144), depths=(1,),
+    import workbench.disk_probe as disk_probe
+    real = disk_probe.probe_disk
+    disk_probe.probe_disk = lambda path, seconds_per_point=0.3, **kw: real(path, sizes=(65536, 262144), depths=(1,),
                                                                       seconds_per_point=0.05)
     try:
-        floor.probe()
+        disk_probe.probe()
     finally:
-        floor.probe_disk = real
+        disk_probe.probe_disk = real
     return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("sweep") / "tiny")
 
 
@@ -223,7 +223,8 @@ def test_simulate_and_emulated_cells_run_the_verbs_code(tmp_path, tiny, monkeypa
     """A simulate cell is `simulate` (its record says simulated, and the virtual clock run again on the record's
     compute profile gives the same numbers); a bench cell on a device is `bench --device` (its record says emulated)."""
     from experiments.grid import load_grid
-    from experiments.simulate import ComputeProfile, run
+    from experiments.compute_profile import ComputeProfile
+    from experiments.simulate import run
     from experiments.sweep import markdown, run_grid
     from workbench.runs import read_run
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))

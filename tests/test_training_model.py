@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_tokenizer
-from workbench.session import Session
+from runtime.session import Session
 
 torch = pytest.importorskip("torch")
 

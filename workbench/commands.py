@@ -4,7 +4,7 @@
     def cmd_bench(args): ...
 
 The functions after the help add the verb's arguments to its parser. "eval ppl" is the verb ppl of the group
-eval (declared with `group`). workbench/cli.py imports the modules that declare verbs, then runs `main`.
+eval (declared with `group`). cli/ (the program) imports the modules that declare verbs, then runs `main`.
 Every verb takes --json and then prints one JSON object on stdout; a WorkbenchError (a user can fix it) prints
 one line on stderr and exits with code 2.
 """

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench import slot_reads
-from workbench.io import KiB, MiB, Reader, aligned_empty
+from workbench.io import KiB, MiB, Reader
 from workbench.errors import WorkbenchError
 
 DEVICES = Path(__file__).resolve().parents[1] / "data" / "devices"
@@ -75,78 +75,6 @@ def load(name: str) -> DeviceProfile:
                              sources=d.get("sources"))
     except (ValueError, KeyError, TypeError) as e:
         raise WorkbenchError(f"{path}: not a device profile ({type(e).__name__}: {e})") from None
-
-
-def profile_from_probe(probe: dict, name: str, label: str) -> dict:
-    """A profile file's content fitted to a probe_disk result: latency from the smallest lone read,
-    read_bw from the largest lone read, peak_bw and queue depth from the best point."""
-    pts = probe["points"]
-    lone = sorted((p for p in pts if p["depth"] == 1), key=lambda p: p["size"])
-    if not lone:
-        raise WorkbenchError("the probe has no queue-depth-1 points to fit a profile to")
-    read_bw = lone[-1]["mb_s"] * 1e6
-    latency = max(0.0, lone[0]["lat_ms_p50"] * 1e-3 - lone[0]["size"] / read_bw)
-    best = max(pts, key=lambda p: p["mb_s"])
-    src = f"probe-disk ({probe['mode']}) of {probe['path']} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
-    return {"name": name, "label": label,
-            "read": {"latency_us": round(latency * 1e6, 1), "read_mb_s": round(read_bw / 1e6, 1),
-                     "peak_mb_s": round(best["mb_s"], 1), "queue_depth": best["depth"]},
-            "sources": {"latency_us": f"{src}: p50 of {lone[0]['size']} B reads at depth 1 less their transfer time",
-                        "read_mb_s": f"{src}: {lone[-1]['size']} B reads at depth 1",
-                        "peak_mb_s": f"{src}: best point ({best['size']} B, depth {best['depth']})",
-                        "queue_depth": f"{src}: depth of the best point"},
-            "probe": probe}
-
-
-def probe_reader(path, workers: int = 1, sizes=(16 * KiB, 64 * KiB, 256 * KiB), reads: int = 64,
-                 direct: bool = True) -> DeviceProfile:
-    """This machine as the engine's reader sees it now: one read at a time into an aligned buffer through a Reader
-    pool (submit_into, as the packed engine reads into its slots: the GIL-free readers where they run; wait for it),
-    random aligned offsets in `path`, the median time per size, fitted to latency + size / bandwidth; alternating with
-    one read per reader at once, whose times give the bandwidth the readers share (peak_bw; at most workers x a
-    single read's).
-    Under a shared, loaded machine this is slower than probe-disk's tight loops (thread wake-ups, other I/O).
-
-    Where the GIL-free readers stamp when a read landed, a read's time is from its submit to that stamp (the
-    reader's wake-up and the transfer), and the rest, until the waiting thread has it, is that thread's wake-up:
-    sources["wake_s"] (its median), which the simulator charges once per wait that blocks
-    (experiments/simulate.py ComputeProfile.wake_s), not once per read."""
-    import random
-    import statistics
-    import numpy as np
-    size_of = os.path.getsize(path)
-    pts, wakes, together = [], [], []
-    with Reader(path, direct=direct, workers=workers) as r:
-        rnd = random.Random(0)
-        for size in sizes:
-            ts, tw = [], []
-            bufs = [aligned_empty(size) for _ in range(workers)]
-            for i in range(reads):
-                n = 1 if i % 2 == 0 or workers == 1 else workers    # alternately one read, and one per reader
-                offs = [rnd.randrange(max(1, (size_of - size) // 4096)) * 4096 for _ in range(n)]
-                t0 = time.perf_counter_ns()
-                futs = r.submit_into([(j, [(off, bufs[j])]) for j, off in enumerate(offs)])
-                for f in futs.values():
-                    f.result()
-                seen = time.perf_counter_ns()
-                landed = max(getattr(f, "t_end", 0) or seen for f in futs.values())   # no stamp: all of it is the read
-                (ts if n == 1 else tw).append((landed - t0) / 1e9)
-                wakes.append((seen - landed) / 1e9)
-            pts.append((size, statistics.median(ts)))
-            if tw:
-                together.append((size, statistics.median(tw)))
-    slope, icept = (float(v) for v in np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1))
-    bw = 1 / slope if slope > 0 else float("inf")
-    peak = bw * workers
-    if together:        # `workers` reads at once: the bandwidth they share (a disk does not scale with the readers),
-        # the one that fits their times past the latency best in relative error: sum r^2 / sum r, r = bytes / time
-        rs = [workers * n / (t - icept) for n, t in together if t > icept]
-        peak = min(peak, sum(r * r for r in rs) / sum(rs)) if rs else peak
-    return DeviceProfile("this-machine-in-situ", "this machine through the engine's reader, now (measured)",
-                         latency_s=max(0.0, icept), read_bw=bw, peak_bw=peak, queue_depth=workers,
-                         sources={"fit": [{"size": s, "median_s": t} for s, t in pts],
-                                  "together": [{"size": s, "reads": workers, "median_s": t} for s, t in together],
-                                  "wake_s": statistics.median(wakes)})
 
 
 @dataclass(frozen=True)

@@ -2,30 +2,13 @@
 
 floor time per token = max(compute time per token, bytes read per token / disk bandwidth at the
 read size and queue depth the run used), with the bandwidth from a disk probe of the pack's own disk, cached per
-device. The floor assumes reads overlap compute; a design that waits for all its reads before computing
-(on_demand: wait-all, no prefetch) cannot beat the serial bound 1 / (compute + read), reported beside it.
+device (workbench.disk_probe.probe). The floor assumes reads overlap compute; a design that waits for all its
+reads before computing (on_demand: wait-all, no prefetch) cannot beat the serial bound 1 / (compute + read),
+reported beside it.
 """
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
-from workbench.atomic import atomic_write
-from workbench.io import bandwidth_at, probe_disk
-from workbench.registry import cache_dir
-
-
-def probe(path=None, seconds_per_point: float = 0.3, refresh: bool = False) -> dict:
-    target = Path(path) if path else cache_dir() / "packs"
-    target.mkdir(parents=True, exist_ok=True) if not target.exists() and not target.suffix else None
-    dev = os.stat(target).st_dev
-    saved = cache_dir() / "probes" / f"dev-{dev}.json"
-    if saved.exists() and not refresh:
-        return json.loads(saved.read_text())
-    res = probe_disk(target, seconds_per_point=seconds_per_point)
-    atomic_write(saved, json.dumps(res))
-    return res
+from workbench.disk_probe import bandwidth_at
 
 
 def read_size(pack) -> int:

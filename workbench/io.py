@@ -5,9 +5,7 @@ not from the page cache; `mode` says which path was actually taken.  Reads are
 `os.preadv` calls into 4096-aligned numpy buffers; `preadv` releases the GIL,
 so reads submitted to the thread pool overlap compute in other threads.
 
-`probe_disk` measures what the disk under a path delivers (MB/s and latency per
-read size and queue depth); `bandwidth_at` turns that into bytes/s for a size.
-MB here is 10**6 bytes.
+The disk probes are workbench/disk_probe.py.
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ import errno
 import heapq
 import itertools
 import os
-import random
-import tempfile
 import threading
 import time
 import zlib
@@ -490,98 +486,3 @@ class Reader:
 
     def __exit__(self, *exc):
         self.close()
-
-
-# -- disk probe --------------------------------------------------------------------
-
-SCRATCH_BYTES = 64 * MiB
-
-
-def _write_scratch(directory: str) -> str:
-    fd, path = tempfile.mkstemp(prefix=".probe-", dir=directory)
-    try:
-        rng = np.random.default_rng()
-        for _ in range(SCRATCH_BYTES // (4 * MiB)):
-            os.write(fd, rng.bytes(4 * MiB))
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    os.close(fd)
-    return path
-
-
-def _probe_point(reader: Reader, file_size: int, size: int, depth: int, seconds: float) -> dict:
-    blocks = (file_size - size) // ALIGN + 1
-    lat = [[] for _ in range(depth)]
-
-    def worker(i):
-        rnd = random.Random()
-        buf = aligned_empty(size)
-        deadline = time.perf_counter() + seconds
-        while True:  # at least one read, however small the budget
-            t0 = time.perf_counter()
-            reader._pread(buf, rnd.randrange(blocks) * ALIGN, size)
-            t1 = time.perf_counter()
-            lat[i].append(t1 - t0)
-            if t1 >= deadline:
-                return
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(depth)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
-    ms = np.concatenate([np.asarray(x) for x in lat]) * 1e3
-    return {"size": size, "depth": depth, "mb_s": len(ms) * size / elapsed / 1e6,
-            "lat_ms_p50": float(np.percentile(ms, 50)), "lat_ms_p99": float(np.percentile(ms, 99)),
-            "reads": len(ms)}
-
-
-def probe_disk(path, sizes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB), depths=(1, 2, 4, 8),
-               seconds_per_point: float = 0.3, direct: bool = True) -> dict:
-    """Random-read throughput and latency of the disk holding `path`.
-
-    Reads `path` itself if it is a file of at least 64 MiB, else a temporary
-    64 MiB scratch file written next to it (deleted afterwards).  Each point runs
-    `depth` threads of random aligned reads of `size` bytes for the time budget.
-    """
-    path = os.fspath(path)
-    scratch = None
-    if os.path.isfile(path) and os.path.getsize(path) >= SCRATCH_BYTES:
-        target = path
-    else:
-        scratch = target = _write_scratch(path if os.path.isdir(path) else os.path.dirname(path) or ".")
-    try:
-        with Reader(target, direct=direct) as reader:
-            if reader.mode == "page-cache":
-                reader.drop_cache()  # start cold; buffered reads still warm up as they go
-            file_size = os.path.getsize(target)
-            points = [_probe_point(reader, file_size, size, depth, seconds_per_point)
-                      for size in sizes if size <= file_size for depth in depths]
-            mode = reader.mode
-    finally:
-        if scratch:
-            os.unlink(scratch)
-    return {"path": path, "mode": mode, "points": points,
-            "best_mb_s": max((p["mb_s"] for p in points), default=0.0)}
-
-
-def bandwidth_at(probe: dict, size: int, depth: int | None = None) -> float:
-    """Bytes/s for reads of `size` at most `depth` in flight (None: any): at each probed size the best depth up to
-    `depth` (the lowest probed if none is that low), interpolated linearly in log size between the probed sizes
-    around `size` (the nearest one outside them)."""
-    points = probe["points"]
-    if not points:
-        raise ValueError("probe has no points")
-    best = {}
-    for sz in {p["size"] for p in points}:
-        at = [p for p in points if p["size"] == sz]
-        if depth is not None:
-            at = [p for p in at if p["depth"] <= depth] or [min(at, key=lambda p: p["depth"])]
-        best[sz] = max(p["mb_s"] for p in at) * 1e6
-    sizes = sorted(best)
-    return float(np.interp(np.log(size), np.log(sizes), [best[s] for s in sizes]))

@@ -10,7 +10,7 @@ Each field names the code that consumes it:
              skip_layers                 workbench.edge0.serve.make_prerouter)
   routing    router, beta, lora          who routes (Session._routing: exact, cache-aware bias, the prerouter)
   execution  order, speculative          the streamer's order of compute (workbench.streamer.ExpertStreamer) and
-                                         draft tokens verified per step (workbench.speculative)
+                                         draft tokens verified per step (runtime.speculative)
 
 `Preset.with_(layout=..., predictor="lookahead:1:2k", ...)` takes the flat knob names of `to_dict()` (the form
 run records keep) and parses them here.
@@ -193,7 +193,7 @@ class Routing:
 @dataclass(frozen=True)
 class Execution:
     order: Order = Order.WAIT_ALL               # workbench.streamer.ExpertStreamer.run_layer
-    speculative: int = 0            # Session.generate -> workbench.speculative: drafts verified per step (0: none)
+    speculative: int = 0            # Session.generate -> runtime.speculative: drafts verified per step (0: none)
 
 
 # flat knob name (run records, Session overrides) -> (concern, field, parse)

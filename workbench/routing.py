@@ -1,7 +1,7 @@
 """Routers: router logits -> (top-k expert ids, mixing weights), for every supported family.
 
 `bias` (cache-aware routing) is added to the scores used to *select* experts only; the
-mixing weights always come from the unbiased scores.
+mixing weights always come from the unbiased scores. cache_bias_router is that policy as a router hook.
 """
 from __future__ import annotations
 
@@ -124,3 +124,17 @@ def route(spec: MoESpec, logits: np.ndarray, correction=None, bias=None):
     scores = 1.0 / (1.0 + np.exp(-logits)) if spec.router == "sigmoid_group" else softmax(logits)
     return select(scores, spec.top_k, spec.norm_topk_prob, spec.routed_scaling_factor, spec.n_group,
                   spec.topk_group, spec.group_rank, correction, bias)
+
+
+def cache_bias_router(spec: MoESpec, cache, beta: float, weights: dict):
+    """smol_bias's routing (Router.CACHE_BIAS) as a router hook, router_hook(layer, logits, ctx) -> (ids, weights):
+    `beta` added to the selection score of each of the layer's experts whose bytes are in `cache` (an ExpertCache;
+    an entry still being read, which has done(), gets none)."""
+    def biased(layer, logits, ctx):
+        bias = np.zeros(spec.num_experts, np.float32)
+        for (L, e) in cache.keys(layer):
+            v = cache.peek((L, e))
+            if L == layer and v is not None and not hasattr(v, "done"):
+                bias[e] = beta
+        return route(spec, logits, weights.get(f"layers.{layer}.router_bias"), bias=bias)
+    return biased

@@ -22,7 +22,6 @@ from workbench.errors import WorkbenchError
 from workbench.io import ALIGN, ChecksumError, Reader
 from workbench.slot_reads import SlotRead
 from workbench.store.pack import Pack
-from workbench.routing import route
 from workbench.telemetry import LayerEvent, Telemetry
 
 # A read of an expert not back after this many seconds fails the run (a stalled disk; set WORKBENCH_READ_TIMEOUT)
@@ -210,17 +209,13 @@ class ExpertStreamer:
 
     # ------------------------------------------------------------ one layer
 
-    def begin_layer(self, engine, layer: int, x, h, logits, phase: str, t0: float):
-        """Route a MoE layer (the engine's router hook, else the exact router) and start the predictor's
-        prefetches. x, h, logits: numpy; t0: when the router started. Returns (idx, weights, needed, event)."""
-        token = engine.token_index
+    def begin_layer(self, layer: int, idx, token: int, ctx: dict, predictor, t0: float):
+        """A MoE layer routed to experts `idx` at `token` (the engine's token index): start the predictor's
+        prefetches. ctx: what the predictor reads (x, h, logits: numpy; phase; engine); t0: when the router started.
+        Returns (needed, event)."""
+        phase = ctx["phase"]
         ev = LayerEvent(token=token if phase == "decode" else -1, layer=layer, phase=phase,
                         routed=[], predicted=[], hit=[], t_start=t0)
-        ctx = {"x": x, "h": h, "logits": logits, "phase": phase, "engine": engine}
-        if engine.router_hook is not None:
-            idx, weights = engine.router_hook(layer, logits, ctx)
-        else:
-            idx, weights = route(self.pack.spec, logits, engine.w.get(f"layers.{layer}.router_bias"))
         ctx["routed"] = idx
         ev.router_s = time.perf_counter() - t0
         ev.predicted = self.predicted_for.pop((layer, token), []) if phase == "decode" else []
@@ -228,20 +223,20 @@ class ExpertStreamer:
         if ev.predicted:
             self.admission.scored(ev.predicted, needed)
         self.cache.step()
-        if engine.predictor is not None:        # name later layers' experts now; run_layer reads them after its own
+        if predictor is not None:        # name later layers' experts now; run_layer reads them after its own
             # a prediction that is the routing (oracle, Edge0) evicts as a demand read does; a guess as admitted
-            certain = getattr(engine.predictor, "certain", False)
+            certain = getattr(predictor, "certain", False)
             self.spare = 0 if certain else self.admission.spare()
             self.guess = certain or self.admission.admit()
             t1 = time.perf_counter()
-            for target, experts in engine.predictor.predict(layer, ctx).items():
+            for target, experts in predictor.predict(layer, ctx).items():
                 # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
                 target = target if isinstance(target, tuple) else (target, token)
                 self.predicted_for[target] = experts = list(map(int, experts))
                 self.to_prefetch.append((target, experts))
             ev.router_s += time.perf_counter() - t1
         ev.routed = needed
-        return idx, weights, needed, ev
+        return needed, ev
 
     def run_layer(self, layer: int, needed: list[int], compute, ev: LayerEvent):
         """Bring every needed expert into memory and call compute(experts, their cache entries) on each batch

@@ -19,18 +19,18 @@ from engines.base import Hooks
 from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
 from workbench.cache import ExpertCache, warm_set
-from workbench.capture import RoutingCapture
+from runtime.capture import RoutingCapture
 from workbench.io import drop_page_cache, slot_readers
 from workbench.devices import open_reader
 from workbench.memory import check_fits, memory_needs
 from workbench.predict import make_predictor
 from workbench.presets import Budget, Predictor, Preset, Router, get_preset
 from workbench.registry import cache_dir, resolve_pack, storage_for, tokenizer_for
-from workbench.routing import route
+from workbench.routing import cache_bias_router
 from workbench.shapes import random_label
 from workbench.streamer import ExpertStreamer
 from workbench.errors import WorkbenchError
-from workbench.speculative import speculative_decode
+from runtime.speculative import speculative_decode
 from workbench.store.pack import Pack
 from workbench.telemetry import Telemetry, TokenRecord
 
@@ -65,7 +65,7 @@ class Session:
         p = self.preset
         if p.prefetch.predictor is Predictor.ORACLE and trace is None and drive is None:
             raise WorkbenchError(f"preset {p.name}: the oracle replays the true routing of the tokens it will decode; "
-                                 f"give it that trace (workbench.session.oracle_trace) or a routing trace to drive it")
+                                 f"give it that trace (runtime.session.oracle_trace) or a routing trace to drive it")
         self.model = model
         layout, experts, rest = storage_for(model, p.storage, overrides)
         if (layout, experts, rest) != (p.storage.layout.value, p.storage.experts, p.storage.rest):
@@ -134,16 +134,7 @@ class Session:
         if r.router is Router.EXACT:
             return None, {}
         if r.router is Router.CACHE_BIAS:
-            beta, spec, cache = r.beta, self.spec, self.cache
-
-            def biased(layer, logits, ctx):
-                bias = np.zeros(spec.num_experts, np.float32)
-                for (L, e) in cache.keys(layer):
-                    v = cache.peek((L, e))
-                    if L == layer and v is not None and not hasattr(v, "done"):
-                        bias[e] = beta
-                return route(spec, logits, w.get(f"layers.{layer}.router_bias"), bias=bias)
-            return biased, {}
+            return cache_bias_router(self.spec, self.cache, r.beta, w), {}
         from workbench.edge0.serve import prerouter_routing     # Edge0: the head's prediction is the routing
         hook, self.lora = prerouter_routing(predictor, r.lora, self.spec, w, self.pack)
         return hook, self.lora.deltas() if self.lora else {}

@@ -45,7 +45,7 @@ def cmd_info(args):
         # not converted yet: an expert costs what it will in the pack the preset's Session converts it to
         item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
     from workbench.memory import describe, memory_needs
-    from workbench.session import peak_rss_bytes
+    from runtime.session import peak_rss_bytes
     budget = Budget(str(args.budget if args.budget is not None else preset.cache.budget))
     engine_class(obj["engine"])         # its module imported: this process's memory is a run's runtime
     obj["memory"] = memory_needs(spec, shapes, budget, item, resident_bytes, obj["engine"],
@@ -107,11 +107,12 @@ def _probe_flags(p):
 
 @command("probe-disk", "bandwidth and latency by read size and queue depth", _probe_flags)
 def cmd_probe_disk(args):
-    from workbench.floor import probe
+    from workbench.disk_probe import probe
     res = probe(args.path, seconds_per_point=args.seconds, refresh=True)
     if args.save_device:              # this machine as a device profile (data/devices/NAME.json)
         from workbench.atomic import atomic_write
-        from workbench.devices import DEVICES, profile_from_probe
+        from workbench.devices import DEVICES
+        from workbench.disk_probe import profile_from_probe
         prof = profile_from_probe(res, args.save_device, f"this machine ({args.save_device}), measured by probe-disk")
         res["device_profile"] = str(atomic_write(DEVICES / f"{args.save_device}.json", json.dumps(prof, indent=1) + "\n"))
     lines = [f"{p['size'] // 1024:>6} KiB  qd {p['depth']}:  {p['mb_s']:8.1f} MB/s  p50 {p['lat_ms_p50']:.3f} ms"
@@ -163,7 +164,7 @@ def _generate_flags(p):
 
 @command("generate", "generate text greedily", running, flash, _generate_flags)
 def cmd_generate(args):
-    from workbench.session import open_session
+    from runtime.session import open_session
     with open_session(args.model, args.preset, args.budget, prompt=args.prompt, tokens=args.tokens,
                       engine=args.engine, direct=not args.page_cache, device=args.device, threads=args.threads) as s:
         out = s.generate(args.prompt, tokens=args.tokens, stop_at_eos=args.stop_at_eos)

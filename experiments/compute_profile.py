@@ -1,0 +1,276 @@
+"""Compute profiles: what an engine's compute thread and reader threads spend per layer, per expert and per token,
+measured on this machine (measure_compute), taken from a measured run (compute_from_run) or loaded from a JSON
+file (load_compute). The simulator (experiments.simulate) replays a design's decode on a virtual clock with one.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from workbench.spec import MoESpec
+from workbench.store.pack import PARTS, expert_kind
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """Seconds on the compute thread (dense, router, expert per expert, other per token) and on a reader
+    thread (dequant per expert)."""
+    dense_s: float            # per MoE layer: attention, norms, and the token's share of embedding/head
+    router_s: float           # per MoE layer
+    expert_s: float           # per expert computed
+    dequant_s: float          # per expert read, at the pack's expert precision
+    other_s: float = 0.0      # per token: what the engine spends outside the measured parts
+    issue_s: float = 0.0      # per expert read issued: the compute thread's cost of submitting it (reader pool, futures)
+    issue_call_s: float = 0.0     # per issue (a layer's demand reads, a predictor's reads for one layer): its fixed cost
+    dequant_busy_s: float = 0.0   # per expert, on a reader thread while the compute thread computes (GIL contention)
+    reader_holds_gil: bool = True   # the reader's per-expert work takes the compute thread's GIL (numpy's dequant,
+                                    # Python reader threads); not the packed engine's GIL-free readers (slot_reads)
+    wake_s: float = 0.0       # per blocking wait: from the read it waits for landing to the compute thread running
+                              # again (its poll returning, the settle); probe_reader measures it
+    land_s: float = 0.0       # per expert read, when the compute thread takes it in (its read settled, its crc
+                              # compared, the cache entry made the slot) and computes on its fresh bytes
+    row_s: float | None = None    # per MoE layer, dense + router time of each row of a batch after the first
+                                  # (speculative verification); None: each row costs what one token does
+    engine: str = "numpy"     # the engine measured: what an expert costs in its cache (engines.expert_bytes), so what
+                              # a byte budget buys (the packed engine's slots of packed bytes, numpy's f32 experts)
+    source: str = ""
+
+
+def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, engine: str | None = None,
+                    preset=None, routing_trace: str | None = None, stream_budget: str = "0.5") -> ComputeProfile:
+    """This engine's compute, measured in two runs of the model as `preset` (None: resident), driven by
+    `routing_trace` if given (as the runs it predicts are):
+      every expert in memory   dense, router (the predictor's naming inside) and other time per layer and token,
+                               expert compute per expert on bytes in memory
+      at `stream_budget`       what reading costs the compute thread, from the streamer's own timers: an issue (per
+                               submit and per expert, fitted over the layers' issues), taking a landed read in (less
+                               what a layer's look at its experts costs with every one in memory), and computing
+                               on bytes just read instead of bytes long in memory (per expert read)
+    Expert compute and what a reader thread does per expert are then timed on this spec's expert shape with the
+    engine's own kernels: the numpy engine's matmuls and codec (dequant), or the packed engine's compiled kernels on
+    the encoded bytes, one call per layer's top-k, and the crc its readers check (`dequant_s` is then that check)."""
+    from experiments.routing_trace import drive
+    from workbench.presets import get_preset
+    from runtime.session import open_session
+    from workbench.store import quant
+    p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
+    p = p.with_(experts=experts, speculative=0)     # a batch's rows: _row_cost
+    runs, row = {}, None
+    for budget in ("all", stream_budget):
+        with open_session(model, p, budget, prompt=[1, 2, 3, 4], tokens=tokens, drive=drive(routing_trace),
+                          engine=engine) as s:
+            if budget == "all":     # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
+                s.generate([1, 2, 3, 4], tokens=4)      # after it needs none, and would find the same experts cached)
+                s.reset_telemetry()
+            s.generate([1, 2, 3, 4], tokens=tokens)
+            runs[budget] = ([t for t in s.tel.tokens if t.phase == "decode"],
+                            [e for e in s.tel.events if e.phase == "decode"])
+            if budget == "all" and not routing_trace:
+                row = _row_cost(s)
+            measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
+    dec, evs = runs["all"]
+    nl, steps = len(measured_model.moe_layers), max(1, len(dec))
+    dense = (sum(t.compute_s for t in dec) - sum(e.compute_s for e in evs)) / steps / nl
+    router = sum(e.router_s for e in evs) / max(1, len(evs))
+    other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
+    expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
+    issue_call, issue, land = _read_costs(evs, runs[stream_budget][1], expert_measured)
+    rng = np.random.default_rng(0)
+    d, ff = spec.hidden_size, spec.moe_intermediate_size
+    w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
+         "up": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
+         "down": rng.standard_normal((d, ff), dtype=np.float32) * 0.02}
+    packed = name == "packed"
+    kernel = (lambda d_, ff_: _packed_time(d_, ff_, experts, spec.top_k)) if packed else (lambda d_, ff_: _mlp_time(mlp, d_, ff_))
+    expert = expert_measured
+    if (measured_model.hidden_size, measured_model.moe_intermediate_size) != (d, ff):
+        # another expert shape: the kernel timed at both shapes, the engine's per-expert overhead carried over
+        expert += kernel(d, ff) - kernel(measured_model.hidden_size, measured_model.moe_intermediate_size)
+    reps = 20
+    enc = {p: (quant.encode(w[p], expert_kind(w[p].shape, experts)) if expert_kind(w[p].shape, experts) != "bf16"
+               else None) for p in PARTS}
+    reader_work = (lambda: _crc(enc)) if packed else (lambda: _dequant(enc, w, experts))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        reader_work()
+    deq = (time.perf_counter() - t0) / reps
+    if measured_model.to_dict() != spec.to_dict():
+        # another shape: attention projections and the router timed at both shapes, the difference added
+        dense += _dense_time(spec) - _dense_time(measured_model)
+        if row is not None:
+            row = max(0.0, row + _row_time(spec) - _row_time(measured_model))
+        router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
+                                                                                  measured_model.hidden_size)
+    from workbench import slot_reads
+    return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
+                          issue_call_s=issue_call, land_s=land, row_s=row,
+                          reader_holds_gil=not (packed and slot_reads.AVAILABLE), engine=name,
+                          dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
+                              np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
+                          source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
+                                 f"loaded), {name} engine: {model} as {p.name}{' (routing trace)' if routing_trace else ''} with "
+                                 f"every expert in memory for dense/router/other, at budget {stream_budget} for "
+                                 f"issues and reads taken in (the streamer's timers, {p.storage.layout.value} "
+                                 f"layout); expert and {experts} "
+                                 f"{'crc check' if packed else 'dequant'} at d={d}, ff={ff} with the engine's kernels")
+
+
+def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> ComputeProfile:
+    """The compute thread's profile of one measured `bench` run (its per-layer expert compute, dense, router and
+    other time per token), with dequant per expert from `measured`: simulating with it checks only the flash
+    model (reads, waits, overlap), not the compute measurement."""
+    n, nl = max(1, res["decode_steps"]), len(spec.moe_layers)
+    layers = res["per_layer"]
+    moe = sum(r["compute_s"] for r in layers)
+    return ComputeProfile(dense_s=(res["compute_s"] - moe) / n / nl, router_s=res["router_s"] / n / nl,
+                          expert_s=moe / max(1, sum(r["routed"] for r in layers)), dequant_s=measured.dequant_s,
+                          dequant_busy_s=measured.dequant_busy_s, reader_holds_gil=measured.reader_holds_gil,
+                          engine=measured.engine,
+                          other_s=res["other_s"] / n, issue_s=0.0, wake_s=measured.wake_s,
+                          source="the measured run's own compute, router and other time (issue cost inside them)")
+
+
+def _dequant(enc, w, experts):
+    """As Pack.decode_expert: the checksum, then the codec, for each part."""
+    from workbench.store import quant
+    for p in PARTS:
+        if enc[p] is not None:
+            zlib.crc32(enc[p])
+            quant.decode(enc[p], w[p].shape, expert_kind(w[p].shape, experts))
+
+
+def _crc(enc):
+    """What the packed engine's reader thread does per expert (Pack.decode_expert(raw=True)): the checksum."""
+    crc = 0
+    for p in PARTS:
+        if enc[p] is not None:
+            crc = zlib.crc32(enc[p], crc)
+    return crc
+
+
+def _packed_time(d: int, ff: int, experts: str, k: int, reps: int = 10) -> float:
+    """Per expert: the packed engine's kernel (engines/packed_kernels.moe_layer) on k experts' encoded bytes in
+    one call, as the engine calls it per layer."""
+    from engines import packed_kernels as K
+    from workbench.store import quant
+    rng = np.random.default_rng(0)
+    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    kinds = {p: expert_kind(shapes[p], experts) for p in PARTS}
+    parts, nbytes = K.expert_parts(shapes, kinds)
+    slot = np.concatenate([quant.encode(rng.standard_normal(shapes[p], dtype=np.float32) * 0.02, kinds[p]) for p in PARTS])
+    arena = np.tile(slot, k)
+    off, idx = np.arange(k, dtype=np.int64) * nbytes, np.arange(k, dtype=np.int64)
+    X, Y, w = np.ones((1, d), np.float32), np.empty((k, d), np.float32), np.ones(k, np.float32)
+    call = lambda: K.moe_layer(arena, off, np.zeros(k, np.int64), idx, w, X, Y, parts, d, ff, K.F16)
+    call()                                           # compiled (cached) before timing
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        call()
+    return (time.perf_counter() - t0) / reps / k
+
+
+def _contended(dequant, compute, n: int = 40) -> float:
+    """Mean time of `dequant` on a second thread while this engine's expert compute runs without pause on another:
+    what a reader thread's dequant takes in a ready-first design (GIL waits and all), measured."""
+    import threading
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            compute()
+    t = threading.Thread(target=busy, daemon=True)
+    t.start()
+    try:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            dequant()
+            times.append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        t.join()
+    return float(np.mean(times))
+
+
+def _matvec_time(rows: int, cols: int, reps: int = 20, tokens: int = 1) -> float:
+    w = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32) * 0.02
+    x = np.ones((tokens, cols), np.float32)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        x @ w.T
+    return (time.perf_counter() - t0) / reps
+
+
+def _dense_time(spec: MoESpec, tokens: int = 1) -> float:
+    """The attention projections of one layer for `tokens` tokens (q, k, v, o)."""
+    q, kv, d = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
+    t = lambda r, c: _matvec_time(r, c, tokens=tokens)
+    return t(q, d) + 2 * t(kv, d) + t(d, q)
+
+
+def _row_time(spec: MoESpec, rows: int = 5) -> float:
+    """What each token after the first adds to one layer's attention projections in a batch of `rows`."""
+    return (_dense_time(spec, rows) - _dense_time(spec)) / (rows - 1)
+
+
+def _mlp_time(mlp, d: int, ff: int, reps: int = 20) -> float:
+    rng = np.random.default_rng(0)
+    g, u, dn = (rng.standard_normal(s, dtype=np.float32) * 0.02 for s in ((ff, d), (ff, d), (d, ff)))
+    x = rng.standard_normal((1, d), dtype=np.float32)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mlp(x, g, u, dn)
+    return (time.perf_counter() - t0) / reps
+
+
+def _row_cost(s, rows: int = 5, reps: int = 8) -> float:
+    """Per MoE layer, what each row after the first adds to a decode step's dense and router time (a speculative
+    batch of `rows`, the LES ladder's 1 + 4): decode steps of 1 and of `rows` tokens at the session's position, the
+    KV cache truncated back after each, medians."""
+    e, tel, nl = s.engine, s.tel, len(s.spec.moe_layers)
+    took = {1: [], rows: []}
+    for _ in range(reps):
+        for n in took:
+            pos, n_ev = e.pos, len(tel.events)
+            s.step([1] * n, "decode")
+            e.truncate(pos)
+            evs, tok = tel.events[n_ev:], tel.tokens[-1]
+            took[n].append((tok.compute_s - sum(v.compute_s for v in evs) + tok.router_s) / nl)
+    return max(0.0, (statistics.median(took[rows]) - statistics.median(took[1])) / (rows - 1))
+
+
+def _read_costs(resident_events, stream_events, expert_s: float) -> tuple[float, float, float]:
+    """(per issue, per expert issued, per expert read taken in and computed) from the streamer's own timers in a
+    streaming run (telemetry.LayerEvent), less what the same layers cost with every expert in memory. The issue's
+    two costs: a line through the median time of a layer's one submit of n experts, for each n."""
+    by_n: dict = {}             # experts in a layer's one submit -> its times (the median resists a stall)
+    for e in stream_events:
+        if e.issues == 1:
+            by_n.setdefault(e.issued, []).append(e.issue_s)
+    per_call = per_expert = 0.0
+    by_n = {k: v for k, v in by_n.items() if len(v) >= 3} or by_n     # a size seen once or twice: a stall decides it
+    if by_n:
+        n = np.array(sorted(by_n), float)
+        med = np.array([statistics.median(by_n[k]) for k in sorted(by_n)])
+        w = np.sqrt([len(by_n[k]) for k in sorted(by_n)])
+        if len(n) > 1:
+            per_expert, per_call = np.linalg.lstsq(np.c_[n, np.ones_like(n)] * w[:, None], med * w, rcond=None)[0]
+        if len(n) == 1 or per_expert < 0 or per_call < 0:      # one size, or a fit that makes no sense: per expert
+            per_call, per_expert = 0.0, float(np.sum(med * w ** 2) / np.sum(n * w ** 2))
+    taken = sum(e.taken for e in stream_events)
+    look = sum(e.take_s for e in resident_events) / max(1, len(resident_events))
+    take = sum(e.take_s for e in stream_events) - look * len(stream_events)
+    fresh = sum(e.compute_s for e in stream_events) - expert_s * sum(len(e.routed) for e in stream_events)
+    return float(per_call), float(per_expert), max(0.0, (take + fresh) / taken) if taken else 0.0
+
+
+def load_compute(path) -> ComputeProfile:
+    d = json.loads(open(path).read())
+    if "slots" in d:                        # a profile written before it named its engine
+        d["engine"] = "packed" if d.pop("slots") else "numpy"
+    return ComputeProfile(**d)
