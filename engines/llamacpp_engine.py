@@ -35,7 +35,9 @@ from workbench.atomic import atomic_path
 from workbench.io import drop_page_cache
 from workbench.errors import WorkbenchError
 
-TRACE_NAMES = ("ffn_moe_topk", "ffn_moe_logits", "ffn_inp")
+TRACE_NAMES = ("ffn_moe_topk", "ffn_moe_logits", "ffn_inp", "attn_residual")
+# the residual stream entering the MoE block: ffn_inp-N, or attn_residual-N in the hybrid graphs (qwen3next, qwen35moe)
+ROUTER_INPUT = ("ffn_inp", "attn_residual")
 KQUANTS = {"q4_k_m": "Q4_K_M", "q4_k_s": "Q4_K_S", "q3_k_m": "Q3_K_M", "q3_k_s": "Q3_K_S", "q2_k": "Q2_K",
            "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "q4_0": "Q4_0"}
 GGUF_TYPES = ("f16", "q8_0") + tuple(KQUANTS)
@@ -423,15 +425,16 @@ def capture_trace(path, ids: list[int], n_batch: int = 256, threads: int = 1) ->
         got = llm.take_captured()
     layers = sorted({int(k.rpartition("-")[2]) for k in got if k.startswith("ffn_moe_topk-")})
     T = len(ids)
+    base_in = next((b for b in ROUTER_INPUT if f"{b}-{layers[0]}" in got), ROUTER_INPUT[0]) if layers else None
     for L in layers:
-        for base in TRACE_NAMES:
+        for base in ("ffn_moe_topk", "ffn_moe_logits", base_in):
             a = got.get(f"{base}-{L}")
             if a is None or a.shape[0] != T:
                 raise WorkbenchError(f"{path}: captured {base}-{L} has {None if a is None else a.shape[0]} rows, "
                                      f"expected {T} (one per token)")
     return {"topk": np.stack([got[f"ffn_moe_topk-{L}"] for L in layers], 1),
             "logits": np.stack([got[f"ffn_moe_logits-{L}"] for L in layers], 1),
-            "router_input": np.stack([got[f"ffn_inp-{L}"] for L in layers], 1),
+            "router_input": np.stack([got[f"{base_in}-{L}"] for L in layers], 1),
             "moe_layers": layers, "final_logits": final}
 
 

@@ -158,6 +158,31 @@ def test_stock_llamacpp_loads_it_and_gives_finite_logits(made, shape):
         assert in_child(_llama_mtp, made[shape]) == (4, 1, True)
 
 
+def _llama_trace(path, ids):
+    from engines.llamacpp_engine import capture_trace
+    return capture_trace(path, ids, threads=2)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "qwen3.6-35b-a3b", "qwen3-next-80b-a3b"])
+def test_llamacpp_traces_every_shape_and_its_router_input_gives_its_router_logits(made, shape):
+    """`trace --engine llamacpp` on each architecture: per MoE layer, the recorded router input, normed with the
+    layer's own norm and multiplied by its router (the weights as the workbench reads them), is llama.cpp's
+    recorded router logits; the recorded experts are the top-k of those logits."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    ids = [1, 5, 17, 200, 33, 7]
+    t = in_child(_llama_trace, made[shape], ids)
+    m = GGUFModel(made[shape])
+    spec = m.spec
+    assert t["topk"].shape == (len(ids), len(spec.moe_layers), spec.top_k) and t["moe_layers"] == spec.moe_layers
+    for j, L in enumerate(spec.moe_layers):
+        h = t["router_input"][:, j].astype(np.float64)
+        x = h / np.sqrt((h * h).mean(-1, keepdims=True) + spec.rms_norm_eps) * m.tensor(f"layers.{L}.mlp_norm")
+        logits = x @ m.tensor(f"layers.{L}.router").astype(np.float64).T
+        np.testing.assert_allclose(logits, t["logits"][:, j], rtol=2e-3, atol=2e-3 * np.abs(logits).max())
+        best = np.sort(np.argsort(-t["logits"][:, j], axis=-1)[:, :spec.top_k], -1)
+        assert (np.sort(t["topk"][:, j], -1) == best).all()
+
+
 def test_making_a_model_many_times_the_bound_keeps_memory_flat(tmp_path):
     """Peak RSS of the writer (a fresh process) grows by less than `bound` for a file many times `bound` (the
     Qwen3.6 shape: DeltaNet, gated attention, shared expert and the MTP block)."""
