@@ -48,7 +48,7 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
                achieved_over_floor=s["tok_s"] / fl["floor_tok_s"], expert_mem_bytes=s["expert_mem_bytes"],
                cache_slots=session.cache.slots,
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
-               device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
+               engine=session.engine.name, device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
                routing_trace=s["routing_trace"], start="warm" if warm else "cold", page_cache_dropped=page_cache)
     if session.preset.prefetch.predictor is Predictor.PREROUTER:     # Edge0: what its prediction staged and dropped
         from workbench.edge0.serve import edge0_counters

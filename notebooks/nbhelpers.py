@@ -44,7 +44,7 @@ def machine() -> dict:
     return environment()
 
 
-def ours_label(engine: str = "numpy") -> str:
+def ours_label(engine: str) -> str:
     env = machine()
     cpu = env.get("cpu") or env.get("machine") or "this machine"
     return f"ours: {cpu} ({env.get('cores')} cores), {engine} engine"
@@ -146,12 +146,99 @@ def ladder_vs_paper(res: dict, pub: dict | None, ours: str):
     return pd.DataFrame(rows)
 
 
+# ---------------------------------------------------------------- stamps: what made a figure
+
+def stamp(rows=(), model: str | None = None, simulated: bool = False, engine: str | None = None, **extra) -> dict:
+    """What made a figure, read from the run records of `rows` (their "run" paths) where they have them: engine(s),
+    presets with their knobs, model, machine (CPU, cores), commit, date, and the labels that apply (EMULATED <device>,
+    SIMULATED, RANDOM WEIGHTS). `engine`: for numbers that come without a run record (a simulation's compute)."""
+    import datetime
+    from workbench.runs import read_run
+    engines_, presets, devices, random_weights, models = set(), {}, set(), False, set()
+    for r in rows:
+        cfg = read_run(r["run"])["config"] if r.get("run") else {}
+        engines_.add(cfg.get("engine") or r.get("engine"))
+        p = cfg.get("preset")
+        if p:
+            presets[p["name"]] = {k: v for k, v in p.items() if k not in ("name", "description")}
+        if cfg.get("emulated", r.get("emulated")):
+            devices.add(str(cfg.get("device") or r.get("device")))
+        random_weights |= bool(cfg.get("random_weights", r.get("random_weights")))
+        models.add(cfg.get("model") or r.get("model"))
+    engines_ |= {engine}
+    env = machine()
+    labels = ([f"EMULATED {d}" for d in sorted(devices)] + (["SIMULATED"] if simulated else [])
+              + (["RANDOM WEIGHTS"] if random_weights else []))
+    return {"engine": ", ".join(sorted(e for e in engines_ if e)) or "none",
+            "model": model or ", ".join(sorted(m for m in models if m)), "presets": presets,
+            "cpu": env.get("cpu") or env.get("machine"), "cores": env.get("cores"),
+            "commit": (env.get("git_commit") or "unknown")[:10], "date": datetime.date.today().isoformat(),
+            "labels": labels, **extra}
+
+
+def stamp_runs(since: float, model: str, **kw) -> dict:
+    """stamp() of the run records written since `since` (time.time()): the runs a notebook has made so far."""
+    from workbench.runs import list_runs
+    rows = [{"run": str(p)} for p in list_runs() if (p / "config.json").stat().st_mtime >= since]
+    return stamp(rows, model, **kw)
+
+
+def stamp_lines(st: dict) -> list[str]:
+    """The stamp as the lines under a figure's title."""
+    lines = [f"{st['engine']} engine · model {st['model']} · {st['cpu']} ({st['cores']} cores) · "
+             f"commit {st['commit']} · {st['date']}"]
+    if st["presets"]:
+        lines.append("presets: " + ", ".join(st["presets"]))
+    if st["labels"]:
+        lines.append(" · ".join(st["labels"]))
+    return lines
+
+
+STAMP_KEY = "moe-workbench stamp"      # the PNG text chunk that holds a figure's stamp as JSON
+
+
+def png_with_text(png: bytes, key: str, text: str) -> bytes:
+    """`png` with a tEXt chunk (key, text) after its header chunk."""
+    import struct
+    import zlib
+    data = key.encode("latin-1") + b"\0" + text.encode("latin-1", "replace")
+    chunk = struct.pack(">I", len(data)) + b"tEXt" + data + struct.pack(">I", zlib.crc32(b"tEXt" + data))
+    end_of_ihdr = 8 + 4 + 4 + 13 + 4
+    return png[:end_of_ihdr] + chunk + png[end_of_ihdr:]
+
+
+def read_stamp(path) -> dict | None:
+    """The stamp a figure was saved with, or None."""
+    import json
+    import struct
+    png = Path(path).read_bytes()
+    i = 8
+    while i < len(png):
+        n, kind = struct.unpack(">I4s", png[i:i + 8])
+        if kind == b"tEXt":
+            key, _, text = png[i + 8:i + 8 + n].partition(b"\0")
+            if key.decode("latin-1") == STAMP_KEY:
+                return json.loads(text.decode("latin-1"))
+        i += 12 + n
+    return None
+
+
 # ---------------------------------------------------------------- figures (Altair, saved as PNG by vl-convert)
 
-def save(chart, name: str, directory: Path):
-    """Write `chart` to directory/name.png and return it (so the cell also shows it)."""
+def save(chart, name: str, directory: Path, stamp: dict):
+    """Write `chart`, its stamp under the title, to directory/name.png (the stamp also in the PNG's metadata) and
+    return the stamped chart (so the cell shows what the file shows)."""
+    import json
+    import altair as alt
+    import vl_convert as vlc
+    title = chart.title if chart.title is not alt.Undefined else ""
+    text = title.text if isinstance(title, alt.TitleParams) else title
+    chart = chart.properties(title=alt.TitleParams(text=text or " ", subtitle=stamp_lines(stamp), subtitleFontSize=9,
+                                                   subtitleColor="gray", anchor="start"))
+    png = vlc.vegalite_to_png(chart.to_json(), scale=1.5)
     path = Path(directory) / f"{name}.png"
-    chart.save(str(path), scale_factor=1.5)
+    from workbench.atomic import atomic_write
+    atomic_write(path, png_with_text(png, STAMP_KEY, json.dumps(stamp, sort_keys=True)))
     return chart
 
 

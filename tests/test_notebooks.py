@@ -50,6 +50,15 @@ def test_stored_without_outputs_and_parameterised(name):
     assert nb.metadata["kernelspec"]["name"] == "python3"
 
 
+def _nbhelpers():
+    sys.path.insert(0, str(NB_DIR))
+    try:
+        import nbhelpers
+    finally:
+        sys.path.remove(str(NB_DIR))
+    return nbhelpers
+
+
 @pytest.mark.parametrize("name", sorted(FIGURES))
 def test_small_setting_changes_only_what_it_should(name, monkeypatch):
     """The first cell's `if SMALL:` block shrinks the run; at the full setting none of it applies."""
@@ -74,17 +83,27 @@ def test_small_setting_changes_only_what_it_should(name, monkeypatch):
 
 
 def test_published_numbers_come_from_the_dashboard_module():
-    sys.path.insert(0, str(NB_DIR))
-    try:
-        import nbhelpers
-    finally:
-        sys.path.remove(str(NB_DIR))
+    nbhelpers = _nbhelpers()
     from dashboards.published import published
     assert nbhelpers.published("les") is published("les")
     assert nbhelpers.published("les_cache") is published("les_cache")
     assert nbhelpers.published("no such ladder") is None
     assert nbhelpers.paper_label(nbhelpers.published("les")).startswith("paper: ")
-    assert nbhelpers.ours_label().startswith("ours: ") and nbhelpers.ours_label().endswith("numpy engine")
+    assert nbhelpers.ours_label("packed").startswith("ours: ") and nbhelpers.ours_label("packed").endswith("packed engine")
+
+
+def test_a_stamp_says_what_made_a_figure_and_travels_in_its_png(tmp_path):
+    import altair as alt
+    import pandas as pd
+    nbh = _nbhelpers()
+    rows = [{"engine": "packed", "model": "demo", "emulated": True, "device": "ufs22-phone", "random_weights": False}]
+    st = nbh.stamp(rows, simulated=True)
+    assert st["engine"] == "packed" and st["model"] == "demo" and st["labels"] == ["EMULATED ufs22-phone", "SIMULATED"]
+    chart = alt.Chart(pd.DataFrame({"a": ["x"], "b": [1]}), title="t").mark_bar().encode(x="a", y="b")
+    shown = nbh.save(chart, "f", tmp_path, st)
+    assert nbh.read_stamp(tmp_path / "f.png") == st
+    assert shown.title.subtitle == nbh.stamp_lines(st) and "SIMULATED" in shown.title.subtitle[-1]
+    assert nbh.read_stamp(tmp_path / "f.png") != nbh.stamp(rows)          # unlabelled: no SIMULATED
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +131,8 @@ def test_notebook_runs_at_the_small_setting(name, venv_kernel, tmp_path, monkeyp
     monkeypatch.setenv("JUPYTER_PATH", str(venv_kernel))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("WORKBENCH_RUNS", str(runs))
     committed = snapshot(NB_DIR / "figures")
     nb = read(name)
     nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
@@ -123,3 +144,9 @@ def test_notebook_runs_at_the_small_setting(name, venv_kernel, tmp_path, monkeyp
     assert {p.stem for p in figures.glob("*.png")} == FIGURES[name]
     assert all(p.stat().st_size > 1000 for p in figures.glob("*.png"))
     assert snapshot(NB_DIR / "figures") == committed, "the small setting wrote into notebooks/figures"
+    nbh = _nbhelpers()
+    ran = {json.loads((r / "config.json").read_text()).get("engine") for r in runs.glob("*/") if (r / "config.json").exists()} - {None}
+    for png in figures.glob("*.png"):
+        st = nbh.read_stamp(png)
+        assert st, f"{png.name}: no stamp"
+        assert set(st["engine"].split(", ")) <= ran, f"{png.name}: stamped {st['engine']}, ran {ran}"
