@@ -191,6 +191,8 @@ def stamp_lines(st: dict) -> list[str]:
         lines.append("presets: " + ", ".join(st["presets"]))
     if st["labels"]:
         lines.append(" · ".join(st["labels"]))
+    if st.get("source"):                # numbers read from results/ files, not from this notebook's runs
+        lines.append("from " + ", ".join(st["source"]))
     return lines
 
 

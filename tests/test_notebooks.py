@@ -25,7 +25,7 @@ FIGURES = {
     "les_ablation": {"les_ladder", "les_cache_window", "les_lookahead_recall"},
     "edge0_prerouter": {"edge0_recall", "edge0_ab", "edge0_quality", "edge0_merge_retention"},
     "smol_pager": {"smol_pool_size", "smol_prefetch_depth", "smol_bias_sweep", "smol_warm_start"},
-    "where_time_goes": {"time_split_designs", "time_split_tokens", "disk_profile", "floor"},
+    "where_time_goes": {"time_split_designs", "time_split_tokens", "disk_profile", "floor", "time_split_full_size"},
     "regimes": {"regimes_calibration", "regimes_les_ladder", "regimes_ufs35b"},
     "sweep_grid": {"sweep_tok_s", "sweep_kl"},
 }
@@ -149,4 +149,7 @@ def test_notebook_runs_at_the_small_setting(name, venv_kernel, tmp_path, monkeyp
     for png in figures.glob("*.png"):
         st = nbh.read_stamp(png)
         assert st, f"{png.name}: no stamp"
+        if st.get("source"):            # drawn from results/ files: it names them, and they exist
+            assert all((REPO / src.split(" (")[0]).is_file() for src in st["source"]), st["source"]
+            continue
         assert set(st["engine"].split(", ")) <= ran, f"{png.name}: stamped {st['engine']}, ran {ran}"
