@@ -90,9 +90,15 @@ def storage_for(model: str, storage, named=(), engine: str | None = None) -> tup
     knobs = dict(zip(("layout", "experts", "rest"), (storage.layout.value, storage.experts, storage.rest)))
     if str(model).endswith(".gguf"):
         return tuple(knobs[k] if k in named else own for k, own in zip(knobs, GGUF_STORAGE))
-    if "experts" not in named and engine in (None, "packed"):
-        knobs["experts"] = block_experts(knobs["experts"])
+    if "experts" not in named:
+        knobs["experts"] = experts_for(knobs["experts"], engine)
     return tuple(knobs.values())
+
+
+def experts_for(experts: str, engine: str | None) -> str:
+    """The expert format a preset's precision is written in for `engine` (None: the default, packed): ggml's
+    blocks at its bits for the packed engine (block_experts), `experts` as it is for the others."""
+    return block_experts(experts) if engine in (None, "packed") else experts
 
 
 def block_experts(experts: str) -> str:
