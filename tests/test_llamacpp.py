@@ -552,6 +552,7 @@ def test_packed_engine_defaults_to_ggml_blocks_and_the_others_to_affine(tiny_mod
     with Session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.5") as s:     # rows of 64
         assert (s.engine.name, s.preset.storage.experts, s.pack.quant["experts"]) == ("packed", "g4", "g4")
         assert s.pack.expert_kinds == {p: "gguf:Q4_0" for p in ("gate", "up", "down")}
+        assert storage_for(str(s.pack_path), les) == ("contiguous", "q3", "q4")    # a pack: no conversion to name
     assert Pack(convert(tiny_models["qwen3_moe"], tmp_path / "g8.pack", experts="g8")).expert_kinds["down"] == \
         "gguf:Q8_0"
     with pytest.raises(WorkbenchError, match="rows of 48 values do not split into ggml's blocks of 32"):

@@ -90,7 +90,7 @@ def storage_for(model: str, storage, named=(), engine: str | None = None) -> tup
     knobs = dict(zip(("layout", "experts", "rest"), (storage.layout.value, storage.experts, storage.rest)))
     if str(model).endswith(".gguf"):
         return tuple(knobs[k] if k in named else own for k, own in zip(knobs, GGUF_STORAGE))
-    if "experts" not in named:
+    if "experts" not in named and not is_pack(MODELS.get(model, Path(model))):     # a pack is what it is
         knobs["experts"] = experts_for(knobs["experts"], engine)
     return tuple(knobs.values())
 

@@ -78,6 +78,14 @@ def expert_kind(shape: tuple, experts: str) -> str:
     return experts if experts == "bf16" or shape[1] % quant.GROUP == 0 else "bf16"
 
 
+def expert_kinds(shapes: dict, experts: str) -> dict[str, str]:
+    """{part: kind} of an expert at `experts`. ggml's kernels compute an expert only whole, so where one of its
+    matrices' rows does not split into ggml's 32-blocks every part stays in the affine format at the same bits."""
+    if experts in ggml_blocks.BLOCKS and any(shapes[p][1] % ggml_blocks.SMALL for p in PARTS):
+        experts = "q" + experts[1:]
+    return {p: expert_kind(shapes[p], experts) for p in PARTS}
+
+
 # f32 (norms, biases, the router) is stored raw and may be any rank; the rest goes through the codecs.
 def _encode(a: np.ndarray, kind: str) -> np.ndarray:
     if kind.startswith("gguf:") and a.dtype == np.uint8:    # raw GGUF blocks: already encoded, passed through
@@ -111,7 +119,7 @@ def _plan(model, layout: str, experts: str, rest: str, data_start: int):
     s = model.spec
     d, ff = s.hidden_size, s.moe_intermediate_size
     shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
-    kinds = {p: expert_kind(shapes[p], experts) for p in PARTS} if experts != "raw" else {}
+    kinds = expert_kinds(shapes, experts) if experts != "raw" else {}
     sizes = {p: _nbytes(shapes[p], kinds[p]) for p in kinds}
     layer_kinds = {}                                  # raw: each layer keeps its source's types (Q4_K_M mixes)
     off = data_start
