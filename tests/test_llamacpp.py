@@ -558,6 +558,9 @@ def test_packed_engine_defaults_to_ggml_blocks_and_the_others_to_affine(tiny_mod
     with pytest.raises(WorkbenchError, match="rows of 48 values do not split into ggml's blocks of 32"):
         from workbench.store.ggml_blocks import block_kind
         block_kind("g4", 48)
+    from workbench.store.pack import expert_kinds       # ggml computes an expert whole: else all of it stays affine
+    assert expert_kinds({"gate": (16, 64), "up": (16, 64), "down": (64, 16)}, "g2") == \
+        {"gate": "q2", "up": "q2", "down": "bf16"}
 
 
 @needs_llama
