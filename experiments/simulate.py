@@ -52,7 +52,8 @@ from workbench.errors import WorkbenchError
 from workbench.io import split_sizes
 from workbench.presets import Budget, CacheScope, Order, Router
 from workbench.spec import MoESpec
-from workbench.store.pack import PARTS, _align, _nbytes, expert_kind   # the pack's own read plan
+from workbench.registry import experts_for
+from workbench.store.pack import PARTS, _align, _nbytes, expert_kind, expert_kinds   # the pack's own read plan
 from workbench.telemetry import rates
 
 
@@ -106,7 +107,8 @@ class ReadPlan:
 def read_plan(spec: MoESpec, layout: str, experts: str) -> ReadPlan:
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
-    return ReadPlan(layout, tuple(_nbytes(shapes[p], expert_kind(shapes[p], experts)) for p in PARTS))
+    kinds = expert_kinds(shapes, experts)
+    return ReadPlan(layout, tuple(_nbytes(shapes[p], kinds[p]) for p in PARTS))
 
 
 class _Read:
@@ -210,7 +212,7 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     time (compute.dequant_busy_s); without a measured contended time, a read that ends while the compute thread
     works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore). split: a large read goes to
     several readers in pieces (workbench.io.split_sizes), as reads into slots do; the numpy engine's reads do not."""
-    plan = plan or read_plan(spec, preset.storage.layout.value, preset.storage.experts)
+    plan = plan or read_plan(spec, preset.storage.layout.value, experts_for(preset.storage.experts, compute.engine))
     item, n_experts = expert_bytes(compute.engine, spec, preset.storage), spec.num_experts * len(spec.moe_layers)
     total = item * n_experts
     budget_bytes = Budget(budget).nbytes(item, n_experts)
@@ -505,7 +507,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts, preset=p,
                                          routing_trace=str(trace_path) if own else None, engine=engine)
     workers = workers or dev.queue_depth
-    plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
+    plan = read_plan(spec, p.storage.layout.value, experts_for(p.storage.experts, compute.engine))
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
                        shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil)
     bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"), engine=compute.engine)
