@@ -43,6 +43,10 @@ def expert_bytes(engine: str | None, model, storage=None) -> int:
     of it): of `model`, a Pack, or a MoESpec with the presets.Storage its pack would be written at (the simulator,
     the trace replay, `info` on a checkpoint). engine None: the default engine (default_engine)."""
     engine = engine or default_engine(model if storage is None else None)
+    if storage is not None:             # the format the Session converts the preset's precision to for this engine
+        from dataclasses import replace
+        from workbench.registry import experts_for
+        storage = replace(storage, experts=experts_for(storage.experts, engine))
     return int(engine_class(engine).expert_bytes(model, storage))
 
 

@@ -15,9 +15,7 @@ Needs llama-cpp-python (`pip install 'moe-workbench[llamacpp]'`), as raw GGUF pa
 from __future__ import annotations
 
 import ctypes
-import glob
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
@@ -26,20 +24,7 @@ from numba.extending import intrinsic
 
 from engines.packed_kernels import slots_of
 from workbench.errors import WorkbenchError
-
-
-def library(name: str) -> str:
-    """The path of one of llama-cpp-python's ggml libraries ("ggml-base", "ggml-cpu")."""
-    try:
-        import llama_cpp
-    except ImportError:
-        raise WorkbenchError("experts kept in GGUF blocks are computed by ggml's CPU kernels, from "
-                             "llama-cpp-python: pip install 'moe-workbench[llamacpp]'") from None
-    lib = Path(llama_cpp.__file__).parent / "lib"
-    found = [f for ext in ("so", "dylib", "dll") for f in glob.glob(str(lib / f"*{name}.{ext}"))]
-    if not found:
-        raise WorkbenchError(f"{lib}: no {name} library in llama-cpp-python")
-    return found[0]
+from workbench.store.ggml_blocks import library, quantize, type_id  # noqa: F401 (quantize: G.quantize)
 
 
 class _Traits(ctypes.Structure):          # struct ggml_type_traits_cpu (ggml-cpu.h)
@@ -65,12 +50,6 @@ def _libs():
     cpu.ggml_cpu_init.restype, cpu.ggml_cpu_init.argtypes = None, []
     cpu.ggml_cpu_init()                     # its conversion tables, before any kernel runs
     return base, cpu
-
-
-def type_id(kind: str) -> int:
-    """ggml's type number of a pack kind "gguf:<TYPE>" (the gguf package's enum is ggml's)."""
-    from gguf import GGMLQuantizationType      # installed with llama-cpp-python (the llamacpp extra)
-    return int(GGMLQuantizationType[kind.removeprefix("gguf:")])
 
 
 @lru_cache(maxsize=None)
@@ -228,18 +207,6 @@ def dequantize(buf: np.ndarray, shape, kind: str) -> np.ndarray:
     out = np.empty(shape, np.float32)
     ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(to_float)(
         np.ascontiguousarray(buf).ctypes.data, out.ctypes.data, out.size)
-    return out
-
-
-def quantize(w: np.ndarray, kind: str) -> np.ndarray:
-    """A float32 matrix in GGUF blocks, by ggml's own quantizer: (rows, row bytes) uint8."""
-    base, _ = _libs()
-    f = base.ggml_quantize_chunk
-    f.restype = ctypes.c_size_t
-    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
-    w = np.ascontiguousarray(w, np.float32)
-    out = np.zeros((w.shape[0], part(kind, w.shape[1])[0]), np.uint8)
-    f(type_id(kind), w.ctypes.data, out.ctypes.data, 0, w.shape[0], w.shape[1], None)
     return out
 
 

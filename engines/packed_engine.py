@@ -1,7 +1,8 @@
 """The packed engine: the decoder (engines/decoder.py) in numpy, routed experts computed straight from the bytes
 read, in the slots of the cache's slot arena (workbench/arena.py), by compiled kernels: the pack's affine group-64
-and bf16 formats in engines/packed_kernels.py, a raw GGUF pack's quantized blocks (Q4_K, Q6_K, Q8_0, ... as an
-imported GGUF stored them) in ggml's own CPU kernels (engines/ggml_kernels.py).
+and bf16 formats in engines/packed_kernels.py, ggml's quantized blocks (Q4_K, Q6_K, Q8_0, ... as an imported GGUF
+stored them, or a checkpoint's experts at --experts g2..g8, this engine's default) in ggml's own CPU kernels
+(engines/ggml_kernels.py).
 
 Nothing is dequantized on load: a read lands in its expert's slot, the reader thread checks its crc, and the
 cache entry is the slot's offset. Each batch of a layer's experts that is in memory together (ready_first: the

@@ -50,7 +50,8 @@ from workbench.errors import WorkbenchError
 from workbench.io import split_sizes
 from workbench.presets import Budget, CacheScope, Order, Router
 from workbench.spec import MoESpec
-from workbench.store.pack import PARTS, _align, _nbytes, expert_kind   # the pack's own read plan
+from workbench.registry import experts_for
+from workbench.store.pack import PARTS, _align, _nbytes, expert_kind, expert_kinds   # the pack's own read plan
 from workbench.telemetry import rates
 
 
@@ -79,7 +80,8 @@ class ReadPlan:
 def read_plan(spec: MoESpec, layout: str, experts: str) -> ReadPlan:
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
-    return ReadPlan(layout, tuple(_nbytes(shapes[p], expert_kind(shapes[p], experts)) for p in PARTS))
+    kinds = expert_kinds(shapes, experts)
+    return ReadPlan(layout, tuple(_nbytes(shapes[p], kinds[p]) for p in PARTS))
 
 
 class _Read:
@@ -194,7 +196,7 @@ class _Simulation:
     def __init__(self, drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
                  workers: int, plan: ReadPlan | None, shared_cpu: bool, switch_s: float | None, split: bool):
         self.drive, self.spec, self.preset, self.compute = drive, spec, preset, compute
-        self.plan = plan or read_plan(spec, preset.storage.layout.value, preset.storage.experts)
+        self.plan = plan or read_plan(spec, preset.storage.layout.value, experts_for(preset.storage.experts, compute.engine))
         item, n_experts = expert_bytes(compute.engine, spec, preset.storage), spec.num_experts * len(spec.moe_layers)
         self.budget_bytes = Budget(budget).nbytes(item, n_experts)
         self.cache = ExpertCache(Budget(budget).slots(item, n_experts), item, spec.moe_layers,
@@ -554,7 +556,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts, preset=p,
                                          routing_trace=str(trace_path) if own else None, engine=engine)
     workers = workers or dev.queue_depth
-    plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
+    plan = read_plan(spec, p.storage.layout.value, experts_for(p.storage.experts, compute.engine))
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
                        shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil)
     bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"), engine=compute.engine)

@@ -58,7 +58,8 @@ class Session:
         replayed from outside, drive(spec, predictor text) -> route, predictor(), usage, source (a routing trace:
         experiments.routing_trace.TraceDrive).
         A .gguf model runs on its own blocks, in place (registry.storage_for), unless layout=, experts= or rest=
-        say otherwise: the preset's q4 would quantize llama.cpp's blocks again, a different model from the file's."""
+        say otherwise: the preset's q4 would quantize llama.cpp's blocks again, a different model from the file's.
+        For the packed engine a checkpoint's experts are ggml's blocks at the preset's bits (registry.storage_for)."""
         self.preset = preset if isinstance(preset, Preset) else get_preset(preset)
         if overrides:
             self.preset = self.preset.with_(**overrides)
@@ -67,7 +68,7 @@ class Session:
             raise WorkbenchError(f"preset {p.name}: the oracle replays the true routing of the tokens it will decode; "
                                  f"give it that trace (runtime.session.oracle_trace) or a routing trace to drive it")
         self.model = model
-        layout, experts, rest = storage_for(model, p.storage, overrides)
+        layout, experts, rest = storage_for(model, p.storage, overrides, engine)
         if (layout, experts, rest) != (p.storage.layout.value, p.storage.experts, p.storage.rest):
             self.preset = p = p.with_(layout=layout, experts=experts, rest=rest)   # a GGUF's own: what records say
         self.pack_path = resolve_pack(model, layout, experts, rest, progress=progress)

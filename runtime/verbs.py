@@ -78,18 +78,19 @@ def _convert_flags(p):
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--layout", default="contiguous", choices=["contiguous", "native"])
-    p.add_argument("--experts", default=None, choices=["q4", "q3", "q2", "q8", "bf16", "raw"],
-                   help="default q4; raw, the GGUF's own blocks, for a .gguf source")
+    p.add_argument("--experts", default=None, choices=["q4", "q3", "q2", "q8", "bf16", "raw", "g4", "g3", "g2", "g8"],
+                   help="default g4 (ggml's Q4_K/Q4_0 blocks; q4, MLX's affine layout, without llama-cpp-python); "
+                        "raw, the GGUF's own blocks, for a .gguf source")
     p.add_argument("--rest", default=None, choices=["q4", "q8", "bf16", "raw"],
                    help="default q4; raw, the GGUF's own blocks, for a .gguf source")
 
 
 @command("convert", "write an expert pack from a Hugging Face checkpoint or a GGUF", _convert_flags)
 def cmd_convert(args):
-    from workbench.registry import model_dir
+    from workbench.registry import block_experts, model_dir
     from workbench.store.pack import Pack, convert
     gguf = str(args.src).endswith(".gguf")      # a GGUF keeps its own blocks (raw) unless asked otherwise
-    experts = args.experts or ("raw" if gguf else "q4")
+    experts = args.experts or ("raw" if gguf else block_experts("q4"))
     rest = args.rest or ("raw" if gguf else "q4")
     if not gguf and "raw" in (experts, rest):
         raise WorkbenchError("--experts/--rest raw keep a GGUF's own blocks: the source must be a .gguf file")

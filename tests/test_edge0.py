@@ -148,7 +148,7 @@ def test_torch_student_equals_numpy_serving(tiny4, tmp_path):
     m = fresh(tiny4, tmp_path)
     hp, lp = write_heads(m), write_lora(m)
     ids = PROMPT * 3
-    with Session(str(m), "edge0", budget="all") as s:
+    with Session(str(m), "edge0", budget="all", experts="q4") as s:      # the trainers' int4: the affine q4 pack
         served = teacher_forced(s, ids)
     full, inc = student_logits(pack_of(m), ids, hp, lp)
     np.testing.assert_allclose(full, served, rtol=1e-4, atol=1e-4)
@@ -273,7 +273,8 @@ def test_ladder_edge0_a_read_that_keeps_failing(tiny4, tmp_path, capsys, monkeyp
     m = fresh(tiny4, tmp_path)
     write_heads(m)
     write_lora(m)
-    pack = pack_of(m)
+    from workbench.registry import block_experts
+    pack = Pack(resolve_pack(str(m), "contiguous", block_experts("q4"), "q4"))     # the pack its rungs serve
     first = min(off for L in pack.spec.moe_layers for e in range(pack.spec.num_experts)
                 for off, _ in pack.expert_reads(L, e))
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))

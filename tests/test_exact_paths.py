@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from runtime.session import Session
+from workbench.registry import block_experts
+from workbench.store import ggml_blocks
 
 PROMPT = [5, 9, 33, 71, 2, 18]
 
@@ -22,7 +24,8 @@ def decode(path, preset, n=12, **kw):
 
 
 STORAGE = [("contiguous", "q4", "q4"), ("native", "q4", "q4"), ("contiguous", "q3", "q4"),
-           ("contiguous", "q2", "q4"), ("native", "bf16", "bf16")]
+           ("contiguous", "q2", "q4"), ("native", "bf16", "bf16")] + \
+          ([("contiguous", "g4", "q4"), ("native", "g3", "q4")] if ggml_blocks.available() else [])   # ggml's blocks
 PATHS = [dict(budget="0.25"), dict(budget="0.5", execution="ready_first"),
          dict(budget="0.25", execution="ready_first", predictor="lookahead:1:2k"),
          dict(budget="0.25", execution="ready_first", predictor="lookahead:2:k", cache_scope="per_layer"),
@@ -45,8 +48,8 @@ def test_every_path_equals_resident(tiny_models, layout, experts, rest):
 def test_streaming_equals_resident_for_each_family(tiny_models, family):
     ref_toks, ref_logits, _ = decode(tiny_models[family], "resident")
     toks, logits, _ = decode(tiny_models[family], "les")
-    _, les_resident, _ = decode(tiny_models[family], "resident", experts="q3")
-    np.testing.assert_array_equal(logits, les_resident)      # les stores q3 experts: compare on its own pack
+    _, les_resident, _ = decode(tiny_models[family], "resident", experts=block_experts("q3"))
+    np.testing.assert_array_equal(logits, les_resident)      # les stores 3-bit experts: compare on its own pack
     toks, logits, _ = decode(tiny_models[family], "on_demand", budget="0.25")
     np.testing.assert_array_equal(logits, ref_logits)
 

@@ -24,6 +24,7 @@ from engines.hybrid import CHECKPOINT_WINDOW
 from workbench.errors import WorkbenchError
 from workbench.models.hf import HFModel
 from runtime.session import Session
+from workbench.registry import experts_for
 from workbench.store.pack import Pack
 
 TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
@@ -61,8 +62,10 @@ def test_prefill_and_decode_match_transformers(hybrid_models, family):
 
 @pytest.mark.parametrize("family", HYBRID)
 def test_packed_engine_matches_numpy(hybrid_models, family):
-    """q4 experts, every expert resident and streaming a quarter of them (waves at prefill)."""
-    for preset, kw in [("resident", {}), ("on_demand", dict(budget="0.25")), ("les", {})]:
+    """q4 experts, every expert resident and streaming a quarter of them (waves at prefill); the affine formats
+    named (the packed engine's default, ggml's blocks, is held to the numpy engine in tests/test_llamacpp.py)."""
+    for preset, kw in [("resident", dict(experts="q4")), ("on_demand", dict(budget="0.25", experts="q4")),
+                       ("les", dict(experts="q3"))]:
         ref = ours(hybrid_models[family], TOKENS, SPLIT, preset, "numpy", **kw)
         np.testing.assert_allclose(ours(hybrid_models[family], TOKENS, SPLIT, preset, "packed", **kw), ref,
                                    atol=PACKED_ATOL, rtol=0, err_msg=preset)
@@ -147,7 +150,7 @@ def test_every_exact_path_equals_resident(hybrid_models, family, engine):
         np.testing.assert_array_equal(logits, ref_logits, err_msg=str(path))
         assert summary["misses"] > 0, "the path streamed nothing: the comparison would be empty"
     for preset, experts in [("les", "q3"), ("smol", "q2")]:         # each stores its own expert precision
-        toks, logits, _ = decode(model, "resident", engine=engine, experts=experts)
+        toks, logits, _ = decode(model, "resident", engine=engine, experts=experts_for(experts, engine))
         for budget in ("0.25", "0.5", "0.75"):
             got_toks, got, summary = decode(model, preset, engine=engine, budget=budget)
             assert got_toks == toks, (preset, budget)
@@ -275,7 +278,7 @@ def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
     lp = write_lora(m, pack=pack)                                    # on layer 3, the one with attention projections
     hp = write_heads(m, pack=pack)
     ids = TOKENS[:8] * 2
-    with Session(str(m), "edge0", budget="all") as s:
+    with Session(str(m), "edge0", budget="all", experts="q4") as s:      # the trainers' int4: the affine q4 pack
         served = teacher_forced(s, ids)
     with Session(str(m), "edge0", budget="all", routing="prerouter:nolora") as s:
         assert np.abs(teacher_forced(s, ids) - served).max() > 1e-3        # the adapter on layer 3 is served

@@ -505,6 +505,65 @@ def test_packed_engine_computes_gguf_blocks_with_ggml(kquant_model, tmp_path, qt
 
 
 @needs_llama
+@pytest.mark.parametrize("experts,block", [("g4", "Q4_K"), ("g3", "Q3_K"), ("g2", "Q2_K"), ("g8", "Q8_0")])
+def test_checkpoint_experts_in_ggml_blocks(kquant_model, tmp_path, experts, block):
+    """--experts g2..g8 on a checkpoint: each expert matrix is ggml's own quantizer's blocks of the checkpoint's
+    weights (rows of 256: the k-quant), the numpy engine's copy is ggml's own dequantization of them element for
+    element, the packed engine's logits are within GGUF_TOL of the numpy engine's on the same pack (ggml's kernels,
+    8-bit activations), and every exact design at a budget gives the packed engine's all-resident logits bit for
+    bit."""
+    from engines import ggml_kernels as G
+    from workbench.store.ggml_blocks import quantize
+    pack = Pack(convert(kquant_model, tmp_path / f"{experts}.pack", experts=experts))
+    assert pack.quant["experts"] == experts
+    assert pack.expert_kinds == {p: f"gguf:{block}" for p in ("gate", "up", "down")}
+    hf, L = HFModel(kquant_model), pack.spec.moe_layers[-1]
+    for e in (0, pack.spec.num_experts - 1):
+        chunks = [np.frombuffer(open(pack.path, "rb").read()[o:o + n], np.uint8) for o, n in pack.expert_reads(L, e)]
+        raw, f32, w = pack.decode_expert(L, e, chunks, raw=True), pack.decode_expert(L, e, chunks), hf.expert(L, e)
+        for p in ("gate", "up", "down"):
+            np.testing.assert_array_equal(raw[p], quantize(w[p], f"gguf:{block}").reshape(-1), err_msg=p)
+            np.testing.assert_array_equal(f32[p], G.dequantize(raw[p], pack.expert_shapes[p], f"gguf:{block}"))
+    ref, out = packed_logits(pack.path, "resident", "numpy"), packed_logits(pack.path, "resident")
+    assert (ref[1], out[1]) == ("numpy", "packed")
+    err = np.abs(out[0] - ref[0]).max() / np.abs(ref[0]).max()
+    assert err < GGUF_TOL, err
+    for preset, budget in [("on_demand", "0.25"), ("les", "0.5")]:
+        got, _ = packed_logits(pack.path, preset, budget=budget)
+        np.testing.assert_array_equal(got, out[0], err_msg=f"{preset} at {budget}")
+
+
+@needs_llama
+def test_packed_engine_defaults_to_ggml_blocks_and_the_others_to_affine(tiny_models, tmp_path):
+    """A preset's q2..q8 is ggml's blocks at those bits for the packed engine (the default), the affine group-64
+    format for the numpy, MLX and llama.cpp engines and where a run names experts= itself; rows that are not a
+    multiple of 256 take the 32-blocks (Q4_0; Q8_0 for g8)."""
+    from workbench.presets import get_preset
+    from workbench.registry import storage_for
+    from runtime.session import Session
+    les, teacher = get_preset("les").storage, get_preset("teacher").storage
+    for engine in (None, "packed"):
+        assert storage_for("demo", les, engine=engine) == ("contiguous", "g3", "q4")
+        assert storage_for("demo", les, {"experts"}, engine) == ("contiguous", "q3", "q4")
+        assert storage_for("demo", teacher, engine=engine) == ("contiguous", "bf16", "bf16")
+    for engine in ("numpy", "mlx", "llamacpp"):
+        assert storage_for("demo", les, engine=engine) == ("contiguous", "q3", "q4")
+    assert storage_for("x.gguf", les) == ("native", "raw", "raw")
+    with Session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.5") as s:     # rows of 64
+        assert (s.engine.name, s.preset.storage.experts, s.pack.quant["experts"]) == ("packed", "g4", "g4")
+        assert s.pack.expert_kinds == {p: "gguf:Q4_0" for p in ("gate", "up", "down")}
+        assert storage_for(str(s.pack_path), les) == ("contiguous", "q3", "q4")    # a pack: no conversion to name
+    assert Pack(convert(tiny_models["qwen3_moe"], tmp_path / "g8.pack", experts="g8")).expert_kinds["down"] == \
+        "gguf:Q8_0"
+    with pytest.raises(WorkbenchError, match="rows of 48 values do not split into ggml's blocks of 32"):
+        from workbench.store.ggml_blocks import block_kind
+        block_kind("g4", 48)
+    from workbench.store.pack import expert_kinds       # ggml computes an expert whole: else all of it stays affine
+    assert expert_kinds({"gate": (16, 64), "up": (16, 64), "down": (64, 16)}, "g2") == \
+        {"gate": "q2", "up": "q2", "down": "bf16"}
+
+
+@needs_llama
 @pytest.mark.parametrize("qtype", ["q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k", "q4_0"])
 def test_kquant_batches_decode_like_single_tokens(kquant_model, tmp_path, qtype):
     """Batches of 2+ tokens go through llama.cpp's batched k-quant matmuls (the path ggml's AMX kernel takes on

@@ -28,7 +28,10 @@ ATOL = 2e-5
 
 
 def run(path, preset, engine="packed", **kw):
-    """Prefill then decode TOKENS; logits (len(TOKENS), vocab) and the closed session."""
+    """Prefill then decode TOKENS; logits (len(TOKENS), vocab) and the closed session. Experts affine q4 unless
+    kw names them: these tests hold the affine kernels to the reference (ggml's blocks, the packed engine's default
+    elsewhere, are held to theirs in tests/test_llamacpp.py)."""
+    kw.setdefault("experts", "q4")
     with Session(str(path), preset, engine=engine, **kw) as s:
         s.engine.reset()
         rows = [s.step(TOKENS[:SPLIT], "prefill")]

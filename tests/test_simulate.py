@@ -327,10 +327,12 @@ def test_a_byte_budget_holds_the_experts_the_packed_engines_cache_holds(preset):
     from experiments.simulate import read_plan
     from workbench.registry import resolve_pack
     from workbench.store.pack import Pack
+    from workbench.registry import experts_for
     st = get_preset(preset).storage
-    pack = Pack(resolve_pack("demo", st.layout.value, st.experts, st.rest))
+    experts = experts_for(st.experts, "packed")          # the packed engine's pack of the preset's precision
+    pack = Pack(resolve_pack("demo", st.layout.value, experts, st.rest))
     slot = PackedEngine.expert_bytes(pack)
-    plan = read_plan(pack.spec, st.layout.value, st.experts)
+    plan = read_plan(pack.spec, st.layout.value, experts)
     assert expert_bytes("packed", pack.spec, st) == slot
     p = get_preset(preset).with_(predictor=None, cache_scope="global", warm=False)
     drive = Drive([{L: [0, 1, 2, 3] for L in pack.spec.moe_layers}] * 3)

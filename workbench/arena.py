@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from workbench.io import ALIGN, aligned_empty
-from workbench.store.pack import PARTS, _nbytes, expert_kind
+from workbench.store.pack import PARTS, _nbytes, expert_kinds
 
 
 def _aligned(n: int) -> int:
@@ -56,7 +56,8 @@ def planned_slot_bytes(spec, layout: str, experts: str) -> int:
     (the simulator, the trace replay, `info` on a checkpoint not yet converted)."""
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
-    sizes = [_nbytes(shapes[p], expert_kind(shapes[p], experts)) for p in PARTS]
+    kinds = expert_kinds(shapes, experts)
+    sizes = [_nbytes(shapes[p], kinds[p]) for p in PARTS]
     return _aligned(sum(sizes)) if layout == "contiguous" else sum(map(_aligned, sizes))
 
 

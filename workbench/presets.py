@@ -58,7 +58,8 @@ class Order(str, Enum):
     WAIT_ALL = "wait_all"
 
 
-PRECISIONS = ("q2", "q3", "q4", "q8", "bf16", "raw")      # workbench.store.quant; raw: a GGUF's own blocks
+PRECISIONS = ("q2", "q3", "q4", "q8", "bf16", "raw",      # workbench.store.quant; raw: a GGUF's own blocks
+              "g2", "g3", "g4", "g8")                   # ggml's blocks (workbench.store.ggml_blocks)
 _UNITS = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 

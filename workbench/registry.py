@@ -9,6 +9,12 @@ storage the cache holds only its index (workbench/store/gguf_index.py, a few MB)
 GGUF takes its own storage whatever its preset says, but for the knobs the run names itself (Session's layout=,
 experts=, rest=); any other storage (requantized, mixed, laid out contiguous) is a converted pack, as for a model
 directory.
+
+The preset's precision (q2, q3, q4, q8) names the bits; what an HF directory's experts are written as depends on
+the engine (storage_for): for the packed engine (the default) they are ggml's blocks at those bits (g2, g3, g4, g8,
+workbench/store/ggml_blocks.py: ggml's kernels compute them, results/kernels.md), where llama-cpp-python is
+installed; for the numpy, MLX and llama.cpp engines, and where a run names experts= itself, the affine group-64
+formats (MLX's layout, workbench/store/quant.py).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import os
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
+from workbench.store import ggml_blocks
 from workbench.store.pack import FORMAT, MAGIC, Pack, convert
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,13 +82,30 @@ def resolve_pack(model: str, layout: str, experts: str, rest: str, progress: boo
     return dst
 
 
-def storage_for(model: str, storage, named=()) -> tuple[str, str, str]:
-    """(layout, experts, rest) a run on `model` takes: its preset's (storage, a Storage), but a .gguf's own
-    (GGUF_STORAGE) for each of the three knobs the run does not name itself (`named`)."""
+def storage_for(model: str, storage, named=(), engine: str | None = None) -> tuple[str, str, str]:
+    """(layout, experts, rest) a run on `model` with `engine` (None: the default, packed) takes: its preset's
+    (storage, a Storage), but a .gguf's own (GGUF_STORAGE) for each of the three knobs the run does not name itself
+    (`named`); elsewhere, for the packed engine, an affine precision the run does not name becomes ggml's blocks at
+    its bits (block_experts)."""
     knobs = dict(zip(("layout", "experts", "rest"), (storage.layout.value, storage.experts, storage.rest)))
     if str(model).endswith(".gguf"):
         return tuple(knobs[k] if k in named else own for k, own in zip(knobs, GGUF_STORAGE))
+    if "experts" not in named and not is_pack(MODELS.get(model, Path(model))):     # a pack is what it is
+        knobs["experts"] = experts_for(knobs["experts"], engine)
     return tuple(knobs.values())
+
+
+def experts_for(experts: str, engine: str | None) -> str:
+    """The expert format a preset's precision is written in for `engine` (None: the default, packed): ggml's
+    blocks at its bits for the packed engine (block_experts), `experts` as it is for the others."""
+    return block_experts(experts) if engine in (None, "packed") else experts
+
+
+def block_experts(experts: str) -> str:
+    """The packed engine's expert format at a precision: ggml's blocks (g2..g8) for q2..q8 where ggml is installed
+    (its kernels are faster than the affine ones: results/kernels.md), else `experts` as it is."""
+    g = "g" + experts[1:]
+    return g if g in ggml_blocks.BLOCKS and experts.startswith("q") and ggml_blocks.available() else experts
 
 
 def tokenizer_for(pack: Pack):

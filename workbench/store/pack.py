@@ -38,17 +38,19 @@ from workbench.chat import find_template
 from workbench.errors import WorkbenchError
 from workbench.io import crc_of_runs
 from workbench.spec import MoESpec
-from workbench.store import quant
+from workbench.store import ggml_blocks, quant
 
 MAGIC = b"MOEPACK\0"
 FORMAT = 2          # 2: the header carries its own crc32 (format 1 packs are refused: re-convert)
 PREFIX = 24
 ALIGN = 4096
 PARTS = ("gate", "up", "down")
-EXPERT_KINDS = ("q2", "q3", "q4", "q8", "bf16", "raw")
+EXPERT_KINDS = ("q2", "q3", "q4", "q8", "bf16", "raw", *ggml_blocks.BLOCKS)
 REST_KINDS = ("q4", "q8", "bf16", "raw")
 # "raw" (GGUF sources only): keep the source's own blocks byte for byte, as kinds "gguf:<TYPE>" (e.g.
 # gguf:Q4_K), dequantized on load by the gguf package (workbench/models/gguf_model.py).
+# g2, g3, g4, g8 (any source): the experts quantized into ggml's own block types, kinds "gguf:<TYPE>" too
+# (workbench/store/ggml_blocks.py).
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -71,13 +73,25 @@ def tensor_kind(name: str, shape: tuple, rest: str) -> str:
 
 
 def expert_kind(shape: tuple, experts: str) -> str:
+    if experts in ggml_blocks.BLOCKS:
+        return ggml_blocks.block_kind(experts, shape[1])
     return experts if experts == "bf16" or shape[1] % quant.GROUP == 0 else "bf16"
+
+
+def expert_kinds(shapes: dict, experts: str) -> dict[str, str]:
+    """{part: kind} of an expert at `experts`. ggml's kernels compute an expert only whole, so where one of its
+    matrices' rows does not split into ggml's 32-blocks every part stays in the affine format at the same bits."""
+    if experts in ggml_blocks.BLOCKS and any(shapes[p][1] % ggml_blocks.SMALL for p in PARTS):
+        experts = "q" + experts[1:]
+    return {p: expert_kind(shapes[p], experts) for p in PARTS}
 
 
 # f32 (norms, biases, the router) is stored raw and may be any rank; the rest goes through the codecs.
 def _encode(a: np.ndarray, kind: str) -> np.ndarray:
-    if kind.startswith("gguf:"):                    # raw GGUF blocks: already encoded, passed through
+    if kind.startswith("gguf:") and a.dtype == np.uint8:    # raw GGUF blocks: already encoded, passed through
         return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    if kind.startswith("gguf:"):                    # float weights into ggml's blocks (--experts g2..g8)
+        return ggml_blocks.quantize(a, kind).reshape(-1)
     if kind == "f32":
         return np.ascontiguousarray(a, dtype=np.float32).reshape(-1).view(np.uint8)
     return quant.encode(np.ascontiguousarray(a, dtype=np.float32), kind)   # derived tensors may be views
@@ -105,7 +119,7 @@ def _plan(model, layout: str, experts: str, rest: str, data_start: int):
     s = model.spec
     d, ff = s.hidden_size, s.moe_intermediate_size
     shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
-    kinds = {p: expert_kind(shapes[p], experts) for p in PARTS} if experts != "raw" else {}
+    kinds = expert_kinds(shapes, experts) if experts != "raw" else {}
     sizes = {p: _nbytes(shapes[p], kinds[p]) for p in kinds}
     layer_kinds = {}                                  # raw: each layer keeps its source's types (Q4_K_M mixes)
     off = data_start
@@ -168,6 +182,9 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
         model = HFModel(src)
     if "raw" in (experts, rest) and not hasattr(model, "expert_raw"):
         raise WorkbenchError(f"{model.path}: --experts/--rest raw keep a GGUF's own blocks; this source is not a GGUF")
+    if experts in ggml_blocks.BLOCKS and not ggml_blocks.available():
+        raise WorkbenchError(f"--experts {experts}: ggml's block formats need llama-cpp-python and gguf: "
+                             f"pip install 'moe-workbench[llamacpp]' (or convert with --experts q{experts[1:]})")
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     source = model.source_info() if hasattr(model, "source_info") else \
