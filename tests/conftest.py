@@ -107,6 +107,29 @@ def hybrid_models(tmp_path_factory):
     return {f: make_hybrid(f, root / f) for f in HYBRID}
 
 
+def pytest_generate_tests(metafunc):
+    """A test marked `macos` runs twice: as it is, and on the macOS surface (tests/macos_surface.py), put on before
+    the test's other function-scoped fixtures."""
+    if metafunc.definition.get_closest_marker("macos"):
+        if "surface" not in metafunc.fixturenames:
+            metafunc.fixturenames.insert(0, "surface")
+        metafunc.parametrize("surface", ["linux", "macos"], indirect=True)
+
+
+@pytest.fixture
+def surface(request):
+    """"linux", or "macos": the test runs with os reduced to macOS's, no /proc, host facts as macOS gives them."""
+    if getattr(request, "param", "linux") != "macos":
+        yield "linux"
+        return
+    import macos_surface
+    take_off = macos_surface.apply()
+    try:
+        yield "macos"
+    finally:
+        take_off()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Packs, probes and run records of the tests go to a temporary place, not the user's."""
