@@ -8,7 +8,8 @@ on macOS, and preadv (Pythons built against macOS SDKs before 11 lack it: the re
 
 What this cannot check: anything macOS's kernel does (whether F_NOCACHE reads bypass the cache, what vm_stat
 and sysctl print on a real Mac, Metal, Apple silicon's MLX, the GIL-free readers never running there), and
-libraries that chose their Linux code at import, before the surface was put on.
+libraries' own Linux code: they choose it by sys.platform, which stays linux (the surface hides /proc from the
+repository's code only; threadpoolctl, for one, reads /proc/self/maps here and asks dyld on a Mac).
 """
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ import errno
 import io
 import os
 import sys
+import sysconfig
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+REPO = str(HERE.parent) + os.sep
+STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 SITE = HERE / "macos_site"
 FLAG = "WORKBENCH_TEST_MACOS_SURFACE"       # set in the environment of the processes a reduced test starts
 F_NOCACHE, F_RDAHEAD = 48, 45               # macOS's <sys/fcntl.h>; no Linux fcntl command has these numbers
@@ -45,8 +49,21 @@ nocache_fds: set[int] = set()       # fds given F_NOCACHE 1 in this process (no 
 rdahead_off_fds: set[int] = set()
 
 
+def _from_the_project() -> bool:
+    """Whether the call being guarded comes from the repository's code (through the standard library, as pathlib's
+    opens do): libraries choose their code by sys.platform, still linux here, and run their macOS code on a Mac."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith(STDLIB) or name == __file__ or name.startswith("<"):
+            f = f.f_back
+            continue
+        return name.startswith(REPO) and "site-packages" not in name
+    return False
+
+
 def hidden(path) -> bool:
-    if isinstance(path, int):
+    if isinstance(path, int) or not _from_the_project():
         return False
     try:
         p = os.fsdecode(path)
