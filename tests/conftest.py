@@ -108,24 +108,24 @@ def hybrid_models(tmp_path_factory):
 
 
 def pytest_generate_tests(metafunc):
-    """A test marked `macos` runs twice: as it is, and on the macOS surface (tests/macos_surface.py), put on before
-    the test's other function-scoped fixtures."""
+    """A test marked `macos` runs twice, its `surface` "linux" and "macos": as it is, and on the macOS surface
+    (tests/macos_surface.py), put on before the test's other function-scoped fixtures (_macos_surface)."""
     if metafunc.definition.get_closest_marker("macos"):
         if "surface" not in metafunc.fixturenames:
-            metafunc.fixturenames.insert(0, "surface")
-        metafunc.parametrize("surface", ["linux", "macos"], indirect=True)
+            metafunc.fixturenames.append("surface")
+        metafunc.parametrize("surface", ["linux", "macos"])
 
 
-@pytest.fixture
-def surface(request):
-    """"linux", or "macos": the test runs with os reduced to macOS's, no /proc, host facts as macOS gives them."""
-    if getattr(request, "param", "linux") != "macos":
-        yield "linux"
+@pytest.fixture(autouse=True)
+def _macos_surface(request):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("surface") != "macos":
+        yield
         return
     import macos_surface
     take_off = macos_surface.apply()
     try:
-        yield "macos"
+        yield
     finally:
         take_off()
 

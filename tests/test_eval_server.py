@@ -54,7 +54,8 @@ def engine_logprobs(session, ids):
 
 
 @pytest.mark.macos
-def test_health_and_models(server):
+def test_health_and_models(server, surface):
+    assert server.engine.s.reader.mode == ("page-cache+pread" if surface == "macos" else "page-cache")
     st, health = jcall(server, "GET", "/health")
     assert st == 200 and {k: v for k, v in health.items() if k != "served"} == {
         "status": "ok", "model": "tiny", "preset": "les", "budget": "0.25", "context": CTX}
