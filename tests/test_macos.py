@@ -74,6 +74,12 @@ def test_the_machine_facts_come_from_where_the_system_keeps_them(surface):
         assert set(host.rss_parts()) >= {"VmHWM", "VmRSS"}
     rss = host.rss_bytes()
     assert rss is not None and 10 * 2**20 < rss <= 1.1 * host.peak_rss_bytes()   # over 10 MiB: Python with numpy
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert 0 < host.rss_bytes(child.pid) < rss        # another process's, by its id (benchmarks/server_load.py)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_peak_rss_on_the_surface_is_getrusages_in_bytes_and_agrees_with_linux():

@@ -114,12 +114,12 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def rss_bytes() -> int | None:
-    """This process's resident set now: /proc's VmRSS, else `ps` (in KiB on Linux and macOS), else None."""
-    rss = _field_kib(_proc("/proc/self/status"), "VmRSS")
+def rss_bytes(pid: int | None = None) -> int | None:
+    """The resident set now of this process (or `pid`): /proc's VmRSS, else `ps` (KiB on Linux and macOS), else None."""
+    rss = _field_kib(_proc(f"/proc/{pid or 'self'}/status"), "VmRSS")
     if rss is not None:
         return rss
-    out = _run("ps", "-o", "rss=", "-p", str(os.getpid()))
+    out = _run("ps", "-o", "rss=", "-p", str(pid or os.getpid()))
     try:
         return int(out.split()[0]) * 1024 if out else None
     except (IndexError, ValueError):
