@@ -35,11 +35,19 @@ $(OC_VENV)/.ok:
 	touch $@
 
 # The browser test (tests/test_dashboard_e2e.py) drives Debian's chromium: installed here when root, else said loudly.
+# On macOS it drives Google Chrome or Chromium from /Applications, never installed here.
 CHROMIUM := /usr/bin/chromium
+UNAME := $(shell uname -s)
+MAC_BROWSERS := "/Applications/Google Chrome.app/Contents/MacOS/Google Chrome" "/Applications/Chromium.app/Contents/MacOS/Chromium"
 browser:
+ifeq ($(UNAME),Darwin)
+	@for b in $(MAC_BROWSERS); do test -x "$$b" && exit 0; done; \
+	  echo "*** make test: no Google Chrome or Chromium in /Applications, so the dashboard browser test (tests/test_dashboard_e2e.py) will SKIP. Enable it by installing Google Chrome, then run make test again. ***" >&2
+else
 	@test -x $(CHROMIUM) || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	  echo "*** make test: $(CHROMIUM) is missing, so the dashboard browser test (tests/test_dashboard_e2e.py) will SKIP. Enable it with: sudo apt-get install -y chromium, then run make test again. ***" >&2
+endif
 
 venv: $(VENV)/.runtime
 

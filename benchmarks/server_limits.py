@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import platform
 import socket
 import sys
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from server_load import free_port, rss_bytes, start_server  # noqa: E402
+from workbench import host  # noqa: E402
 
 HOST = "127.0.0.1"          # never another address: this load test targets this machine's loopback alone
 PROMPTS = ["Once upon a time", "The little dog", "She looked at the sky and", "Tom had a red ball."]
@@ -161,7 +161,7 @@ def run(a) -> dict:
            "limits": {"MAX_BODY": MAX_BODY, "MAX_WAITING": MAX_WAITING, "MAX_CONNECTIONS": MAX_CONNECTIONS,
                       "READ_TIMEOUT": READ_TIMEOUT},
            "date": time.strftime("%Y-%m-%d"), "phases": {},
-           "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, Python {platform.python_version()}"}
+           "machine": f"{platform.machine()}, {host.cores()} cores, Python {platform.python_version()}"}
     try:
         request(port, completion())                     # the first request converts nothing but warms the engine
         base = {"rss_bytes": rss_bytes(srv.pid), "threads": threads_of(srv.pid)}

@@ -37,9 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+def rss_bytes(pid: int) -> int | None:
+    from workbench.host import rss_bytes
+    return rss_bytes(pid)
 
 
 def post(port: int, body: dict, timeout: float = 300) -> tuple[int, bytes]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import multiprocessing
-import os
 import secrets
 import threading
 import time
@@ -201,7 +200,8 @@ def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens:
 
 
 def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from workbench.host import cores
+    return cores()
 
 
 def cores_note(designs: int, n_cores: int | None = None) -> str:

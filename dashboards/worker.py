@@ -13,7 +13,6 @@ The process runs at a lower priority than the page (and so do its reader threads
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 import traceback
@@ -40,9 +39,8 @@ def telemetry(s) -> tuple:
 
 def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens: int, device, routing_trace):
     """The process's body: a Session, generate, write the run record; every outcome is a message."""
-    if sys.platform == "linux":         # every thread (some start while the process imports); later ones inherit it
-        for task in os.listdir("/proc/self/task"):
-            os.setpriority(os.PRIO_PROCESS, int(task), WORKER_NICE)
+    from workbench.host import lower_priority
+    lower_priority(WORKER_NICE)         # every thread (some start while the process imports); later ones inherit it
     s = None
     try:
         from experiments.routing_trace import drive

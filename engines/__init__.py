@@ -1,9 +1,9 @@
 """Engines by name behind one interface (engines/base.py): `engine_class(name)`, and what one expert costs in an
 engine's cache (`expert_bytes`).
 
-packed is the default (experts computed from their packed bytes, results/targets.md); numpy is the reference
-engine, the correctness oracle. Backends that need another compute framework are imported only when asked
-for, so the workbench runs without them.
+packed is the default (experts computed from their packed bytes, results/targets.md), mlx on Apple silicon where
+MLX is installed (default_engine); numpy is the reference engine, the correctness oracle. Backends that need
+another compute framework are imported only when asked for, so the workbench runs without them.
 """
 from __future__ import annotations
 
@@ -32,9 +32,13 @@ def engine_class(name: str):
 
 
 def default_engine(pack=None) -> str:
-    """The packed engine, or the numpy engine for a pack whose experts it cannot compute (a GGUF's own blocks).
-    No pack (a model not converted yet, a trace's spec): the packed engine, which computes every precision the
-    workbench writes."""
+    """On Apple silicon with MLX installed, the MLX engine (what a Mac user runs; Edge0 was built on it) for a pack
+    whose experts it computes. Else the packed engine, or the numpy engine for a pack whose experts it cannot
+    compute (a GGUF's own blocks). No pack (a model not converted yet, a trace's spec): MLX or packed, which
+    compute every precision the workbench writes."""
+    from workbench.host import apple_silicon
+    if apple_silicon() and "mlx" in available() and (pack is None or engine_class("mlx").computes(pack)):
+        return "mlx"
     return DEFAULT if pack is None or engine_class(DEFAULT).computes(pack) else "numpy"
 
 

@@ -22,7 +22,6 @@ import ctypes
 import json
 import mmap
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import numpy as np
 
 from engines.base import Engine, Hooks
 from workbench.atomic import atomic_path
+from workbench.host import peak_rss_bytes, rss_bytes, rss_parts
 from workbench.io import drop_page_cache
 from workbench.errors import WorkbenchError
 
@@ -85,16 +85,17 @@ class LlamaCpp:
     """One GGUF loaded in llama.cpp (mmap on, CPU), one context, one sequence."""
 
     def __init__(self, path, n_ctx: int = 1024, n_batch: int = 512, threads: int = 1, capture=(),
-                 mmap_on: bool = True, context: dict | None = None):
+                 mmap_on: bool = True, context: dict | None = None, gpu_layers: int = 0):
         """context: llama_context_params fields to set, e.g. {"flash_attn_type": 0, "type_k": 0, "type_v": 0}
-        (flash attention off, an f32 KV cache; ggml type ids)."""
+        (flash attention off, an f32 KV cache; ggml type ids). gpu_layers: layers offloaded to the GPU (Metal on
+        a Mac: gpu_layers_here()); 0, the CPU, everywhere else."""
         st = _init()
         lc = self.lc = st["lc"]
         self.path = Path(path)
         if not self.path.is_file():
             raise WorkbenchError(f"{self.path}: no such GGUF file")
         mp = lc.llama_model_default_params()
-        mp.n_gpu_layers = 0
+        mp.n_gpu_layers = gpu_layers
         # No extra CPU buffer types (weights repacked for AMX, KleidiAI or interleaved-repack kernels): plain ggml
         # CPU kernels only. ggml's AMX k-quant matmul, as GCC 12 compiles it under -march=native, faults on any
         # batch of 2+ tokens on Intel CPUs with AMX; the plain kernels run everywhere.
@@ -342,20 +343,24 @@ def resident_bytes(path) -> tuple[int, int]:
     return min(size, pages * page), size
 
 
-def proc_status() -> dict:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
+ALL_LAYERS = 999     # n_gpu_layers past any model's layer count: every layer on the GPU
 
 
-def mapping_rss(path) -> int:
-    """Bytes of `path`'s mappings resident in this process (/proc/self/smaps)."""
+def gpu_layers_here() -> int:
+    """The peer's GPU layers: every layer where llama-cpp-python was built with a GPU backend on Apple silicon
+    (its Metal build, what a Mac user runs), else 0 (the CPU, as the workbench computes)."""
+    from workbench.host import apple_silicon
+    return ALL_LAYERS if apple_silicon() and _init()["lc"].llama_supports_gpu_offload() else 0
+
+
+def mapping_rss(path) -> int | None:
+    """Bytes of `path`'s mappings resident in this process (/proc/self/smaps); None where there is no /proc."""
     target, total, inside = str(Path(path).resolve()), 0, False
-    with open("/proc/self/smaps") as f:
+    try:
+        f = open("/proc/self/smaps")
+    except OSError:
+        return None
+    with f:
         for line in f:
             parts = line.split()
             if parts and "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:
@@ -367,12 +372,14 @@ def mapping_rss(path) -> int:
 
 def _bench_child(path: str, tokens: int, prompt: str, mode: str, threads: int, warmup: int) -> dict:
     """Runs in a fresh process: load, prefill, greedy decode; what the OS saw."""
+    dropped = None
     if mode == "cold":
-        drop_page_cache(path)
+        dropped = drop_page_cache(path)
     elif mode == "warm":
         read_whole_file(path)
     resident_before, size = resident_bytes(path)
-    llm = LlamaCpp(path, n_ctx=max(256, 2 * tokens + 64 + len(prompt)), threads=threads)
+    gpu_layers = gpu_layers_here()
+    llm = LlamaCpp(path, n_ctx=max(256, 2 * tokens + 64 + len(prompt)), threads=threads, gpu_layers=gpu_layers)
     ids = llm.tokenize(prompt)
     if not ids:
         raise WorkbenchError("empty prompt")
@@ -380,15 +387,15 @@ def _bench_child(path: str, tokens: int, prompt: str, mode: str, threads: int, w
         llm.generate(ids, warmup)
     res = llm.generate(ids, tokens)
     dec = sum(res["step_s"])
-    st = proc_status()
+    st = rss_parts()
     resident_after, _ = resident_bytes(path)
-    out = {"engine": "llamacpp", "gguf": str(path), "mode": mode, "threads": threads, "mmap": True,
+    out = {"engine": "llamacpp", "gguf": str(path), "mode": mode, "page_cache_dropped": dropped, "threads": threads,
+           "mmap": True, "n_gpu_layers": gpu_layers,
            "tokens": len(res["tokens"]), "decode_steps": len(res["step_s"]),
            "tok_s": len(res["step_s"]) / dec if dec > 0 else 0.0,
            "prefill_tokens": len(ids), "prefill_tok_s": len(ids) / res["prefill_s"] if res["prefill_s"] > 0 else 0.0,
            "prefill_s": res["prefill_s"], "decode_s": dec, "load_s": llm.load_s,
-           "peak_rss_bytes": st.get("VmHWM", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
-           "rss_bytes": st.get("VmRSS"), "rss_anon_bytes": st.get("RssAnon"), "rss_file_bytes": st.get("RssFile"),
+           "peak_rss_bytes": peak_rss_bytes(), "rss_bytes": st.get("VmRSS", rss_bytes()), "rss_anon_bytes": st.get("RssAnon"), "rss_file_bytes": st.get("RssFile"),
            "gguf_mapped_rss_bytes": mapping_rss(path), "file_size": size,
            "file_resident_before_bytes": resident_before, "file_resident_after_bytes": resident_after,
            "text": llm.detokenize(res["tokens"]), "token_ids": res["tokens"]}

@@ -182,18 +182,28 @@ class MlxExperts:
         return Y.reshape(idx.shape[0], idx.shape[1], -1).sum(1)
 
 
+def _kinds(pack) -> set:
+    return {k for ks in [pack.expert_kinds, *(getattr(pack, "expert_layer_kinds", {}) or {}).values()]
+            for k in ks.values()}
+
+
 class MlxEngine(Decoder):
     name = "mlx"
     raw_experts = True      # the streamer hands us the pack's encoded bytes
     xp = mx
 
+    @staticmethod
+    def computes(pack) -> bool:
+        """Whether its kernels take this pack's experts: one of MLX_KINDS per part, the same in every layer."""
+        kinds = dict(pack.expert_kinds)
+        layer_kinds = getattr(pack, "expert_layer_kinds", {}) or {}
+        return bool(kinds) and _kinds(pack) <= set(MLX_KINDS) and all(ks == kinds for ks in layer_kinds.values())
+
     def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
                  weights: dict | None = None, max_context: int | None = None):
         super().__init__(pack, streamer, telemetry, hooks)
-        kinds = dict(pack.expert_kinds)
-        layer_kinds = getattr(pack, "expert_layer_kinds", {}) or {}
-        odd = sorted({k for ks in [kinds, *layer_kinds.values()] for k in ks.values()} - set(MLX_KINDS))
-        if odd or not kinds or any(ks != kinds for ks in layer_kinds.values()):
+        if not self.computes(pack):
+            odd = sorted(_kinds(pack) - set(MLX_KINDS))
             raise WorkbenchError(f"{pack.path}: --engine mlx computes experts stored as {', '.join(MLX_KINDS)} "
                                  f"(affine group-64 or bf16); this pack's experts are {', '.join(odd) or 'mixed per layer'}: "
                                  f"convert with --experts q4 (or another of those)")

@@ -109,7 +109,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     from workbench import slot_reads
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
                           issue_call_s=issue_call, land_s=land, row_s=row,
-                          reader_holds_gil=not (packed and slot_reads.AVAILABLE), engine=name,
+                          reader_holds_gil=not (packed and slot_reads.runs_here()), engine=name,
                           dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
                               np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "

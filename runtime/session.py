@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import gc
 import json
-import resource
-import sys
 import time
 
 import numpy as np
@@ -22,6 +20,7 @@ from workbench.cache import ExpertCache, warm_set
 from runtime.capture import RoutingCapture
 from workbench.io import drop_page_cache, slot_readers
 from workbench.devices import open_reader
+from workbench.host import peak_rss_bytes
 from workbench.memory import check_fits, memory_needs
 from workbench.predict import make_predictor
 from workbench.presets import Budget, Predictor, Preset, Router, get_preset
@@ -33,17 +32,6 @@ from workbench.errors import WorkbenchError
 from runtime.speculative import speculative_decode
 from workbench.store.pack import Pack
 from workbench.telemetry import Telemetry, TokenRecord
-
-
-def peak_rss_bytes() -> int:
-    """This process's high-water resident set. Linux's VmHWM, not getrusage's ru_maxrss: a process started from a
-    larger one (a benchmark's or a test's child) inherits that one's ru_maxrss across fork and exec."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration, ValueError):
-        ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return ru if sys.platform == "darwin" else ru * 1024       # bytes on macOS, KiB elsewhere
 
 
 class Session:

@@ -45,7 +45,7 @@ def cmd_info(args):
         # not converted yet: an expert costs what it will in the pack the preset's Session converts it to
         item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
     from workbench.memory import describe, memory_needs
-    from runtime.session import peak_rss_bytes
+    from workbench.host import peak_rss_bytes
     budget = Budget(str(args.budget if args.budget is not None else preset.cache.budget))
     engine_class(obj["engine"])         # its module imported: this process's memory is a run's runtime
     obj["memory"] = memory_needs(spec, shapes, budget, item, resident_bytes, obj["engine"],

@@ -107,6 +107,29 @@ def hybrid_models(tmp_path_factory):
     return {f: make_hybrid(f, root / f) for f in HYBRID}
 
 
+def pytest_generate_tests(metafunc):
+    """A test marked `macos` runs twice, its `surface` "linux" and "macos": as it is, and on the macOS surface
+    (tests/macos_surface.py), put on before the test's other function-scoped fixtures (_macos_surface)."""
+    if metafunc.definition.get_closest_marker("macos"):
+        if "surface" not in metafunc.fixturenames:
+            metafunc.fixturenames.append("surface")
+        metafunc.parametrize("surface", ["linux", "macos"])
+
+
+@pytest.fixture(autouse=True)
+def _macos_surface(request):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get("surface") != "macos":
+        yield
+        return
+    import macos_surface
+    take_off = macos_surface.apply()
+    try:
+        yield
+    finally:
+        take_off()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Packs, probes and run records of the tests go to a temporary place, not the user's."""

@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "workbench", *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}, timeout=120)
 
 
 def assert_one_line_error(res, *needles):

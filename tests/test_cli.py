@@ -17,6 +17,7 @@ def run_json(*args) -> dict:
     return json.loads(res.stdout)
 
 
+@pytest.mark.macos
 def test_info(tiny_models):
     out = run_json("info", "--model", str(tiny_models["dots1"]))
     assert out["spec"]["family"] == "dots1" and out["spec"]["router"] == "sigmoid_group"
@@ -30,9 +31,10 @@ def test_convert_then_info_on_the_pack(tiny_models, tmp_path):
     assert info["kind"] == "pack" and info["experts"] == 16
 
 
+@pytest.mark.macos
 def test_probe_disk(tmp_path):
     out = run_json("probe-disk", "--path", str(tmp_path), "--seconds", "0.02")
-    assert out["mode"] in ("o_direct", "page-cache")
+    assert out["mode"] in ("o_direct", "page-cache", "f_nocache+pread")
     assert len(out["points"]) == 20 and all(p["mb_s"] > 0 for p in out["points"])
 
 
@@ -41,8 +43,9 @@ def test_generate(tiny_models):
     assert len(out["tokens"]) == 5 and isinstance(out["text"], str) and out["tok_s"] > 0
 
 
+@pytest.mark.macos
 @pytest.mark.parametrize("preset", ["on_demand", "les"])
-def test_bench_reports_the_contract_fields_and_writes_a_record(tiny_models, preset):
+def test_bench_reports_the_contract_fields_and_writes_a_record(tiny_models, preset, surface):
     out = run_json("bench", "--model", str(tiny_models["qwen3_moe"]), "--preset", preset, "--tokens", "8",
                    "--budget", "0.25")
     assert BENCH_FIELDS <= set(out)
@@ -52,6 +55,8 @@ def test_bench_reports_the_contract_fields_and_writes_a_record(tiny_models, pres
     from workbench.runs import read_run
     rec = read_run(out["run"])
     assert rec["summary"]["tok_s"] == out["tok_s"] and len(rec["events"]) > 0
+    assert (out["reader_mode"] == "f_nocache+pread") == (surface == "macos")
+    assert (rec["env"]["cpu"] == "Apple M4 Pro") == (surface == "macos") and rec["env"]["cpu"]
     if preset == "les":
         assert out["prefetch_recall"] is not None and 0 <= out["prefetch_recall"] <= 1
 

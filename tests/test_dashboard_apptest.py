@@ -140,7 +140,8 @@ def test_a_run_puts_numbers_in_session_state_and_writes_records(two_designs):
     assert len(at.get("vega_lite_chart")) == 2 * len(C.LIVE_CHARTS)
 
 
-def test_an_emulated_device_is_chosen_on_the_page_and_labelled_everywhere(runs_root):
+@pytest.mark.macos
+def test_an_emulated_device_is_chosen_on_the_page_and_labelled_everywhere(runs_root, surface):
     at = app(LIVE)
     assert at.selectbox(key="device").value.startswith("this machine") and "ufs22-phone" in at.selectbox(key="device").options
     at.selectbox(key="device").set_value("ufs22-phone")
@@ -151,6 +152,9 @@ def test_an_emulated_device_is_chosen_on_the_page_and_labelled_everywhere(runs_r
     rec = read_run(at.session_state["records"]["on_demand"])
     assert rec["summary"]["emulated"] and rec["config"]["device"]["name"] == "ufs22-phone"
     assert "emulated:ufs22-phone" in rec["config"]["reader_mode"]
+    # the design's own process: on the macOS surface too (its reads F_NOCACHE, its CPU from sysctl)
+    assert rec["config"]["reader_mode"].startswith("f_nocache+pread") == (surface == "macos")
+    assert (rec["env"]["cpu"] == "Apple M4 Pro") == (surface == "macos")
 
 
 def test_a_routing_trace_drives_the_designs_from_the_page(runs_root):
@@ -244,6 +248,7 @@ def test_corrupt_pack_shows_an_error(tmp_path):
     assert "corrupt" in errors(at) or "broken.pack" in errors(at), errors(at)
 
 
+@pytest.mark.macos
 def test_stop_ends_the_runs_without_records(runs_root):
     at = start(app(LIVE), ["on_demand", "les"], tokens=2000)
     poll(at, lambda a: len(a.session_state["numbers"]) == 2, timeout=60)

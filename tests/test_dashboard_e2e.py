@@ -15,20 +15,24 @@ import pytest
 from servers import answers, free_port, serving
 
 REPO = Path(__file__).resolve().parents[1]
-CHROMIUM = "/usr/bin/chromium"
+# Debian's chromium; on macOS Google Chrome or Chromium where their installers put them (the Makefile looks there too)
+BROWSERS = ("/usr/bin/chromium", "/Applications/Google Chrome.app/Contents/MacOS/Google Chrome",
+            "/Applications/Chromium.app/Contents/MacOS/Chromium")
+CHROMIUM = next((b for b in BROWSERS if Path(b).exists()), BROWSERS[0])
 ARTIFACTS = REPO / "test-artifacts"
 TOKENS = 256      # long enough that the four designs run together for seconds on a fast machine too
 
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is missing (apt-get install -y chromium)"),
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium or Chrome at {', '.join(BROWSERS)} "
+                       f"(apt-get install -y chromium; on macOS install Google Chrome)"),
 ]
 
 
 @contextlib.contextmanager
 def browser_page(url: str, height: int):
-    """Debian's chromium, headless, on `url`: the page, closed after."""
+    """Chromium (or Chrome), headless, on `url`: the page, closed after."""
     args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
             "--disable-sync", "--disable-renderer-backgrounding", "--disable-background-timer-throttling"]
     with playwright.sync_playwright() as pw:

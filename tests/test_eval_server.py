@@ -53,7 +53,9 @@ def engine_logprobs(session, ids):
     return [None] + [float(lsm[j, ids[j + 1]]) for j in range(len(ids) - 1)], lsm
 
 
-def test_health_and_models(server):
+@pytest.mark.macos
+def test_health_and_models(server, surface):
+    assert server.engine.s.reader.mode == ("page-cache+pread" if surface == "macos" else "page-cache")
     st, health = jcall(server, "GET", "/health")
     assert st == 200 and {k: v for k, v in health.items() if k != "served"} == {
         "status": "ok", "model": "tiny", "preset": "les", "budget": "0.25", "context": CTX}
@@ -116,6 +118,7 @@ def test_lm_eval_local_completions_request_shape(server):
         assert a == pytest.approx(b, abs=1e-4) and ga == gb
 
 
+@pytest.mark.macos
 def test_completion_is_greedy_and_chat_streams_the_same_text(server):
     s = server.engine.s
     st, body = jcall(server, "POST", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 8,
@@ -198,6 +201,7 @@ def test_bad_request_on_a_kept_alive_connection_leaves_it_usable(server):
     c.close()
 
 
+@pytest.mark.macos
 def test_concurrent_requests_share_the_engine_safely(server):
     prompts = ["Once upon a time", "The little dog", "Lily saw a bird", "Tom and Sam"]
     ref = {p: jcall(server, "POST", "/v1/completions", {"prompt": p, "max_tokens": 6, "temperature": 0,

@@ -83,6 +83,7 @@ def test_a_read_that_keeps_failing(verb, pack, first_expert, tmp_path, capsys, m
     assert not (tmp_path / "t.parquet").exists()
 
 
+@pytest.mark.macos
 def test_a_failed_bench_is_recorded_as_failed(pack, first_expert, tmp_path, capsys, monkeypatch, fast_probe):
     """The warm-up and prefill read fine; the disk fails from the third decode step's reads on."""
     state = {"armed": False}
@@ -113,6 +114,7 @@ def test_a_failed_bench_is_recorded_as_failed(pack, first_expert, tmp_path, caps
     assert failed["decode_steps"] >= 2 and failed["prefill_tokens"] > 0
 
 
+@pytest.mark.macos
 def test_transient_errors_are_retried_and_counted(pack, first_expert, monkeypatch):
     clean, _ = generate(pack)
     failed_once = set()
@@ -141,6 +143,7 @@ def test_retries_are_bounded(pack, first_expert, monkeypatch):
     assert 0 < max(calls.count(p) for p in set(calls)) <= RETRIES + 1
 
 
+@pytest.mark.macos
 def test_short_reads_change_nothing(pack, first_expert, monkeypatch):
     clean, _ = generate(pack)
     with faults(monkeypatch, lambda call, pos, n, r: "short" if pos >= first_expert else None):
@@ -192,6 +195,7 @@ def test_a_pack_replaced_mid_run(pack, first_expert, tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- serve, eval lm
 
+@pytest.mark.macos
 def test_serve_a_read_fault_fails_the_request_not_the_server(pack, first_expert, monkeypatch):
     """The request whose reads fail gets a 500 naming the read; the next one is answered as before the fault."""
     from evals.server import make_server

@@ -42,6 +42,7 @@ def cache_files(root: Path) -> dict:
     return {p.relative_to(root): p.stat() for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.macos
 def test_a_gguf_streams_through_a_small_index_made_once(gguf_file, tmp_path, monkeypatch):
     from runtime.session import Session
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
@@ -66,7 +67,8 @@ def test_a_gguf_streams_through_a_small_index_made_once(gguf_file, tmp_path, mon
         assert (s.pack.layout, s.pack.quant) == ("contiguous", {"experts": "raw", "rest": "raw"})
 
 
-def test_streamed_experts_are_the_ggufs_bytes(gguf_file):
+@pytest.mark.macos
+def test_streamed_experts_are_the_ggufs_bytes(gguf_file, surface):
     """Every expert read into the slot arena (O_DIRECT, from the 4 KiB boundary before each part) holds the GGUF's
     bytes at its parts' places, and dequantizes to GGUFModel.expert's matrices; each read was checked by its crc."""
     from workbench.arena import SlotArena, slot_bytes
@@ -87,7 +89,7 @@ def test_streamed_experts_are_the_ggufs_bytes(gguf_file):
     arena = SlotArena(pack, cache)
     reader = Reader(pack.data_path, workers=slot_readers())
     try:
-        assert reader.mode == "o_direct"
+        assert reader.mode == ("f_nocache+pread" if surface == "macos" else "o_direct")
         ExpertStreamer(pack, cache, reader, Telemetry(s.num_layers), arena=arena).load_resident(keys)
     finally:
         reader.close()

@@ -67,12 +67,40 @@ def test_aligned_empty():
     assert wio.aligned_empty(100, align=512).ctypes.data % 512 == 0
 
 
-def test_modes_are_labelled(pack):
+@pytest.mark.macos
+def test_modes_are_labelled(pack, surface):
+    """Linux: O_DIRECT where the filesystem takes it; macOS: F_NOCACHE with read-ahead off on the file, and one
+    pread per buffer where os has no preadv."""
+    import macos_surface
     path, _ = pack
+    if surface == "macos":
+        uncached, reads = "f_nocache", "+pread"
+    else:
+        uncached, reads = ("o_direct" if o_direct_supported(path) else "page-cache"), ""
     with wio.Reader(path) as r:
-        assert r.mode == ("o_direct" if o_direct_supported(path) else "page-cache")
+        assert r.mode == uncached + reads
+        assert (r.fd in macos_surface.nocache_fds and r.fd in macos_surface.rdahead_off_fds) == (surface == "macos")
     with wio.Reader(path, direct=False) as r:
-        assert r.mode == "page-cache"
+        assert r.mode == "page-cache" + reads and r.fd not in macos_surface.nocache_fds
+
+
+def test_f_nocache_reads_with_preadv_where_os_has_it(pack, monkeypatch):
+    """macOS 11 and later: F_NOCACHE, and preadv scattering a read into several buffers."""
+    import macos_surface
+    path, data = pack
+    preadv = os.preadv
+    take_off = macos_surface.apply()
+    try:
+        monkeypatch.setattr(os, "preadv", preadv, raising=False)
+        with wio.Reader(path) as r:
+            assert r.mode == "f_nocache" and r.fd in macos_surface.nocache_fds
+            bufs = [wio.aligned_empty(4096), wio.aligned_empty(8192)]
+            r.submit_into([("k", [(4096, bufs[0]), (8192, bufs[1])])])["k"].result(timeout=10)
+            assert r.stats()["reads"] == 1      # one scattered preadv
+            np.testing.assert_array_equal(np.concatenate(bufs), data[4096:16384])
+    finally:
+        monkeypatch.undo()
+        take_off()
 
 
 def test_falls_back_only_on_einval(pack, monkeypatch):
@@ -94,6 +122,7 @@ def test_falls_back_only_on_einval(pack, monkeypatch):
 
 
 @pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.macos
 def test_read_unaligned_ranges(pack, direct):
     path, data = pack
     rnd = random.Random(1)
@@ -125,6 +154,7 @@ def test_bytes_read_counts_alignment_padding(pack):
 
 
 @pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.macos
 def test_submit_random_ranges_exact(pack, direct):
     path, data = pack
     rnd = random.Random(2)
@@ -174,6 +204,7 @@ def test_submit_rejects_duplicate_keys(pack):
 
 
 @pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.macos
 def test_read_past_eof_names_file_offset_length(pack, direct):
     path, _ = pack
     with wio.Reader(path, direct=direct) as r:
@@ -200,6 +231,7 @@ def test_truncated_file_raises(pack):
             r.read(90_000, 20_000)
 
 
+@pytest.mark.macos
 def test_drop_cache_and_close(pack):
     path, data = pack
     r = wio.Reader(path, direct=False)
@@ -211,11 +243,12 @@ def test_drop_cache_and_close(pack):
     assert r.fd == -1
 
 
+@pytest.mark.macos
 def test_probe_disk_scratch_file(where):
     before = set(os.listdir(where))
     probe = disk_probe.probe_disk(where, sizes=(4096, 65536), depths=(1, 2), seconds_per_point=0.01)
     assert set(os.listdir(where)) == before  # scratch file removed
-    assert probe["path"] == str(where) and probe["mode"] in ("o_direct", "page-cache")
+    assert probe["path"] == str(where) and probe["mode"] in ("o_direct", "page-cache", "f_nocache+pread")
     assert [(p["size"], p["depth"]) for p in probe["points"]] == [(4096, 1), (4096, 2), (65536, 1), (65536, 2)]
     for p in probe["points"]:
         assert p["mb_s"] > 0 and p["reads"] >= p["depth"] and 0 < p["lat_ms_p50"] <= p["lat_ms_p99"]
@@ -269,6 +302,7 @@ class _PythonReads(wio.Reader):
 
 
 @pytest.mark.parametrize("cls", [wio.Reader, _PythonReads])
+@pytest.mark.macos
 def test_a_large_read_into_buffers_lands_in_pieces_on_several_readers_and_is_checked_whole(pack, cls):
     """An expert of three parts (1.1 MiB) read by three readers: three pieces, cut inside the parts, each into its
     own view of the part's buffer; the key's crc over its runs (which the cuts split) is checked whole, and a wrong
@@ -291,6 +325,7 @@ def test_a_large_read_into_buffers_lands_in_pieces_on_several_readers_and_is_che
             bad["x"].result(timeout=30)
 
 
+@pytest.mark.macos
 def test_adjacent_experts_merged_into_one_read_are_cut_across_keys_and_each_lands_checked(pack):
     """Two experts side by side in the file, 600 KiB each: one merged read of 1200 KiB, cut for four readers into
     pieces of 300 KiB, so each piece boundary falls inside a key's buffer or between keys."""

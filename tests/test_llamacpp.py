@@ -619,6 +619,7 @@ def test_cli_verbs(q3, exported, tmp_path, capsys):
     assert rep["router_recompute_max_abs"] < 1e-3
     b = run("bench", "--engine", "llamacpp", "--model", str(exported["f16"]), "--tokens", "4", "--no-record")
     assert b["engine"] == "llamacpp" and b["tok_s"] > 0 and b["peak_rss_bytes"] > 0 and b["mode"] == "cold"
+    assert b["n_gpu_layers"] == 0 and b["page_cache_dropped"] == "posix_fadvise(DONTNEED)"      # Linux: the CPU
     assert b["file_resident_before_bytes"] <= b["file_size"]
     assert main(["convert", str(q3), str(tmp_path / "x.pack"), "--experts", "raw"]) == 2
     assert "raw" in capsys.readouterr().err

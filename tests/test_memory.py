@@ -150,7 +150,7 @@ def test_a_safetensors_shard_is_read_slice_by_slice_without_holding_the_file(tmp
 import json
 from pathlib import Path
 from workbench.models.hf import Shard
-from runtime.session import peak_rss_bytes
+from workbench.host import peak_rss_bytes
 sh = Shard(Path({str(shard)!r}))
 before = peak_rss_bytes()
 total = sum(float(sh.array("experts.down_proj", e)[0, 0]) for e in range(64))

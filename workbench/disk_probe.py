@@ -93,7 +93,7 @@ def probe_disk(path, sizes=(4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB), de
         scratch = target = _write_scratch(path if os.path.isdir(path) else os.path.dirname(path) or ".")
     try:
         with Reader(target, direct=direct) as reader:
-            if reader.mode == "page-cache":
+            if reader.cache == "page-cache":
                 reader.drop_cache()  # start cold; buffered reads still warm up as they go
             file_size = os.path.getsize(target)
             points = [_probe_point(reader, file_size, size, depth, seconds_per_point)

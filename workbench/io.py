@@ -1,9 +1,10 @@
 """Stream byte ranges (MoE expert weights) from an on-disk pack file.
 
-`Reader` reads with O_DIRECT by default, so every byte comes from the disk and
-not from the page cache; `mode` says which path was actually taken.  Reads are
-`os.preadv` calls into 4096-aligned numpy buffers; `preadv` releases the GIL,
-so reads submitted to the thread pool overlap compute in other threads.
+`Reader` reads uncached by default: O_DIRECT on Linux, fcntl(F_NOCACHE) with read-ahead off on macOS, so expert
+reads do not go through (or fill) the page cache; `mode` says which path was actually taken ("o_direct",
+"f_nocache" or "page-cache", "+pread" where the platform has no preadv).  Reads are `preadv` calls (one `pread`
+per buffer without it, workbench/host.py) into 4096-aligned numpy buffers; they release the GIL, so reads
+submitted to the thread pool overlap compute in other threads.
 
 The disk probes are workbench/disk_probe.py.
 """
@@ -22,7 +23,7 @@ from functools import partial
 
 import numpy as np
 
-from workbench import slot_reads
+from workbench import host, slot_reads
 from workbench.slot_reads import IOV, ChecksumError, SlotRead, SlotReads, wait_for
 
 ALIGN = 4096
@@ -60,14 +61,13 @@ def slot_readers() -> int:
 
 
 def drop_page_cache(path) -> str:
-    """Evict a file from the page cache, so later buffered/mmap reads of it are cold; returns how."""
+    """Evict a file from the page cache, so later buffered/mmap reads of it are cold; returns how, or that it was
+    not (host.NOT_EVICTED: macOS, whose F_NOCACHE reads neither fill the cache nor empty it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fdatasync(fd)  # dirty pages are not evicted by DONTNEED
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return host.evict(fd, 0, 0, sync=True)
     finally:
         os.close(fd)
-    return "posix_fadvise(DONTNEED)"
 
 
 def _after(bufs: list, skip: int) -> list:
@@ -146,12 +146,13 @@ class Reader:
     def __init__(self, path, direct: bool = True, workers: int | None = None):
         self.path = os.fspath(path)
         self.workers = workers or default_workers()
-        self._direct = False
-        self.fd = self._open_direct() if direct else -1
+        self._direct = False                    # O_DIRECT: a short read off a block boundary is the end of the file
+        self.cache = "page-cache"
+        self.fd = self._open_uncached() if direct else -1
         if self.fd < 0:
             self.fd = os.open(self.path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size     # a read into buffers may end past it (short, not an error)
-        self.mode = "o_direct" if self._direct else "page-cache"
+        self.mode = self.cache if host.has_preadv() else f"{self.cache}+pread"
         self._lock = threading.Lock()
         self._heap: list = []                   # the reader threads' queue: (priority, seq, job), demand reads first
         self._ready = threading.Condition(self._lock)
@@ -166,6 +167,18 @@ class Reader:
         self._closed = False
         self._slots: SlotReads | None = None
 
+    def _open_uncached(self) -> int:
+        """An fd whose reads bypass the page cache (self.cache says how), or -1 where the platform or the
+        filesystem has no such reads."""
+        if hasattr(os, "O_DIRECT"):
+            return self._open_direct()
+        fd = os.open(self.path, os.O_RDONLY)
+        if host.no_cache(fd):
+            self.cache = "f_nocache"
+            return fd
+        os.close(fd)
+        return -1
+
     def _open_direct(self) -> int:
         """O_DIRECT fd, or -1 if the filesystem refuses O_DIRECT (EINVAL)."""
         try:
@@ -176,13 +189,14 @@ class Reader:
             return -1
         # Some filesystems accept the open flag and only refuse the read itself.
         try:
-            os.preadv(fd, [aligned_empty(ALIGN)], 0)
+            host.preadv(fd, [aligned_empty(ALIGN)], 0)
         except OSError as e:
             os.close(fd)
             if e.errno != errno.EINVAL:
                 raise
             return -1
         self._direct = True
+        self.cache = "o_direct"
         return fd
 
     # -- reading ---------------------------------------------------------------
@@ -214,7 +228,7 @@ class Reader:
         return got
 
     def _preadv(self, views: list, pos: int) -> int:
-        return os.preadv(self.fd, views, pos)
+        return host.preadv(self.fd, views, pos)
 
     def _preadv_retrying(self, views: list, pos: int) -> int:
         for attempt in range(RETRIES + 1):
@@ -329,7 +343,7 @@ class Reader:
     def _reads_gil_free(self) -> bool:
         """Whether submit_into reads on the GIL-free readers: not where a subclass changes how a read is made
         (faults injected into _pread or _preadv), unless the compiled loop does what it changes (an emulation)."""
-        return (slot_reads.AVAILABLE and type(self)._preadv is Reader._preadv
+        return (slot_reads.runs_here() and type(self)._preadv is Reader._preadv
                 and (type(self)._pread is Reader._pread or self.emulation() is not slot_reads.NO_DEVICE))
 
     def emulation(self) -> np.ndarray:

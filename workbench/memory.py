@@ -9,38 +9,21 @@ mid-run. `python -m workbench info --model DIR --budget B` prints the same numbe
   cache (engines.expert_bytes: the packed engine's slot of packed bytes, numpy's f32 expert), as the Session sizes it;
 - context: KV cache bytes per token (full-attention layers), and the fixed recurrent state of the
   linear-attention layers (Gated DeltaNet: conv and delta-rule state, whatever the context length);
-- needed: resident (as held) + the cache, at most every expert; available: /proc/meminfo's MemAvailable, capped by
-  the cgroup's memory.max less its memory.current (Linux).
+- needed: resident (as held) + the cache, at most every expert; available: what the system says this process can
+  still take (workbench/host.py: Linux's MemAvailable capped by the cgroup, macOS's free and inactive pages).
 """
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from workbench.errors import WorkbenchError
+from workbench.host import available_memory_bytes as available_bytes
 from workbench.spec_hybrid import checkpoint_window, linear_state_bytes
 from workbench.store import quant
 from workbench.store.pack import expert_kind
 
 PRECISIONS = ("bf16", "q8", "q4", "q3", "q2")
 MiB = 2 ** 20
-
-
-def available_bytes() -> int | None:
-    """Bytes this process can still take, or None where the system does not say (not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-    cg = Path("/sys/fs/cgroup")
-    try:
-        limit = (cg / "memory.max").read_text().strip()
-        if limit != "max":
-            avail = min(avail, int(limit) - int((cg / "memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return max(0, avail)
 
 
 def largest_budget(resident: int, all_experts: int, available: int | None) -> str:

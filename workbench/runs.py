@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from workbench import host
 from workbench.atomic import atomic_path
 from workbench.registry import REPO
 
@@ -36,12 +37,7 @@ def environment() -> dict:
                                 timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    cpu = ""
-    try:
-        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"machine": platform.machine(), "system": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
+    return {"machine": platform.machine(), "system": platform.platform(), "cpu": host.cpu_name(), "cores": os.cpu_count(),
             "python": sys.version.split()[0], "packages": pkgs, "git_commit": commit}
 
 

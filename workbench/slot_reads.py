@@ -48,6 +48,13 @@ LIBZ = ctypes.util.find_library("z")
 AVAILABLE = bool(sys.platform == "linux" and platform.machine() == "x86_64" and hasattr(os, "eventfd") and LIBZ)
 if AVAILABLE:
     llvm.load_library_permanently(LIBZ)
+
+
+def runs_here() -> bool:
+    """AVAILABLE, and os has the eventfd they wake on now (a test may take it away: tests/macos_surface.py)."""
+    return AVAILABLE and hasattr(os, "eventfd")
+
+
 _i32, _i64, _u64 = types.int32, types.int64, types.uint64
 _preadv = types.ExternalFunction("preadv", _i64(_i32, _u64, _i32, _i64))
 _read = types.ExternalFunction("read", _i64(_i32, _u64, _u64))

@@ -14,6 +14,7 @@ import time
 import zlib
 from pathlib import Path
 
+from workbench import host
 from workbench.atomic import atomic_path
 from workbench.chat import find_template
 from workbench.store.pack import ALIGN, FORMAT, MAGIC, PARTS, PREFIX, _align, _crc, _encode, _header_bytes, _nbytes
@@ -24,7 +25,7 @@ CHUNK = 16 * 2**20
 def _read_into(fd: int, buf: memoryview, offset: int) -> None:
     got = 0
     while got < len(buf):
-        n = os.preadv(fd, [buf[got:]], offset + got)
+        n = host.preadv(fd, [buf[got:]], offset + got)
         if n == 0:
             raise EOFError(f"end of file at byte {offset + got}")
         got += n
@@ -32,7 +33,8 @@ def _read_into(fd: int, buf: memoryview, offset: int) -> None:
 
 def _crcs(fd: int, buf: memoryview, ranges: list[tuple[int, int]], crcs: list[int]) -> None:
     """crcs[i] continued over the bytes of ranges[i] = (offset, n), reading runs of adjacent ranges of at most
-    len(buf) bytes at once (a range longer than that in pieces). Read pages are dropped from the page cache."""
+    len(buf) bytes at once (a range longer than that in pieces). Read pages are dropped from the page cache
+    (where the platform can: host.evict)."""
     i = 0
     while i < len(ranges):
         start, n = ranges[i]
@@ -41,7 +43,7 @@ def _crcs(fd: int, buf: memoryview, ranges: list[tuple[int, int]], crcs: list[in
                 k = min(len(buf), n - at)
                 _read_into(fd, buf[:k], start + at)
                 crcs[i] = zlib.crc32(buf[:k], crcs[i])
-            os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
+            host.evict(fd, start, n)
             i += 1
             continue
         j, end = i + 1, start + n
@@ -52,7 +54,7 @@ def _crcs(fd: int, buf: memoryview, ranges: list[tuple[int, int]], crcs: list[in
         for k in range(i, j):
             o, m = ranges[k]
             crcs[k] = zlib.crc32(buf[o - start:o - start + m], crcs[k])
-        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        host.evict(fd, start, end - start)
         i = j
 
 
