@@ -33,7 +33,9 @@ class ComputeProfile:
     wake_s: float = 0.0       # per blocking wait: from the read it waits for landing to the compute thread running
                               # again (its poll returning, the settle); probe_reader measures it
     land_s: float = 0.0       # per expert read, when the compute thread takes it in (its read settled, its crc
-                              # compared, the cache entry made the slot) and computes on its fresh bytes
+                              # compared, the cache entry made the slot) and computes on its fresh bytes, or (the
+                              # larger) all a streaming run's compute thread spends beyond a resident one's per read
+                              # besides its issues: the readers' CPU on shared cores included (_per_read_rest)
     row_s: float | None = None    # per MoE layer, dense + router time of each row of a batch after the first
                                   # (speculative verification); None: each row costs what one token does
     engine: str = "numpy"     # the engine measured: what an expert costs in its cache (engines.expert_bytes), so what
@@ -50,7 +52,9 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
       at `stream_budget`       what reading costs the compute thread, from the streamer's own timers: an issue (per
                                submit and per expert, fitted over the layers' issues), taking a landed read in (less
                                what a layer's look at its experts costs with every one in memory), and computing
-                               on bytes just read instead of bytes long in memory (per expert read)
+                               on bytes just read instead of bytes long in memory (per expert read); or, where
+                               larger, all the run's compute thread spends beyond the resident run's besides its
+                               issues, per expert read (the reader threads' CPU on cores it shares shows there)
     Expert compute and what a reader thread does per expert are then timed on this spec's expert shape with the
     engine's own kernels: the numpy engine's matmuls and codec (dequant), or the packed engine's compiled kernels on
     the encoded bytes, one call per layer's top-k, and the crc its readers check (`dequant_s` is then that check)."""
@@ -80,6 +84,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
     expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
     issue_call, issue, land = _read_costs(evs, runs[stream_budget][1], expert_measured)
+    land = max(land, _per_read_rest(dec, *runs[stream_budget], issue_call, issue))
     rng = np.random.default_rng(0)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
@@ -267,6 +272,20 @@ def _read_costs(resident_events, stream_events, expert_s: float) -> tuple[float,
     take = sum(e.take_s for e in stream_events) - look * len(stream_events)
     fresh = sum(e.compute_s for e in stream_events) - expert_s * sum(len(e.routed) for e in stream_events)
     return float(per_call), float(per_expert), max(0.0, (take + fresh) / taken) if taken else 0.0
+
+
+def _per_read_rest(resident_tokens, stream_tokens, stream_events, issue_call: float, issue: float) -> float:
+    """Per expert read taken in, everything the streaming run's compute thread spends beyond the resident run's per
+    token (flash waits aside) that its issues do not explain: taking reads in, computing on fresh bytes, and the
+    CPU the reader threads take from it where they share its cores (their syscalls and crc checks, their wake-ups),
+    which show as slower dense, router and other time, not in the streamer's timers."""
+    busy = lambda toks: statistics.median(t.compute_s + t.router_s + t.other_s for t in toks)   # a stall: one token
+    taken = sum(e.taken for e in stream_events)
+    if not taken or not stream_tokens or not resident_tokens:
+        return 0.0
+    per_token = len(stream_tokens)
+    issued = (issue_call * sum(e.issues for e in stream_events) + issue * sum(e.issued for e in stream_events)) / per_token
+    return max(0.0, (busy(stream_tokens) - busy(resident_tokens) - issued) * per_token / taken)
 
 
 def load_compute(path) -> ComputeProfile:

@@ -568,6 +568,8 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
                expert_disk_bytes=sum(plan.part_bytes))
     res["device"]["emulated"] = False
     res["device"]["simulated"] = True
+    from experiments.calibration import label
+    res["calibration"] = label(dev.name)        # "calibrated here (within X%)" after simulate --calibrate, or not
     if record:
         from workbench.runs import write_run
         cfg = {"simulated": True, "trace": str(trace_path), "preset": p.to_dict(), "budget": budget, "device": device,
