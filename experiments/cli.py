@@ -167,6 +167,9 @@ def _simulate_flags(p):
     p.add_argument("--predictor", default=None, help="prefetch with this recorded predictor instead of the preset's "
                                                     "(e.g. prerouter, where the trace recorded Edge0's heads)")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--here", action="store_true",
+                   help="predict the run on this machine with the device emulated (as bench --device measures it), "
+                        "reads at least this machine's: what simulate --calibrate checks (this-machine: always)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine's compute profiles and runs of each design against the simulator "
                         "(A / measured per design, budget and device), stored in the profiles cache: simulated "
@@ -188,7 +191,7 @@ def cmd_simulate(args):
     res = run(args.trace, args.preset, args.budget, args.device or "this-machine", shape=args.shape, tokens=args.tokens,
               prompt=args.prompt_tokens, compute=load_compute(args.compute) if args.compute else None,
               workers=args.workers, model=args.model, record=not args.no_record, predictor=args.predictor,
-              engine=args.engine)
+              engine=args.engine, here=args.here or None)
     emit(args, res, f"SIMULATED {res['preset']} on {res['device']['label']} ({res['shape_note']}): "
                     f"{res['tok_s']:.2f} tok/s, hit {res['hit_rate']:.3f}; Belady bound: hit {res['belady_hit_rate']:.3f}, "
                     f"{res['belady_tok_s']:.2f} tok/s; {res['calibration']}")

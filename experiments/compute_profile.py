@@ -38,6 +38,9 @@ class ComputeProfile:
                               # besides its issues: the readers' CPU on shared cores included (_per_read_rest)
     row_s: float | None = None    # per MoE layer, dense + router time of each row of a batch after the first
                                   # (speculative verification); None: each row costs what one token does
+    read_floor: dict | None = None  # this machine's reads through the engine's readers while its kernel computes
+                                    # (DeviceProfile's latency_s, read_bw, peak_bw, queue_depth): what reads take here
+                                    # at the least, the readers' wake-ups and transfers waiting for a shared core
     engine: str = "numpy"     # the engine measured: what an expert costs in its cache (engines.expert_bytes), so what
                               # a byte budget buys (the packed engine's slots of packed bytes, numpy's f32 experts)
     source: str = ""
@@ -64,14 +67,18 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     from workbench.store import quant
     p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
     p = p.with_(experts=experts, speculative=0)     # a batch's rows: _row_cost
-    runs, row = {}, None
+    runs, row, reads, workers = {}, None, None, 1
     for budget in ("all", stream_budget):
         with open_session(model, p, budget, prompt=[1, 2, 3, 4], tokens=tokens, drive=drive(routing_trace),
                           engine=engine) as s:
             if budget == "all":     # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
                 s.generate([1, 2, 3, 4], tokens=4)      # after it needs none, and would find the same experts cached)
                 s.reset_telemetry()
-            s.generate([1, 2, 3, 4], tokens=tokens)
+                s.generate([1, 2, 3, 4], tokens=tokens)
+            else:
+                with _timed_reads(s.reader) as reads:
+                    s.generate([1, 2, 3, 4], tokens=tokens)
+                workers = s.reader.workers
             runs[budget] = ([t for t in s.tel.tokens if t.phase == "decode"],
                             [e for e in s.tel.events if e.phase == "decode"])
             if budget == "all" and not routing_trace:
@@ -112,7 +119,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
         router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
                                                                                   measured_model.hidden_size)
     from workbench import slot_reads
-    return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
+    return ComputeProfile(read_floor=_read_floor(reads, workers), dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
                           issue_call_s=issue_call, land_s=land, row_s=row,
                           reader_holds_gil=not (packed and slot_reads.AVAILABLE), engine=name,
                           dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
@@ -138,6 +145,45 @@ def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> Comp
                           engine=measured.engine,
                           other_s=res["other_s"] / n, issue_s=0.0, wake_s=measured.wake_s,
                           source="the measured run's own compute, router and other time (issue cost inside them)")
+
+
+class _timed_reads:
+    """The reads a session's reader serves meanwhile: (submitted ns, [(bytes, started ns, landed ns)] per submit),
+    from the readers' own stamps (SlotRead and Future t_start, t_end)."""
+
+    def __init__(self, reader):
+        self.reader, self.calls = reader, []
+
+    def __enter__(self):
+        submit = self.reader.submit_into
+
+        def timed(requests, priority=0, checks=None):
+            t0 = time.perf_counter_ns()
+            futs = submit(requests, priority, checks)
+            sizes = {k: sum(b.nbytes for _, b in parts) for k, parts in requests}
+            self.calls.append((t0, [(sizes[k], f) for k, f in futs.items()]))
+            return futs
+        self.reader.submit_into = timed
+        return self
+
+    def __exit__(self, *exc):
+        del self.reader.submit_into             # the class's method again
+        self.calls = [(t0, [(n, f.t_start, f.t_end) for n, f in fs if getattr(f, "t_end", 0)]) for t0, fs in self.calls]
+
+
+def _read_floor(reads: _timed_reads | None, workers: int) -> dict | None:
+    """What a read takes on this machine in a streaming run of the engine (its readers and compute thread sharing
+    the cores with each other and whatever else runs): a latency (the median wait from a submit to its first read
+    starting, a reader's wake-up, plus the median read past its bytes at the median read's rate) and the rate of
+    the median read, as DeviceProfile fields; the simulator floors the device's reads at it. None: no reads."""
+    firsts = [min(t for _, t, _ in fs) - t0 for t0, fs in reads.calls if fs] if reads else []
+    served = [(n, (t1 - t) / 1e9) for _, fs in (reads.calls if reads else []) for n, t, t1 in fs if t1 > t]
+    if not firsts or not served:
+        return None
+    size, took = statistics.median(n for n, _ in served), statistics.median(s for _, s in served)
+    bw = size / took                          # the median read's rate; its latency counted in the wake below
+    return {"latency_s": max(0.0, statistics.median(firsts) / 1e9), "read_bw": bw, "peak_bw": bw * max(1, workers),
+            "queue_depth": max(1, workers)}
 
 
 def _dequant(enc, w, experts):

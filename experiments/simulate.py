@@ -525,11 +525,14 @@ def simulable(p):
 def run(trace_path: str, preset, budget: str | None, device: str, shape: str | None = None,
         tokens: int = 64, prompt: int = 4, compute: ComputeProfile | None = None, workers: int | None = None,
         model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None,
-        predictor: str | None = None, engine: str | None = None) -> dict:
+        predictor: str | None = None, engine: str | None = None, here: bool | None = None) -> dict:
     """One design over a trace. The simulated model: `spec` if given, else the traced model at `shape`'s expert
     shape, else the traced model itself. preset: a name or a Preset (a ladder rung). rung: {ladder, rung,
     rung_index, model} for the run record, so the dashboard's ladders page shows a simulated ladder beside the rest.
-    engine: whose compute is measured (None: the default engine), unless `compute` is given: its engine's."""
+    engine: whose compute is measured (None: the default engine), unless `compute` is given: its engine's.
+    here: the run predicted is this machine's, on its own flash or the device emulated on it (as bench --device
+    measures): reads take at least what this machine's readers took in a streaming run (compute.read_floor), and
+    the result is labelled as simulate --calibrate found it here; None: only for this-machine."""
     from workbench import devices
     from workbench.presets import get_preset
     from experiments.routing_trace import TraceDrive
@@ -553,6 +556,11 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     own = model is None or model == meta.get("model")        # the traced model: measured on its own trace
     compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts, preset=p,
                                          routing_trace=str(trace_path) if own else None, engine=engine)
+    here = dev.name == "this-machine" if here is None else here
+    if here and compute.read_floor:
+        dev = devices.Slowest(dev, devices.DeviceProfile("this-machine-busy", "this machine's readers while the "
+                                                         "engine computes (the compute profile's read_floor)",
+                                                         **compute.read_floor))
     workers = workers or dev.queue_depth
     plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
@@ -568,8 +576,10 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
                expert_disk_bytes=sum(plan.part_bytes))
     res["device"]["emulated"] = False
     res["device"]["simulated"] = True
-    from experiments.calibration import label
-    res["calibration"] = label(dev.name)        # "calibrated here (within X%)" after simulate --calibrate, or not
+    from experiments.calibration import UNCALIBRATED, label
+    # checked by simulate --calibrate only for runs here, at the traced model's own shape
+    res["calibration"] = label(dev.name) if here and not shape and note == "the traced model's shape" else UNCALIBRATED
+    res["emulated_here"] = here
     if record:
         from workbench.runs import write_run
         cfg = {"simulated": True, "trace": str(trace_path), "preset": p.to_dict(), "budget": budget, "device": device,
