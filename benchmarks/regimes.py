@@ -215,7 +215,7 @@ def calibrate(rounds, tokens, device=None, log=print):
             profiles[d].append(dataclasses.asdict(cps[d]))
             budget = "all" if d == "resident" else "0.25"
             m = bench("demo", d, budget=budget, tokens=tokens, prompt=PROMPT, routing_trace=TRACE, device=device)
-            kw = dict(tokens=tokens, prompt=P, compute=cps[d], workers=m["reader_workers"], record=False)
+            kw = dict(tokens=tokens, prompt=P, compute=cps[d], workers=m["reader_workers"], record=False, here=True)
             s = simulate(TRACE, d, budget, stored, **kw)
             floor = devices.Slowest(stored, now) if device else now
             s2 = simulate(TRACE, d, budget, floor, **kw)
@@ -255,7 +255,8 @@ def les_ladder(tokens, budget="0.1"):
                      "tokens_per_step": s["decode_steps"] / max(1, s["spec_steps"]),
                      "experts_read_per_token": s["experts_read"] / max(1, s["decode_steps"]),
                      "flash_wait_per_token_s": s["flash_wait_per_token_s"], "belady_tok_s": s["belady_tok_s"],
-                     "compute_profile": s["compute_profile"], "shape_note": s["shape_note"]})
+                     "compute_profile": s["compute_profile"], "shape_note": s["shape_note"],
+                     "calibration": s["calibration"]})
     base = rows[0]["tok_s"]
     for r, (name, paper) in zip(rows, LES_PAPER):
         r.update(speedup=r["tok_s"] / base, paper_rung=name, paper_tok_s=paper, paper_speedup=paper / LES_PAPER[0][1])
@@ -447,7 +448,9 @@ def markdown(res: dict, cmd: str) -> str:
               "Simulated three ways: (A) reads by the stored profile, compute by a profile of the design measured in "
               "two runs of its own on the same trace (never the run it predicts): every expert in memory for dense, router "
               "(its predictor inside) and other time, and budget 0.5 for what a read costs the compute thread (an issue, "
-              "taking it in and computing on its fresh bytes: the streamer's own timers); (B) reads "
+              "taking it in and computing on its fresh bytes: the streamer's own timers, or all its compute thread "
+              "spends beyond the resident run's per read besides issues, if more), its reads floored at what that run's "
+              "reads took (the readers' stamps: a reader's start after a submit, a read's service; read_floor); (B) reads "
               "floored at this machine's reads through the engine's reader now, same compute; (C) as B, with the compute, "
               "router and other time of the measured run itself, so only the flash model (reads, waits, overlap) is "
               "predicted.", "",

@@ -1,8 +1,10 @@
-"""Calibration: the simulator as a user runs it (A: each design's compute profile measured in runs of its own,
-reads by the device's stored profile) against measured runs of the same designs on this machine, per design,
-budget and device, arms alternating within each round; medians with min-max and the load average.
+"""Calibration, stored and labelled: the simulator as a user runs it (A: each design's compute profile measured in
+runs of its own, reads by the device's stored profile) against measured runs of the same designs on this machine,
+per design, budget and device, arms alternating within each round; medians with min-max and the load average.
 
     python -m workbench simulate --calibrate [--budgets 0.1,0.25,0.5] [--device this-machine,ufs22-phone]
+
+(the runs: experiments.calibrate).
 
 The result is stored in the profiles cache ($WORKBENCH_CACHE/profiles/calibration.json), keyed by this machine;
 a simulated number of a run here (simulate --here: this machine's flash or the device emulated on it) is labelled
@@ -11,12 +13,9 @@ a simulated number of a run here (simulate --here: this machine's flash or the d
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 from workbench.atomic import atomic_write
@@ -43,91 +42,6 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     return f"{platform.node()} · {cpu} · {os.cpu_count()} cores"
-
-
-def _med(xs: list) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
-
-
-def calibrate(designs=DESIGNS, budgets=BUDGETS, devices=DEVICES, rounds: int = 3, tokens: int = 32,
-              trace=TRACE, model: str = "demo", log=print) -> dict:
-    """Measured (bench --routing-trace) vs simulated A for each design x budget x device (resident: at all, once a
-    round); each round measures each design's compute profile once (measure_compute: runs of its own, never the
-    runs it predicts) and the compute thread's wake-up with this machine's reads (probe_reader), and alternates the
-    arms' order from round to round."""
-    from experiments.bench import bench
-    from experiments.compute_profile import measure_compute
-    from experiments.simulate import run as simulate
-    from experiments.traces import read_trace
-    from workbench import devices as D, disk_probe
-    from workbench.io import slot_readers
-    from workbench.presets import get_preset
-    from workbench.registry import resolve_pack
-    from workbench.spec import MoESpec
-    if rounds < 1 or tokens < 2:
-        raise WorkbenchError(f"simulate --calibrate: --rounds {rounds} and --tokens {tokens}: at least 1 and 2")
-    from experiments.simulate import simulable
-    from workbench.presets import Budget
-    for dev in devices:
-        D.load(dev)
-    for d in designs:
-        simulable(get_preset(d))
-    for b in budgets:
-        Budget(b)
-    trace = str(trace)
-    spec = MoESpec.from_dict(read_trace(trace)["meta"]["spec"])
-    arms = [(dev, d, "all" if d == "resident" else b) for dev in devices for d in designs
-            for b in (("all",) if d == "resident" else budgets)]
-    got = {a: {"measured": [], "simulated": [], "simulated_no_floor": [], "hit_measured": [], "hit_simulated": []}
-           for a in arms}
-    profiles = {d: [] for d in designs}
-    load0, t0 = os.getloadavg(), time.time()
-    prompt = None
-    for r in range(rounds):
-        wake = disk_probe.probe_reader(resolve_pack(model, "contiguous", "q4", "q4"),
-                                       workers=slot_readers()).sources["wake_s"]
-        cps = {d: dataclasses.replace(measure_compute(model, spec, get_preset(d).storage.experts, preset=d,
-                                                      routing_trace=trace), wake_s=wake) for d in designs}
-        for d in designs:
-            profiles[d].append(dataclasses.asdict(cps[d]))
-        for dev, d, b in (arms if r % 2 == 0 else arms[::-1]):
-            m = bench(model, d, budget=b, tokens=tokens, prompt=PROMPT, routing_trace=trace,
-                      device=None if dev == "this-machine" else dev, record=False)
-            if prompt is None:
-                prompt = _prompt_tokens(model)
-            s = simulate(trace, d, b, dev, tokens=tokens, prompt=prompt, compute=cps[d],
-                         workers=m["reader_workers"], record=False, here=True)
-            s0 = simulate(trace, d, b, dev, tokens=tokens, prompt=prompt, record=False, workers=m["reader_workers"],
-                          compute=dataclasses.replace(cps[d], read_floor=None))      # the model before read_floor
-            for k, v in (("measured", m["tok_s"]), ("simulated", s["tok_s"]), ("simulated_no_floor", s0["tok_s"]),
-                         ("hit_measured", m["hit_rate"]),
-                         ("hit_simulated", s["hit_rate"])):
-                got[(dev, d, b)][k].append(v)
-            if log:
-                log(f"round {r + 1}/{rounds} {dev} {d} budget {b}: measured {m['tok_s']:.1f} tok/s, "
-                    f"SIMULATED (A) {s['tok_s']:.1f}")
-    rows = []
-    for dev, d, b in arms:
-        x = got[(dev, d, b)]
-        mm, ss = _med(x["measured"]), _med(x["simulated"])
-        s0 = _med(x["simulated_no_floor"])
-        rows.append({"device": dev, "design": d, "budget": b, "measured_tok_s": mm, "simulated_tok_s": ss,
-                     "a_over_measured": ss["median"] / mm["median"], "simulated_no_floor_tok_s": s0,
-                     "no_floor_over_measured": s0["median"] / mm["median"],
-                     "hit_measured": statistics.median(x["hit_measured"]),
-                     "hit_simulated": statistics.median(x["hit_simulated"])})
-    within = {dev: max(abs(r["a_over_measured"] - 1) for r in rows if r["device"] == dev) for dev in devices}
-    return {"machine": machine(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
-            "elapsed_s": time.time() - t0, "load_start": list(load0), "load_end": list(os.getloadavg()),
-            "trace": trace, "model": model, "tokens": tokens, "rounds": rounds, "designs": list(designs),
-            "budgets": list(budgets), "devices": list(devices), "rows": rows, "within": within,
-            "compute_profiles": profiles}
-
-
-def _prompt_tokens(model: str) -> int:
-    from workbench.registry import resolve_pack, tokenizer_for
-    from workbench.store.pack import Pack
-    return len(tokenizer_for(Pack(resolve_pack(model, "contiguous", "q4", "q4"))).encode(PROMPT).ids)
 
 
 def store(res: dict, where: Path | None = None) -> Path:
@@ -178,5 +92,7 @@ def table(res: dict) -> str:
                  f"{mr(r['simulated_tok_s'])} | {r['a_over_measured']:.2f} | {r['no_floor_over_measured']:.2f} | "
                  f"{r['hit_measured']:.3f} | "
                  f"{r['hit_simulated']:.3f} |")
-    L += [""] + [f"- {dev}: calibrated here (within {w * 100:.0f}%)" for dev, w in res["within"].items()]
+    L += [""] + [f"- not run: {x['design']} at budget {x['budget']} on {x['device']}: {x['why']}"
+                 for x in res.get("skipped", [])]
+    L += [f"- {dev}: calibrated here (within {w * 100:.0f}%)" for dev, w in res["within"].items()]
     return "\n".join(L)

@@ -199,8 +199,9 @@ def cmd_simulate(args):
 
 def _calibrate(args):
     from experiments import calibration as C
+    from experiments.calibrate import calibrate
     split = lambda v, default: tuple(x for x in (v or ",".join(default)).split(",") if x)
-    res = C.calibrate(designs=split(args.designs, C.DESIGNS), budgets=split(args.budgets, C.BUDGETS),
+    res = calibrate(designs=split(args.designs, C.DESIGNS), budgets=split(args.budgets, C.BUDGETS),
                       devices=split(args.device, C.DEVICES), rounds=args.rounds, tokens=args.tokens,
                       trace=args.trace or C.TRACE, model=args.model or "demo", log=None if args.json else print)
     res["stored"] = str(C.store(res))

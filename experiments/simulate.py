@@ -27,8 +27,15 @@ adjacent reads merged as Reader.submit merges them). What is modelled, mirroring
                   (where the trace's text continues with them) and the step's own token are produced
   prerouter       Edge0's heads, recorded in the trace, name the next token's experts (prefetched a token ahead)
 
+  runs here       (this-machine, or --here: the device emulated on this machine) every read takes at least what
+                  the reads of a streaming run of the engine took here (ComputeProfile.read_floor: a reader's start
+                  after a submit, a read's service, from the readers' own stamps), where the readers share the cores
+                  with the compute thread and whatever else runs; the result is labelled as simulate --calibrate
+                  found this machine (experiments/calibration.py), or "uncalibrated"
+
 Not modelled as events: CPU contention between the reader threads and the compute thread (the real run shares
-cores; the profile's costs of issuing and taking in reads, measured in a streaming run, carry its average),
+cores; the profile's costs of issuing and taking in reads and its read floor, measured in a streaming run, carry
+its average),
 page-cache effects (reads are O_DIRECT), Python scheduling jitter. The Belady bound replays the same accesses
 with optimal replacement and perfect foresight: its hit rate is the most any policy gets at that budget, and
 its tok/s assumes every miss read is hidden behind compute at the device's peak bandwidth.
