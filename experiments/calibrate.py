@@ -23,7 +23,9 @@ def calibrate(designs=DESIGNS, budgets=BUDGETS, devices=DEVICES, rounds: int = 3
     round); each round measures each design's compute profile once (measure_compute: runs of its own, never the
     runs it predicts) and the compute thread's wake-up with this machine's reads (probe_reader), and alternates the
     arms' order from round to round."""
-    from experiments.bench import bench
+    from experiments.bench import measure
+    from experiments.routing_trace import drive
+    from runtime.session import open_session
     from experiments.compute_profile import measure_compute
     from experiments.simulate import run as simulate
     from experiments.traces import read_trace
@@ -46,7 +48,8 @@ def calibrate(designs=DESIGNS, budgets=BUDGETS, devices=DEVICES, rounds: int = 3
     spec = MoESpec.from_dict(read_trace(trace)["meta"]["spec"])
     arms = [(dev, d, "all" if d == "resident" else b) for dev in devices for d in designs
             for b in (("all",) if d == "resident" else budgets)]
-    got = {a: {"measured": [], "simulated": [], "simulated_no_floor": [], "hit_measured": [], "hit_simulated": []}
+    got = {a: {"measured": [], "simulated": [], "simulated_no_floor": [], "typical": [], "hit_measured": [],
+               "hit_simulated": []}
            for a in arms}
     profiles = {d: [] for d in designs}
     load0, t0 = os.getloadavg(), time.time()
@@ -62,8 +65,11 @@ def calibrate(designs=DESIGNS, budgets=BUDGETS, devices=DEVICES, rounds: int = 3
             if (dev, d, b) in skipped:
                 continue
             try:
-                m = bench(model, d, budget=b, tokens=tokens, prompt=PROMPT, routing_trace=trace,
-                          device=None if dev == "this-machine" else dev, record=False)
+                with open_session(model, d, b, prompt=PROMPT, tokens=tokens, drive=drive(trace),
+                                  device=None if dev == "this-machine" else dev) as sess:     # as bench runs it
+                    m = measure(sess, PROMPT, tokens)
+                    m["typical_tok_s"] = 1 / statistics.median(t.wall_s for t in sess.tel.tokens
+                                                               if t.phase == "decode")
             except WorkbenchError as e:      # a budget the design cannot run at (per-layer pools below top-k)
                 if r or "below one layer's top-k" not in str(e):
                     raise
@@ -76,6 +82,7 @@ def calibrate(designs=DESIGNS, budgets=BUDGETS, devices=DEVICES, rounds: int = 3
             s0 = simulate(trace, d, b, dev, tokens=tokens, prompt=prompt, record=False, workers=m["reader_workers"],
                           compute=dataclasses.replace(cps[d], read_floor=None))      # the model before read_floor
             for k, v in (("measured", m["tok_s"]), ("simulated", s["tok_s"]), ("simulated_no_floor", s0["tok_s"]),
+                         ("typical", m["typical_tok_s"]),
                          ("hit_measured", m["hit_rate"]),
                          ("hit_simulated", s["hit_rate"])):
                 got[(dev, d, b)][k].append(v)
@@ -89,7 +96,8 @@ def calibrate(designs=DESIGNS, budgets=BUDGETS, devices=DEVICES, rounds: int = 3
         s0 = _med(x["simulated_no_floor"])
         rows.append({"device": dev, "design": d, "budget": b, "measured_tok_s": mm, "simulated_tok_s": ss,
                      "a_over_measured": ss["median"] / mm["median"], "simulated_no_floor_tok_s": s0,
-                     "no_floor_over_measured": s0["median"] / mm["median"],
+                     "no_floor_over_measured": s0["median"] / mm["median"], "typical_tok_s": _med(x["typical"]),
+                     "a_over_typical": ss["median"] / statistics.median(x["typical"]),
                      "hit_measured": statistics.median(x["hit_measured"]),
                      "hit_simulated": statistics.median(x["hit_simulated"])})
     within = {dev: max(abs(r["a_over_measured"] - 1) for r in rows if r["device"] == dev) for dev in devices

@@ -84,12 +84,13 @@ def table(res: dict) -> str:
          f"load average {res['load_start'][0]:.1f} at the start, {res['load_end'][0]:.1f} at the end); "
          f"median (min-max)", "",
          "| device | design | budget | measured tok/s | A: SIMULATED tok/s | A / measured | A without read_floor / "
-         "measured | hit measured | hit simulated |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+         "measured | measured, typical token: tok/s | A / typical | hit measured | hit simulated |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     mr = lambda v: f"{v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})"
     for r in res["rows"]:
         L.append(f"| {r['device']} | {r['design']} | {r['budget']} | {mr(r['measured_tok_s'])} | "
                  f"{mr(r['simulated_tok_s'])} | {r['a_over_measured']:.2f} | {r['no_floor_over_measured']:.2f} | "
+                 f"{mr(r['typical_tok_s'])} | {r['a_over_typical']:.2f} | "
                  f"{r['hit_measured']:.3f} | "
                  f"{r['hit_simulated']:.3f} |")
     L += [""] + [f"- not run: {x['design']} at budget {x['budget']} on {x['device']}: {x['why']}"

@@ -75,7 +75,10 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                 s.generate([1, 2, 3, 4], tokens=4)      # after it needs none, and would find the same experts cached)
                 s.reset_telemetry()
                 s.generate([1, 2, 3, 4], tokens=tokens)
-            else:
+            else:                   # warmed up and started cold, as bench measures: first reads into fresh
+                s.generate([5, 6, 7, 8], tokens=4)      # buffers and first kernel calls are not a decode's
+                s.reset_telemetry()
+                s.cold_start()
                 with _timed_reads(s.reader) as reads:
                     s.generate([1, 2, 3, 4], tokens=tokens)
                 workers = s.reader.workers
@@ -85,11 +88,17 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                 row = _row_cost(s)
             measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
     dec, evs = runs["all"]
-    nl, steps = len(measured_model.moe_layers), max(1, len(dec))
-    dense = (sum(t.compute_s for t in dec) - sum(e.compute_s for e in evs)) / steps / nl
-    router = sum(e.router_s for e in evs) / max(1, len(evs))
-    other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
-    expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
+    nl = len(measured_model.moe_layers)
+    # medians over the tokens: on a shared machine a stall (another process taking the core) lands in one token
+    per_token = {}
+    for e in evs:
+        per_token.setdefault(e.token, []).append(e)
+    at = lambda t: per_token.get(t.token, [])
+    dense = statistics.median((t.compute_s - sum(e.compute_s for e in at(t))) / nl for t in dec)
+    router = statistics.median(e.router_s for e in evs)
+    other = statistics.median(t.other_s + t.flash_wait_s + t.dequant_s for t in dec)
+    expert_measured = statistics.median(sum(e.compute_s for e in at(t)) / max(1, sum(len(e.routed) for e in at(t)))
+                                        for t in dec)
     issue_call, issue, land = _read_costs(evs, runs[stream_budget][1], expert_measured)
     land = max(land, _per_read_rest(dec, *runs[stream_budget], issue_call, issue))
     rng = np.random.default_rng(0)
@@ -174,8 +183,8 @@ class _timed_reads:
 def _read_floor(reads: _timed_reads | None, workers: int) -> dict | None:
     """What a read takes on this machine in a streaming run of the engine (its readers and compute thread sharing
     the cores with each other and whatever else runs): a latency (the median wait from a submit to its first read
-    starting, a reader's wake-up, plus the median read past its bytes at the median read's rate) and the rate of
-    the median read, as DeviceProfile fields; the simulator floors the device's reads at it. None: no reads."""
+    starting: a reader's wake-up, which the simulator charges to a read that finds its reader idle) and the median
+    read's rate, as DeviceProfile fields; the simulator floors the device's reads at that rate. None: no reads."""
     firsts = [min(t for _, t, _ in fs) - t0 for t0, fs in reads.calls if fs] if reads else []
     served = [(n, (t1 - t) / 1e9) for _, fs in (reads.calls if reads else []) for n, t, t1 in fs if t1 > t]
     if not firsts or not served:
@@ -321,17 +330,26 @@ def _read_costs(resident_events, stream_events, expert_s: float) -> tuple[float,
 
 
 def _per_read_rest(resident_tokens, stream_tokens, stream_events, issue_call: float, issue: float) -> float:
-    """Per expert read taken in, everything the streaming run's compute thread spends beyond the resident run's per
+    """Per expert read taken in, what the streaming run's compute thread spends beyond the resident run's typical
     token (flash waits aside) that its issues do not explain: taking reads in, computing on fresh bytes, and the
     CPU the reader threads take from it where they share its cores (their syscalls and crc checks, their wake-ups),
-    which show as slower dense, router and other time, not in the streamer's timers."""
-    busy = lambda toks: statistics.median(t.compute_s + t.router_s + t.other_s for t in toks)   # a stall: one token
-    taken = sum(e.taken for e in stream_events)
-    if not taken or not stream_tokens or not resident_tokens:
+    which show as slower dense, router and other time, not in the streamer's timers. The median over the tokens
+    that took reads in of each one's excess per read: a stall lands in one token."""
+    if not resident_tokens:
         return 0.0
-    per_token = len(stream_tokens)
-    issued = (issue_call * sum(e.issues for e in stream_events) + issue * sum(e.issued for e in stream_events)) / per_token
-    return max(0.0, (busy(stream_tokens) - busy(resident_tokens) - issued) * per_token / taken)
+    busy = lambda t: t.compute_s + t.router_s + t.other_s
+    base = statistics.median(busy(t) for t in resident_tokens)
+    per_token: dict = {}
+    for e in stream_events:
+        per_token.setdefault(e.token, []).append(e)
+    rest = []
+    for t in stream_tokens:
+        evs = per_token.get(t.token, [])
+        taken = sum(e.taken for e in evs)
+        if taken:
+            issued = sum(issue_call * e.issues + issue * e.issued for e in evs)
+            rest.append((busy(t) - base - issued) / taken)
+    return max(0.0, statistics.median(rest)) if rest else 0.0
 
 
 def load_compute(path) -> ComputeProfile:

@@ -111,8 +111,10 @@ class _Read:
 class _Pool:
     """A FIFO pool of reader threads on the virtual clock."""
 
-    def __init__(self, workers: int, device: DeviceProfile, dequant_s: float, split: bool = True):
+    def __init__(self, workers: int, device: DeviceProfile, dequant_s: float, split: bool = True,
+                 wake_s: float = 0.0):
         self.workers = workers
+        self.wake_s = wake_s                 # a reader idle when a read comes starts it this much later (its wake-up)
         self.free = [0.0] * workers          # when each worker is next free (a heap)
         self.busy: list[tuple[float, float]] = []    # (start, end) of reads, for the depth a new read sees
         self.device, self.dequant_s = device, dequant_s
@@ -126,7 +128,8 @@ class _Pool:
             end = 0.0
             pieces = split_sizes(nbytes, self.workers) if self.split else [nbytes]
             for i, piece in enumerate(pieces):          # the last piece's worker does the read's dequants
-                start = max(t, heapq.heappop(self.free))
+                free = heapq.heappop(self.free)
+                start = max(t, free) + (self.wake_s if free <= t else 0.0)
                 depth = 1 + sum(1 for s, e in self.busy if s <= start < e)
                 done = start + self.device.read_s(piece, depth)
                 self.busy.append((start, done))
@@ -199,7 +202,8 @@ class _Simulation:
     ahead, look up, issue, compute, wait (simulate_run)."""
 
     def __init__(self, drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
-                 workers: int, plan: ReadPlan | None, shared_cpu: bool, switch_s: float | None, split: bool):
+                 workers: int, plan: ReadPlan | None, shared_cpu: bool, switch_s: float | None, split: bool,
+                 reader_wake_s: float = 0.0):
         self.drive, self.spec, self.preset, self.compute = drive, spec, preset, compute
         self.plan = plan or read_plan(spec, preset.storage.layout.value, preset.storage.experts)
         item, n_experts = expert_bytes(compute.engine, spec, preset.storage), spec.num_experts * len(spec.moe_layers)
@@ -214,7 +218,7 @@ class _Simulation:
         if switch_s is None:
             switch_s = sys.getswitchinterval() if shared_cpu and not self.busy else 0.0
         self.clock = _Clock(switch_s)
-        self.pool = _Pool(workers, device, compute.dequant_s, split)
+        self.pool = _Pool(workers, device, compute.dequant_s, split, reader_wake_s)
         self.fill(item * n_experts)
         self.pos = _Position()
         self.predictor = drive.predictor()
@@ -444,7 +448,8 @@ class _Simulation:
 
 def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
                  tokens: int, prompt: int = 4, workers: int = 1, plan: ReadPlan | None = None,
-                 shared_cpu: bool = True, switch_s: float | None = None, split: bool = True) -> dict:
+                 shared_cpu: bool = True, switch_s: float | None = None, split: bool = True,
+                 reader_wake_s: float = 0.0) -> dict:
     """Prefill `prompt` trace rows (reads only, untimed), then decode `tokens - 1` steps on the virtual clock,
     as `bench` measures: tok_s counts decode steps only. shared_cpu: the numpy engine's dequant (reader threads)
     and compute (its own thread) hold one GIL: a dequant that starts while the compute thread works delays that
@@ -452,7 +457,8 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     time (compute.dequant_busy_s); without a measured contended time, a read that ends while the compute thread
     works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore). split: a large read goes to
     several readers in pieces (workbench.io.split_sizes), as reads into slots do; the numpy engine's reads do not."""
-    sim = _Simulation(drive, spec, preset, budget, device, compute, workers, plan, shared_cpu, switch_s, split)
+    sim = _Simulation(drive, spec, preset, budget, device, compute, workers, plan, shared_cpu, switch_s, split,
+                      reader_wake_s)
     at_decode = sim.prefill(prompt)
     t_decode = sim.clock.now
     steps, n_spec = max(0, tokens - 1), preset.execution.speculative
@@ -564,14 +570,17 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts, preset=p,
                                          routing_trace=str(trace_path) if own else None, engine=engine)
     here = dev.name == "this-machine" if here is None else here
-    if here and compute.read_floor:
-        dev = devices.Slowest(dev, devices.DeviceProfile("this-machine-busy", "this machine's readers while the "
-                                                         "engine computes (the compute profile's read_floor)",
-                                                         **compute.read_floor))
+    wake = 0.0
+    if here and compute.read_floor:     # a read's service here at the least; an idle reader's wake-up before it
+        fl = dict(compute.read_floor)
+        wake = fl.pop("latency_s")
+        dev = devices.Slowest(dev, devices.DeviceProfile("this-machine-streaming", "this machine's readers in a "
+                                                         "streaming run (the compute profile's read_floor)",
+                                                         latency_s=0.0, **fl))
     workers = workers or dev.queue_depth
     plan = read_plan(spec, p.storage.layout.value, p.storage.experts)
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
-                       shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil)
+                       shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil, reader_wake_s=wake)
     bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"), engine=compute.engine)
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)

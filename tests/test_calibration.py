@@ -90,19 +90,25 @@ def test_read_floor_and_per_read_rest_come_from_the_streaming_runs_own_stamps():
 
     @dataclasses.dataclass
     class Tok:
+        token: int
         compute_s: float
         router_s: float = 0.0
         other_s: float = 0.0
 
     @dataclasses.dataclass
     class Ev:
+        token: int
         taken: int
         issues: int = 1
         issued: int = 2
-    resident, stream = [Tok(1.0e-3)] * 3, [Tok(1.5e-3), Tok(1.6e-3), Tok(9.0)]     # a stall: one token, not the median
-    # 0.6 ms a token more, 0.1 ms of it issues (1 of 20 us + 2 of 40 us a token), over 2 reads taken a token
-    got = _per_read_rest(resident, stream, [Ev(2)] * 3, issue_call=20e-6, issue=40e-6)
-    assert got == pytest.approx((0.6e-3 - 0.1e-3) / 2)
+    resident = [Tok(i, 1.0e-3) for i in range(3)]
+    stream = [Tok(0, 1.5e-3), Tok(1, 1.6e-3), Tok(2, 9.0), Tok(3, 1.2e-3)]     # token 2: a stall; token 3: no reads
+    events = [Ev(0, 2), Ev(1, 2), Ev(2, 2), Ev(3, 0, 0, 0)]
+    # beyond the resident token's 1 ms, less 0.1 ms of issues (1 of 20 us + 2 of 40 us), per read: 0.2, 0.25 ms
+    # and the stall's; the median of the three
+    got = _per_read_rest(resident, stream, events, issue_call=20e-6, issue=40e-6)
+    assert got == pytest.approx((1.6e-3 - 1.0e-3 - 0.1e-3) / 2)
+    assert _per_read_rest([], stream, events, 20e-6, 40e-6) == 0.0
 
 
 def test_calibrate_command_reports_a_over_measured_per_design_budget_and_device(where, capsys):
