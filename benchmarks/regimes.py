@@ -440,7 +440,10 @@ def markdown(res: dict, cmd: str) -> str:
     L = ["# The papers' regime: calibration and ladders", "",
          f"`{cmd}` ({res['when']}, load average at start {res['load']}). 2 cores (above about 1, other jobs "
          "shared them and every timing below is under that load); emulated numbers are this machine's "
-         "reads slowed to a device profile (`data/devices/`), simulated numbers come from `simulate` (no model run).", ""]
+         "reads slowed to a device profile (`data/devices/`), simulated numbers come from `simulate` (no model run).", "",
+         "The simulator across budgets 0.1, 0.25 and 0.5 on both devices, as a user calibrates it "
+         "(`python -m workbench simulate --calibrate`), and what its model of this machine's reads is: "
+         "[calibration.md](calibration.md).", ""]
     for cal in res.get("calibrate", []):
         L += [f"## Calibration: simulated vs measured, {'EMULATED ' if cal['emulated'] else ''}{cal['device']}", "",
               f"Demo model driven by the demo trace, budget 0.25 (resident: all), {cal['tokens']} tokens, "
