@@ -182,16 +182,28 @@ class _timed_reads:
 
 def _read_floor(reads: _timed_reads | None, workers: int) -> dict | None:
     """What a read takes on this machine in a streaming run of the engine (its readers and compute thread sharing
-    the cores with each other and whatever else runs): a latency (the median wait from a submit to its first read
-    starting: a reader's wake-up, which the simulator charges to a read that finds its reader idle) and the median
-    read's rate, as DeviceProfile fields; the simulator floors the device's reads at that rate. None: no reads."""
+    the cores with each other and whatever else runs), as DeviceProfile fields: a latency (the median wait from a
+    submit to its first read starting: a reader's wake-up, which the simulator charges to a read that finds its
+    reader idle), the median rate of a read that ran alone (read_bw) and the rate the readers shared when reads
+    overlapped (peak_bw: `workers` x the median rate of those); the simulator floors the device's reads at them.
+    Experts read in one preadv share its stamps and count as one read. None: no reads."""
     firsts = [min(t for _, t, _ in fs) - t0 for t0, fs in reads.calls if fs] if reads else []
-    served = [(n, (t1 - t) / 1e9) for _, fs in (reads.calls if reads else []) for n, t, t1 in fs if t1 > t]
-    if not firsts or not served:
+    merged: dict = {}           # experts read in one preadv (adjacent in the pack) share its stamps: one read
+    for i, (_, fs) in enumerate(reads.calls if reads else []):
+        for n, t, t1 in fs:
+            if t1 > t:
+                merged[(i, t, t1)] = merged.get((i, t, t1), 0) + n
+    spans = sorted((t, t1, n) for (_, t, t1), n in merged.items())
+    if not firsts or not spans:
         return None
-    size, took = statistics.median(n for n, _ in served), statistics.median(s for _, s in served)
-    bw = size / took                          # the median read's rate; its latency counted in the wake below
-    return {"latency_s": max(0.0, statistics.median(firsts) / 1e9), "read_bw": bw, "peak_bw": bw * max(1, workers),
+    alone, shared, reach = [], [], -1
+    for i, (t, t1, n) in enumerate(spans):      # overlapping one before it (reach) or one after it
+        rate = n / ((t1 - t) / 1e9)
+        (shared if reach > t or (i + 1 < len(spans) and spans[i + 1][0] < t1) else alone).append(rate)
+        reach = max(reach, t1)
+    bw = statistics.median(alone or shared)
+    peak = max(bw, max(1, workers) * statistics.median(shared)) if shared else bw * max(1, workers)
+    return {"latency_s": max(0.0, statistics.median(firsts) / 1e9), "read_bw": bw, "peak_bw": peak,
             "queue_depth": max(1, workers)}
 
 

@@ -79,13 +79,16 @@ def test_reads_here_take_at_least_the_compute_profiles_read_floor():
 
 
 def test_read_floor_and_per_read_rest_come_from_the_streaming_runs_own_stamps():
-    class Reads:       # two submits: (submitted ns, [(bytes, started ns, landed ns)])
-        calls = [(0, [(40_000, 100_000, 300_000), (40_000, 300_000, 500_000)]),
-                 (1_000_000, [(80_000, 1_300_000, 1_700_000)])]
+    class Reads:       # submits: (submitted ns, [(bytes, started ns, landed ns)])
+        calls = [(0, [(40_000, 100_000, 300_000), (40_000, 300_000, 500_000)]),    # one after the other: alone
+                 (1_000_000, [(80_000, 1_300_000, 1_700_000)]),
+                 (2_000_000, [(40_000, 2_100_000, 2_300_000)] * 2),                   # one preadv of two experts
+                 (4_000_000, [(40_000, 4_100_000, 4_200_000), (40_000, 4_150_000, 4_250_000)])]   # overlapping
     fl = _read_floor(Reads(), workers=2)
-    assert fl["latency_s"] == pytest.approx(200e-6)                # median of the submits' first waits: 100, 300 us
-    assert fl["read_bw"] == pytest.approx(40_000 / 200e-6)         # the median read: 40 kB in 200 us
-    assert fl["peak_bw"] == 2 * fl["read_bw"] and fl["queue_depth"] == 2
+    assert fl["latency_s"] == pytest.approx(100e-6)                # median of the submits' first waits
+    assert fl["read_bw"] == pytest.approx(2e8)                     # alone: 200, 200, 200 MB/s, and 80 kB in 200 us
+    assert fl["peak_bw"] == pytest.approx(2 * 4e8)                 # overlapping: 400 MB/s each, 2 readers
+    assert fl["queue_depth"] == 2
     assert _read_floor(None, 2) is None
 
     @dataclasses.dataclass
