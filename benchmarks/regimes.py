@@ -81,8 +81,13 @@ def reading(res: dict) -> str:
   (its read settled, its crc compared, the cache entry made its slot) and computing on its freshly read bytes
   rather than bytes long in memory (`land_s`); the simulator charges each as its reads happen. Without these A
   predicted the streaming designs 1.27-1.59x faster than they ran (the last results here, before this profile).
-  Not modelled: the OS run queue (reader threads, which share the two cores with the compute thread, and other
-  engineers' processes taking its core), which in-situ reads, timed with the readers alone, do not see.""")
+  The OS run queue (reader threads, which share the two cores with the compute thread, and other engineers'
+  processes taking its core), which in-situ reads, timed with the readers alone, do not see, enters A through the
+  same streaming run: its reads as the readers' stamps timed them (an idle reader's wake-up, the rate of a read
+  alone and of reads together: `read_floor`) floor every read of a run predicted here, and what its compute
+  thread spends beyond the resident run's per read, past its issues, is charged per read taken in (`land_s`);
+  compute profiles are medians over tokens (calibration.md). Not modelled: other processes' stalls of the
+  compute thread, which move bench's tok/s of a short run and not its typical token.""")
     if "les" in res:
         rows = res["les"]["rows"]
         steps = [(b["rung"], b["tok_s"] / a["tok_s"]) for a, b in zip(rows, rows[1:])]
