@@ -38,9 +38,9 @@ class ComputeProfile:
                               # besides its issues: the readers' CPU on shared cores included (_per_read_rest)
     row_s: float | None = None    # per MoE layer, dense + router time of each row of a batch after the first
                                   # (speculative verification); None: each row costs what one token does
-    read_floor: dict | None = None  # this machine's reads through the engine's readers while its kernel computes
-                                    # (DeviceProfile's latency_s, read_bw, peak_bw, queue_depth): what reads take here
-                                    # at the least, the readers' wake-ups and transfers waiting for a shared core
+    read_floor: dict | None = None  # this machine's reads as its readers served them in the streaming run
+                                    # (DeviceProfile's latency_s: an idle reader's wake-up, read_bw, peak_bw,
+                                    # queue_depth): what reads take here at the least (_read_floor)
     engine: str = "numpy"     # the engine measured: what an expert costs in its cache (engines.expert_bytes), so what
                               # a byte budget buys (the packed engine's slots of packed bytes, numpy's f32 experts)
     source: str = ""
@@ -128,16 +128,16 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
         router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
                                                                                   measured_model.hidden_size)
     from workbench import slot_reads
-    return ComputeProfile(read_floor=_read_floor(reads, workers), dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
-                          issue_call_s=issue_call, land_s=land, row_s=row,
+    return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
+                          issue_call_s=issue_call, land_s=land, row_s=row, read_floor=_read_floor(reads, workers),
                           reader_holds_gil=not (packed and slot_reads.AVAILABLE), engine=name,
                           dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
                               np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
                                  f"loaded), {name} engine: {model} as {p.name}{' (routing trace)' if routing_trace else ''} with "
-                                 f"every expert in memory for dense/router/other, at budget {stream_budget} for "
-                                 f"issues and reads taken in (the streamer's timers, {p.storage.layout.value} "
-                                 f"layout); expert and {experts} "
+                                 f"every expert in memory for dense/router/other (medians over tokens), at budget "
+                                 f"{stream_budget} for issues, reads taken in (the streamer's timers, "
+                                 f"{p.storage.layout.value} layout) and the reads' floor (the readers' stamps); expert and {experts} "
                                  f"{'crc check' if packed else 'dequant'} at d={d}, ff={ff} with the engine's kernels")
 
 
@@ -177,7 +177,8 @@ class _timed_reads:
 
     def __exit__(self, *exc):
         del self.reader.submit_into             # the class's method again
-        self.calls = [(t0, [(n, f.t_start, f.t_end) for n, f in fs if getattr(f, "t_end", 0)]) for t0, fs in self.calls]
+        self.calls = [(t0, [(n, f.t_start, f.t_end) for n, f in fs if getattr(f, "t_end", 0)])
+                      for t0, fs in self.calls]
 
 
 def _read_floor(reads: _timed_reads | None, workers: int) -> dict | None:
