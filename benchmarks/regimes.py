@@ -81,8 +81,13 @@ def reading(res: dict) -> str:
   (its read settled, its crc compared, the cache entry made its slot) and computing on its freshly read bytes
   rather than bytes long in memory (`land_s`); the simulator charges each as its reads happen. Without these A
   predicted the streaming designs 1.27-1.59x faster than they ran (the last results here, before this profile).
-  Not modelled: the OS run queue (reader threads, which share the two cores with the compute thread, and other
-  engineers' processes taking its core), which in-situ reads, timed with the readers alone, do not see.""")
+  The OS run queue (reader threads, which share the two cores with the compute thread, and other engineers'
+  processes taking its core), which in-situ reads, timed with the readers alone, do not see, enters A through the
+  same streaming run: its reads as the readers' stamps timed them (an idle reader's wake-up, the rate of a read
+  alone and of reads together: `read_floor`) floor every read of a run predicted here, and what its compute
+  thread spends beyond the resident run's per read, past its issues, is charged per read taken in (`land_s`);
+  compute profiles are medians over tokens (calibration.md). Not modelled: other processes' stalls of the
+  compute thread, which move bench's tok/s of a short run and not its typical token.""")
     if "les" in res:
         rows = res["les"]["rows"]
         steps = [(b["rung"], b["tok_s"] / a["tok_s"]) for a, b in zip(rows, rows[1:])]
@@ -215,7 +220,7 @@ def calibrate(rounds, tokens, device=None, log=print):
             profiles[d].append(dataclasses.asdict(cps[d]))
             budget = "all" if d == "resident" else "0.25"
             m = bench("demo", d, budget=budget, tokens=tokens, prompt=PROMPT, routing_trace=TRACE, device=device)
-            kw = dict(tokens=tokens, prompt=P, compute=cps[d], workers=m["reader_workers"], record=False)
+            kw = dict(tokens=tokens, prompt=P, compute=cps[d], workers=m["reader_workers"], record=False, here=True)
             s = simulate(TRACE, d, budget, stored, **kw)
             floor = devices.Slowest(stored, now) if device else now
             s2 = simulate(TRACE, d, budget, floor, **kw)
@@ -255,7 +260,8 @@ def les_ladder(tokens, budget="0.1"):
                      "tokens_per_step": s["decode_steps"] / max(1, s["spec_steps"]),
                      "experts_read_per_token": s["experts_read"] / max(1, s["decode_steps"]),
                      "flash_wait_per_token_s": s["flash_wait_per_token_s"], "belady_tok_s": s["belady_tok_s"],
-                     "compute_profile": s["compute_profile"], "shape_note": s["shape_note"]})
+                     "compute_profile": s["compute_profile"], "shape_note": s["shape_note"],
+                     "calibration": s["calibration"]})
     base = rows[0]["tok_s"]
     for r, (name, paper) in zip(rows, LES_PAPER):
         r.update(speedup=r["tok_s"] / base, paper_rung=name, paper_tok_s=paper, paper_speedup=paper / LES_PAPER[0][1])
@@ -439,7 +445,10 @@ def markdown(res: dict, cmd: str) -> str:
     L = ["# The papers' regime: calibration and ladders", "",
          f"`{cmd}` ({res['when']}, load average at start {res['load']}). 2 cores (above about 1, other jobs "
          "shared them and every timing below is under that load); emulated numbers are this machine's "
-         "reads slowed to a device profile (`data/devices/`), simulated numbers come from `simulate` (no model run).", ""]
+         "reads slowed to a device profile (`data/devices/`), simulated numbers come from `simulate` (no model run).", "",
+         "The simulator across budgets 0.1, 0.25 and 0.5 on both devices, as a user calibrates it "
+         "(`python -m workbench simulate --calibrate`), and what its model of this machine's reads is: "
+         "[calibration.md](calibration.md).", ""]
     for cal in res.get("calibrate", []):
         L += [f"## Calibration: simulated vs measured, {'EMULATED ' if cal['emulated'] else ''}{cal['device']}", "",
               f"Demo model driven by the demo trace, budget 0.25 (resident: all), {cal['tokens']} tokens, "
@@ -447,7 +456,9 @@ def markdown(res: dict, cmd: str) -> str:
               "Simulated three ways: (A) reads by the stored profile, compute by a profile of the design measured in "
               "two runs of its own on the same trace (never the run it predicts): every expert in memory for dense, router "
               "(its predictor inside) and other time, and budget 0.5 for what a read costs the compute thread (an issue, "
-              "taking it in and computing on its fresh bytes: the streamer's own timers); (B) reads "
+              "taking it in and computing on its fresh bytes: the streamer's own timers, or all its compute thread "
+              "spends beyond the resident run's per read besides issues, if more), its reads floored at what that run's "
+              "reads took (the readers' stamps: a reader's start after a submit, a read's service; read_floor); (B) reads "
               "floored at this machine's reads through the engine's reader now, same compute; (C) as B, with the compute, "
               "router and other time of the measured run itself, so only the flash model (reads, waits, overlap) is "
               "predicted.", "",

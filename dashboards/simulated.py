@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from experiments.calibration import UNCALIBRATED
 from workbench.errors import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,6 +19,12 @@ COMMAND = "python benchmarks/regimes.py --rounds 3 --tokens 32"   # --only les w
 COLUMNS = {"rung": "rung", "paper_rung": "paper's rung", "paper_tok_s": "paper tok/s", "paper_speedup": "paper ×",
            "tok_s": "SIMULATED tok/s", "speedup": "SIMULATED ×", "hit_rate": "SIMULATED hit rate",
            "belady_tok_s": "SIMULATED Belady tok/s"}
+
+
+def calibration(result: dict) -> str:
+    """A simulated result's label: "calibrated here (within X%)" as simulate found it (after simulate --calibrate on
+    this machine, for a run here), else "uncalibrated" (results made before the label, or not checkable here)."""
+    return result.get("calibration") or UNCALIBRATED
 
 
 def les_ladder(path=None) -> tuple[dict, pd.DataFrame] | None:
@@ -34,6 +41,7 @@ def les_ladder(path=None) -> tuple[dict, pd.DataFrame] | None:
         rows = pd.DataFrame([{v: r.get(k) for k, v in COLUMNS.items()} for r in les["rows"]], columns=list(COLUMNS.values()))
         settings = {k: les[k] for k in ("device", "shape", "budget", "tokens")}
         settings["shape_note"] = les["rows"][0].get("shape_note", "") if les["rows"] else ""
+        settings["calibration"] = calibration(les["rows"][0] if les["rows"] else {})
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise WorkbenchError(f"{path}: not a regimes result with an LES ladder ({type(e).__name__}: {e})") from None
     return {**settings, "when": res.get("when", "?")}, rows

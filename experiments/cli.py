@@ -153,9 +153,10 @@ def cmd_replay(args):
 
 
 def _simulate_flags(p):
-    p.add_argument("--trace", required=True)
+    p.add_argument("--trace", default=None, help="the routing trace to replay (--calibrate: default the demo's)")
     flags("preset", "budget", "device", "tokens", "engine", "model", preset="les",
-          device={"default": "this-machine", "help": "the device profile that times the reads"},
+          device={"help": "the device profile that times the reads (default: this-machine; --calibrate: "
+                          "this-machine,ufs22-phone, emulated in the measured runs)"},
           engine={"help": "the engine whose compute is measured, and whose expert cache the budget sizes (default: "
                           "packed: engines.default_engine; a --compute profile names its own)"},
           model={"default": None, "help": "measure the compute profile on this model (default: the trace's)"})(p)
@@ -166,19 +167,45 @@ def _simulate_flags(p):
     p.add_argument("--predictor", default=None, help="prefetch with this recorded predictor instead of the preset's "
                                                     "(e.g. prerouter, where the trace recorded Edge0's heads)")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--here", action="store_true",
+                   help="predict the run on this machine with the device emulated (as bench --device measures it), "
+                        "reads at least this machine's: what simulate --calibrate checks (this-machine: always)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's compute profiles and runs of each design against the simulator "
+                        "(A / measured per design, budget and device), stored in the profiles cache: simulated "
+                        "numbers are then labelled calibrated here (within X%%)")
+    p.add_argument("--designs", default=None, help="--calibrate: the designs (default: on_demand,les,smol,oracle,"
+                                                   "resident)")
+    p.add_argument("--budgets", default="0.1,0.25,0.5", help="--calibrate: the budgets (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="--calibrate: alternating rounds (default: %(default)s)")
 
 
 @command("simulate", "a design over a routing trace on a virtual clock (no model run); marked simulated", _simulate_flags)
 def cmd_simulate(args):
     from experiments.compute_profile import load_compute
     from experiments.simulate import run
-    res = run(args.trace, args.preset, args.budget, args.device, shape=args.shape, tokens=args.tokens,
+    if args.calibrate:
+        return _calibrate(args)
+    if not args.trace:
+        raise WorkbenchError("simulate: --trace FILE is needed (or --calibrate)")
+    res = run(args.trace, args.preset, args.budget, args.device or "this-machine", shape=args.shape, tokens=args.tokens,
               prompt=args.prompt_tokens, compute=load_compute(args.compute) if args.compute else None,
               workers=args.workers, model=args.model, record=not args.no_record, predictor=args.predictor,
-              engine=args.engine)
+              engine=args.engine, here=args.here or None)
     emit(args, res, f"SIMULATED {res['preset']} on {res['device']['label']} ({res['shape_note']}): "
                     f"{res['tok_s']:.2f} tok/s, hit {res['hit_rate']:.3f}; Belady bound: hit {res['belady_hit_rate']:.3f}, "
-                    f"{res['belady_tok_s']:.2f} tok/s")
+                    f"{res['belady_tok_s']:.2f} tok/s; {res['calibration']}")
+
+
+def _calibrate(args):
+    from experiments import calibration as C
+    from experiments.calibrate import calibrate
+    split = lambda v, default: tuple(x for x in (v or ",".join(default)).split(",") if x)
+    res = calibrate(designs=split(args.designs, C.DESIGNS), budgets=split(args.budgets, C.BUDGETS),
+                      devices=split(args.device, C.DEVICES), rounds=args.rounds, tokens=args.tokens,
+                      trace=args.trace or C.TRACE, model=args.model or "demo", log=None if args.json else print)
+    res["stored"] = str(C.store(res))
+    emit(args, res, C.table(res) + f"\nstored in {res['stored']}")
 
 
 def _peer_flags(p):

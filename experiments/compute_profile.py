@@ -33,9 +33,14 @@ class ComputeProfile:
     wake_s: float = 0.0       # per blocking wait: from the read it waits for landing to the compute thread running
                               # again (its poll returning, the settle); probe_reader measures it
     land_s: float = 0.0       # per expert read, when the compute thread takes it in (its read settled, its crc
-                              # compared, the cache entry made the slot) and computes on its fresh bytes
+                              # compared, the cache entry made the slot) and computes on its fresh bytes, or (the
+                              # larger) all a streaming run's compute thread spends beyond a resident one's per read
+                              # besides its issues: the readers' CPU on shared cores included (_per_read_rest)
     row_s: float | None = None    # per MoE layer, dense + router time of each row of a batch after the first
                                   # (speculative verification); None: each row costs what one token does
+    read_floor: dict | None = None  # this machine's reads as its readers served them in the streaming run
+                                    # (DeviceProfile's latency_s: an idle reader's wake-up, read_bw, peak_bw,
+                                    # queue_depth): what reads take here at the least (_read_floor)
     engine: str = "numpy"     # the engine measured: what an expert costs in its cache (engines.expert_bytes), so what
                               # a byte budget buys (the packed engine's slots of packed bytes, numpy's f32 experts)
     source: str = ""
@@ -50,7 +55,9 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
       at `stream_budget`       what reading costs the compute thread, from the streamer's own timers: an issue (per
                                submit and per expert, fitted over the layers' issues), taking a landed read in (less
                                what a layer's look at its experts costs with every one in memory), and computing
-                               on bytes just read instead of bytes long in memory (per expert read)
+                               on bytes just read instead of bytes long in memory (per expert read); or, where
+                               larger, all the run's compute thread spends beyond the resident run's besides its
+                               issues, per expert read (the reader threads' CPU on cores it shares shows there)
     Expert compute and what a reader thread does per expert are then timed on this spec's expert shape with the
     engine's own kernels: the numpy engine's matmuls and codec (dequant), or the packed engine's compiled kernels on
     the encoded bytes, one call per layer's top-k, and the crc its readers check (`dequant_s` is then that check)."""
@@ -60,26 +67,40 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     from workbench.store import quant
     p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
     p = p.with_(experts=experts, speculative=0)     # a batch's rows: _row_cost
-    runs, row = {}, None
+    runs, row, reads, workers = {}, None, None, 1
     for budget in ("all", stream_budget):
         with open_session(model, p, budget, prompt=[1, 2, 3, 4], tokens=tokens, drive=drive(routing_trace),
                           engine=engine) as s:
             if budget == "all":     # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
                 s.generate([1, 2, 3, 4], tokens=4)      # after it needs none, and would find the same experts cached)
                 s.reset_telemetry()
-            s.generate([1, 2, 3, 4], tokens=tokens)
+                s.generate([1, 2, 3, 4], tokens=tokens)
+            else:                   # warmed up and started cold, as bench measures: first reads into fresh
+                s.generate([5, 6, 7, 8], tokens=4)      # buffers and first kernel calls are not a decode's
+                s.reset_telemetry()
+                s.cold_start()
+                with _timed_reads(s.reader) as reads:
+                    s.generate([1, 2, 3, 4], tokens=tokens)
+                workers = s.reader.workers
             runs[budget] = ([t for t in s.tel.tokens if t.phase == "decode"],
                             [e for e in s.tel.events if e.phase == "decode"])
             if budget == "all" and not routing_trace:
                 row = _row_cost(s)
             measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
     dec, evs = runs["all"]
-    nl, steps = len(measured_model.moe_layers), max(1, len(dec))
-    dense = (sum(t.compute_s for t in dec) - sum(e.compute_s for e in evs)) / steps / nl
-    router = sum(e.router_s for e in evs) / max(1, len(evs))
-    other = sum(t.other_s + t.flash_wait_s + t.dequant_s for t in dec) / steps
-    expert_measured = sum(e.compute_s for e in evs) / max(1, sum(len(e.routed) for e in evs))
+    nl = len(measured_model.moe_layers)
+    # medians over the tokens: on a shared machine a stall (another process taking the core) lands in one token
+    per_token = {}
+    for e in evs:
+        per_token.setdefault(e.token, []).append(e)
+    at = lambda t: per_token.get(t.token, [])
+    dense = statistics.median((t.compute_s - sum(e.compute_s for e in at(t))) / nl for t in dec)
+    router = statistics.median(e.router_s for e in evs)
+    other = statistics.median(t.other_s + t.flash_wait_s + t.dequant_s for t in dec)
+    expert_measured = statistics.median(sum(e.compute_s for e in at(t)) / max(1, sum(len(e.routed) for e in at(t)))
+                                        for t in dec)
     issue_call, issue, land = _read_costs(evs, runs[stream_budget][1], expert_measured)
+    land = max(land, _per_read_rest(dec, *runs[stream_budget], issue_call, issue))
     rng = np.random.default_rng(0)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
@@ -108,15 +129,15 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                                                                                   measured_model.hidden_size)
     from workbench import slot_reads
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
-                          issue_call_s=issue_call, land_s=land, row_s=row,
+                          issue_call_s=issue_call, land_s=land, row_s=row, read_floor=_read_floor(reads, workers),
                           reader_holds_gil=not (packed and slot_reads.runs_here()), engine=name,
                           dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
                               np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
                                  f"loaded), {name} engine: {model} as {p.name}{' (routing trace)' if routing_trace else ''} with "
-                                 f"every expert in memory for dense/router/other, at budget {stream_budget} for "
-                                 f"issues and reads taken in (the streamer's timers, {p.storage.layout.value} "
-                                 f"layout); expert and {experts} "
+                                 f"every expert in memory for dense/router/other (medians over tokens), at budget "
+                                 f"{stream_budget} for issues, reads taken in (the streamer's timers, "
+                                 f"{p.storage.layout.value} layout) and the reads' floor (the readers' stamps); expert and {experts} "
                                  f"{'crc check' if packed else 'dequant'} at d={d}, ff={ff} with the engine's kernels")
 
 
@@ -133,6 +154,58 @@ def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> Comp
                           engine=measured.engine,
                           other_s=res["other_s"] / n, issue_s=0.0, wake_s=measured.wake_s,
                           source="the measured run's own compute, router and other time (issue cost inside them)")
+
+
+class _timed_reads:
+    """The reads a session's reader serves meanwhile: (submitted ns, [(bytes, started ns, landed ns)] per submit),
+    from the readers' own stamps (SlotRead and Future t_start, t_end)."""
+
+    def __init__(self, reader):
+        self.reader, self.calls = reader, []
+
+    def __enter__(self):
+        submit = self.reader.submit_into
+
+        def timed(requests, priority=0, checks=None):
+            t0 = time.perf_counter_ns()
+            futs = submit(requests, priority, checks)
+            sizes = {k: sum(b.nbytes for _, b in parts) for k, parts in requests}
+            self.calls.append((t0, [(sizes[k], f) for k, f in futs.items()]))
+            return futs
+        self.reader.submit_into = timed
+        return self
+
+    def __exit__(self, *exc):
+        del self.reader.submit_into             # the class's method again
+        self.calls = [(t0, [(n, f.t_start, f.t_end) for n, f in fs if getattr(f, "t_end", 0)])
+                      for t0, fs in self.calls]
+
+
+def _read_floor(reads: _timed_reads | None, workers: int) -> dict | None:
+    """What a read takes on this machine in a streaming run of the engine (its readers and compute thread sharing
+    the cores with each other and whatever else runs), as DeviceProfile fields: a latency (the median wait from a
+    submit to its first read starting: a reader's wake-up, which the simulator charges to a read that finds its
+    reader idle), the median rate of a read that ran alone (read_bw) and the rate the readers shared when reads
+    overlapped (peak_bw: `workers` x the median rate of those); the simulator floors the device's reads at them.
+    Experts read in one preadv share its stamps and count as one read. None: no reads."""
+    firsts = [min(t for _, t, _ in fs) - t0 for t0, fs in reads.calls if fs] if reads else []
+    merged: dict = {}           # experts read in one preadv (adjacent in the pack) share its stamps: one read
+    for i, (_, fs) in enumerate(reads.calls if reads else []):
+        for n, t, t1 in fs:
+            if t1 > t:
+                merged[(i, t, t1)] = merged.get((i, t, t1), 0) + n
+    spans = sorted((t, t1, n) for (_, t, t1), n in merged.items())
+    if not firsts or not spans:
+        return None
+    alone, shared, reach = [], [], -1
+    for i, (t, t1, n) in enumerate(spans):      # overlapping one before it (reach) or one after it
+        rate = n / ((t1 - t) / 1e9)
+        (shared if reach > t or (i + 1 < len(spans) and spans[i + 1][0] < t1) else alone).append(rate)
+        reach = max(reach, t1)
+    bw = statistics.median(alone or shared)
+    peak = max(bw, max(1, workers) * statistics.median(shared)) if shared else bw * max(1, workers)
+    return {"latency_s": max(0.0, statistics.median(firsts) / 1e9), "read_bw": bw, "peak_bw": peak,
+            "queue_depth": max(1, workers)}
 
 
 def _dequant(enc, w, experts):
@@ -267,6 +340,29 @@ def _read_costs(resident_events, stream_events, expert_s: float) -> tuple[float,
     take = sum(e.take_s for e in stream_events) - look * len(stream_events)
     fresh = sum(e.compute_s for e in stream_events) - expert_s * sum(len(e.routed) for e in stream_events)
     return float(per_call), float(per_expert), max(0.0, (take + fresh) / taken) if taken else 0.0
+
+
+def _per_read_rest(resident_tokens, stream_tokens, stream_events, issue_call: float, issue: float) -> float:
+    """Per expert read taken in, what the streaming run's compute thread spends beyond the resident run's typical
+    token (flash waits aside) that its issues do not explain: taking reads in, computing on fresh bytes, and the
+    CPU the reader threads take from it where they share its cores (their syscalls and crc checks, their wake-ups),
+    which show as slower dense, router and other time, not in the streamer's timers. The median over the tokens
+    that took reads in of each one's excess per read: a stall lands in one token."""
+    if not resident_tokens:
+        return 0.0
+    busy = lambda t: t.compute_s + t.router_s + t.other_s
+    base = statistics.median(busy(t) for t in resident_tokens)
+    per_token: dict = {}
+    for e in stream_events:
+        per_token.setdefault(e.token, []).append(e)
+    rest = []
+    for t in stream_tokens:
+        evs = per_token.get(t.token, [])
+        taken = sum(e.taken for e in evs)
+        if taken:
+            issued = sum(issue_call * e.issues + issue * e.issued for e in evs)
+            rest.append((busy(t) - base - issued) / taken)
+    return max(0.0, statistics.median(rest)) if rest else 0.0
 
 
 def load_compute(path) -> ComputeProfile:

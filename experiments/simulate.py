@@ -27,8 +27,15 @@ adjacent reads merged as Reader.submit merges them). What is modelled, mirroring
                   (where the trace's text continues with them) and the step's own token are produced
   prerouter       Edge0's heads, recorded in the trace, name the next token's experts (prefetched a token ahead)
 
+  runs here       (this-machine, or --here: the device emulated on this machine) every read takes at least what
+                  the reads of a streaming run of the engine took here (ComputeProfile.read_floor: a reader's start
+                  after a submit, a read's service, from the readers' own stamps), where the readers share the cores
+                  with the compute thread and whatever else runs; the result is labelled as simulate --calibrate
+                  found this machine (experiments/calibration.py), or "uncalibrated"
+
 Not modelled as events: CPU contention between the reader threads and the compute thread (the real run shares
-cores; the profile's costs of issuing and taking in reads, measured in a streaming run, carry its average),
+cores; the profile's costs of issuing and taking in reads and its read floor, measured in a streaming run, carry
+its average),
 page-cache effects (reads are O_DIRECT), Python scheduling jitter. The Belady bound replays the same accesses
 with optimal replacement and perfect foresight: its hit rate is the most any policy gets at that budget, and
 its tok/s assumes every miss read is hidden behind compute at the device's peak bandwidth.
@@ -106,8 +113,10 @@ class _Read:
 class _Pool:
     """A FIFO pool of reader threads on the virtual clock."""
 
-    def __init__(self, workers: int, device: DeviceProfile, dequant_s: float, split: bool = True):
+    def __init__(self, workers: int, device: DeviceProfile, dequant_s: float, split: bool = True,
+                 wake_s: float = 0.0):
         self.workers = workers
+        self.wake_s = wake_s                 # a reader idle when a read comes starts it this much later (its wake-up)
         self.free = [0.0] * workers          # when each worker is next free (a heap)
         self.busy: list[tuple[float, float]] = []    # (start, end) of reads, for the depth a new read sees
         self.device, self.dequant_s = device, dequant_s
@@ -121,7 +130,8 @@ class _Pool:
             end = 0.0
             pieces = split_sizes(nbytes, self.workers) if self.split else [nbytes]
             for i, piece in enumerate(pieces):          # the last piece's worker does the read's dequants
-                start = max(t, heapq.heappop(self.free))
+                free = heapq.heappop(self.free)
+                start = max(t, free) + (self.wake_s if free <= t else 0.0)
                 depth = 1 + sum(1 for s, e in self.busy if s <= start < e)
                 done = start + self.device.read_s(piece, depth)
                 self.busy.append((start, done))
@@ -194,7 +204,8 @@ class _Simulation:
     ahead, look up, issue, compute, wait (simulate_run)."""
 
     def __init__(self, drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
-                 workers: int, plan: ReadPlan | None, shared_cpu: bool, switch_s: float | None, split: bool):
+                 workers: int, plan: ReadPlan | None, shared_cpu: bool, switch_s: float | None, split: bool,
+                 reader_wake_s: float = 0.0):
         self.drive, self.spec, self.preset, self.compute = drive, spec, preset, compute
         self.plan = plan or read_plan(spec, preset.storage.layout.value, experts_for(preset.storage.experts, compute.engine))
         item, n_experts = expert_bytes(compute.engine, spec, preset.storage), spec.num_experts * len(spec.moe_layers)
@@ -209,7 +220,7 @@ class _Simulation:
         if switch_s is None:
             switch_s = sys.getswitchinterval() if shared_cpu and not self.busy else 0.0
         self.clock = _Clock(switch_s)
-        self.pool = _Pool(workers, device, compute.dequant_s, split)
+        self.pool = _Pool(workers, device, compute.dequant_s, split, reader_wake_s)
         self.fill(item * n_experts)
         self.pos = _Position()
         self.predictor = drive.predictor()
@@ -439,7 +450,8 @@ class _Simulation:
 
 def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
                  tokens: int, prompt: int = 4, workers: int = 1, plan: ReadPlan | None = None,
-                 shared_cpu: bool = True, switch_s: float | None = None, split: bool = True) -> dict:
+                 shared_cpu: bool = True, switch_s: float | None = None, split: bool = True,
+                 reader_wake_s: float = 0.0) -> dict:
     """Prefill `prompt` trace rows (reads only, untimed), then decode `tokens - 1` steps on the virtual clock,
     as `bench` measures: tok_s counts decode steps only. shared_cpu: the numpy engine's dequant (reader threads)
     and compute (its own thread) hold one GIL: a dequant that starts while the compute thread works delays that
@@ -447,7 +459,8 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     time (compute.dequant_busy_s); without a measured contended time, a read that ends while the compute thread
     works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore). split: a large read goes to
     several readers in pieces (workbench.io.split_sizes), as reads into slots do; the numpy engine's reads do not."""
-    sim = _Simulation(drive, spec, preset, budget, device, compute, workers, plan, shared_cpu, switch_s, split)
+    sim = _Simulation(drive, spec, preset, budget, device, compute, workers, plan, shared_cpu, switch_s, split,
+                      reader_wake_s)
     at_decode = sim.prefill(prompt)
     t_decode = sim.clock.now
     steps, n_spec = max(0, tokens - 1), preset.execution.speculative
@@ -527,11 +540,14 @@ def simulable(p):
 def run(trace_path: str, preset, budget: str | None, device: str, shape: str | None = None,
         tokens: int = 64, prompt: int = 4, compute: ComputeProfile | None = None, workers: int | None = None,
         model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None,
-        predictor: str | None = None, engine: str | None = None) -> dict:
+        predictor: str | None = None, engine: str | None = None, here: bool | None = None) -> dict:
     """One design over a trace. The simulated model: `spec` if given, else the traced model at `shape`'s expert
     shape, else the traced model itself. preset: a name or a Preset (a ladder rung). rung: {ladder, rung,
     rung_index, model} for the run record, so the dashboard's ladders page shows a simulated ladder beside the rest.
-    engine: whose compute is measured (None: the default engine), unless `compute` is given: its engine's."""
+    engine: whose compute is measured (None: the default engine), unless `compute` is given: its engine's.
+    here: the run predicted is this machine's, on its own flash or the device emulated on it (as bench --device
+    measures): reads take at least what this machine's readers took in a streaming run (compute.read_floor), and
+    the result is labelled as simulate --calibrate found it here; None: only for this-machine."""
     from workbench import devices
     from workbench.presets import get_preset
     from experiments.routing_trace import TraceDrive
@@ -555,10 +571,18 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     own = model is None or model == meta.get("model")        # the traced model: measured on its own trace
     compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts, preset=p,
                                          routing_trace=str(trace_path) if own else None, engine=engine)
+    here = dev.name == "this-machine" if here is None else here
+    wake = 0.0
+    if here and compute.read_floor:     # a read's service here at the least; an idle reader's wake-up before it
+        fl = dict(compute.read_floor)
+        wake = fl.pop("latency_s")
+        dev = devices.Slowest(dev, devices.DeviceProfile("this-machine-streaming", "this machine's readers in a "
+                                                         "streaming run (the compute profile's read_floor)",
+                                                         latency_s=0.0, **fl))
     workers = workers or dev.queue_depth
     plan = read_plan(spec, p.storage.layout.value, experts_for(p.storage.experts, compute.engine))
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
-                       shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil)
+                       shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil, reader_wake_s=wake)
     bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"), engine=compute.engine)
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)
@@ -570,6 +594,10 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
                expert_disk_bytes=sum(plan.part_bytes))
     res["device"]["emulated"] = False
     res["device"]["simulated"] = True
+    from experiments.calibration import UNCALIBRATED, label
+    # checked by simulate --calibrate only for runs here, at the traced model's own shape
+    res["calibration"] = label(dev.name) if here and not shape and note == "the traced model's shape" else UNCALIBRATED
+    res["emulated_here"] = here
     if record:
         from workbench.runs import write_run
         cfg = {"simulated": True, "trace": str(trace_path), "preset": p.to_dict(), "budget": budget, "device": device,

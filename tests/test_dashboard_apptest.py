@@ -424,6 +424,7 @@ def test_ladders_page_shows_a_simulated_ladder_labelled_as_such():
     at = ok(app(LADDERS))
     assert any("SIMULATED on iphone-les" in h.value for h in at.subheader)
     assert any("SIMULATED on the iphone-les profile" in m.value for m in at.markdown)
+    assert any("uncalibrated" in m.value for m in at.markdown)        # another device's run: not checkable here
     assert at.dataframe[0].value["rung"].tolist() == [r.name for r in les_rungs()[:2]]
 
 
@@ -596,7 +597,8 @@ def test_ladders_page_shows_the_simulated_les_ladder_beside_the_paper():
     table = next(d.value for d in at.dataframe if "SIMULATED tok/s" in d.value.columns)
     assert table["paper tok/s"].tolist() == [3.38, 6.57, 11.34, 17.16, 20.51]
     assert table["rung"].iloc[0] == "on_demand" and (table["SIMULATED tok/s"] > 0).all()
-    assert any(c.value.startswith("SIMULATED, not measured: `simulate` on the iphone-les profile") for c in at.caption)
+    assert any(c.value.startswith("SIMULATED, not measured: `simulate` on the iphone-les profile") and
+               "uncalibrated" in c.value for c in at.caption)
 
 
 def test_ladders_page_without_regimes_json_names_the_command(tmp_path, monkeypatch):

@@ -66,7 +66,8 @@ def show_group(ladder: str, model: str, rungs: list):
     pub = LADDERS.get(ladder)
     device = ours["cpu"].iloc[-1] or "this machine"
     if rungs and rungs[-1][2].get("simulated"):        # simulate's records: a virtual clock, not this machine
-        device = f"SIMULATED on the {rungs[-1][2].get('device')} profile, compute measured on {device}"
+        device = (f"SIMULATED on the {rungs[-1][2].get('device')} profile, compute measured on {device} · "
+                  f"{S.calibration(s)}")
     st.subheader(f"{ladder} ladder · model {model}")
     if len(speed) >= 2:
         mine = f"ours ({device})"
@@ -130,7 +131,7 @@ def simulated_ladder():
     st.caption(f"SIMULATED, not measured: `simulate` on the {cfg['device']} profile, {cfg['shape_note'] or cfg['shape']}, "
                f"budget {cfg['budget']}, {cfg['tokens']} tokens, driven by the demo trace; compute is this engine's, "
                f"measured on this machine (not the iPhone's), so compare the speed-ups. From {S.REGIMES.name} "
-               f"({cfg['when']}, benchmarks/regimes.py).")
+               f"({cfg['when']}, benchmarks/regimes.py). {cfg['calibration']}.")
     both = pd.concat([rows.assign(source=f"SIMULATED ({cfg['device']} profile)", x=rows["SIMULATED ×"]),
                       rows.assign(source="LES paper (iPhone, measured)", x=rows["paper ×"])])
     both["rung #"] = [f"{i}: {r}" for i, r in zip(list(range(len(rows))) * 2, both["rung"])]
