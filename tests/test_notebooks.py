@@ -36,13 +36,34 @@ def read(name: str):
     return nbformat.read(NB_DIR / f"{name}.ipynb", as_version=4)
 
 
+# the results/ tables whose numbers a notebook's figures show too: `make figures` remakes both
+SHARES = {"les_ablation": ["results/ladders.md"], "smol_pager": ["results/ladders.md"],
+          "regimes": ["results/regimes.md"], "edge0_prerouter": [], "sweep_grid": [], "where_time_goes": []}
+MAX_NOTEBOOK_BYTES = 2_000_000      # reviewable: tables and charts, not megabytes of per-token data
+
+
+def stored_with_outputs(nb) -> bool:
+    return any(c.outputs or c.execution_count for c in nb.cells if c.cell_type == "code")
+
+
 @pytest.mark.parametrize("name", sorted(FIGURES))
-def test_stored_without_outputs_and_parameterised(name):
+def test_stored_whole_or_empty_and_parameterised(name):
+    """A notebook is committed either as run top to bottom (`make notebook-outputs`: every code cell executed once,
+    in order, none failed, a chart shown, small enough to review) or with no outputs at all: never half run."""
     nb = read(name)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    for c in code:
-        assert c.outputs == [] and c.execution_count is None, f"{name}: cell {c.get('id')} is stored with outputs"
+    if stored_with_outputs(nb):
+        assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), f"{name}: not run top to bottom"
+        assert not [o for c in code for o in c.outputs if o.output_type == "error"], f"{name}: stored with an error"
+        shown = {m for c in code for o in c.outputs for m in o.get("data", {})}
+        assert shown & {"image/png", "application/vnd.vegalite.v5+json", "application/vnd.vegalite.v4+json"}, \
+            f"{name}: stored without a chart"
+        assert (NB_DIR / f"{name}.ipynb").stat().st_size < MAX_NOTEBOOK_BYTES
+        assert "full setting" in "".join(o.get("text", "") for o in code[1].outputs), f"{name}: not the full setting"
+    else:
+        for c in code:
+            assert c.outputs == [] and c.execution_count is None, f"{name}: cell {c.get('id')} is half run"
     first = code[0].source
     for p in PARAMETERS:
         assert f"\n{p} = " in f"\n{first}", f"{name}: the first code cell does not set {p}"
@@ -57,6 +78,30 @@ def _nbhelpers():
     finally:
         sys.path.remove(str(NB_DIR))
     return nbhelpers
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def _committed_at(path: str) -> int | None:
+    import subprocess
+    out = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%ct", "--", path], capture_output=True,
+                         text=True).stdout.strip()
+    return int(out) if out else None
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_a_run_notebooks_figures_are_stamped_and_not_older_than_the_results_they_share(name):
+    if not stored_with_outputs(read(name)):
+        pytest.skip(f"{name} is stored without outputs: its figures predate the stamps")
+    nbh = _nbhelpers()
+    for fig in sorted(FIGURES[name]):
+        png = NB_DIR / "figures" / f"{fig}.png"
+        st = nbh.read_stamp(png)
+        assert st and st["engine"] and st["model"] and st["cpu"] and st["commit"] and st["date"], (png, st)
+        made = _committed_at(f"notebooks/figures/{fig}.png")
+        for table in SHARES[name]:
+            shared = _committed_at(table)
+            if made is not None and shared is not None:
+                assert made >= shared, f"{png} is older than {table}: run `make figures`"
 
 
 @pytest.mark.parametrize("name", sorted(FIGURES))
