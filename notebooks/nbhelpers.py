@@ -162,7 +162,8 @@ def stamp(rows=(), model: str | None = None, simulated: bool = False, engine: st
         if p:
             presets[p["name"]] = {k: v for k, v in p.items() if k not in ("name", "description")}
         if cfg.get("emulated", r.get("emulated")):
-            devices.add(str(cfg.get("device") or r.get("device")))
+            d = cfg.get("device") or r.get("device")            # a record's device: its profile's description
+            devices.add(str(d.get("name") if isinstance(d, dict) else d))
         random_weights |= bool(cfg.get("random_weights", r.get("random_weights")))
         models.add(cfg.get("model") or r.get("model"))
     engines_ |= {engine}
@@ -227,21 +228,34 @@ def read_stamp(path) -> dict | None:
 
 # ---------------------------------------------------------------- figures (Altair, saved as PNG by vl-convert)
 
-def save(chart, name: str, directory: Path, stamp: dict):
+class Figure:
+    """A saved figure as a cell shows it: the PNG (what a repository browser renders) and the Vega-Lite spec
+    (what JupyterLab renders, without a kernel), one output."""
+
+    def __init__(self, chart, png: bytes, path: Path):
+        self.chart, self.png, self.path = chart, png, path
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        import base64
+        return {"image/png": base64.b64encode(self.png).decode(), "application/vnd.vegalite.v5+json": self.chart.to_dict(),
+                "text/plain": f"<figure {self.path.name}>"}
+
+
+def save(chart, name: str, directory: Path, stamp: dict) -> Figure:
     """Write `chart`, its stamp under the title, to directory/name.png (the stamp also in the PNG's metadata) and
-    return the stamped chart (so the cell shows what the file shows)."""
+    return it as the cell shows it (the PNG and the chart)."""
     import json
     import altair as alt
     import vl_convert as vlc
+    from workbench.atomic import atomic_write
     title = chart.title if chart.title is not alt.Undefined else ""
     text = title.text if isinstance(title, alt.TitleParams) else title
     chart = chart.properties(title=alt.TitleParams(text=text or " ", subtitle=stamp_lines(stamp), subtitleFontSize=9,
                                                    subtitleColor="gray", anchor="start"))
     png = vlc.vegalite_to_png(chart.to_json(), scale=1.5)
     path = Path(directory) / f"{name}.png"
-    from workbench.atomic import atomic_write
     atomic_write(path, png_with_text(png, STAMP_KEY, json.dumps(stamp, sort_keys=True)))
-    return chart
+    return Figure(chart, png, path)
 
 
 def bars_vs_paper(df, x: str, y: str, source: str, title: str, y_title: str):

@@ -26,7 +26,7 @@ FIGURES = {
     "edge0_prerouter": {"edge0_recall", "edge0_ab", "edge0_quality", "edge0_merge_retention"},
     "smol_pager": {"smol_pool_size", "smol_prefetch_depth", "smol_bias_sweep", "smol_warm_start"},
     "where_time_goes": {"time_split_designs", "time_split_tokens", "disk_profile", "floor", "time_split_full_size"},
-    "regimes": {"regimes_calibration", "regimes_les_ladder", "regimes_ufs35b"},
+    "regimes": {"regimes_calibration", "regimes_les_ladder", "regimes_ufs35b", "regimes_full_size"},
     "sweep_grid": {"sweep_tok_s", "sweep_kl"},
 }
 PARAMETERS = ("MODEL", "BUDGET", "TOKENS", "ROUNDS", "SMALL")
@@ -141,13 +141,16 @@ def test_a_stamp_says_what_made_a_figure_and_travels_in_its_png(tmp_path):
     import altair as alt
     import pandas as pd
     nbh = _nbhelpers()
-    rows = [{"engine": "packed", "model": "demo", "emulated": True, "device": "ufs22-phone", "random_weights": False}]
+    rows = [{"engine": "packed", "model": "demo", "emulated": True, "device": {"name": "ufs22-phone", "read_mb_s": 470.0},
+             "random_weights": False}]
     st = nbh.stamp(rows, simulated=True)
     assert st["engine"] == "packed" and st["model"] == "demo" and st["labels"] == ["EMULATED ufs22-phone", "SIMULATED"]
     chart = alt.Chart(pd.DataFrame({"a": ["x"], "b": [1]}), title="t").mark_bar().encode(x="a", y="b")
     shown = nbh.save(chart, "f", tmp_path, st)
     assert nbh.read_stamp(tmp_path / "f.png") == st
-    assert shown.title.subtitle == nbh.stamp_lines(st) and "SIMULATED" in shown.title.subtitle[-1]
+    assert shown.chart.title.subtitle == nbh.stamp_lines(st) and "SIMULATED" in shown.chart.title.subtitle[-1]
+    bundle = shown._repr_mimebundle_()         # the cell's output: the PNG for repository browsers, the chart for Lab
+    assert bundle["image/png"] and bundle["application/vnd.vegalite.v5+json"]["title"]["subtitle"] == nbh.stamp_lines(st)
     assert nbh.read_stamp(tmp_path / "f.png") != nbh.stamp(rows)          # unlabelled: no SIMULATED
 
 
