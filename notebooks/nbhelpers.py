@@ -200,30 +200,13 @@ def stamp_lines(st: dict) -> list[str]:
 STAMP_KEY = "moe-workbench stamp"      # the PNG text chunk that holds a figure's stamp as JSON
 
 
-def png_with_text(png: bytes, key: str, text: str) -> bytes:
-    """`png` with a tEXt chunk (key, text) after its header chunk."""
-    import struct
-    import zlib
-    data = key.encode("latin-1") + b"\0" + text.encode("latin-1", "replace")
-    chunk = struct.pack(">I", len(data)) + b"tEXt" + data + struct.pack(">I", zlib.crc32(b"tEXt" + data))
-    end_of_ihdr = 8 + 4 + 4 + 13 + 4
-    return png[:end_of_ihdr] + chunk + png[end_of_ihdr:]
-
-
 def read_stamp(path) -> dict | None:
     """The stamp a figure was saved with, or None."""
     import json
-    import struct
-    png = Path(path).read_bytes()
-    i = 8
-    while i < len(png):
-        n, kind = struct.unpack(">I4s", png[i:i + 8])
-        if kind == b"tEXt":
-            key, _, text = png[i + 8:i + 8 + n].partition(b"\0")
-            if key.decode("latin-1") == STAMP_KEY:
-                return json.loads(text.decode("latin-1"))
-        i += 12 + n
-    return None
+    from PIL import Image
+    with Image.open(path) as im:
+        text = im.text.get(STAMP_KEY)
+    return json.loads(text) if text else None
 
 
 # ---------------------------------------------------------------- figures (Altair, saved as PNG by vl-convert)
@@ -252,10 +235,15 @@ def save(chart, name: str, directory: Path, stamp: dict) -> Figure:
     text = title.text if isinstance(title, alt.TitleParams) else title
     chart = chart.properties(title=alt.TitleParams(text=text or " ", subtitle=stamp_lines(stamp), subtitleFontSize=9,
                                                    subtitleColor="gray", anchor="start"))
-    png = vlc.vegalite_to_png(chart.to_json(), scale=1.5)
+    import io
+    from PIL import Image, PngImagePlugin
+    info = PngImagePlugin.PngInfo()
+    info.add_text(STAMP_KEY, json.dumps(stamp, sort_keys=True))
+    out = io.BytesIO()
+    Image.open(io.BytesIO(vlc.vegalite_to_png(chart.to_json(), scale=1.5))).save(out, "PNG", pnginfo=info)
     path = Path(directory) / f"{name}.png"
-    atomic_write(path, png_with_text(png, STAMP_KEY, json.dumps(stamp, sort_keys=True)))
-    return Figure(chart, png, path)
+    atomic_write(path, out.getvalue())
+    return Figure(chart, out.getvalue(), path)
 
 
 def bars_vs_paper(df, x: str, y: str, source: str, title: str, y_title: str):

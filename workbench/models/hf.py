@@ -113,15 +113,9 @@ class Shard:
     def _read(self, offset: int, n: int) -> np.ndarray:
         """n bytes at offset, read into memory of their own: a mapping of the shard would keep every page it touched
         in the process's resident set, the whole checkpoint by the end of a conversion."""
-        buf = np.empty(n, np.uint8)
-        with open(self.path, "rb", buffering=0) as f:
-            f.seek(offset)
-            got = 0
-            while got < n:
-                k = f.readinto(memoryview(buf)[got:])
-                if not k:
-                    raise WorkbenchError(f"{self.path}: truncated while reading ({got} of {n} bytes at {offset})")
-                got += k
+        buf = np.fromfile(self.path, dtype=np.uint8, count=n, offset=offset)
+        if buf.size != n:
+            raise WorkbenchError(f"{self.path}: truncated while reading ({buf.size} of {n} bytes at {offset})")
         return buf
 
     def dtype(self, name: str) -> str:
