@@ -184,6 +184,14 @@ def stamp_runs(since: float, model: str, **kw) -> dict:
     return stamp(rows, model, **kw)
 
 
+def results_stamp(files, model: str, engine: str, labels=("RANDOM WEIGHTS",)) -> dict:
+    """stamp() of numbers read from results/ files rather than from this notebook's runs: it names the files and
+    the dates they were measured."""
+    import json
+    source = [f"results/{f} (measured {json.loads((REPO / 'results' / f).read_text())['date']})" for f in sorted(set(files))]
+    return {**stamp((), model, engine=engine), "labels": list(labels), "source": source}
+
+
 def stamp_lines(st: dict) -> list[str]:
     """The stamp as the lines under a figure's title."""
     lines = [f"{st['engine']} engine · model {st['model']} · {st['cpu']} ({st['cores']} cores) · "
