@@ -10,17 +10,17 @@ convolution, and per value head a (key_dim, value_dim) matrix S updated by the g
 Prefill runs the same recurrence token by token (transformers' chunked form is the same sum regrouped; they
 agree to float rounding), so prefill and decode share one code path.
 
-Truncating a recurrent state cannot be done by forgetting positions: the state after each position is
-checkpointed instead, and `truncate` restores the one it asks for. Kept: the state after every position of the
-last decode call of up to `CHECKPOINT_WINDOW` tokens (speculative drafts roll back within these) and at its start,
-of the last `checkpoint_window` positions (as many of the last CHECKPOINT_WINDOW as CHECKPOINT_BYTES of state
-hold: a full-size model's states are large), and at the end of every multi-token call (a prefill: an evaluator
-that reuses a prompt's cache cuts back to it). A truncate to any other position is refused.
+Truncating a recurrent state cannot be done by forgetting positions: the states a caller can return to are
+checkpointed instead, and `truncate` restores the one it asks for. Kept: the state after each position of the last
+decode call of up to `CHECKPOINT_WINDOW` tokens (a speculative batch rolls back within it) and at its start, at
+the end of every prefill (an evaluator that reuses a prompt's cache cuts back to it), and position 0 (a fresh
+state). A truncate to any other position is refused. A full-size model's state is tens of MiB a position, so
+nothing else is kept.
 """
 from __future__ import annotations
 
 from workbench.errors import WorkbenchError
-from workbench.spec_hybrid import CHECKPOINT_WINDOW, checkpoint_window
+from workbench.spec_hybrid import CHECKPOINT_WINDOW
 
 
 class GatedDeltaNet:
@@ -28,24 +28,24 @@ class GatedDeltaNet:
 
     def reset_linear(self):
         s, xp = self.spec, self.xp
-        self.lin, self.lin_ckpt, self.lin_keep = {}, {}, {0}
+        self.lin, self.lin_ckpt, self.lin_keep = {}, {}, set()
         if not s.layer_types:
             return
         L = s.linear
         channels = 2 * L["num_key_heads"] * L["key_head_dim"] + L["num_value_heads"] * L["value_head_dim"]
-        self.checkpoint_window = checkpoint_window(s)
         for i in range(s.num_layers):
             if s.is_linear(i):
                 self.lin[i] = (xp.zeros((L["conv_kernel"] - 1, channels), dtype=xp.float32),
                                xp.zeros((L["num_value_heads"], L["key_head_dim"], L["value_head_dim"]), dtype=xp.float32))
-                self.lin_ckpt[i] = {0: self.lin[i]}
+                self.lin_ckpt[i] = {}
 
     def truncate(self, pos: int):
-        if pos != self.pos and self.lin:
+        if pos == 0 and self.lin:
+            self.reset_linear()
+        elif pos != self.pos and self.lin:
             if any(pos not in c for c in self.lin_ckpt.values()):
                 raise WorkbenchError(f"cannot truncate the linear-attention state to position {pos}: checkpoints are "
-                                     f"kept for the last call, the last {self.checkpoint_window} positions and each "
-                                     f"prompt's end")
+                                     f"kept for the last call, its start, each prompt's end and position 0")
             for i, c in self.lin_ckpt.items():
                 self.lin[i] = c[pos]
                 for p in [p for p in c if p > pos]:
@@ -53,15 +53,14 @@ class GatedDeltaNet:
             self.lin_keep = {p for p in self.lin_keep if p <= pos}
         super().truncate(pos)
 
-    def checkpoint(self, i: int, pos: int, state, last: bool, multi: bool):
+    def checkpoint(self, i: int, pos: int, state, last: bool):
         """pos: the position after this state; self.pos: where the call began."""
         c = self.lin_ckpt[i]
         c[pos] = state
         if last:
-            if multi:
+            if self.token_index == 0:
                 self.lin_keep.add(pos)
-            keep_from = min(self.pos, pos - self.checkpoint_window + 1)
-            for p in [p for p in c if p < keep_from and p not in self.lin_keep]:
+            for p in [p for p in c if p < self.pos and p not in self.lin_keep]:
                 del c[p]
 
     def l2norm(self, x):
@@ -91,8 +90,9 @@ class GatedDeltaNet:
             delta = (v[t] - (k[t][:, None, :] @ S)[:, 0]) * beta[t][:, None]
             S = S + k[t][:, :, None] * delta[:, None, :]
             out.append((q[t][:, None, :] @ S)[:, 0])
-            if (self.token_index > 0 and T <= CHECKPOINT_WINDOW) or T - t <= self.checkpoint_window:
-                self.checkpoint(i, self.pos + t + 1, (xs[t + 1:t + K], S), last=t == T - 1, multi=T > 1)
-        self.lin[i] = (xs[T:T + K - 1], S)
+            if (self.token_index > 0 and T <= CHECKPOINT_WINDOW) or t == T - 1:
+                state = (xp.array(xs[t + 1:t + K]), S)          # a copy: a view would hold all of the call's xs
+                self.checkpoint(i, self.pos + t + 1, state, last=t == T - 1)
+        self.lin[i] = state
         y = self.rms_norm(xp.stack(out), W(p + "lin_norm")) * self.silu(self.linear(x, p + "lin_z").reshape(T, hv, dv))
         return self.linear(y.reshape(T, hv * dv), p + "lin_out")

@@ -74,7 +74,7 @@ class Session:
         self.budget_bytes = budget.nbytes(self.item_bytes, n_experts)
         if (resident := cls.resident_bytes(self.pack)) is not None:
             check_fits(memory_needs(s, {n: t["shape"] for n, t in self.pack.tensors.items()}, budget, self.item_bytes,
-                                    resident, engine),
+                                    resident, engine, speculative=p.execution.speculative),
                        f"{self.pack_path} at --budget {self.budget_text}")
         # the usage profile runs a session of its own: before this one holds its cache and weights
         profile = self.usage() if not drive and (p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED) else None

@@ -49,7 +49,7 @@ def cmd_info(args):
     budget = Budget(str(args.budget if args.budget is not None else preset.cache.budget))
     engine_class(obj["engine"])         # its module imported: this process's memory is a run's runtime
     obj["memory"] = memory_needs(spec, shapes, budget, item, resident_bytes, obj["engine"],
-                                 runtime_bytes=peak_rss_bytes())
+                                 runtime_bytes=peak_rss_bytes(), speculative=preset.execution.speculative)
     s = obj["spec"]
     head = f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, " \
            f"d={s['hidden_size']}"

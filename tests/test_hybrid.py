@@ -7,8 +7,9 @@ full-attention layer, 16 experts top-4 and a shared expert.
   token by token through the recurrent state, the convolution state and the KV cache;
 - the packed engine matches the numpy engine within the packed tolerance (test_packed_engine.ATOL), resident
   and streaming;
-- truncate restores the linear-attention state exactly (re-decoding equals a fresh run); a truncate past the
-  checkpoints it keeps is refused;
+- truncate restores the linear-attention state exactly (re-decoding equals a fresh run) to where a rollback
+  returns (inside the last decode step, its start, a prompt's end, position 0); anywhere else is refused, and
+  what is held is what `info` counts;
 - streaming the experts under every exact design and budget gives the logits of every expert resident, bit for
   bit, on each engine.
 """
@@ -103,9 +104,18 @@ def test_truncate_then_redecode_equals_a_fresh_run(hybrid_models, family, engine
         s.engine.truncate(SPLIT)
         rows = [s.step([t], "decode") for t in TOKENS[SPLIT:]]
         np.testing.assert_array_equal(np.concatenate(rows), fresh[SPLIT:])
-        s.engine.truncate(SPLIT + 2)                              # back inside the decoded run
-        np.testing.assert_array_equal(np.concatenate([s.step([t], "decode") for t in TOKENS[SPLIT + 2:]]),
-                                      fresh[SPLIT + 2:])
+        s.engine.truncate(len(TOKENS) - 1)                        # the last step's start
+        np.testing.assert_array_equal(s.step([TOKENS[-1]], "decode"), fresh[-1:])
+        s.engine.truncate(SPLIT)
+        s.step(TOKENS[SPLIT:SPLIT + 1], "decode")
+        s.step(TOKENS[SPLIT + 1:], "decode")                      # a batch all accepted, then cut back inside it
+        s.engine.truncate(SPLIT + 2)                              # (a batch's rows round as one matmul's)
+        np.testing.assert_allclose(np.concatenate([s.step([t], "decode") for t in TOKENS[SPLIT + 2:]]),
+                                   fresh[SPLIT + 2:], rtol=1e-5, atol=1e-5)
+        s.engine.truncate(0)                                      # a fresh state
+        s.step(TOKENS[:SPLIT], "prefill")
+        np.testing.assert_array_equal(np.concatenate([s.step([t], "decode") for t in TOKENS[SPLIT:]]),
+                                      fresh[SPLIT:])
 
 
 def test_truncate_keeps_each_prompts_end_and_refuses_older_positions(hybrid_models):
@@ -403,28 +413,36 @@ def test_mtp_heads_are_not_read_and_bad_configs_fail_in_one_line(hybrid_models, 
     assert "config.json: missing field 'linear_conv_kernel_dim'" in err and len(err.splitlines()) == 1
 
 
-def test_a_large_state_keeps_few_checkpoints_but_every_one_a_rollback_needs(hybrid_models, monkeypatch):
-    """At full size one position's linear-attention state is tens of MiB: the checkpoints kept are bounded in bytes
-    (CHECKPOINT_BYTES), yet a rejected draft, the step before and the prompt's end still roll back exactly."""
-    import workbench.spec_hybrid as H
+def test_the_states_held_are_the_ones_a_rollback_needs_and_info_counts_them(hybrid_models):
+    """At full size one position's linear-attention state is tens of MiB: a decoder holds a step's start and
+    positions and the prompt's end, however long it decodes (memory_needs counts them), and a rejected draft and the
+    prompt's end still roll back exactly; the step before the last is refused."""
+    from workbench.memory import memory_needs
+    from workbench.presets import Budget
     path = hybrid_models["qwen3_5_moe"]
     with Session(str(path), "teacher", engine="numpy") as s:
         s.engine.reset()
-        per = sum(a.nbytes for layer in s.engine.lin.values() for a in layer)
-        assert per == H.linear_state_bytes(s.spec)
-        monkeypatch.setattr(H, "CHECKPOINT_BYTES", 2 * per)
-        s.engine.reset()
-        assert s.engine.checkpoint_window == 2
+
+        def held():
+            arrays = {id(a): a for layer in [*s.engine.lin.values(), *(st for c in s.engine.lin_ckpt.values()
+                                                                           for st in c.values())] for a in layer}
+            return sum(a.base.nbytes if a.base is not None else a.nbytes for a in arrays.values())
+
+        def counted(drafts):
+            return memory_needs(s.spec, {n: t["shape"] for n, t in s.pack.tensors.items()}, Budget("all"),
+                                1, speculative=drafts)["linear_checkpoint_bytes"]
         s.step(TOKENS[:SPLIT], "prefill")
         for t in TOKENS[SPLIT:SPLIT + 8]:
             s.step([t], "decode")
-        held = max(len(c) for c in s.engine.lin_ckpt.values())
-        assert held <= 2 + 2, held                           # the window (the last step and its start), 0, the prompt's end
+        assert max(len(c) for c in s.engine.lin_ckpt.values()) == 3    # the prompt's end, the step's start and end
+        assert held() <= counted(0)
         end = s.engine.pos
-        s.step([250, 251, 252, 253], "decode")               # a draft of 4 rejected after its first token
+        s.step([250, 251, 252, 253], "decode")               # a draft of 3 rejected after its first token
+        assert held() <= counted(3)
         s.engine.truncate(end + 1)
-        with pytest.raises(WorkbenchError, match=f"position {end - 3}"):
-            s.engine.truncate(end - 3)
+        for gone in (end - 1, end - 3):
+            with pytest.raises(WorkbenchError, match=f"position {gone}:"):
+                s.engine.truncate(gone)
         s.engine.truncate(SPLIT)                             # the prompt's end is kept
         np.testing.assert_array_equal(np.concatenate([s.step([t], "decode") for t in TOKENS[SPLIT:]]),
                                       ours(path, TOKENS, decode_from=SPLIT, engine="numpy")[SPLIT:])

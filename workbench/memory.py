@@ -18,7 +18,7 @@ import math
 
 from workbench.errors import WorkbenchError
 from workbench.host import available_memory_bytes as available_bytes
-from workbench.spec_hybrid import checkpoint_window, linear_state_bytes
+from workbench.spec_hybrid import linear_state_bytes
 from workbench.store import quant
 from workbench.store.pack import expert_kind
 
@@ -39,7 +39,7 @@ def largest_budget(resident: int, all_experts: int, available: int | None) -> st
 
 
 def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_bytes: int | None = None,
-                 engine: str = "", context: int = 4096, runtime_bytes: int = 0) -> dict:
+                 engine: str = "", context: int = 4096, runtime_bytes: int = 0, speculative: int = 0) -> dict:
     """expert_bytes: what one expert costs in the engine's cache (engines.expert_bytes, the Session's item_bytes);
     resident_bytes: what the non-expert weights take as the engine holds them (Engine.resident_bytes; f32 by
     default); engine: its name, for the description. run_bytes: what a run of `context` tokens holds at its peak:
@@ -56,8 +56,9 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_
         (spec.num_kv_heads, 2 * spec.head_dim)
     kv_per_token = 4 * len(full) * kv_heads * kv_dim
     linear_state = linear_state_bytes(spec)
-    # kept for rollback: the window, the last step's start, position 0 and a prompt's end, and the state being made
-    states = linear_state * (checkpoint_window(spec) + 4) if linear_state else 0
+    # held (engines/hybrid.py): a decode step's start, a prompt's end, and each position of a step verifying
+    # `speculative` drafts, the last of them the state being made
+    states = linear_state * (3 + speculative)
     resident = 4 * elements if resident_bytes is None else resident_bytes
     all_experts = item * n_experts
     cache = budget.nbytes(item, n_experts)

@@ -22,8 +22,7 @@ _LINEAR = {"qwen3_next": ("lin_qkvz", "lin_ba")}
 _LINEAR_COMMON = ("lin_conv", "lin_A_log", "lin_dt_bias", "lin_norm", "lin_out")
 
 
-CHECKPOINT_WINDOW = 32             # positions whose linear-attention state a decoder keeps for rollback, at most
-CHECKPOINT_BYTES = 256 * 2**20     # ... and as many of them as this many bytes of state hold (engines/hybrid.py)
+CHECKPOINT_WINDOW = 32             # a decode call's positions whose linear-attention state is kept, at most
 
 
 def linear_state_bytes(spec) -> int:
@@ -35,13 +34,6 @@ def linear_state_bytes(spec) -> int:
     channels = 2 * L["num_key_heads"] * L["key_head_dim"] + L["num_value_heads"] * L["value_head_dim"]
     per_layer = 4 * ((L["conv_kernel"] - 1) * channels + L["num_value_heads"] * L["key_head_dim"] * L["value_head_dim"])
     return per_layer * sum(map(spec.is_linear, range(spec.num_layers)))
-
-
-def checkpoint_window(spec) -> int:
-    """How many of the last positions' states a decoder keeps: CHECKPOINT_WINDOW, fewer where CHECKPOINT_BYTES of
-    state hold fewer."""
-    per_position = linear_state_bytes(spec)
-    return max(1, min(CHECKPOINT_WINDOW, CHECKPOINT_BYTES // per_position)) if per_position else 0
 
 
 def linear_attention_names(family: str) -> tuple[str, ...]:
