@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from engines.llamacpp_engine import bench_gguf  # noqa: E402
 from experiments.simulate import belady_of  # noqa: E402
 from workbench.atomic import atomic_write  # noqa: E402
+from workbench.disk_probe import bandwidth_at, probe  # noqa: E402
 from workbench.commands import flags  # noqa: E402
 
 PROMPT = "Once upon a time"
@@ -50,24 +51,32 @@ def bench_arm(model: str, preset: str, budget: str, tokens: int, threads: int | 
     return res
 
 
-def decode_accesses(run: str) -> list:
-    """(layer, expert) in the order a run's decode steps asked for them (its record's events)."""
+def accesses(run: str, phase: str) -> list:
+    """(layer, expert) in the order a run's steps of `phase` asked for them (its record's events)."""
     import pyarrow.parquet as pq
     ev = pq.read_table(Path(run) / "events.parquet").to_pylist()
-    ev = sorted((e for e in ev if e["phase"] == "decode"), key=lambda e: (e["token"], e["layer"]))
+    ev = sorted((e for e in ev if e["phase"] == phase), key=lambda e: (e["token"], e["layer"]))
     return [(e["layer"], int(x)) for e in ev for x in e["routed"]]
 
 
-def bound(od: dict) -> dict:
-    """Belady's MIN over on_demand's decode routing with its slots, as tok/s."""
-    seq = decode_accesses(od["run"])
+def bound(od: dict, disk: dict) -> dict:
+    """Belady's MIN over on_demand's decode routing with its slots, as tok/s: its reads at the best bandwidth the
+    disk probe found at the run's read size (any queue depth), from the cache every cold run starts decoding with
+    (the prompt's experts, the most recent first, as many as fit), and from the best start any policy could have
+    (the first experts decoding asks for, preloaded free: a bound no cold run can reach)."""
+    seq = accesses(od["run"], "decode")
+    prompt = list(dict.fromkeys(reversed(accesses(od["run"], "prefill"))))
     expert = od["bytes_read"] / max(1, od["misses"])              # bytes one demand read brings in
-    slots = od["cache_slots"]
-    b = belady_of(seq, int(slots), initial=None)
-    steps = max(1, od["decode_steps"])
-    read_s = b["belady_misses"] / steps * expert / od["disk_bw_at_read_size"]
-    return {**b, "slots": int(slots), "belady_tok_s": 1 / max(read_s, od["floor_compute_s_per_token"]),
-            "belady_read_s_per_token": read_s}
+    slots, steps = int(od["cache_slots"]), max(1, od["decode_steps"])
+    bw = bandwidth_at(disk, od["floor_read_size"])
+
+    def as_tok_s(b):
+        read_s = b["belady_misses"] / steps * expert / bw
+        return read_s, 1 / max(read_s, od["floor_compute_s_per_token"])
+    b, best = belady_of(seq, slots, initial=prompt), belady_of(seq, slots, initial=None)
+    (read_s, tok_s), (_, best_tok_s) = as_tok_s(b), as_tok_s(best)
+    return {**b, "slots": slots, "belady_tok_s": tok_s, "belady_read_s_per_token": read_s, "disk_bw": bw,
+            "best_start_misses": best["belady_misses"], "best_start_tok_s": best_tok_s}
 
 
 def main(argv=None):
@@ -91,6 +100,7 @@ def main(argv=None):
         old = json.loads(a.tables_from.read_text())
         for d, b, got in old.get("arms") or [(r["design"], r["budget"], [r["median_run"]]) for r in old["rows"]]:
             arms[(d, b)] = got
+    disk = old["disk"] if a.tables_from and "disk" in old else probe(Path(a.model).parent, refresh=not a.tables_from)
     for r in range(0 if a.tables_from else a.rounds):
         for (d, b), got in arms.items():
             t0 = time.time()
@@ -112,17 +122,18 @@ def main(argv=None):
     for row in rows[1:]:
         row["over_llama_cpp"] = row["tok_s"] / llama["tok_s"]
         row["memory_over_llama_cpp"] = row["memory_bytes"] / llama["memory_bytes"]
-    bounds = {b: bound(next(r for r in rows if r["design"] == "on_demand" and r["budget"] == b)["median_run"])
+    bounds = {b: bound(next(r for r in rows if r["design"] == "on_demand" and r["budget"] == b)["median_run"], disk)
               for b in budgets if "on_demand" in designs}
     for row in rows[1:]:
         if row["budget"] in bounds:
             row["over_belady"] = row["tok_s"] / bounds[row["budget"]]["belady_tok_s"]
+            row["over_belady_best_start"] = row["tok_s"] / bounds[row["budget"]]["best_start_tok_s"]
     command = f"python benchmarks/full_size.py --model {a.model} --budgets {a.budgets} --designs {a.designs} " \
               f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads} --llama {a.llama}" + \
               (f" --design-threads {a.design_threads}" if a.design_threads else "")
     res = {"command": command, "model": a.model, "file_size": os.path.getsize(a.model), "rows": rows,
            "arms": [[d, b, got] for (d, b), got in arms.items()],
-           "bounds": bounds, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+           "bounds": bounds, "disk": disk, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
            "random_weights": rows[1]["median_run"].get("random_weights") if len(rows) > 1 else None,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0]}
     if a.tables_from:               # measured then: said as it was
@@ -150,10 +161,16 @@ def main(argv=None):
                   f"{f('achieved_over_floor', '.2f')} | {'' if 'over_belady' not in r else format(r['over_belady'], '.2f')} | "
                   f"{m.get('threads', '')} | "
                   f"{format(m['peak_rss_bytes'] / m['info_run_bytes'], '.2f') if m.get('info_run_bytes') else ''} |")
-    md += ["", "Belady's bound per budget (MIN over on_demand's decode routing, its slots; reads at the run's disk "
-           "bandwidth, compute as on_demand's):", ""]
+    md += ["", "Belady's bound per budget (MIN over on_demand's decode routing, its slots; reads at the best "
+           "bandwidth the disk probe found at the run's read size, compute as on_demand's), from the cache a cold run starts decoding with (the prompt's "
+           "experts): `/ Belady`; and from the best start any policy could have (the first experts decoding asks "
+           "for, preloaded free):", ""]
     md += [f"- {b}: {v['slots']} slots, {v['belady_misses']} misses of {v['accesses']} accesses "
-           f"(hit {v['belady_hit_rate']:.3f}), {v['belady_tok_s']:.3f} tok/s" for b, v in bounds.items()]
+           f"(hit {v['belady_hit_rate']:.3f}) at {v['disk_bw'] / 1e6:.0f} MB/s, {v['belady_tok_s']:.3f} tok/s; "
+           f"from the best start "
+           f"{v['best_start_misses']} misses, {v['best_start_tok_s']:.3f} tok/s" for b, v in bounds.items()]
+    md += [f"- {r['design']} @{r['budget']}: {r['over_belady']:.2f} of the bound, {r['over_belady_best_start']:.2f} "
+           f"of the best-start one" for r in rows[1:] if "over_belady" in r]
     md += ["", "Where a design's token goes (median run, ms per token):", "",
            "| design | budget | compute | router | flash wait | other | floor: compute | floor: reads |",
            "|---|---|---:|---:|---:|---:|---:|---:|"]
