@@ -59,16 +59,17 @@ def accesses(run: str, phase: str) -> list:
     return [(e["layer"], int(x)) for e in ev for x in e["routed"]]
 
 
-def bound(od: dict, disk: dict) -> dict:
+def bound(od: dict, disk: dict, seen_bw: float) -> dict:
     """Belady's MIN over on_demand's decode routing with its slots, as tok/s: its reads at the best bandwidth the
-    disk probe found at the run's read size (any queue depth), from the cache every cold run starts decoding with
+    disk probe found at the run's read size (any queue depth) or the most any run drew from the disk (its bytes over
+    its decode time: a virtualised disk may serve a file's blocks faster than a fresh probe's), from the cache every cold run starts decoding with
     (the prompt's experts, the most recent first, as many as fit), and from the best start any policy could have
     (the first experts decoding asks for, preloaded free: a bound no cold run can reach)."""
     seq = accesses(od["run"], "decode")
     prompt = list(dict.fromkeys(reversed(accesses(od["run"], "prefill"))))
     expert = od["bytes_read"] / max(1, od["misses"])              # bytes one demand read brings in
     slots, steps = int(od["cache_slots"]), max(1, od["decode_steps"])
-    bw = bandwidth_at(disk, od["floor_read_size"])
+    bw = max(bandwidth_at(disk, od["floor_read_size"]), seen_bw)
 
     def as_tok_s(b):
         read_s = b["belady_misses"] / steps * expert / bw
@@ -122,7 +123,10 @@ def main(argv=None):
     for row in rows[1:]:
         row["over_llama_cpp"] = row["tok_s"] / llama["tok_s"]
         row["memory_over_llama_cpp"] = row["memory_bytes"] / llama["memory_bytes"]
-    bounds = {b: bound(next(r for r in rows if r["design"] == "on_demand" and r["budget"] == b)["median_run"], disk)
+    seen_bw = max((g["bytes_read"] / g["decode_s"] for (d, _), got in arms.items() if d != "llama.cpp" for g in got
+                   if g.get("decode_s")), default=0.0)
+    bounds = {b: bound(next(r for r in rows if r["design"] == "on_demand" and r["budget"] == b)["median_run"], disk,
+                       seen_bw)
               for b in budgets if "on_demand" in designs}
     for row in rows[1:]:
         if row["budget"] in bounds:
