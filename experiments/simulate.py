@@ -95,16 +95,22 @@ class _Read:
     """A cache entry on the virtual clock: in flight until `ready` (ExpertCache asks done()): the read's end, then
     (if it ended while the compute thread held the GIL) the wait for the GIL, then the dequants of its read up to and
     including its own, each at the contended speed if the compute thread was computing when the read ended."""
-    __slots__ = ("end", "k", "clock", "dq", "dq_busy", "taken")
+    __slots__ = ("end", "k", "clock", "dq", "dq_busy", "taken", "_ready")
 
     def __init__(self, end: float, clock, k: int = 0, dq: float = 0.0, dq_busy: float = 0.0, taken: bool = False):
         self.end, self.k, self.clock, self.dq, self.dq_busy = end, k, clock, dq, dq_busy
         self.taken = taken          # taken in by the compute thread (ComputeProfile.land_s paid)
+        self._ready = None
 
     @property
     def ready(self) -> float:
+        if self._ready is not None:
+            return self._ready
         busy = self.dq_busy and self.clock.working(self.end)
-        return self.clock.gil(self.end) + self.k * (self.dq_busy if busy else self.dq)
+        ready = self.clock.gil(self.end) + self.k * (self.dq_busy if busy else self.dq)
+        if self.end < self.clock.now:       # every work that started by the read's end is on the clock: final
+            self._ready = ready
+        return ready
 
     def done(self) -> bool:
         return self.ready <= self.clock.now
@@ -118,7 +124,7 @@ class _Pool:
         self.workers = workers
         self.wake_s = wake_s                 # a reader idle when a read comes starts it this much later (its wake-up)
         self.free = [0.0] * workers          # when each worker is next free (a heap)
-        self.busy: list[tuple[float, float]] = []    # (start, end) of reads, for the depth a new read sees
+        self.busy: list[tuple[float, float]] = []    # (end, start) of reads, a heap: the depth a new read sees
         self.device, self.dequant_s = device, dequant_s
         self.split = split                   # a large read in pieces on several workers, as the slot readers do
         self.dequants: list[float] = []      # start times of dequants not yet charged to the compute thread
@@ -131,10 +137,12 @@ class _Pool:
             pieces = split_sizes(nbytes, self.workers) if self.split else [nbytes]
             for i, piece in enumerate(pieces):          # the last piece's worker does the read's dequants
                 free = heapq.heappop(self.free)
+                while self.busy and self.busy[0][0] <= max(t, free):    # ended before any later read starts
+                    heapq.heappop(self.busy)
                 start = max(t, free) + (self.wake_s if free <= t else 0.0)
-                depth = 1 + sum(1 for s, e in self.busy if s <= start < e)
+                depth = 1 + sum(1 for e, s in self.busy if s <= start < e)
                 done = start + self.device.read_s(piece, depth)
-                self.busy.append((start, done))
+                heapq.heappush(self.busy, (done, start))
                 end = max(end, done)
                 if i < len(pieces) - 1:
                     heapq.heappush(self.free, done)
@@ -144,7 +152,6 @@ class _Pool:
                 offset += self.dequant_s
                 ready[e] = (end, k)
             heapq.heappush(self.free, end + offset)   # (at the uncontended speed: an approximation)
-        self.busy = [(s, e) for s, e in self.busy if e > t]
         return ready
 
 
