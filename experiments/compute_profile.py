@@ -4,6 +4,7 @@ file (load_compute). The simulator (experiments.simulate) replays a design's dec
 """
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -94,7 +95,11 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                          [e for e in s.tel.events if e.phase == "decode"]))
             if len(runs) == 1 and not routing_trace:
                 row = _row_cost(s)
-            measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
+            measured_model, name = s.spec, s.engine.name
+            mlp = s.engine.mlp if len(runs) == 2 else None
+        if len(runs) == 1:
+            del s               # its cache (cyclic garbage) gone before the next run fills its own: at full size the
+            gc.collect()        # two would not fit together
     (all_dec, all_evs), stream = runs
     quiet = _untouched(all_dec, all_evs)
     dec, evs = quiet if quiet[0] else (all_dec, all_evs)       # none: every token, reads and all

@@ -6,7 +6,8 @@
 It keeps the engine's own pieces where they carry the logic: the ExpertCache (budget, policy, scope, pins,
 protection of in-flight and current-layer experts), the trace's recorded predictions (TraceDrive, as
 `bench --routing-trace` uses them) and the pack's read plan (expert byte sizes, contiguous or native layout,
-adjacent reads merged as Reader.submit merges them). What is modelled, mirroring ExpertStreamer:
+adjacent reads merged as Reader.submit merges them; a GGUF read in place: its own blocks, each layer's). What is
+modelled, mirroring ExpertStreamer:
 
   per MoE layer   clock += dense + router time; the predictor's experts for a later layer are reserved and
                   read; the layer's misses are reserved and read; ready_first computes experts already in
