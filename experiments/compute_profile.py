@@ -83,7 +83,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                 s.generate([1, 2, 3, 4], tokens=4 if resident == "all" else tokens)
                 s.reset_telemetry()
                 s.generate([1, 2, 3, 4], tokens=tokens)
-                formats, held, layout = _formats(s.pack), s.preset.storage.experts, s.preset.storage.layout.value
+                formats, held, layout = _formats(s.pack), s.pack.quant["experts"], s.pack.layout
             else:                   # warmed up and started cold, as bench measures: first reads into fresh
                 s.generate([5, 6, 7, 8], tokens=4)      # buffers and first kernel calls are not a decode's
                 s.reset_telemetry()
@@ -118,13 +118,13 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     land = max(land, _per_read_rest(dec, *stream, issue_call, issue))
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     packed = name == "packed"
-    target = _formats_at(formats, held, d, ff)
+    shape = (measured_model.hidden_size, measured_model.moe_intermediate_size)
+    target = formats if shape == (d, ff) else _formats_at(formats, held, d, ff)
     kernel = (lambda d_, ff_, f: _packed_time(d_, ff_, f, spec.top_k)) if packed else (lambda d_, ff_, f: _mlp_time(mlp, d_, ff_))
     expert = expert_measured
-    if (measured_model.hidden_size, measured_model.moe_intermediate_size) != (d, ff):
+    if shape != (d, ff):
         # another expert shape: the kernel timed at both shapes, the engine's per-expert overhead carried over
-        expert += _over_layers(target, lambda f: kernel(d, ff, f)) - _over_layers(formats, lambda f: kernel(
-            measured_model.hidden_size, measured_model.moe_intermediate_size, f))
+        expert += _over_layers(target, lambda f: kernel(d, ff, f)) - _over_layers(formats, lambda f: kernel(*shape, f))
     reps = 20
     work = {f: _reader_work(f, d, ff, packed) for f in target}
     deq = _over_layers(target, lambda f: _mean_time(work[f], reps))
