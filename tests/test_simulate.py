@@ -521,3 +521,25 @@ def test_a_gguf_is_profiled_on_ggmls_kernels_and_simulated_on_its_own_blocks(nex
     assert res["expert_disk_bytes"] == pytest.approx(np.mean(per_layer))
     with open_session(str(next_gguf), "on_demand", "0.5") as s:
         assert res["cache_slots"] == s.cache.capacity[sp.moe_layers[0]]
+
+
+def test_below_every_expert_the_streaming_run_holds_less_than_the_first_and_no_room_is_refused(monkeypatch):
+    """The profile's streaming run (budget 0.5) must read: where the largest budget that fits holds no more than
+    it, it streams at half that budget. Where not even the weights leave room for an expert, a one-line error."""
+    from experiments.compute_profile import _budgets
+    from workbench import host, memory
+    from workbench.errors import WorkbenchError
+    resident, experts = _packed_sizes("demo", "les")
+    monkeypatch.setattr(host, "peak_rss_bytes", lambda: 0)
+    p = get_preset("les")
+    monkeypatch.setattr(memory, "available_bytes", lambda: resident + experts)
+    assert _budgets("demo", p, "packed", 16, "0.5") == ("all", "0.5")
+    monkeypatch.setattr(memory, "available_bytes", lambda: resident + experts * 3 // 4)
+    fits, stream = _budgets("demo", p, "packed", 16, "0.5")
+    assert 0.5 < float(fits) < 0.75 and stream == "0.5"
+    monkeypatch.setattr(memory, "available_bytes", lambda: resident + experts * 2 // 5)
+    fits, stream = _budgets("demo", p, "packed", 16, "0.5")
+    assert 0.2 < float(fits) < 0.4 and stream == f"{float(fits) / 2:.2f}"
+    monkeypatch.setattr(memory, "available_bytes", lambda: resident // 2)
+    with pytest.raises(WorkbenchError, match="hold none beside its weights"):
+        _budgets("demo", p, "packed", 16, "0.5")
