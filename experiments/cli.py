@@ -159,7 +159,8 @@ def _simulate_flags(p):
                           "this-machine,ufs22-phone, emulated in the measured runs)"},
           engine={"help": "the engine whose compute is measured, and whose expert cache the budget sizes (default: "
                           "packed: engines.default_engine; a --compute profile names its own)"},
-          model={"default": None, "help": "measure the compute profile on this model (default: the trace's)"})(p)
+          model={"default": None, "help": "measure the compute profile on this model (default: the trace's); a "
+                                          "GGUF's experts are read as they lie, in its own blocks"})(p)
     p.add_argument("--shape", default=None, help="a real model's expert shape (make-model's shapes)")
     p.add_argument("--prompt-tokens", type=int, default=4, help="trace rows replayed as the prompt (untimed)")
     p.add_argument("--workers", type=int, default=None, help="reader threads (default: the profile's queue depth)")

@@ -4,6 +4,7 @@ file (load_compute). The simulator (experiments.simulate) replays a design's dec
 """
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workbench.errors import WorkbenchError
 from workbench.spec import MoESpec
-from workbench.store.pack import PARTS, expert_kind
+from workbench.store.pack import PARTS, _decode, _encode, expert_kinds
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,10 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                     preset=None, routing_trace: str | None = None, stream_budget: str = "0.5") -> ComputeProfile:
     """This engine's compute, measured in two runs of the model as `preset` (None: resident), driven by
     `routing_trace` if given (as the runs it predicts are):
-      every expert in memory   dense, router (the predictor's naming inside) and other time per layer and token,
-                               expert compute per expert on bytes in memory
+      in memory                every expert in memory (or, where they do not all fit here, at the largest budget
+                               that does, after a run of the same tokens brought theirs in: only what no read touched
+                               counts, _untouched): dense, router (the predictor's naming inside) and other time per
+                               layer and token, expert compute per expert on bytes in memory
       at `stream_budget`       what reading costs the compute thread, from the streamer's own timers: an issue (per
                                submit and per expert, fitted over the layers' issues), taking a landed read in (less
                                what a layer's look at its experts costs with every one in memory), and computing
@@ -59,22 +63,27 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                                larger, all the run's compute thread spends beyond the resident run's besides its
                                issues, per expert read (the reader threads' CPU on cores it shares shows there)
     Expert compute and what a reader thread does per expert are then timed on this spec's expert shape with the
-    engine's own kernels: the numpy engine's matmuls and codec (dequant), or the packed engine's compiled kernels on
-    the encoded bytes, one call per layer's top-k, and the crc its readers check (`dequant_s` is then that check)."""
+    engine's own kernels on the formats its pack holds (each layer's: a GGUF's own blocks, ggml's g2..g8, the affine
+    formats): the numpy engine's matmuls and the pack's decode (dequant), or the packed engine's compiled kernels
+    (ggml's for GGUF blocks) on the encoded bytes, one call per layer's top-k, and the crc its readers check
+    (`dequant_s` is then that check)."""
     from experiments.routing_trace import drive
     from workbench.presets import get_preset
     from runtime.session import open_session
-    from workbench.store import quant
     p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
     p = p.with_(experts=experts, speculative=0)     # a batch's rows: _row_cost
-    runs, row, reads, workers = {}, None, None, 1
-    for budget in ("all", stream_budget):
+    resident, stream_budget = _budgets(model, p, engine, tokens, stream_budget)
+    runs, row, reads, workers = [], None, None, 1
+    for budget in (resident, stream_budget):
         with open_session(model, p, budget, prompt=[1, 2, 3, 4], tokens=tokens, drive=drive(routing_trace),
                           engine=engine) as s:
-            if budget == "all":     # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
-                s.generate([1, 2, 3, 4], tokens=4)      # after it needs none, and would find the same experts cached)
+            if not runs:            # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
+                # after it needs none, and would find the same experts cached); below "all", the same tokens, so
+                # that the measured run finds its experts in memory
+                s.generate([1, 2, 3, 4], tokens=4 if resident == "all" else tokens)
                 s.reset_telemetry()
                 s.generate([1, 2, 3, 4], tokens=tokens)
+                formats, held, layout = _formats(s.pack), s.pack.quant["experts"], s.pack.layout
             else:                   # warmed up and started cold, as bench measures: first reads into fresh
                 s.generate([5, 6, 7, 8], tokens=4)      # buffers and first kernel calls are not a decode's
                 s.reset_telemetry()
@@ -82,12 +91,18 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                 with _timed_reads(s.reader) as reads:
                     s.generate([1, 2, 3, 4], tokens=tokens)
                 workers = s.reader.workers
-            runs[budget] = ([t for t in s.tel.tokens if t.phase == "decode"],
-                            [e for e in s.tel.events if e.phase == "decode"])
-            if budget == "all" and not routing_trace:
+            runs.append(([t for t in s.tel.tokens if t.phase == "decode"],
+                         [e for e in s.tel.events if e.phase == "decode"]))
+            if len(runs) == 1 and not routing_trace:
                 row = _row_cost(s)
-            measured_model, mlp, name = s.spec, s.engine.mlp, s.engine.name
-    dec, evs = runs["all"]
+            measured_model, name = s.spec, s.engine.name
+            mlp = s.engine.mlp if len(runs) == 2 else None
+        if len(runs) == 1:
+            del s               # its cache (cyclic garbage) gone before the next run fills its own: at full size the
+            gc.collect()        # two would not fit together
+    (all_dec, all_evs), stream = runs
+    quiet = _untouched(all_dec, all_evs)
+    dec, evs = quiet if quiet[0] else (all_dec, all_evs)       # none: every token, reads and all
     nl = len(measured_model.moe_layers)
     # medians over the tokens: on a shared machine a stall (another process taking the core) lands in one token
     per_token = {}
@@ -99,27 +114,20 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     other = statistics.median(t.other_s + t.flash_wait_s + t.dequant_s for t in dec)
     expert_measured = statistics.median(sum(e.compute_s for e in at(t)) / max(1, sum(len(e.routed) for e in at(t)))
                                         for t in dec)
-    issue_call, issue, land = _read_costs(evs, runs[stream_budget][1], expert_measured)
-    land = max(land, _per_read_rest(dec, *runs[stream_budget], issue_call, issue))
-    rng = np.random.default_rng(0)
+    issue_call, issue, land = _read_costs(evs, stream[1], expert_measured)
+    land = max(land, _per_read_rest(dec, *stream, issue_call, issue))
     d, ff = spec.hidden_size, spec.moe_intermediate_size
-    w = {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
-         "up": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
-         "down": rng.standard_normal((d, ff), dtype=np.float32) * 0.02}
     packed = name == "packed"
-    kernel = (lambda d_, ff_: _packed_time(d_, ff_, experts, spec.top_k)) if packed else (lambda d_, ff_: _mlp_time(mlp, d_, ff_))
+    shape = (measured_model.hidden_size, measured_model.moe_intermediate_size)
+    target = formats if shape == (d, ff) else _formats_at(formats, held, d, ff)
+    kernel = (lambda d_, ff_, f: _packed_time(d_, ff_, f, spec.top_k)) if packed else (lambda d_, ff_, f: _mlp_time(mlp, d_, ff_))
     expert = expert_measured
-    if (measured_model.hidden_size, measured_model.moe_intermediate_size) != (d, ff):
+    if shape != (d, ff):
         # another expert shape: the kernel timed at both shapes, the engine's per-expert overhead carried over
-        expert += kernel(d, ff) - kernel(measured_model.hidden_size, measured_model.moe_intermediate_size)
+        expert += _over_layers(target, lambda f: kernel(d, ff, f)) - _over_layers(formats, lambda f: kernel(*shape, f))
     reps = 20
-    enc = {p: (quant.encode(w[p], expert_kind(w[p].shape, experts)) if expert_kind(w[p].shape, experts) != "bf16"
-               else None) for p in PARTS}
-    reader_work = (lambda: _crc(enc)) if packed else (lambda: _dequant(enc, w, experts))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        reader_work()
-    deq = (time.perf_counter() - t0) / reps
+    work = {f: _reader_work(f, d, ff, packed) for f in target}
+    deq = _over_layers(target, lambda f: _mean_time(work[f], reps))
     if measured_model.to_dict() != spec.to_dict():
         # another shape: attention projections and the router timed at both shapes, the difference added
         dense += _dense_time(spec) - _dense_time(measured_model)
@@ -128,17 +136,120 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
         router += _matvec_time(spec.num_experts, spec.hidden_size) - _matvec_time(measured_model.num_experts,
                                                                                   measured_model.hidden_size)
     from workbench import slot_reads
+    most = max(target, key=lambda f: len(target[f]))        # the format most layers hold: the contended check's
+    ones = np.ones((1, d), np.float32)
+    w = _weights(d, ff)
+    held_text = "/".join(sorted({k for f in target for k in f}))
+    where = "every expert in memory" if resident == "all" else (
+        f"its experts in memory at budget {resident}, the largest that fits here (not every expert does), after the "
+        f"same tokens ran once: the {len(quiet[0])} of {len(all_dec)} decode tokens no read touched"
+        f"{'' if quiet[0] else ', so every token, its reads included'}")
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
                           issue_call_s=issue_call, land_s=land, row_s=row, read_floor=_read_floor(reads, workers),
                           reader_holds_gil=not (packed and slot_reads.runs_here()), engine=name,
-                          dequant_busy_s=_contended(reader_work, (lambda: kernel(d, ff)) if packed else lambda: mlp(
-                              np.ones((1, d), np.float32), w["gate"], w["up"], w["down"])),
+                          dequant_busy_s=_contended(work[most], (lambda: kernel(d, ff, most)) if packed else lambda: mlp(
+                              ones, w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
                                  f"loaded), {name} engine: {model} as {p.name}{' (routing trace)' if routing_trace else ''} with "
-                                 f"every expert in memory for dense/router/other (medians over tokens), at budget "
+                                 f"{where} for dense/router/other (medians over tokens), at budget "
                                  f"{stream_budget} for issues, reads taken in (the streamer's timers, "
-                                 f"{p.storage.layout.value} layout) and the reads' floor (the readers' stamps); expert and {experts} "
-                                 f"{'crc check' if packed else 'dequant'} at d={d}, ff={ff} with the engine's kernels")
+                                 f"{layout} layout) and the reads' floor (the readers' stamps); expert compute and "
+                                 f"{'crc check' if packed else 'dequant'} on its {held_text} experts at d={d}, ff={ff} with the "
+                                 f"engine's kernels")
+
+
+def _budgets(model: str, preset, engine: str | None, tokens: int, stream: str) -> tuple[str, str]:
+    """The budgets of measure_compute's two runs: "all" and `stream` where a Session of `model` as `preset` can
+    hold every expert here (the memory guard's rule, workbench.memory.check_fits); else the largest budget that
+    leaves room for what a run of `tokens` holds besides its cache (KV, linear-attention checkpoints, this
+    process), a fraction of the experts, and `stream` or, where that holds as much, half of it."""
+    from engines import default_engine, engine_class, expert_bytes
+    from workbench import memory
+    from workbench.host import peak_rss_bytes
+    from workbench.presets import Budget
+    from workbench.registry import resolve_pack, storage_for
+    from workbench.store.pack import Pack
+    pack = Pack(resolve_pack(model, *storage_for(model, preset.storage, (), engine)))
+    engine = engine or default_engine(pack)
+    resident = engine_class(engine).resident_bytes(pack)
+    if resident is None:                # an engine that holds its weights itself: the Session does not guard it
+        return "all", stream
+    item = expert_bytes(engine, pack)
+    m = memory.memory_needs(pack.spec, {n: t["shape"] for n, t in pack.tensors.items()}, Budget("all"), item,
+                            resident, engine, context=tokens + 16, runtime_bytes=peak_rss_bytes())
+    if m["available_bytes"] is None or m["needed_bytes"] <= m["available_bytes"]:
+        return "all", stream
+    fits = memory.largest_budget(m["run_bytes"] - m["cache_bytes"], m["all_experts_cache_bytes"], m["available_bytes"])
+    if not fits[:1].isdigit() or float(fits) <= 0:
+        raise WorkbenchError(f"{model}: a compute profile needs some of its experts in memory, and "
+                             f"{m['available_bytes'] / 2**20:.0f} MiB available hold none beside its weights "
+                             f"({resident / 2**20:.0f} MiB)")
+    held = lambda b: Budget(b).nbytes(item, pack.num_expert_total)
+    return fits, (stream if held(stream) < held(fits) else f"{float(fits) / 2:.2f}")
+
+
+def _untouched(tokens: list, events: list) -> tuple[list, list]:
+    """The decode tokens no read touched (every expert a hit, nothing issued, taken in, late or waited for) and
+    their layer events: what a run with every expert in memory measures (with every expert in memory, all of
+    them)."""
+    quiet = lambda e: all(e.hit) and not (e.issues or e.taken or e.late or e.wait_s)
+    loud = {e.token for e in events if not quiet(e)}
+    return [t for t in tokens if t.token not in loud], [e for e in events if e.token not in loud]
+
+
+def _formats(pack) -> dict:
+    """{(gate, up, down kinds): its MoE layers} of a pack: the formats its experts are computed on (a GGUF's own
+    blocks differ by layer in a mix such as Q2_K_S or Q4_K_M)."""
+    out: dict = {}
+    for L in pack.spec.moe_layers:
+        out.setdefault(tuple(pack.kinds_of(L)[p] for p in PARTS), []).append(L)
+    return out
+
+
+def _formats_at(formats: dict, experts: str, d: int, ff: int) -> dict:
+    """The formats at another expert shape: a GGUF's own blocks as they are, a precision's (q4, g4, ...) as
+    convert would write that shape (pack.expert_kinds)."""
+    if experts == "raw":
+        return formats
+    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    kinds = tuple(expert_kinds(shapes, experts)[p] for p in PARTS)
+    return {kinds: [L for ls in formats.values() for L in ls]}
+
+
+def _over_layers(formats: dict, time_of) -> float:
+    """The mean over the MoE layers of a per-expert time that depends on the layer's format."""
+    n = sum(len(v) for v in formats.values())
+    return sum(time_of(f) * len(v) for f, v in formats.items()) / n
+
+
+def _weights(d: int, ff: int) -> dict:
+    rng = np.random.default_rng(0)
+    return {"gate": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
+            "up": rng.standard_normal((ff, d), dtype=np.float32) * 0.02,
+            "down": rng.standard_normal((d, ff), dtype=np.float32) * 0.02}
+
+
+def _encoded(kinds: tuple, d: int, ff: int) -> dict:
+    """Random weights of one expert, encoded in `kinds` (gate, up, down) as a pack stores them."""
+    w = _weights(d, ff)
+    return {p: _encode(w[p], k) for p, k in zip(PARTS, kinds)}
+
+
+def _reader_work(kinds: tuple, d: int, ff: int, packed: bool):
+    """What a reader thread does per expert read (Pack.decode_expert): the checksum, and for an engine that does
+    not compute on the encoded bytes (numpy) the decode of each part."""
+    enc = _encoded(kinds, d, ff)
+    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    if packed:
+        return lambda: _crc(enc)
+    return lambda: [(zlib.crc32(enc[p]), _decode(enc[p], shapes[p], k)) for p, k in zip(PARTS, kinds)]
+
+
+def _mean_time(f, reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        f()
+    return (time.perf_counter() - t0) / reps
 
 
 def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> ComputeProfile:
@@ -208,43 +319,37 @@ def _read_floor(reads: _timed_reads | None, workers: int) -> dict | None:
             "queue_depth": max(1, workers)}
 
 
-def _dequant(enc, w, experts):
-    """As Pack.decode_expert: the checksum, then the codec, for each part."""
-    from workbench.store import quant
-    for p in PARTS:
-        if enc[p] is not None:
-            zlib.crc32(enc[p])
-            quant.decode(enc[p], w[p].shape, expert_kind(w[p].shape, experts))
-
-
 def _crc(enc):
     """What the packed engine's reader thread does per expert (Pack.decode_expert(raw=True)): the checksum."""
     crc = 0
     for p in PARTS:
-        if enc[p] is not None:
-            crc = zlib.crc32(enc[p], crc)
+        crc = zlib.crc32(enc[p], crc)
     return crc
 
 
-def _packed_time(d: int, ff: int, experts: str, k: int, reps: int = 10) -> float:
-    """Per expert: the packed engine's kernel (engines/packed_kernels.moe_layer) on k experts' encoded bytes in
-    one call, as the engine calls it per layer."""
+def _packed_time(d: int, ff: int, kinds: tuple, k: int, reps: int = 10) -> float:
+    """Per expert: the packed engine's kernel on k experts' encoded bytes in one call, as the engine calls it per
+    layer: engines/packed_kernels.moe_layer on the affine formats and bf16, ggml's (engines/ggml_kernels.moe_ready)
+    on GGUF blocks."""
+    from engines import ggml_kernels as G
     from engines import packed_kernels as K
-    from workbench.store import quant
-    rng = np.random.default_rng(0)
     shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
-    kinds = {p: expert_kind(shapes[p], experts) for p in PARTS}
-    parts, nbytes = K.expert_parts(shapes, kinds)
-    slot = np.concatenate([quant.encode(rng.standard_normal(shapes[p], dtype=np.float32) * 0.02, kinds[p]) for p in PARTS])
+    enc = _encoded(kinds, d, ff)
+    slot = np.concatenate([enc[p] for p in PARTS])
+    nbytes = slot.nbytes
     arena = np.tile(slot, k)
     off, idx = np.arange(k, dtype=np.int64) * nbytes, np.arange(k, dtype=np.int64)
     X, Y, w = np.ones((1, d), np.float32), np.empty((k, d), np.float32), np.ones(k, np.float32)
-    call = lambda: K.moe_layer(arena, off, np.zeros(k, np.int64), idx, w, X, Y, parts, d, ff, K.F16)
+    if all(kind in K.BITS for kind in kinds):
+        parts, _ = K.expert_parts(shapes, dict(zip(PARTS, kinds)))
+        call = lambda: K.moe_layer(arena, off, np.zeros(k, np.int64), idx, w, X, Y, parts, d, ff, K.F16)
+    else:
+        starts = np.cumsum([0] + [enc[p].nbytes for p in PARTS])
+        parts = G.expert_parts(shapes, dict(zip(PARTS, kinds)), dict(zip(PARTS, map(int, starts))))
+        heads = np.zeros((k, 3), np.int64)
+        call = lambda: G.moe_ready(arena, idx, off, idx, k, w, X, Y, parts, heads, d, ff)
     call()                                           # compiled (cached) before timing
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        call()
-    return (time.perf_counter() - t0) / reps / k
+    return _mean_time(call, reps) / k
 
 
 def _contended(dequant, compute, n: int = 40) -> float:

@@ -6,7 +6,8 @@
 It keeps the engine's own pieces where they carry the logic: the ExpertCache (budget, policy, scope, pins,
 protection of in-flight and current-layer experts), the trace's recorded predictions (TraceDrive, as
 `bench --routing-trace` uses them) and the pack's read plan (expert byte sizes, contiguous or native layout,
-adjacent reads merged as Reader.submit merges them). What is modelled, mirroring ExpertStreamer:
+adjacent reads merged as Reader.submit merges them; a GGUF read in place: its own blocks, each layer's). What is
+modelled, mirroring ExpertStreamer:
 
   per MoE layer   clock += dense + router time; the predictor's experts for a later layer are reserved and
                   read; the layer's misses are reserved and read; ready_first computes experts already in
@@ -58,7 +59,7 @@ from workbench.io import split_sizes
 from workbench.presets import Budget, CacheScope, Order, Router
 from workbench.spec import MoESpec
 from workbench.registry import experts_for
-from workbench.store.pack import PARTS, _align, _nbytes, expert_kind, expert_kinds   # the pack's own read plan
+from workbench.store.pack import PARTS, _align, _nbytes, expert_kinds   # the pack's own read plan
 from workbench.telemetry import rates
 
 
@@ -67,9 +68,20 @@ class ReadPlan:
     """How one layer's experts are read: bytes per (merged) read for a run of consecutive expert ids."""
     layout: str               # contiguous | native
     part_bytes: tuple         # encoded bytes of gate, up, down
+    layers: dict | None = None    # MoE layer -> its part bytes, where layers differ (a GGUF's own mix of blocks)
+    item: int = 0             # what one expert costs in the engine's cache, where a pack says (0: sized from the
+                              # preset's storage, engines.expert_bytes)
 
-    def reads(self, experts: list[int]) -> list[tuple[list[int], int]]:
+    @property
+    def expert_bytes(self):
+        """An expert's encoded bytes (the mean over the layers, where they differ)."""
+        if not self.layers:
+            return sum(self.part_bytes)
+        return sum(map(sum, self.layers.values())) / len(self.layers)
+
+    def reads(self, experts: list[int], layer: int | None = None) -> list[tuple[list[int], int]]:
         """[(experts, bytes of one read)]: consecutive ids merge (adjacent in the pack); native: 3 reads per run."""
+        part_bytes = self.layers.get(layer, self.part_bytes) if self.layers else self.part_bytes
         runs, out = [], []
         for e in sorted(experts):
             if runs and e == runs[-1][-1] + 1:
@@ -78,9 +90,9 @@ class ReadPlan:
                 runs.append([e])
         for run in runs:
             if self.layout == "contiguous":
-                out.append((run, len(run) * _align(sum(self.part_bytes))))
+                out.append((run, len(run) * _align(sum(part_bytes))))
             else:
-                out += [(run, len(run) * _align(b)) for b in self.part_bytes]
+                out += [(run, len(run) * _align(b)) for b in part_bytes]
         return out
 
 
@@ -91,20 +103,35 @@ def read_plan(spec: MoESpec, layout: str, experts: str) -> ReadPlan:
     return ReadPlan(layout, tuple(_nbytes(shapes[p], kinds[p]) for p in PARTS))
 
 
+def pack_plan(pack, engine: str) -> ReadPlan:
+    """How a pack's experts are read, each layer's as the pack stores them, and what one costs in `engine`'s
+    cache: for a model whose storage is its own (a GGUF streamed in place), not the preset's."""
+    sizes = {L: tuple(_nbytes(pack.expert_shapes[p], pack.kinds_of(L)[p]) for p in PARTS) for L in pack.spec.moe_layers}
+    counts = list(sizes.values())
+    common = max(set(counts), key=counts.count)
+    return ReadPlan(pack.layout, common, sizes if len(set(counts)) > 1 else None, expert_bytes(engine, pack))
+
+
 class _Read:
     """A cache entry on the virtual clock: in flight until `ready` (ExpertCache asks done()): the read's end, then
     (if it ended while the compute thread held the GIL) the wait for the GIL, then the dequants of its read up to and
     including its own, each at the contended speed if the compute thread was computing when the read ended."""
-    __slots__ = ("end", "k", "clock", "dq", "dq_busy", "taken")
+    __slots__ = ("end", "k", "clock", "dq", "dq_busy", "taken", "_ready")
 
     def __init__(self, end: float, clock, k: int = 0, dq: float = 0.0, dq_busy: float = 0.0, taken: bool = False):
         self.end, self.k, self.clock, self.dq, self.dq_busy = end, k, clock, dq, dq_busy
         self.taken = taken          # taken in by the compute thread (ComputeProfile.land_s paid)
+        self._ready = None
 
     @property
     def ready(self) -> float:
+        if self._ready is not None:
+            return self._ready
         busy = self.dq_busy and self.clock.working(self.end)
-        return self.clock.gil(self.end) + self.k * (self.dq_busy if busy else self.dq)
+        ready = self.clock.gil(self.end) + self.k * (self.dq_busy if busy else self.dq)
+        if self.end < self.clock.now:       # every work that started by the read's end is on the clock: final
+            self._ready = ready
+        return ready
 
     def done(self) -> bool:
         return self.ready <= self.clock.now
@@ -118,7 +145,7 @@ class _Pool:
         self.workers = workers
         self.wake_s = wake_s                 # a reader idle when a read comes starts it this much later (its wake-up)
         self.free = [0.0] * workers          # when each worker is next free (a heap)
-        self.busy: list[tuple[float, float]] = []    # (start, end) of reads, for the depth a new read sees
+        self.busy: list[tuple[float, float]] = []    # (end, start) of reads, a heap: the depth a new read sees
         self.device, self.dequant_s = device, dequant_s
         self.split = split                   # a large read in pieces on several workers, as the slot readers do
         self.dequants: list[float] = []      # start times of dequants not yet charged to the compute thread
@@ -131,10 +158,12 @@ class _Pool:
             pieces = split_sizes(nbytes, self.workers) if self.split else [nbytes]
             for i, piece in enumerate(pieces):          # the last piece's worker does the read's dequants
                 free = heapq.heappop(self.free)
+                while self.busy and self.busy[0][0] <= max(t, free):    # ended before any later read starts
+                    heapq.heappop(self.busy)
                 start = max(t, free) + (self.wake_s if free <= t else 0.0)
-                depth = 1 + sum(1 for s, e in self.busy if s <= start < e)
+                depth = 1 + sum(1 for e, s in self.busy if s <= start < e)
                 done = start + self.device.read_s(piece, depth)
-                self.busy.append((start, done))
+                heapq.heappush(self.busy, (done, start))
                 end = max(end, done)
                 if i < len(pieces) - 1:
                     heapq.heappush(self.free, done)
@@ -144,7 +173,6 @@ class _Pool:
                 offset += self.dequant_s
                 ready[e] = (end, k)
             heapq.heappush(self.free, end + offset)   # (at the uncontended speed: an approximation)
-        self.busy = [(s, e) for s, e in self.busy if e > t]
         return ready
 
 
@@ -208,7 +236,8 @@ class _Simulation:
                  reader_wake_s: float = 0.0):
         self.drive, self.spec, self.preset, self.compute = drive, spec, preset, compute
         self.plan = plan or read_plan(spec, preset.storage.layout.value, experts_for(preset.storage.experts, compute.engine))
-        item, n_experts = expert_bytes(compute.engine, spec, preset.storage), spec.num_experts * len(spec.moe_layers)
+        item = self.plan.item or expert_bytes(compute.engine, spec, preset.storage)
+        n_experts = spec.num_experts * len(spec.moe_layers)
         self.budget_bytes = Budget(budget).nbytes(item, n_experts)
         self.cache = ExpertCache(Budget(budget).slots(item, n_experts), item, spec.moe_layers,
                                  policy=preset.cache.policy.value, scope=preset.cache.scope.value,
@@ -265,7 +294,7 @@ class _Simulation:
         self.work(c.issue_call_s + c.issue_s * len(keys))
         groups = [(g, b) for L in sorted({k[0] for k in keys})
                   for g, b in [([(L, e) for e in run], nb)
-                               for run, nb in self.plan.reads([k[1] for k in keys if k[0] == L])]]
+                               for run, nb in self.plan.reads([k[1] for k in keys if k[0] == L], L)]]
         ready = self.pool.submit(self.clock.now, groups)
         for k in keys:
             self.cache.set(k, _Read(ready[k][0], self.clock, ready[k][1], c.dequant_s, self.busy))
@@ -474,14 +503,16 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
 
 
 def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, initial=(),
-           engine: str = "numpy") -> dict:
+           engine: str = "numpy", item: int = 0) -> dict:
     """Optimal replacement with perfect foresight (Belady's MIN) over the same decode accesses: the fewest experts
     any policy must read at this budget. Its hit rate bounds demand fetching; a prefetching design can show a higher
     hit rate (a prefetch is a read that lands in time), never fewer reads. initial: the experts in memory when
     decoding starts (the prompt's, a warm set), as the design had them; None: the best start any policy could have
     (the first experts decoding asks for, as many as fit), so that the bound holds whatever the prompt left.
-    engine: whose cache the budget buys slots in (engines.expert_bytes), for a budget in bytes."""
-    slots = Budget(budget).slots(expert_bytes(engine, spec, preset.storage), spec.num_experts * len(spec.moe_layers))
+    engine: whose cache the budget buys slots in (engines.expert_bytes), for a budget in bytes; item: what one
+    expert costs there, where a pack says (ReadPlan.item)."""
+    slots = Budget(budget).slots(item or expert_bytes(engine, spec, preset.storage),
+                                 spec.num_experts * len(spec.moe_layers))
     per_layer = preset.cache.scope is CacheScope.PER_LAYER
 
     pos = _Position()
@@ -569,6 +600,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
                              f"engine")
     drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace)
     own = model is None or model == meta.get("model")        # the traced model: measured on its own trace
+    simulated = model or (meta.get("model") if compute is None else None)     # the model whose storage is read
     compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts, preset=p,
                                          routing_trace=str(trace_path) if own else None, engine=engine)
     here = dev.name == "this-machine" if here is None else here
@@ -580,18 +612,27 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
                                                          "streaming run (the compute profile's read_floor)",
                                                          latency_s=0.0, **fl))
     workers = workers or dev.queue_depth
-    plan = read_plan(spec, p.storage.layout.value, experts_for(p.storage.experts, compute.engine))
+    plan = None
+    if simulated and str(simulated).endswith(".gguf") and not shape:    # read in place: its own blocks, not the preset's
+        from workbench.registry import resolve_pack, storage_for
+        from workbench.store.pack import Pack
+        storage = storage_for(simulated, p.storage, (), compute.engine)
+        pack = Pack(resolve_pack(simulated, *storage))
+        if pack.spec.to_dict() == spec.to_dict():
+            p, plan = p.with_(**dict(zip(("layout", "experts", "rest"), storage))), pack_plan(pack, compute.engine)
+    plan = plan or read_plan(spec, p.storage.layout.value, experts_for(p.storage.experts, compute.engine))
     res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
                        shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil, reader_wake_s=wake)
-    bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"), engine=compute.engine)
+    bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"), engine=compute.engine,
+                   item=plan.item)
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)
-    miss_bytes = bound["belady_misses"] * sum(plan.part_bytes)
+    miss_bytes = bound["belady_misses"] * plan.expert_bytes
     bound["belady_tok_s"] = res["decode_steps"] / max(compute_s, miss_bytes / dev.peak_bw)
     res.update(bound, simulated=True, emulated=False, device=dev.describe(), preset=p.name, budget=budget,
                shape=shape, shape_note=note, spec=spec.to_dict(), reader_workers=workers,
                compute_profile=dataclasses.asdict(compute), routing_trace=drive.source, tokens=tokens, prompt=prompt,
-               expert_disk_bytes=sum(plan.part_bytes))
+               expert_disk_bytes=plan.expert_bytes)
     res["device"]["emulated"] = False
     res["device"]["simulated"] = True
     from experiments.calibration import UNCALIBRATED, label

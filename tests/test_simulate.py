@@ -365,3 +365,181 @@ def test_belady_evicts_the_expert_used_farthest_ahead_as_a_plain_scan_does():
         seq = [(rng.randrange(layers), min(experts - 1, int(rng.expovariate(0.25)))) for _ in range(rng.randint(1, 200))]
         for per_layer in (False, True):
             assert belady_of(seq, cap, per_layer, initial=())["belady_misses"] == scan(seq, cap, per_layer)
+
+
+def test_the_reads_in_flight_a_read_sees_are_those_a_plain_scan_counts():
+    """The reader pool keeps the reads in flight in a heap by their end (a full-size trace issues tens of thousands):
+    on random submits, every read lands when counting the reads in flight over every one issued says it does."""
+    import heapq
+    import random
+    from experiments.simulate import _Pool
+    from workbench.io import split_sizes
+
+    def scan(pool, t, groups):             # the pool as it counted before: every read since the submit, scanned
+        ready, busy = {}, pool.scanned
+        for experts, nbytes in groups:
+            end = 0.0
+            pieces = split_sizes(nbytes, pool.workers)
+            for i, piece in enumerate(pieces):
+                free = heapq.heappop(pool.free)
+                start = max(t, free) + (pool.wake_s if free <= t else 0.0)
+                done = start + pool.device.read_s(piece, 1 + sum(1 for s, e in busy if s <= start < e))
+                busy.append((start, done))
+                end = max(end, done)
+                if i < len(pieces) - 1:
+                    heapq.heappush(pool.free, done)
+            offset = 0.0
+            for k, e in enumerate(experts, 1):
+                ready[e] = (end, k)
+                offset += pool.dequant_s
+            heapq.heappush(pool.free, end + offset)
+        pool.scanned = [(s, e) for s, e in busy if e > t]
+        return ready
+
+    rng = random.Random(5)
+    for _ in range(30):
+        workers = rng.randint(1, 4)
+        kw = dict(dequant_s=rng.choice([0.0, 0.1 * MS]), wake_s=rng.choice([0.0, 0.3 * MS]))
+        heap, plain = _Pool(workers, DEV, **kw), _Pool(workers, DEV, **kw)
+        plain.scanned = []
+        t = 0.0
+        for _ in range(40):
+            t += rng.random() * 2 * MS
+            groups = [([(0, rng.randrange(99))], rng.choice([KB, 3 * KB, 64 * KB])) for _ in range(rng.randint(1, 6))]
+            assert heap.submit(t, groups) == scan(plain, t, groups)
+
+
+def test_a_full_size_trace_simulates_every_access_once():
+    """48 MoE layers of 512 experts, top-10, 128 tokens (the Qwen3-Next-80B shape): the simulator replays it (in
+    seconds: the reads in flight are kept in a heap, belady_of's victims in another), every access a hit, a late
+    prefetch or a miss, and no design reads fewer experts than Belady's bound."""
+    rng = np.random.default_rng(0)
+    layers, experts, k, tokens = 48, 512, 10, 128
+    p = 1 / np.arange(1, experts + 1) ** 0.8
+    rows = [{L: rng.choice(experts, k, replace=False, p=p / p.sum()).tolist() for L in range(layers)}
+            for _ in range(tokens + 1)]
+    big = MoESpec(family="qwen3_moe", vocab_size=8, hidden_size=2048, num_layers=layers, num_heads=16, num_kv_heads=2,
+                  head_dim=256, num_experts=experts, top_k=k, moe_intermediate_size=512)
+    plan = ReadPlan("native", (344064, 344064, 589824), item=1290240)     # the 80B GGUF's Q2_K_S slot
+    dev = DeviceProfile("phone", "phone", latency_s=0.1 * MS, read_bw=1e9, peak_bw=2e9, queue_depth=4)
+    cpu = dataclasses.replace(CPU, dense_s=1 * MS, router_s=0.05 * MS, expert_s=0.1 * MS, land_s=0.02 * MS)
+    pre = get_preset("on_demand").with_(layout="native")
+    budget = str(4 * 2**30)
+    res = simulate_run(Drive(rows), big, pre, budget, dev, cpu, tokens=tokens, prompt=1, workers=4, plan=plan)
+    steps = tokens - 1
+    assert res["hits"] + res["late"] + res["misses"] == steps * layers * k
+    assert 0 < res["hit_rate"] < 1 and res["bytes_read"] > 0
+    bound = belady(Drive(rows), big, pre, budget, prompt=1, tokens=tokens, initial=res["cache_at_decode"],
+                   item=plan.item)
+    assert bound["accesses"] == steps * layers * k
+    assert res["experts_read"] >= bound["belady_misses"] and res["hit_rate"] <= bound["belady_hit_rate"] + 1e-12
+
+
+def _packed_sizes(model: str, preset):
+    """(resident bytes, every expert's slot bytes) of `model` as the packed engine holds it at `preset`."""
+    from engines import engine_class, expert_bytes
+    from workbench.registry import resolve_pack, storage_for
+    from workbench.store.pack import Pack
+    pack = Pack(resolve_pack(model, *storage_for(model, get_preset(preset).storage, (), "packed")))
+    return engine_class("packed").resident_bytes(pack), expert_bytes("packed", pack) * pack.num_expert_total
+
+
+def test_a_model_bigger_than_memory_is_profiled_at_the_largest_budget_that_fits(monkeypatch, capsys):
+    """With a byte less available than every expert beside the weights needs, the memory guard refuses budget "all"
+    (as it does the 80B GGUF here), yet simulate measures its compute profile and runs: its first run at the
+    largest budget that fits (named in the profile), after the same tokens ran once, so that it counts decode
+    tokens no read touched. With every expert in memory, no read touches any token: the rule changes nothing."""
+    import json
+    import re
+    from cli import main
+    from experiments.compute_profile import _untouched
+    from runtime.session import open_session
+    from workbench import host, memory
+    from workbench.errors import WorkbenchError
+    with open_session("demo", "les", "all") as s:
+        s.generate([1, 2, 3, 4], tokens=4)
+        dec, evs = [t for t in s.tel.tokens if t.phase == "decode"], [e for e in s.tel.events if e.phase == "decode"]
+        assert _untouched(dec, evs) == (dec, evs)
+    resident, experts = _packed_sizes("demo", "les")
+    monkeypatch.setattr(memory, "available_bytes", lambda: resident + experts - 1)
+    monkeypatch.setattr(host, "peak_rss_bytes", lambda: 0)         # this process's own size: not the test's point
+    with pytest.raises(WorkbenchError, match="choose a smaller --budget"):
+        open_session("demo", "les", "all")
+    trace = str(REPO / "data/traces/demo-tinystories-256.parquet")
+    assert main(["simulate", "--trace", trace, "--tokens", "8", "--no-record", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    src = res["compute_profile"]["source"]
+    m = re.search(r"at budget (0\.\d\d), the largest that fits here .* the (\d+) of (\d+) decode tokens no read "
+                  r"touched", src)
+    assert m, src
+    assert 0.5 < float(m[1]) < 1 and 0 < int(m[2]) <= int(m[3])
+    assert res["tok_s"] > 0 and res["compute_profile"]["expert_s"] > 0 and res["compute_profile"]["dense_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def next_gguf(tmp_path_factory):
+    """The Qwen3-Next architecture in llama.cpp's Q4_K_M mix, 4 layers of 16 experts (280 MB): layers 2 and 3 keep
+    their experts' down projections in Q6_K, the others in Q4_K."""
+    pytest.importorskip("llama_cpp", reason="ggml's kernels come with llama-cpp-python")
+    from engines.gguf_random import make_gguf
+    g = make_gguf("qwen3-next-80b-a3b", tmp_path_factory.mktemp("next") / "next.gguf", layers=4, experts=16,
+                  qtype="q4_k_m")
+    yield g
+    g.unlink()
+
+
+def test_a_gguf_is_profiled_on_ggmls_kernels_and_simulated_on_its_own_blocks(next_gguf, tmp_path):
+    """A GGUF streams in place (its blocks, native layout): the compute profile times ggml's kernels and the crc on
+    each layer's own blocks (the bytes a read of that layer brings), not the preset's q4; the simulator reads each
+    layer's experts at their size in the file and its budget buys the slots a Session of the file holds."""
+    from experiments.compute_profile import _encoded, _formats, measure_compute
+    from experiments.simulate import run
+    from experiments.traces import write_trace
+    from runtime.session import open_session
+    from workbench.registry import GGUF_STORAGE, resolve_pack
+    from workbench.store.pack import PARTS, Pack
+    pack = Pack(resolve_pack(str(next_gguf), *GGUF_STORAGE))
+    sp = pack.spec
+    formats = _formats(pack)
+    assert set(formats) == {("gguf:Q4_K",) * 3, ("gguf:Q4_K", "gguf:Q4_K", "gguf:Q6_K")}
+    for f, layers in formats.items():
+        enc = _encoded(f, sp.hidden_size, sp.moe_intermediate_size)
+        assert [enc[p].nbytes for p in PARTS] == [n for _, n in pack.expert_reads(layers[0], 0)]
+    cp = measure_compute(str(next_gguf), sp, "q4", tokens=3, engine="packed")
+    assert "crc check on its gguf:Q4_K/gguf:Q6_K experts" in cp.source and "native layout" in cp.source
+    assert cp.expert_s > 0 and cp.dequant_s > 0
+
+    rng = np.random.default_rng(1)
+    T, NL = 24, len(sp.moe_layers)
+    topk = np.stack([[rng.choice(sp.num_experts, sp.top_k, replace=False) for _ in range(NL)] for _ in range(T)])
+    trace = write_trace(tmp_path / "t.parquet", {"topk": topk, "logits": np.zeros((T, NL, sp.num_experts)),
+                                                 "router_input": np.zeros((T, NL, 1)), "moe_layers": sp.moe_layers},
+                        list(range(T)), {"engine": "test", "model": str(next_gguf), "spec": sp.to_dict()})
+    res = run(str(trace), "on_demand", "0.5", "ufs22-phone", tokens=16, compute=cp, model=str(next_gguf),
+              record=False)
+    per_layer = [sum(n for _, n in pack.expert_reads(L, 0)) for L in sp.moe_layers]
+    assert res["expert_disk_bytes"] == pytest.approx(np.mean(per_layer))
+    with open_session(str(next_gguf), "on_demand", "0.5") as s:
+        assert res["cache_slots"] == s.cache.capacity[sp.moe_layers[0]]
+
+
+def test_below_every_expert_the_streaming_run_holds_less_than_the_first_and_no_room_is_refused(monkeypatch):
+    """The profile's streaming run (budget 0.5) must read: where the largest budget that fits holds no more than
+    it, it streams at half that budget. Where not even the weights leave room for an expert, a one-line error."""
+    from experiments.compute_profile import _budgets
+    from workbench import host, memory
+    from workbench.errors import WorkbenchError
+    resident, experts = _packed_sizes("demo", "les")
+    monkeypatch.setattr(host, "peak_rss_bytes", lambda: 0)
+    p = get_preset("les")
+    monkeypatch.setattr(memory, "available_bytes", lambda: resident + experts)
+    assert _budgets("demo", p, "packed", 16, "0.5") == ("all", "0.5")
+    monkeypatch.setattr(memory, "available_bytes", lambda: resident + experts * 3 // 4)
+    fits, stream = _budgets("demo", p, "packed", 16, "0.5")
+    assert 0.5 < float(fits) < 0.75 and stream == "0.5"
+    monkeypatch.setattr(memory, "available_bytes", lambda: resident + experts * 2 // 5)
+    fits, stream = _budgets("demo", p, "packed", 16, "0.5")
+    assert 0.2 < float(fits) < 0.4 and stream == f"{float(fits) / 2:.2f}"
+    monkeypatch.setattr(memory, "available_bytes", lambda: resident // 2)
+    with pytest.raises(WorkbenchError, match="hold none beside its weights"):
+        _budgets("demo", p, "packed", 16, "0.5")
