@@ -165,10 +165,12 @@ def main(argv=None):
                   f"{f('achieved_over_floor', '.2f')} | {'' if 'over_belady' not in r else format(r['over_belady'], '.2f')} | "
                   f"{m.get('threads', '')} | "
                   f"{format(m['peak_rss_bytes'] / m['info_run_bytes'], '.2f') if m.get('info_run_bytes') else ''} |")
-    md += ["", "Belady's bound per budget (MIN over on_demand's decode routing, its slots; reads at the best "
-           "bandwidth the disk probe found at the run's read size, compute as on_demand's), from the cache a cold run starts decoding with (the prompt's "
-           "experts): `/ Belady`; and from the best start any policy could have (the first experts decoding asks "
-           "for, preloaded free):", ""]
+    md += [] if not bounds else [
+        "", "Belady's bound per budget (MIN over on_demand's decode routing, its slots; reads at the best bandwidth "
+        "the disk probe found at the run's read size or the most a run drew from the disk, whichever is more; "
+        "compute as on_demand's), from the cache a cold run starts decoding with (the prompt's experts): "
+        "`/ Belady`; and from the best start any policy could have (the first experts decoding asks for, preloaded "
+        "free):", ""]
     md += [f"- {b}: {v['slots']} slots, {v['belady_misses']} misses of {v['accesses']} accesses "
            f"(hit {v['belady_hit_rate']:.3f}) at {v['disk_bw'] / 1e6:.0f} MB/s, {v['belady_tok_s']:.3f} tok/s; "
            f"from the best start "
