@@ -69,13 +69,17 @@ def read(where: Path | None = None) -> dict | None:
     return res
 
 
-def label(device: str, where: Path | None = None) -> str:
-    """How a simulated number on `device` is labelled here: "calibrated here (within X%)" once simulate --calibrate
-    ran on this machine for that device, else "uncalibrated"."""
+def label(device: str, model: str | None = None, where: Path | None = None) -> str:
+    """How a simulated number on `device` of `model` is labelled here: "calibrated here (within X%)" once simulate
+    --calibrate ran on this machine for that device on that model, "uncalibrated" otherwise (another model's
+    calibration is named beside it: it does not carry to another file's reads and compute)."""
     res = read(where)
     if not res or res.get("machine") != machine() or device not in res["within"]:
         return UNCALIBRATED
-    return f"calibrated here (within {res['within'][device] * 100:.0f}%)"
+    within = f"within {res['within'][device] * 100:.0f}%"
+    if model is not None and res.get("model") not in (None, model):
+        return f"{UNCALIBRATED} for {Path(model).name} (calibrated here on {res['model']}, {within})"
+    return f"calibrated here ({within})"
 
 
 def table(res: dict) -> str:

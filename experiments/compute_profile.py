@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import statistics
 import time
 import zlib
@@ -184,6 +185,10 @@ def _budgets(model: str, preset, engine: str | None, tokens: int, stream: str) -
         raise WorkbenchError(f"{model}: a compute profile needs some of its experts in memory, and "
                              f"{m['available_bytes'] / 2**20:.0f} MiB available hold none beside its weights "
                              f"({resident / 2**20:.0f} MiB)")
+    # no more than the run's own experts need (its prompt and tokens, every one routed to new experts): the
+    # machine's memory is not the profile's to take
+    used = (4 + tokens) * pack.spec.top_k * len(pack.spec.moe_layers) / pack.num_expert_total
+    fits = f"{min(float(fits), math.ceil(100 * used) / 100):.2f}"
     held = lambda b: Budget(b).nbytes(item, pack.num_expert_total)
     return fits, (stream if held(stream) < held(fits) else f"{float(fits) / 2:.2f}")
 

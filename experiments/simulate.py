@@ -637,7 +637,8 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     res["device"]["simulated"] = True
     from experiments.calibration import UNCALIBRATED, label
     # checked by simulate --calibrate only for runs here, at the traced model's own shape
-    res["calibration"] = label(dev.name) if here and not shape and note == "the traced model's shape" else UNCALIBRATED
+    res["calibration"] = label(dev.name, simulated or meta.get("model")) \
+        if here and not shape and note == "the traced model's shape" else UNCALIBRATED
     res["emulated_here"] = here
     if record:
         from workbench.runs import write_run

@@ -65,6 +65,13 @@ def test_simulate_labels_its_number_by_what_was_calibrated_here(where):
     assert run(TRACE, "les", "0.25", "this-machine", shape="minicpm-v-4.7", **kw)["calibration"] == "uncalibrated"
 
 
+def test_a_calibration_on_one_model_does_not_label_another(where):
+    """Calibrated on the demo, a simulated number of another model's file reads uncalibrated, naming what was."""
+    C.store({**calibration({"this-machine": 0.2}), "model": "demo"})
+    assert C.label("this-machine", "demo") == "calibrated here (within 20%)"
+    assert C.label("this-machine", "/tmp/big.gguf") == "uncalibrated for big.gguf (calibrated here on demo, within 20%)"
+
+
 def test_reads_here_take_at_least_the_compute_profiles_read_floor():
     """A read floor of 2 ms a read (this machine's readers, measured in a streaming run) slows the runs predicted
     here and not another device's."""

@@ -524,8 +524,8 @@ def test_a_gguf_is_profiled_on_ggmls_kernels_and_simulated_on_its_own_blocks(nex
 
 
 def test_below_every_expert_the_streaming_run_holds_less_than_the_first_and_no_room_is_refused(monkeypatch):
-    """The profile's streaming run (budget 0.5) must read: where the largest budget that fits holds no more than
-    it, it streams at half that budget. Where not even the weights leave room for an expert, a one-line error."""
+    """The profile's first run holds the largest budget that fits, but no more than its tokens' experts need; its
+    streaming run (budget 0.5) must read: where the first holds no more than it, it streams at half that budget. Where not even the weights leave room for an expert, a one-line error."""
     from experiments.compute_profile import _budgets
     from workbench import host, memory
     from workbench.errors import WorkbenchError
@@ -537,6 +537,8 @@ def test_below_every_expert_the_streaming_run_holds_less_than_the_first_and_no_r
     monkeypatch.setattr(memory, "available_bytes", lambda: resident + experts * 3 // 4)
     fits, stream = _budgets("demo", p, "packed", 16, "0.5")
     assert 0.5 < float(fits) < 0.75 and stream == "0.5"
+    fits, stream = _budgets("demo", p, "packed", 1, "0.5")      # 5 tokens x top-4 x 8 layers: 0.625 of 256 experts
+    assert fits == "0.63" and stream == "0.5"                   # no more than the run's own experts need
     monkeypatch.setattr(memory, "available_bytes", lambda: resident + experts * 2 // 5)
     fits, stream = _budgets("demo", p, "packed", 16, "0.5")
     assert 0.2 < float(fits) < 0.4 and stream == f"{float(fits) / 2:.2f}"
