@@ -51,12 +51,12 @@ def bench_arm(model: str, preset: str, budget: str, tokens: int, threads: int | 
     return res
 
 
-def accesses(run: str, phase: str) -> list:
-    """(layer, expert) in the order a run's steps of `phase` asked for them (its record's events)."""
+def accesses(run: str) -> dict:
+    """{phase: (layer, expert) in the order the run's steps of that phase asked for them} (its record's events)."""
     import pyarrow.parquet as pq
-    ev = pq.read_table(Path(run) / "events.parquet").to_pylist()
-    ev = sorted((e for e in ev if e["phase"] == phase), key=lambda e: (e["token"], e["layer"]))
-    return [(e["layer"], int(x)) for e in ev for x in e["routed"]]
+    ev = sorted(pq.read_table(Path(run) / "events.parquet").to_pylist(), key=lambda e: (e["token"], e["layer"]))
+    return {phase: [(e["layer"], int(x)) for e in ev if e["phase"] == phase for x in e["routed"]]
+            for phase in ("prefill", "decode")}
 
 
 def bound(od: dict, disk: dict, seen_bw: float) -> dict:
@@ -65,8 +65,8 @@ def bound(od: dict, disk: dict, seen_bw: float) -> dict:
     its decode time: a virtualised disk may serve a file's blocks faster than a fresh probe's), from the cache every cold run starts decoding with
     (the prompt's experts, the most recent first, as many as fit), and from the best start any policy could have
     (the first experts decoding asks for, preloaded free: a bound no cold run can reach)."""
-    seq = accesses(od["run"], "decode")
-    prompt = list(dict.fromkeys(reversed(accesses(od["run"], "prefill"))))
+    seen = accesses(od["run"])
+    seq, prompt = seen["decode"], list(dict.fromkeys(reversed(seen["prefill"])))
     expert = od["bytes_read"] / max(1, od["misses"])              # bytes one demand read brings in
     slots, steps = int(od["cache_slots"]), max(1, od["decode_steps"])
     bw = max(bandwidth_at(disk, od["floor_read_size"]), seen_bw)

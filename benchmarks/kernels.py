@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench.atomic import atomic_write  # noqa: E402
 from workbench.store import quant  # noqa: E402
+from workbench.store.pack import expert_shapes  # noqa: E402
 
 SHAPES = {"demo": (256, 128), "qwen3-30b-a3b": (2048, 768)}
 GGML_TYPES = {"f32": 0, "q4_0": 2, "q4_1": 3, "q8_0": 8, "q2_K": 10, "q3_K": 11, "q4_K": 12, "bf16": 30}
@@ -195,7 +196,7 @@ def bench_shape(name, d, ff, repeat, ggml, rng, top_k):
     from engines import packed_kernels as K
     for kind in PACK_KINDS:
         kinds = {p: kind for p in ("gate", "up", "down")}
-        parts, nbytes = K.expert_parts({"gate": (ff, d), "up": (ff, d), "down": (d, ff)}, kinds)
+        parts, nbytes = K.expert_parts(expert_shapes(d, ff), kinds)
         arena = np.concatenate([quant.encode(w[p], kind) for p in ("gate", "up", "down")] * top_k)
         X, Y = x[None, :].copy(), np.zeros((top_k, d), np.float32)
         one = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.float32))
@@ -212,7 +213,7 @@ def bench_shape(name, d, ff, repeat, ggml, rng, top_k):
         row("packed (numba)", kind, us, nbytes, run(*many), f"one call for {top_k} experts, per expert")
 
         enc = {p: quant.encode(w[p], kind) for p in ("gate", "up", "down")}
-        shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+        shapes = expert_shapes(d, ff)
 
         def numpy_path():
             f = {p: quant.decode(enc[p], shapes[p], kind) for p in enc}
@@ -250,7 +251,7 @@ def packed_ggml_rows(ggml, d, ff, w, x, repeat, top_k, row):
     compiled loop over a layer's pairs (engines/ggml_kernels.py), one expert and a layer's top-k per call."""
     from engines import ggml_kernels as G
     base, _ = ggml
-    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    shapes = expert_shapes(d, ff)
     for t in ("q4_0", "q8_0", "q4_K", "q6_K"):
         down_t = t if not t.endswith("_K") or ff % 256 == 0 else "q8_0"
         if t.endswith("_K") and d % 256:

@@ -16,7 +16,9 @@ import numpy as np
 
 from workbench.errors import WorkbenchError
 from workbench.spec import MoESpec
-from workbench.store.pack import PARTS, _decode, _encode, expert_kinds
+from workbench.store.pack import PARTS, _decode, _encode, expert_kinds, expert_shapes
+
+PROMPT = [1, 2, 3, 4]       # the profile's runs' prompt (token ids): its experts count in what a run holds
 
 
 @dataclass(frozen=True)
@@ -76,21 +78,21 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     resident, stream_budget = _budgets(model, p, engine, tokens, stream_budget)
     runs, row, reads, workers = [], None, None, 1
     for budget in (resident, stream_budget):
-        with open_session(model, p, budget, prompt=[1, 2, 3, 4], tokens=tokens, drive=drive(routing_trace),
+        with open_session(model, p, budget, prompt=PROMPT, tokens=tokens, drive=drive(routing_trace),
                           engine=engine) as s:
             if not runs:            # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
                 # after it needs none, and would find the same experts cached); below "all", the same tokens, so
                 # that the measured run finds its experts in memory
-                s.generate([1, 2, 3, 4], tokens=4 if resident == "all" else tokens)
+                s.generate(PROMPT, tokens=4 if resident == "all" else tokens)
                 s.reset_telemetry()
-                s.generate([1, 2, 3, 4], tokens=tokens)
+                s.generate(PROMPT, tokens=tokens)
                 formats, held, layout = _formats(s.pack), s.pack.quant["experts"], s.pack.layout
             else:                   # warmed up and started cold, as bench measures: first reads into fresh
                 s.generate([5, 6, 7, 8], tokens=4)      # buffers and first kernel calls are not a decode's
                 s.reset_telemetry()
                 s.cold_start()
                 with _timed_reads(s.reader) as reads:
-                    s.generate([1, 2, 3, 4], tokens=tokens)
+                    s.generate(PROMPT, tokens=tokens)
                 workers = s.reader.workers
             runs.append(([t for t in s.tel.tokens if t.phase == "decode"],
                          [e for e in s.tel.events if e.phase == "decode"]))
@@ -187,7 +189,7 @@ def _budgets(model: str, preset, engine: str | None, tokens: int, stream: str) -
                              f"({resident / 2**20:.0f} MiB)")
     # no more than the run's own experts need (its prompt and tokens, every one routed to new experts): the
     # machine's memory is not the profile's to take
-    used = (4 + tokens) * pack.spec.top_k * len(pack.spec.moe_layers) / pack.num_expert_total
+    used = (len(PROMPT) + tokens) * pack.spec.top_k * len(pack.spec.moe_layers) / pack.num_expert_total
     fits = f"{min(float(fits), math.ceil(100 * used) / 100):.2f}"
     held = lambda b: Budget(b).nbytes(item, pack.num_expert_total)
     return fits, (stream if held(stream) < held(fits) else f"{float(fits) / 2:.2f}")
@@ -216,7 +218,7 @@ def _formats_at(formats: dict, experts: str, d: int, ff: int) -> dict:
     convert would write that shape (pack.expert_kinds)."""
     if experts == "raw":
         return formats
-    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    shapes = expert_shapes(d, ff)
     kinds = tuple(expert_kinds(shapes, experts)[p] for p in PARTS)
     return {kinds: [L for ls in formats.values() for L in ls]}
 
@@ -244,7 +246,7 @@ def _reader_work(kinds: tuple, d: int, ff: int, packed: bool):
     """What a reader thread does per expert read (Pack.decode_expert): the checksum, and for an engine that does
     not compute on the encoded bytes (numpy) the decode of each part."""
     enc = _encoded(kinds, d, ff)
-    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    shapes = expert_shapes(d, ff)
     if packed:
         return lambda: _crc(enc)
     return lambda: [(zlib.crc32(enc[p]), _decode(enc[p], shapes[p], k)) for p, k in zip(PARTS, kinds)]
@@ -338,7 +340,7 @@ def _packed_time(d: int, ff: int, kinds: tuple, k: int, reps: int = 10) -> float
     on GGUF blocks."""
     from engines import ggml_kernels as G
     from engines import packed_kernels as K
-    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    shapes = expert_shapes(d, ff)
     enc = _encoded(kinds, d, ff)
     slot = np.concatenate([enc[p] for p in PARTS])
     nbytes = slot.nbytes

@@ -59,7 +59,7 @@ from workbench.io import split_sizes
 from workbench.presets import Budget, CacheScope, Order, Router
 from workbench.spec import MoESpec
 from workbench.registry import experts_for
-from workbench.store.pack import PARTS, _align, _nbytes, expert_kinds   # the pack's own read plan
+from workbench.store.pack import PARTS, _align, _nbytes, expert_kinds, expert_shapes   # the pack's own read plan
 from workbench.telemetry import rates
 
 
@@ -98,7 +98,7 @@ class ReadPlan:
 
 def read_plan(spec: MoESpec, layout: str, experts: str) -> ReadPlan:
     d, ff = spec.hidden_size, spec.moe_intermediate_size
-    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    shapes = expert_shapes(d, ff)
     kinds = expert_kinds(shapes, experts)
     return ReadPlan(layout, tuple(_nbytes(shapes[p], kinds[p]) for p in PARTS))
 

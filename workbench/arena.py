@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from workbench.io import ALIGN, aligned_empty
-from workbench.store.pack import PARTS, _nbytes, expert_kinds
+from workbench.store.pack import PARTS, _nbytes, expert_kinds, expert_shapes
 
 
 def _aligned(n: int) -> int:
@@ -55,7 +55,7 @@ def planned_slot_bytes(spec, layout: str, experts: str) -> int:
     """slot_bytes of the pack that convert would write of `spec` at `layout` and `experts` precision, without one
     (the simulator, the trace replay, `info` on a checkpoint not yet converted)."""
     d, ff = spec.hidden_size, spec.moe_intermediate_size
-    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    shapes = expert_shapes(d, ff)
     kinds = expert_kinds(shapes, experts)
     sizes = [_nbytes(shapes[p], kinds[p]) for p in PARTS]
     return _aligned(sum(sizes)) if layout == "contiguous" else sum(map(_aligned, sizes))

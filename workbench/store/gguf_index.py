@@ -17,7 +17,7 @@ from pathlib import Path
 from workbench import host
 from workbench.atomic import atomic_path
 from workbench.chat import find_template
-from workbench.store.pack import ALIGN, FORMAT, MAGIC, PARTS, PREFIX, _align, _crc, _encode, _header_bytes, _nbytes
+from workbench.store.pack import ALIGN, FORMAT, MAGIC, PARTS, PREFIX, _align, _crc, _encode, _header_bytes, _nbytes, expert_shapes
 
 CHUNK = 16 * 2**20
 
@@ -84,7 +84,7 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
         else:
             here.append(name)
     d, ff = s.hidden_size, s.moe_intermediate_size
-    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    shapes = expert_shapes(d, ff)
     layer_kinds, layers = {}, {}
     for L in s.moe_layers:
         layer_kinds[str(L)] = model.expert_kinds(L)

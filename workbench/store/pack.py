@@ -45,6 +45,11 @@ FORMAT = 2          # 2: the header carries its own crc32 (format 1 packs are re
 PREFIX = 24
 ALIGN = 4096
 PARTS = ("gate", "up", "down")
+
+
+def expert_shapes(d: int, ff: int) -> dict[str, tuple]:
+    """One expert's matrices (rows, columns) at hidden size d and expert width ff."""
+    return {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
 EXPERT_KINDS = ("q2", "q3", "q4", "q8", "bf16", "raw", *ggml_blocks.BLOCKS)
 REST_KINDS = ("q4", "q8", "bf16", "raw")
 # "raw" (GGUF sources only): keep the source's own blocks byte for byte, as kinds "gguf:<TYPE>" (e.g.
@@ -118,7 +123,7 @@ def _nbytes(shape: tuple, kind: str) -> int:
 def _plan(model, layout: str, experts: str, rest: str, data_start: int):
     s = model.spec
     d, ff = s.hidden_size, s.moe_intermediate_size
-    shapes = {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
+    shapes = expert_shapes(d, ff)
     kinds = expert_kinds(shapes, experts) if experts != "raw" else {}
     sizes = {p: _nbytes(shapes[p], kinds[p]) for p in kinds}
     layer_kinds = {}                                  # raw: each layer keeps its source's types (Q4_K_M mixes)
@@ -338,7 +343,7 @@ class Pack:
             yield "its layers"
         if any(len(v) != s.num_experts for v in self.expert_layers.values()):
             yield "its experts per layer"
-        if self.expert_shapes != {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}:
+        if self.expert_shapes != expert_shapes(d, ff):
             yield "its expert shapes"
         for name, t in self.tensors.items():
             where = data_size if t.get("in") == "data" else size
