@@ -38,7 +38,6 @@ import numpy as np
 from workbench.errors import WorkbenchError
 from workbench.models.gguf_hybrid import BLOCKS as HYBRID_BLOCKS, hybrid_derived, hybrid_gguf_spec
 from workbench.spec import MoESpec, yarn_mscale
-from workbench.store.pack import expert_shapes
 
 PARTS = ("gate", "up", "down")
 ARCHES = ("qwen3moe", "qwen2moe", "olmoe", "llama", "dots1", "deepseek2", "qwen3next", "qwen35moe")
@@ -533,7 +532,8 @@ class GGUFModel:
         return out
 
     def expert_shapes(self) -> dict[str, tuple]:
-        return expert_shapes(self.spec.hidden_size, self.spec.moe_intermediate_size)
+        d, ff = self.spec.hidden_size, self.spec.moe_intermediate_size
+        return {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
 
     def expert(self, layer: int, e: int) -> dict[str, np.ndarray]:
         raw, kinds, shapes = self.expert_raw(layer, e), self.expert_kinds(layer), self.expert_shapes()
