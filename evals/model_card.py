@@ -31,7 +31,7 @@ def routing_stats(session: Session, ids: list[int], ctx: int = 512) -> dict:
     s, w = session.spec, session.engine.w
     moe = s.moe_layers
     look = Lookahead(s, w, depth=1)
-    with RoutingCapture(session, keep_h=True) as cap:
+    with RoutingCapture(session, keep=("h",)) as cap:
         for b in range(0, len(ids) - ctx + 1, ctx):
             session.engine.reset()
             session.step(ids[b:b + ctx], "prefill")

@@ -106,7 +106,7 @@ def read_trace(path) -> dict:
 def capture_numpy(model: str, ids: list[int], preset: str = "teacher") -> tuple[dict, dict]:
     """The workbench engine's own routing on `ids` (one teacher-forced batch, every expert resident)."""
     from runtime.session import Session
-    with Session(model, preset, budget="all") as s, RoutingCapture(s, keep_logits=True, keep_h=True) as cap:
+    with Session(model, preset, budget="all") as s, RoutingCapture(s, keep=("logits", "h")) as cap:
         s.engine.reset()
         s.step(ids, "prefill")
         layers = s.spec.moe_layers

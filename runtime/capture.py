@@ -11,10 +11,11 @@ from workbench.routing import route
 
 
 class RoutingCapture:
-    """Per routed call: layer, phase, token index and top-k ids (and, if asked, the logits and the
-    residual stream h). `take()` returns {layer: (T, k)} for everything since the last take."""
+    """Per routed call: layer, phase, token index and top-k ids, and the router's context that `keep` names
+    ("logits", "x" the router input, "h" the residual stream). `take()` returns {layer: (T, k)} for everything
+    since the last take."""
 
-    def __init__(self, session, keep_logits: bool = False, keep_h: bool = False):
+    def __init__(self, session, keep: tuple[str, ...] = ()):
         self.session = session
         self.records: list[dict] = []
         spec, w, engine = session.spec, session.engine.w, session.engine
@@ -26,21 +27,24 @@ class RoutingCapture:
                 idx, weights = route(spec, logits, w.get(f"layers.{layer}.router_bias"))
             rec = {"layer": layer, "phase": ctx["phase"], "token": engine.token_index,
                    "idx": np.array(idx, dtype=np.int32, copy=True)}
-            if keep_logits:
-                rec["logits"] = np.array(logits, dtype=np.float32, copy=True)
-            if keep_h:
-                rec["h"] = np.array(ctx["h"], dtype=np.float32, copy=True)
+            for k in keep:
+                rec[k] = np.array(logits if k == "logits" else ctx[k], dtype=np.float32, copy=True)
             self.records.append(rec)
             return idx, weights
 
         self.prev = engine.swap_router_hook(hook)
 
     def take(self, key: str = "idx") -> dict[int, np.ndarray]:
-        out = {}
+        return self.take_all((key,))[key]
+
+    def take_all(self, keys: tuple[str, ...]) -> dict[str, dict[int, np.ndarray]]:
+        """{key: {layer: the records' arrays concatenated}} for everything since the last take."""
+        out = {k: {} for k in keys}
         for r in self.records:
-            out.setdefault(r["layer"], []).append(r[key])
+            for k in keys:
+                out[k].setdefault(r["layer"], []).append(r[k])
         self.records = []
-        return {L: np.concatenate(v, 0) for L, v in out.items()}
+        return {k: {L: np.concatenate(v, 0) for L, v in got.items()} for k, got in out.items()}
 
     def remove(self):
         self.session.engine.swap_router_hook(self.prev)

@@ -23,7 +23,7 @@ from workbench.devices import open_reader
 from workbench.host import peak_rss_bytes
 from workbench.memory import check_fits, memory_needs
 from workbench.predict import make_predictor
-from workbench.presets import Budget, Predictor, Preset, Router, get_preset
+from workbench.presets import KNOBS, Budget, Predictor, Preset, Router, get_preset
 from workbench.registry import cache_dir, resolve_pack, storage_for, tokenizer_for
 from workbench.routing import cache_bias_router
 from workbench.shapes import random_label
@@ -253,32 +253,45 @@ def open_session(model: str = "demo", preset: str | Preset = "on_demand", budget
     oracle's trace is captured first from what it will decode (`tokens` greedy tokens after `prompt`), unless
     `drive` routes and predicts (a routing trace: experiments.routing_trace.drive). prompt None: no decoding known
     ahead (an evaluation's prefills, a server's requests): the oracle has no future to replay and names nothing.
-    kw: Session's (engine, device, direct, ...); engine None is engines.default_engine."""
+    kw: Session's (engine, device, direct, ...; engine None is engines.default_engine) and preset knobs by their
+    flat names (Preset.with_)."""
     p = preset if isinstance(preset, Preset) else get_preset(preset)
+    if knobs := {k: v for k, v in kw.items() if k in KNOBS}:      # Session takes them again: storage_for names them
+        p = p.with_(**knobs)
     if p.prefetch.predictor is Predictor.ORACLE and drive is None:
-        kw["trace"] = {} if prompt is None else oracle_trace(model, p, prompt, tokens)
+        kw["trace"] = {} if prompt is None else oracle_trace(model, p, prompt, tokens, budget)
     return Session(model, p, budget=budget, drive=drive, **kw)
 
 
-def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int) -> dict | None:
+def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int, budget=None) -> dict | None:
     """The oracle's trace: the true routing {(token index, layer): experts} of greedy decoding `tokens` tokens after
-    `prompt` on this preset's pack (every expert resident, exact routing); None for a preset that is not the oracle."""
+    `prompt` on this preset's pack (exact routing, at the run's budget: the routing does not depend on it, and a
+    model bigger than memory cannot hold every expert); None for a preset that is not the oracle."""
     p = preset if isinstance(preset, Preset) else get_preset(preset)
     if p.prefetch.predictor is not Predictor.ORACLE:
         return None
-    with Session(model, p.with_(predictor=None, routing="exact"), budget="all") as s, RoutingCapture(s) as cap:
+    with Session(model, p.with_(predictor=None, routing="exact"), budget=budget) as s, RoutingCapture(s) as cap:
         s.generate(prompt, tokens=tokens)
-        return {(r["token"], r["layer"]): sorted(set(r["idx"].reshape(-1).tolist()))
-                for r in cap.records if r["phase"] == "decode"}
+        records = cap.records
+    gc.collect()        # that session (its arena) is cyclic garbage: gone before the oracle's own fills
+    return {(r["token"], r["layer"]): sorted(set(r["idx"].reshape(-1).tolist())) for r in records if r["phase"] == "decode"}
+
+
+def prefills(pack_path, windows, keep: tuple[str, ...] = ()):
+    """Each window prefilled from position 0 with exact routing, yielding its RoutingCapture records ({layer:
+    (T, ...)} of `keep` and "idx"). The experts stream through one layer's worth of slots (a prefill reads each
+    layer's routed experts once whatever the cache holds): a model bigger than memory is captured too, in little
+    memory."""
+    budget = f"{min(1.0, 1 / len(Pack(pack_path).spec.moe_layers)):.6f}"
+    with Session(str(pack_path), "on_demand", budget=budget) as s, RoutingCapture(s, keep) as cap:
+        for ids in windows:
+            s.engine.reset()
+            s.step(list(map(int, ids)), "prefill")
+            yield cap.take_all(("idx", *keep))
 
 
 def usage_profile(pack_path, ids: list[int]) -> dict:
-    """Count expert use per layer over `ids` (one prefill, exact routing), streaming the experts through one layer's
-    worth of slots (a prefill reads each layer's routed experts once whatever the cache holds): a model bigger than
-    memory has its profile too, in little memory."""
-    spec = Pack(pack_path).spec
-    budget = f"{min(1.0, 1 / len(spec.moe_layers)):.6f}"
-    with Session(str(pack_path), "on_demand", budget=budget) as s, RoutingCapture(s) as cap:
-        s.step(ids, "prefill")
-        return {L: np.bincount(idx.reshape(-1), minlength=s.spec.num_experts).tolist()
-                for L, idx in cap.take().items()}
+    """Count expert use per layer over `ids` (one prefill, exact routing, streamed: `prefills`)."""
+    [got] = prefills(pack_path, [ids])
+    E = Pack(pack_path).spec.num_experts
+    return {L: np.bincount(idx.reshape(-1), minlength=E).tolist() for L, idx in got["idx"].items()}

@@ -155,6 +155,24 @@ def test_torch_student_equals_numpy_serving(tiny4, tmp_path):
     np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
 
 
+def test_heads_train_on_what_the_torch_teacher_computes(tiny4, tmp_path):
+    """The prerouter's training data come from the engine streaming the teacher's experts (any size of model); per
+    layer they are the torch teacher's (training/model.py): router input, executed top-k, router logits."""
+    torch = pytest.importorskip("torch")
+    from training.edge0_common import TorchMoE
+    from training.edge0_prerouter import collect
+    pack = pack_of(fresh(tiny4, tmp_path), "bf16")
+    windows = np.array([PROMPT * 2, PROMPT[::-1] * 2])
+    got = collect(pack, windows, log=None)
+    with torch.no_grad():
+        _, want = TorchMoE(pack)(torch.from_numpy(windows), collect=True)
+    assert set(got) == set(want) == set(pack.spec.moe_layers)
+    for L, (x, idx, logits) in want.items():
+        np.testing.assert_allclose(got[L][0], x.numpy(), rtol=2e-3, atol=2e-3)          # stored in fp16
+        assert (np.sort(got[L][1], -1) == np.sort(idx.numpy(), -1)).all()
+        np.testing.assert_allclose(got[L][2], logits.numpy(), rtol=1e-4, atol=1e-4)
+
+
 def student_logits(pack, ids, heads_path, lora_path):
     """The trainers' torch student on `ids`: (whole sequence at once, token by token with its cache)."""
     import torch

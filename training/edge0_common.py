@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from training.model import MoEDecoder
 from workbench.edge0.artifacts import model_identity, pack_weights
-from workbench.registry import resolve_pack
+from workbench.registry import GGUF_STORAGE, resolve_pack
 from workbench.errors import WorkbenchError
 from workbench.store.pack import Pack
 
@@ -32,7 +32,10 @@ PROJ = ("q", "k", "v", "o")
 
 
 def open_pack(model: str, precision: str) -> Pack:
-    """precision: "bf16" (the teacher's pack) or "q4" (the student's: int4 experts and rest)."""
+    """precision: "bf16" (the teacher's pack) or "q4" (the student's: int4 experts and rest). A GGUF is both,
+    in its own blocks (its index): converting it again would be another model, and a second copy of the file."""
+    if str(model).endswith(".gguf"):
+        return Pack(resolve_pack(model, *GGUF_STORAGE, progress=False))
     return Pack(resolve_pack(model, "contiguous", precision, precision, progress=False))
 
 

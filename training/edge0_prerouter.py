@@ -2,8 +2,8 @@
 
     python -m training.edge0_prerouter --model demo
 
-Data: windows of the training corpora (workbench.textdata.TRAIN) through the teacher (the bf16 pack,
-exact routing). For every token t and owner layer L the feature is
+Data: windows of the training corpora (workbench.textdata.TRAIN) through the teacher (the bf16 pack, or a
+GGUF's own blocks; exact routing; the workbench's engine, streaming: any size of model). For every token t and owner layer L the feature is
     concat[x_L(t) (the router input, after the post-attention norm), one-hot top-k of L at t, at t-1]
 and the target is layer L+1's router logits at token t+1.
 Heads: per owner layer, fc1 -> gelu -> fc2 plus a linear residual path warm-started from layer L+1's router
@@ -22,30 +22,28 @@ import torch
 import torch.nn.functional as F
 
 from workbench.edge0.artifacts import artifact_path, model_identity, save_safetensors
-from training.edge0_common import (Clock, HeadSet, TorchMoE, command_line, data_digest,
-                                          onehot, open_pack, sample_windows)
+from runtime.session import prefills
+from training.edge0_common import Clock, HeadSet, command_line, data_digest, onehot, open_pack, sample_windows
 from workbench.commands import flags
 from workbench.registry import REPO, tokenizer_for
 from workbench.errors import WorkbenchError
 from training.corpora import TRAIN, encode_train
 
 
-def collect(teacher: TorchMoE, windows: np.ndarray, batch: int = 16, log=print):
-    """{layer: (x fp16 (N, T, d), ids int16 (N, T, k), logits fp32 (N, T, E))} from the teacher, exact routing."""
-    s = teacher.spec
+def collect(pack, windows: np.ndarray, log=print):
+    """{layer: (x fp16 (N, T, d), ids int16 (N, T, k), logits fp32 (N, T, E))}, exact routing: the workbench's own
+    engine prefilling each window with the teacher's experts streamed (runtime.session.prefills), so a model bigger
+    than memory is its own teacher in little memory."""
+    s = pack.spec
     N, T = windows.shape
     out = {L: (np.zeros((N, T, s.hidden_size), np.float16), np.zeros((N, T, s.top_k), np.int16),
                np.zeros((N, T, s.num_experts), np.float32)) for L in s.moe_layers}
     clock = Clock()
-    with torch.no_grad():
-        for b in range(0, N, batch):
-            _, got = teacher(torch.from_numpy(windows[b:b + batch]), collect=True)
-            for L, (xn, idx, lg) in got.items():
-                out[L][0][b:b + batch] = xn.numpy()
-                out[L][1][b:b + batch] = idx.numpy()
-                out[L][2][b:b + batch] = lg.numpy()
-            if log and (b // batch) % 8 == 0:
-                log(f"collect {b + len(windows[b:b + batch])}/{N} windows  {clock():.0f}s")
+    for n, got in enumerate(prefills(pack.path, windows, keep=("x", "logits"))):
+        for L, (x, idx, lg) in out.items():
+            x[n], idx[n], lg[n] = got["x"][L], got["idx"][L], got["logits"][L]
+        if log and (n % 8 == 0 or n == N - 1):
+            log(f"collect {n + 1}/{N} windows  {clock():.0f}s")
     return out
 
 
@@ -118,8 +116,7 @@ def main(argv=None):
     clock = Clock()
 
     pack = open_pack(a.model, "bf16")
-    teacher = TorchMoE(pack)
-    s = teacher.spec
+    s = pack.spec
     moe, E, k = s.moe_layers, s.num_experts, s.top_k
     owners = moe[:-1]
     tok = tokenizer_for(pack)
@@ -128,12 +125,12 @@ def main(argv=None):
     data_ids = encode_train(tok)
     windows = sample_windows(data_ids, a.windows, a.ctx, rng)
     print(f"{a.windows} windows x {a.ctx} tokens from {', '.join(data_ids)}  ({clock():.0f}s)", flush=True)
-    data = collect(teacher, windows, log=lambda m: print(m, flush=True))
+    data = collect(pack, windows, log=lambda m: print(m, flush=True))
     n_val = max(1, int(round(a.val_frac * len(windows))))
     val_rows, train_rows = np.arange(len(windows) - n_val, len(windows)), np.arange(len(windows) - n_val)
 
     heads = HeadSet(owners, s.hidden_size, E, a.hidden)
-    heads.warm_start(teacher.np_w, s)
+    heads.warm_start({n: pack.tensor(n) for o in moe for n in (f"layers.{o}.router", f"layers.{o}.mlp_norm")}, s)
     before = evaluate(heads, data, owners, moe, val_rows, E, k)
     print("warm start (val):", json.dumps({o: {m: round(v, 3) for m, v in r.items()} for o, r in before.items()}),
           flush=True)
@@ -172,7 +169,7 @@ def main(argv=None):
             "warm_start": "res[:, :d] = router_{L+1} * (mlp_norm_{L+1} / mlp_norm_L); fc2 = 0",
             "data": {"corpora": {n: str(p.relative_to(REPO)) for n, p in TRAIN.items()},
                      "windows": a.windows, "ctx": a.ctx, "tokens": int(windows.size), "seed": a.seed,
-                     "windows_sha256": data_digest(windows), "teacher": "bf16 pack, exact routing",
+                     "windows_sha256": data_digest(windows), "teacher": f"{pack.path.name}, exact routing",
                      "val_windows": int(n_val)},
             "steps": a.steps, "batch": a.batch, "lr": a.lr, "optimizer": "AdamW, cosine to 0.1x",
             "val_before": before, "val_after": after, "log": log, "command": command_line(),
