@@ -43,12 +43,24 @@ def verb(*args) -> dict:
     return json.loads(p.stdout)
 
 
+def knobs_for(model: str, preset: str) -> list[str]:
+    """Edge0 serves its recovery LoRA where one was trained for the file (beside it, edge0/lora.safetensors), and
+    routes with its prerouter alone where none was: a LoRA's training holds the whole model in torch."""
+    return ["routing=prerouter:nolora"] if preset == "edge0" and not (
+        Path(model).parent / "edge0" / "lora.safetensors").exists() else []
+
+
 def bench_arm(model: str, preset: str, budget: str, tokens: int, threads: int | None) -> dict:
-    """One design in a fresh process, and what `info` said it would hold (run_bytes, for --tokens of context)."""
-    res = verb("bench", "--model", model, "--preset", preset, "--budget", budget, "--tokens", tokens, "--prompt",
-               PROMPT, *(["--threads", threads] if threads else []))
-    res["info_run_bytes"] = verb("info", "--model", model, "--preset", preset, "--budget", budget)["memory"]["run_bytes"]
-    return res
+    """One design in a fresh process, and what `info` said it would hold (run_bytes, for --tokens of context); a
+    design that fails or is refused is recorded with its one-line reason, and the others go on."""
+    knobs = knobs_for(model, preset)
+    try:
+        res = verb("bench", "--model", model, "--preset", preset, "--budget", budget, "--tokens", tokens, "--prompt",
+                   PROMPT, *(["--threads", threads] if threads else []), *(a for k in knobs for a in ("--set", k)))
+        res["info_run_bytes"] = verb("info", "--model", model, "--preset", preset, "--budget", budget)["memory"]["run_bytes"]
+    except SystemExit as e:
+        return {"error": str(e), "tok_s": None}
+    return {**res, "knobs": knobs}
 
 
 def accesses(run: str) -> dict:
@@ -92,6 +104,7 @@ def main(argv=None):
     ap.add_argument("--llama", default="cold", choices=["cold", "warm"],
                     help="llama.cpp's start: cold, or warm (the whole file read into the page cache first)")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--tag", default="", help="written to results/full_size_<file's stem>[-TAG].{json,md}")
     ap.add_argument("--tables-from", type=Path, default=None, metavar="JSON",
                     help="write the tables again from a results JSON this script wrote (its runs), measuring nothing")
     a = ap.parse_args(argv)
@@ -107,9 +120,14 @@ def main(argv=None):
             t0 = time.time()
             got.append(bench_gguf(a.model, tokens=a.tokens, prompt=PROMPT, mode=a.llama, threads=a.threads, warmup=0)
                        if d == "llama.cpp" else bench_arm(a.model, d, b, a.tokens, a.design_threads))
-            print(f"round {r + 1}: {d} @{b}: {got[-1]['tok_s']:.3f} tok/s ({time.time() - t0:.0f} s)", flush=True)
-    rows = []
+            print(f"round {r + 1}: {d} @{b}: {got[-1].get('error') or format(got[-1]['tok_s'], '.3f') + ' tok/s'} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+    rows, failed = [], []
     for (d, b), got in arms.items():
+        failed += [f"- {d} @{b}: {g['error']}" for g in got if g.get("error")]
+        got = [g for g in got if not g.get("error")]
+        if not got:
+            continue
         tok = [g["tok_s"] for g in got]
         med = sorted(got, key=lambda g: g["tok_s"])[len(got) // 2]
         row = {"design": d, "budget": b, "tok_s": statistics.median(tok), "tok_s_min": min(tok), "tok_s_max": max(tok),
@@ -127,7 +145,7 @@ def main(argv=None):
                    if g.get("decode_s")), default=0.0)
     bounds = {b: bound(next(r for r in rows if r["design"] == "on_demand" and r["budget"] == b)["median_run"], disk,
                        seen_bw)
-              for b in budgets if "on_demand" in designs}
+              for b in budgets if any(r["design"] == "on_demand" and r["budget"] == b for r in rows)}
     for row in rows[1:]:
         if row["budget"] in bounds:
             row["over_belady"] = row["tok_s"] / bounds[row["budget"]]["belady_tok_s"]
@@ -136,7 +154,7 @@ def main(argv=None):
               f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads} --llama {a.llama}" + \
               (f" --design-threads {a.design_threads}" if a.design_threads else "")
     res = {"command": command, "model": a.model, "file_size": os.path.getsize(a.model), "rows": rows,
-           "arms": [[d, b, got] for (d, b), got in arms.items()],
+           "arms": [[d, b, got] for (d, b), got in arms.items()], "failed": failed,
            "bounds": bounds, "disk": disk, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
            "random_weights": rows[1]["median_run"].get("random_weights") if len(rows) > 1 else None,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0]}
@@ -157,7 +175,8 @@ def main(argv=None):
     for r in rows:
         m = r["median_run"]
         f = lambda k, fmt=".3f", scale=1: "" if m.get(k) is None else format(m[k] * scale, fmt)
-        md.append(f"| {r['design']} | {r['budget']} | {r['tok_s']:.3f} | {r['tok_s_min']:.3f}-{r['tok_s_max']:.3f} | "
+        label = r["design"] + "".join(f" ({k})" for k in m.get("knobs", []))
+        md.append(f"| {label} | {r['budget']} | {r['tok_s']:.3f} | {r['tok_s_min']:.3f}-{r['tok_s_max']:.3f} | "
                   f"{r.get('over_llama_cpp', 1.0):.2f} | {gib(r['peak_rss_bytes']):.2f} | {gib(r['memory_bytes']):.2f} | "
                   f"{r.get('memory_over_llama_cpp', 1.0):.2f} | "
                   f"{f('bytes_read_per_token', '.0f', 1e-6)} | "
@@ -165,6 +184,7 @@ def main(argv=None):
                   f"{f('achieved_over_floor', '.2f')} | {'' if 'over_belady' not in r else format(r['over_belady'], '.2f')} | "
                   f"{m.get('threads', '')} | "
                   f"{format(m['peak_rss_bytes'] / m['info_run_bytes'], '.2f') if m.get('info_run_bytes') else ''} |")
+    md += [] if not failed else ["", "Arms that did not run (their one-line reason):", "", *failed]
     md += [] if not bounds else [
         "", "Belady's bound per budget (MIN over on_demand's decode routing, its slots; reads at the best bandwidth "
         "the disk probe found at the run's read size or the most a run drew from the disk, whichever is more; "
@@ -182,10 +202,11 @@ def main(argv=None):
            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows[1:]:
         m, n = r["median_run"], max(1, r["median_run"]["decode_steps"])
-        md.append(f"| {r['design']} | {r['budget']} | {1e3 * m['compute_s'] / n:.0f} | {1e3 * m['router_s'] / n:.0f} | "
+        label = r["design"] + "".join(f" ({k})" for k in m.get("knobs", []))
+        md.append(f"| {label} | {r['budget']} | {1e3 * m['compute_s'] / n:.0f} | {1e3 * m['router_s'] / n:.0f} | "
                   f"{1e3 * m['flash_wait_s'] / n:.0f} | {1e3 * m['other_s'] / n:.0f} | "
                   f"{1e3 * m['floor_compute_s_per_token']:.0f} | {1e3 * m['floor_read_s_per_token']:.0f} |")
-    name = Path(a.model).stem
+    name = Path(a.model).stem + (f"-{a.tag}" if a.tag else "")
     atomic_write(a.out / f"full_size_{name}.json", json.dumps(res, indent=1, default=str) + "\n")
     atomic_write(a.out / f"full_size_{name}.md", "\n".join(md) + "\n")
     print("\n".join(md))

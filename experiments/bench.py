@@ -58,9 +58,10 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
 
 def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
           engine: str | None = None, direct: bool = True, record: bool = True, device: str | None = None,
-          routing_trace: str | None = None, warm: bool = False, threads: int | None = None) -> dict:
+          routing_trace: str | None = None, warm: bool = False, threads: int | None = None, **knobs) -> dict:
+    """knobs: preset knobs changed by their flat names (Preset.with_)."""
     with open_session(model, preset, budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct,
-                      device=device, drive=drive(routing_trace), threads=threads) as s:
+                      device=device, drive=drive(routing_trace), threads=threads, **knobs) as s:
         record_run = lambda summary, failed=False: write_run(
             s.preset.name, {**s.config(), "tokens": tokens, "prompt": prompt}, summary, s.tel.per_layer("decode"),
             s.tel.event_rows(), s.tel.token_rows(), failed=failed)

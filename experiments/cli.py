@@ -20,22 +20,33 @@ def _bench_flags(p):
                         "(default: cold, an empty expert cache and the model's file out of the page cache)")
     flags("routing_trace", routing_trace={"help": "route and predict as recorded in this trace (real reads, real "
                                                   "compute; ids mapped, see JSON)"})(p)
+    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                   help="change one of the preset's knobs, by the name a run record's config gives it "
+                        "(e.g. routing=prerouter:nolora); repeatable")
     bench_flags(p)
+
+
+def knobs_of(sets: list[str]) -> dict:
+    """--set KNOB=VALUE ... as {knob: value} (the preset parses and checks the values)."""
+    bad = [s for s in sets if "=" not in s or not s.split("=", 1)[0]]
+    if bad:
+        raise WorkbenchError(f"--set {bad[0]!r}: expected KNOB=VALUE, e.g. routing=prerouter:nolora")
+    return dict(s.split("=", 1) for s in sets)
 
 
 @command("bench", "measure decode speed, hits and flash wait; writes a run record", running, flash, _bench_flags)
 def cmd_bench(args):
     if args.engine == "llamacpp":
-        if args.device or args.routing_trace:
-            raise WorkbenchError("--engine llamacpp reads through llama.cpp's own mmap: --device and --routing-trace "
-                                 "need an engine the workbench streams (numpy, mlx)")
+        if args.device or args.routing_trace or args.set:
+            raise WorkbenchError("--engine llamacpp reads through llama.cpp's own mmap: --device, --routing-trace and "
+                                 "--set need an engine the workbench streams (numpy, mlx)")
         from engines.llamacpp_cli import bench_llamacpp
         res = bench_llamacpp(args)
         return emit(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "token_ids"))
     from experiments.bench import bench
     res = bench(args.model, args.preset, budget=args.budget, tokens=args.tokens, prompt=args.prompt,
                 engine=args.engine, direct=not args.page_cache, record=not args.no_record, device=args.device,
-                routing_trace=args.routing_trace, warm=args.warm, threads=args.threads)
+                routing_trace=args.routing_trace, warm=args.warm, threads=args.threads, **knobs_of(args.set))
     emit(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "per_layer"))
 
 

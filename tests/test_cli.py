@@ -72,3 +72,13 @@ def test_the_oracle_replays_the_routing_of_what_it_decodes_and_is_refused_withou
         assert s.summary()["prefetch_recall"] == 1.0
     out = run_json("generate", "--model", model, "--preset", "oracle", "--prompt", "Once upon", "--tokens", "5")
     assert len(out["tokens"]) == 5 and out["preset"] == "oracle"
+
+
+def test_bench_changes_a_preset_knob_by_its_record_name(tiny_models):
+    model = str(tiny_models["qwen3_moe"])
+    out = run_json("bench", "--model", model, "--preset", "les", "--set", "predictor=oracle", "--tokens", "6",
+                   "--budget", "0.25")
+    from workbench.runs import read_run
+    assert read_run(out["run"])["config"]["preset"]["predictor"] == "oracle" and out["prefetch_recall"] == 1.0
+    bad = cli("bench", "--model", model, "--preset", "les", "--set", "predictr=oracle")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "predictr" in bad.stderr
