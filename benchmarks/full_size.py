@@ -31,6 +31,7 @@ from experiments.simulate import belady_of  # noqa: E402
 from workbench.atomic import atomic_write  # noqa: E402
 from workbench.disk_probe import bandwidth_at, probe  # noqa: E402
 from workbench.commands import flags  # noqa: E402
+from workbench.presets import Router, get_preset  # noqa: E402
 
 PROMPT = "Once upon a time"
 
@@ -71,13 +72,16 @@ def accesses(run: str) -> dict:
             for phase in ("prefill", "decode")}
 
 
-def bound(od: dict, disk: dict, seen_bw: float) -> dict:
-    """Belady's MIN over on_demand's decode routing with its slots, as tok/s: its reads at the best bandwidth the
-    disk probe found at the run's read size (any queue depth) or the most any run drew from the disk (its bytes over
-    its decode time: a virtualised disk may serve a file's blocks faster than a fresh probe's), from the cache every cold run starts decoding with
-    (the prompt's experts, the most recent first, as many as fit), and from the best start any policy could have
-    (the first experts decoding asks for, preloaded free: a bound no cold run can reach)."""
-    seen = accesses(od["run"])
+def bound(od: dict, disk: dict, seen_bw: float, compute_s: float, routing: dict | None = None) -> dict:
+    """Belady's MIN over on_demand's decode routing with its slots (or over `routing`'s, a run of a design that
+    routes otherwise: Edge0's prediction is its routing), as tok/s: its reads at the best bandwidth the disk probe
+    found at the run's read size (any queue depth) or the most any run drew from the disk (its bytes over its decode
+    time: a virtualised disk may serve a file's blocks faster than a fresh probe's), each read on_demand's bytes per
+    expert, or `compute_s` a token where that is slower (the least any arm at the budget computed and routed: reads
+    slow the compute thread that waits on them, so on_demand's own is not the least); from the cache every cold run starts decoding with (the prompt's experts,
+    the most recent first, as many as fit), and from the best start any policy could have (the first experts
+    decoding asks for, preloaded free: a bound no cold run can reach)."""
+    seen = accesses((routing or od)["run"])
     seq, prompt = seen["decode"], list(dict.fromkeys(reversed(seen["prefill"])))
     expert = od["bytes_read"] / max(1, od["misses"])              # bytes one demand read brings in
     slots, steps = int(od["cache_slots"]), max(1, od["decode_steps"])
@@ -85,11 +89,18 @@ def bound(od: dict, disk: dict, seen_bw: float) -> dict:
 
     def as_tok_s(b):
         read_s = b["belady_misses"] / steps * expert / bw
-        return read_s, 1 / max(read_s, od["floor_compute_s_per_token"])
+        return read_s, 1 / max(read_s, compute_s)
     b, best = belady_of(seq, slots, initial=prompt), belady_of(seq, slots, initial=None)
     (read_s, tok_s), (_, best_tok_s) = as_tok_s(b), as_tok_s(best)
     return {**b, "slots": slots, "belady_tok_s": tok_s, "belady_read_s_per_token": read_s, "disk_bw": bw,
+            "compute_s_per_token": compute_s,
             "best_start_misses": best["belady_misses"], "best_start_tok_s": best_tok_s}
+
+
+def routes_otherwise(design: str, knobs: list[str]) -> bool:
+    """The design's routing is not the model's exact router (Edge0's prerouter, a cache-aware bias): its accesses
+    are its own, and so is its bound."""
+    return get_preset(design).with_(**dict(k.split("=", 1) for k in knobs)).routing.router is not Router.EXACT
 
 
 def main(argv=None):
@@ -143,17 +154,22 @@ def main(argv=None):
         row["memory_over_llama_cpp"] = row["memory_bytes"] / llama["memory_bytes"]
     seen_bw = max((g["bytes_read"] / g["decode_s"] for (d, _), got in arms.items() if d != "llama.cpp" for g in got
                    if g.get("decode_s")), default=0.0)
-    bounds = {b: bound(next(r for r in rows if r["design"] == "on_demand" and r["budget"] == b)["median_run"], disk,
-                       seen_bw)
-              for b in budgets if any(r["design"] == "on_demand" and r["budget"] == b for r in rows)}
+    od = {r["budget"]: r["median_run"] for r in rows if r["design"] == "on_demand"}
+    least = {b: min(r["median_run"]["floor_compute_s_per_token"] for r in rows[1:] if r["budget"] == b) for b in od}
+    bounds = {b: bound(od[b], disk, seen_bw, least[b]) for b in budgets if b in od}
     for row in rows[1:]:
-        if row["budget"] in bounds:
-            row["over_belady"] = row["tok_s"] / bounds[row["budget"]]["belady_tok_s"]
-            row["over_belady_best_start"] = row["tok_s"] / bounds[row["budget"]]["best_start_tok_s"]
+        if row["budget"] not in od:
+            continue
+        if routes_otherwise(row["design"], row["median_run"].get("knobs", [])):
+            row["own_bound"] = bound(od[row["budget"]], disk, seen_bw, least[row["budget"]], routing=row["median_run"])
+        b = row.get("own_bound") or bounds[row["budget"]]
+        row["over_belady"] = row["tok_s"] / b["belady_tok_s"]
+        row["over_belady_best_start"] = row["tok_s"] / b["best_start_tok_s"]
     command = f"python benchmarks/full_size.py --model {a.model} --budgets {a.budgets} --designs {a.designs} " \
               f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads} --llama {a.llama}" + \
               (f" --design-threads {a.design_threads}" if a.design_threads else "")
-    res = {"command": command, "model": a.model, "file_size": os.path.getsize(a.model), "rows": rows,
+    res = {"command": command, "model": a.model, "rows": rows,
+           "file_size": old["file_size"] if a.tables_from else os.path.getsize(a.model),
            "arms": [[d, b, got] for (d, b), got in arms.items()], "failed": failed,
            "bounds": bounds, "disk": disk, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
            "random_weights": rows[1]["median_run"].get("random_weights") if len(rows) > 1 else None,
@@ -188,13 +204,18 @@ def main(argv=None):
     md += [] if not bounds else [
         "", "Belady's bound per budget (MIN over on_demand's decode routing, its slots; reads at the best bandwidth "
         "the disk probe found at the run's read size or the most a run drew from the disk, whichever is more; "
-        "compute as on_demand's), from the cache a cold run starts decoding with (the prompt's experts): "
+        "or the least compute and routing any arm at the budget took a token, where that is slower), from the cache a cold run starts decoding with (the prompt's experts): "
         "`/ Belady`; and from the best start any policy could have (the first experts decoding asks for, preloaded "
         "free):", ""]
     md += [f"- {b}: {v['slots']} slots, {v['belady_misses']} misses of {v['accesses']} accesses "
-           f"(hit {v['belady_hit_rate']:.3f}) at {v['disk_bw'] / 1e6:.0f} MB/s, {v['belady_tok_s']:.3f} tok/s; "
+           f"(hit {v['belady_hit_rate']:.3f}), {1e3 * v['belady_read_s_per_token']:.0f} ms of reads a token at "
+           f"{v['disk_bw'] / 1e6:.0f} MB/s against {1e3 * v['compute_s_per_token']:.0f} ms of compute: "
+           f"{v['belady_tok_s']:.3f} tok/s; "
            f"from the best start "
            f"{v['best_start_misses']} misses, {v['best_start_tok_s']:.3f} tok/s" for b, v in bounds.items()]
+    md += [f"- {r['design']} @{r['budget']}: its own routing's bound (it routes otherwise): "
+           f"{r['own_bound']['belady_misses']} misses of {r['own_bound']['accesses']}, "
+           f"{r['own_bound']['belady_tok_s']:.3f} tok/s" for r in rows[1:] if "own_bound" in r]
     md += [f"- {r['design']} @{r['budget']}: {r['over_belady']:.2f} of the bound, {r['over_belady_best_start']:.2f} "
            f"of the best-start one" for r in rows[1:] if "over_belady" in r]
     md += ["", "Where a design's token goes (median run, ms per token):", "",

@@ -20,6 +20,7 @@ from workbench.cache import ExpertCache, warm_set
 from runtime.capture import RoutingCapture
 from workbench.io import drop_page_cache, slot_readers
 from workbench.devices import open_reader
+from workbench.edge0.artifacts import edge0_dir, served_bytes
 from workbench.host import peak_rss_bytes
 from workbench.memory import check_fits, memory_needs
 from workbench.predict import make_predictor
@@ -74,7 +75,8 @@ class Session:
         self.budget_bytes = budget.nbytes(self.item_bytes, n_experts)
         if (resident := cls.resident_bytes(self.pack)) is not None:
             check_fits(memory_needs(s, {n: t["shape"] for n, t in self.pack.tensors.items()}, budget, self.item_bytes,
-                                    resident, engine, speculative=p.execution.speculative),
+                                    resident, engine, speculative=p.execution.speculative,
+                                    adapter_bytes=served_bytes(edge0_dir(self.pack), p)),
                        f"{self.pack_path} at --budget {self.budget_text}")
         # the usage profile runs a session of its own: before this one holds its cache and weights
         profile = self.usage() if not drive and (p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED) else None

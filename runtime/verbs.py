@@ -20,6 +20,7 @@ def _info_flags(p):
 def cmd_info(args):
     from engines import default_engine, engine_class, expert_bytes
     from workbench.presets import Budget, get_preset
+    from workbench.edge0.artifacts import edge0_dir, served_bytes
     from workbench.registry import is_pack, model_dir
     preset = get_preset(args.preset)
     gguf = _info_gguf(args) if str(args.model).endswith(".gguf") else None
@@ -36,6 +37,7 @@ def cmd_info(args):
         spec, shapes = pack.spec, {n: t["shape"] for n, t in pack.tensors.items()}
         obj["engine"] = args.engine or default_engine(pack)
         item, resident_bytes = expert_bytes(obj["engine"], pack), engine_class(obj["engine"]).resident_bytes(pack)
+        adapters = served_bytes(edge0_dir(pack), preset)
     else:
         from workbench.models.hf import HFModel
         m = HFModel(p)
@@ -44,12 +46,14 @@ def cmd_info(args):
         spec, shapes = m.spec, {n: m.tensor_shape(n) for n in m.where}
         # not converted yet: an expert costs what it will in the pack the preset's Session converts it to
         item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
+        adapters = served_bytes(p / "edge0", preset)
     from workbench.memory import describe, memory_needs
     from workbench.host import peak_rss_bytes
     budget = Budget(str(args.budget if args.budget is not None else preset.cache.budget))
     engine_class(obj["engine"])         # its module imported: this process's memory is a run's runtime
     obj["memory"] = memory_needs(spec, shapes, budget, item, resident_bytes, obj["engine"],
-                                 runtime_bytes=peak_rss_bytes(), speculative=preset.execution.speculative)
+                                 runtime_bytes=peak_rss_bytes(), speculative=preset.execution.speculative,
+                                 adapter_bytes=adapters)
     s = obj["spec"]
     head = f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, " \
            f"d={s['hidden_size']}"

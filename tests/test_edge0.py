@@ -190,6 +190,21 @@ def student_logits(pack, ids, heads_path, lora_path):
 
 # ---------------------------------------------------------------- files that don't match the model
 
+def test_info_counts_the_edge0_files_a_run_serves(tiny4, tmp_path):
+    from test_cli import run_json
+    from workbench.edge0.artifacts import edge0_dir, served_bytes
+    from workbench.presets import get_preset
+    m = fresh(tiny4, tmp_path)
+    heads, lora = write_heads(m).stat().st_size, write_lora(m).stat().st_size
+    where, edge0 = edge0_dir(pack_of(m)), get_preset("edge0")
+    assert served_bytes(where, edge0) == heads + lora
+    assert served_bytes(where, edge0.with_(routing="prerouter:nolora")) == heads
+    assert served_bytes(where, get_preset("les")) == 0
+    info = lambda preset: run_json("info", "--model", str(m), "--preset", preset, "--budget", "0.25")["memory"]
+    assert info("edge0")["adapter_bytes"] == heads + lora
+    assert info("edge0")["resident_bytes"] - info("les")["resident_bytes"] == heads + lora      # held with the weights
+
+
 def test_missing_heads_name_the_file(tiny4, tmp_path):
     m = fresh(tiny4, tmp_path)
     with pytest.raises(WorkbenchError, match="prerouter.safetensors: missing"):

@@ -39,12 +39,14 @@ def largest_budget(resident: int, all_experts: int, available: int | None) -> st
 
 
 def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_bytes: int | None = None,
-                 engine: str = "", context: int = 4096, runtime_bytes: int = 0, speculative: int = 0) -> dict:
+                 engine: str = "", context: int = 4096, runtime_bytes: int = 0, speculative: int = 0,
+                 adapter_bytes: int = 0) -> dict:
     """expert_bytes: what one expert costs in the engine's cache (engines.expert_bytes, the Session's item_bytes);
     resident_bytes: what the non-expert weights take as the engine holds them (Engine.resident_bytes; f32 by
     default); engine: its name, for the description. run_bytes: what a run of `context` tokens holds at its peak:
     needed_bytes, the linear-attention checkpoints, the KV cache and `runtime_bytes` (the interpreter and its
-    libraries: `info` counts its own, having loaded what a run loads)."""
+    libraries: `info` counts its own, having loaded what a run loads). adapter_bytes: what the preset serves beside
+    the model (Edge0's heads and LoRA: workbench.edge0.artifacts.served_bytes), held with the weights."""
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     elements = sum(math.prod(s) for s in tensor_shapes.values())
     n_experts = len(spec.moe_layers) * spec.num_experts
@@ -59,12 +61,12 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_
     # held (engines/hybrid.py): a decode step's start, a prompt's end, and each position of a step verifying
     # `speculative` drafts, the last of them the state being made
     states = linear_state * (3 + speculative)
-    resident = 4 * elements if resident_bytes is None else resident_bytes
+    resident = (4 * elements if resident_bytes is None else resident_bytes) + adapter_bytes
     all_experts = item * n_experts
     cache = budget.nbytes(item, n_experts)
     available = available_bytes()
     return {
-        "resident_bytes": resident, "resident_f32_bytes": 4 * elements, "resident_bf16_bytes": 2 * elements,
+        "resident_bytes": resident, "adapter_bytes": adapter_bytes, "resident_f32_bytes": 4 * elements, "resident_bf16_bytes": 2 * elements,
         "shared_expert_bytes_f32": 4 * 3 * d * spec.shared_expert_size * len(spec.moe_layers),
         "experts": n_experts, "expert_bytes": {k: v * n_experts for k, v in per_expert.items()},
         "cache_bytes": cache, "cache_budget": budget.text, "cache_slots": budget.slots(item, n_experts),
@@ -93,7 +95,8 @@ def describe(m: dict) -> str:
         return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
     ex = ", ".join(f"{k} {gib(v)}" for k, v in m["expert_bytes"].items())
     avail = "unknown" if m["available_bytes"] is None else gib(m["available_bytes"])
-    return (f"memory: resident non-expert weights {gib(m['resident_bytes'])} as the engine holds them "
+    adapters = f", Edge0's heads and LoRA {gib(m['adapter_bytes'])} included" if m.get("adapter_bytes") else ""
+    return (f"memory: resident non-expert weights {gib(m['resident_bytes'])} as the engine holds them{adapters} "
             f"({gib(m['resident_f32_bytes'])} f32, {gib(m['resident_bf16_bytes'])} bf16, shared experts included); {m['experts']} experts on disk: {ex}; expert cache at budget "
             f"{m['cache_budget']}: {gib(m['cache_bytes'])} ({m['cache_slots']} slots of {m['cache_expert_bytes']} bytes, "
             f"one expert in the {m['cache_engine'] or 'engine'} engine's cache); KV cache {m['kv_bytes_per_token']} bytes per token "

@@ -21,6 +21,7 @@ import numpy as np
 
 from workbench.atomic import atomic_path
 from workbench.errors import WorkbenchError
+from workbench.presets import Predictor, Router
 from workbench.spec_hybrid import split_fused_projections
 
 FILES = {"prerouter": "prerouter.safetensors", "lora": "lora.safetensors"}
@@ -92,6 +93,15 @@ def load_safetensors(path, kind: str) -> tuple[dict[str, np.ndarray], dict]:
             raise WorkbenchError(f"{path}: truncated or inconsistent tensor {name}")
         out[name] = np.frombuffer(raw, dtype="<f4", count=(e - s) // 4, offset=base + s).reshape(h["shape"]).copy()
     return out, meta
+
+
+def served_bytes(where: Path, preset) -> int:
+    """What the preset's Edge0 files in `where` (edge0_dir) take in memory (f32, as the files hold them): the heads
+    where its predictor is the prerouter, the LoRA where its routing serves one; 0 for files not there yet (serving
+    names them)."""
+    kinds = ["prerouter"] * (preset.prefetch.predictor is Predictor.PREROUTER) + \
+        ["lora"] * (preset.routing.router is Router.PREROUTER and preset.routing.lora)
+    return sum(p.stat().st_size for p in (Path(where) / FILES[k] for k in kinds) if p.exists())
 
 
 def check_identity(path, meta: dict, pack):
