@@ -303,9 +303,10 @@ def _read_floor(reads: _timed_reads | None, workers: int) -> dict | None:
     """What a read takes on this machine in a streaming run of the engine (its readers and compute thread sharing
     the cores with each other and whatever else runs), as DeviceProfile fields: a latency (the median wait from a
     submit to its first read starting: a reader's wake-up, which the simulator charges to a read that finds its
-    reader idle), the median rate of a read that ran alone (read_bw) and the rate the readers shared when reads
-    overlapped (peak_bw: `workers` x the median rate of those); the simulator floors the device's reads at them.
-    Experts read in one preadv share its stamps and count as one read. None: no reads."""
+    reader idle), the median rate of a read that ran alone (read_bw) and the rate the readers reached together
+    where reads overlapped (peak_bw: the overlapping reads' bytes over the time they covered; a read's own rate
+    times the readers would count two reads that only touched as `workers` in flight); the simulator floors the
+    device's reads at them. Experts read in one preadv share its stamps and count as one read. None: no reads."""
     firsts = [min(t for _, t, _ in fs) - t0 for t0, fs in reads.calls if fs] if reads else []
     merged: dict = {}           # experts read in one preadv (adjacent in the pack) share its stamps: one read
     for i, (_, fs) in enumerate(reads.calls if reads else []):
@@ -315,13 +316,22 @@ def _read_floor(reads: _timed_reads | None, workers: int) -> dict | None:
     spans = sorted((t, t1, n) for (_, t, t1), n in merged.items())
     if not firsts or not spans:
         return None
-    alone, shared, reach = [], [], -1
-    for i, (t, t1, n) in enumerate(spans):      # overlapping one before it (reach) or one after it
-        rate = n / ((t1 - t) / 1e9)
-        (shared if reach > t or (i + 1 < len(spans) and spans[i + 1][0] < t1) else alone).append(rate)
-        reach = max(reach, t1)
+    alone, shared, together = [], [], []    # rates of reads alone and overlapping; (bytes, ns) of each overlap
+    run = [spans[0]]
+    for span in spans[1:] + [(float("inf"), float("inf"), 0)]:
+        if span[0] < max(t1 for _, t1, _ in run):
+            run.append(span)
+            continue
+        rates = [n / ((t1 - t) / 1e9) for t, t1, n in run]
+        if len(run) == 1:
+            alone += rates
+        else:
+            shared += rates
+            together.append((sum(n for *_, n in run), max(t1 for _, t1, _ in run) - run[0][0]))
+        run = [span]
     bw = statistics.median(alone or shared)
-    peak = max(bw, max(1, workers) * statistics.median(shared)) if shared else bw * max(1, workers)
+    peak = max(bw, sum(b for b, _ in together) / (sum(ns for _, ns in together) / 1e9)) if together else \
+        bw * max(1, workers)
     return {"latency_s": max(0.0, statistics.median(firsts) / 1e9), "read_bw": bw, "peak_bw": peak,
             "queue_depth": max(1, workers)}
 

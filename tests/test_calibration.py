@@ -94,7 +94,7 @@ def test_read_floor_and_per_read_rest_come_from_the_streaming_runs_own_stamps():
     fl = _read_floor(Reads(), workers=2)
     assert fl["latency_s"] == pytest.approx(100e-6)                # median of the submits' first waits
     assert fl["read_bw"] == pytest.approx(2e8)                     # alone: 200, 200, 200 MB/s, and 80 kB in 200 us
-    assert fl["peak_bw"] == pytest.approx(2 * 4e8)                 # overlapping: 400 MB/s each, 2 readers
+    assert fl["peak_bw"] == pytest.approx(80_000 / 150e-6)         # overlapping: 80 kB in the 150 us they covered
     assert fl["queue_depth"] == 2
     assert _read_floor(None, 2) is None
 
