@@ -180,15 +180,17 @@ class PackedEngine(Decoder):
 
     def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
                  weights: dict | None = None, max_context: int | None = None, threads: int | None = None):
-        """threads: the cores ggml's kernels share (GGUF blocks). By default every core but one, which the readers
-        and the Python between kernel calls take: a kernel's threads wait at its end for the slowest, so a core
-        they share with the readers costs more than it brings (results/full_size.md measures 1 against 2 on two
-        cores). The thread that constructs the engine is the one that computes with it."""
+        """threads: the cores ggml's kernels share (GGUF blocks). By default every core where the cache holds every
+        expert, and every core but one where experts stream: the readers take that one, and a kernel's threads wait
+        at its end for the slowest, so a core they share with the readers costs more than it brings
+        (results/full_size.md, "Threads", measures both). The thread that constructs the engine is the one that
+        computes with it."""
         super().__init__(pack, streamer, telemetry, hooks)
         cores = numba.config.NUMBA_NUM_THREADS
         if threads is not None and not 1 <= threads <= cores:
             raise WorkbenchError(f"--threads {threads}: choose 1 to {cores} (this machine's cores)")
-        self.threads = threads or max(1, cores - 1)
+        streams = streamer.cache.slots < pack.num_expert_total
+        self.threads = threads or (max(1, cores - 1) if streams else cores)
         numba.set_num_threads(self.threads)
         for L in pack.spec.moe_layers:
             layer_kernel(pack, L, {p: 0 for p in PARTS})      # the reason, where the kernels cannot read it

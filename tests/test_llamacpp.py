@@ -534,6 +534,18 @@ def test_checkpoint_experts_in_ggml_blocks(kquant_model, tmp_path, experts, bloc
 
 
 @needs_llama
+def test_the_packed_engine_leaves_a_core_to_the_readers_only_where_experts_stream(tiny_models):
+    import numba
+    from runtime.session import Session
+    cores = numba.config.NUMBA_NUM_THREADS
+    with Session(str(tiny_models["qwen3_moe"]), "resident", budget="all") as s:
+        assert s.engine.threads == cores
+    with Session(str(tiny_models["qwen3_moe"]), "les", budget="0.5") as s:
+        assert s.engine.threads == max(1, cores - 1)
+    with Session(str(tiny_models["qwen3_moe"]), "les", budget="0.5", threads=1) as s:
+        assert s.engine.threads == 1
+
+
 def test_packed_engine_defaults_to_ggml_blocks_and_the_others_to_affine(tiny_models, tmp_path):
     """A preset's q2..q8 is ggml's blocks at those bits for the packed engine (the default), the affine group-64
     format for the numpy, MLX and llama.cpp engines and where a run names experts= itself; rows that are not a
