@@ -32,6 +32,8 @@ from workbench.atomic import atomic_write  # noqa: E402
 from workbench.disk_probe import bandwidth_at, probe  # noqa: E402
 from workbench.commands import flags  # noqa: E402
 from workbench.presets import Router, get_preset  # noqa: E402
+from workbench.edge0.artifacts import FILES, edge0_dir_of  # noqa: E402
+from experiments.cli import knobs_of  # noqa: E402
 
 PROMPT = "Once upon a time"
 
@@ -48,7 +50,7 @@ def knobs_for(model: str, preset: str) -> list[str]:
     """Edge0 serves its recovery LoRA where one was trained for the file (beside it, edge0/lora.safetensors), and
     routes with its prerouter alone where none was: a LoRA's training holds the whole model in torch."""
     return ["routing=prerouter:nolora"] if preset == "edge0" and not (
-        Path(model).parent / "edge0" / "lora.safetensors").exists() else []
+        edge0_dir_of(model) / FILES["lora"]).exists() else []
 
 
 def bench_arm(model: str, preset: str, budget: str, tokens: int, threads: int | None) -> dict:
@@ -100,7 +102,12 @@ def bound(od: dict, disk: dict, seen_bw: float, compute_s: float, routing: dict 
 def routes_otherwise(design: str, knobs: list[str]) -> bool:
     """The design's routing is not the model's exact router (Edge0's prerouter, a cache-aware bias): its accesses
     are its own, and so is its bound."""
-    return get_preset(design).with_(**dict(k.split("=", 1) for k in knobs)).routing.router is not Router.EXACT
+    return get_preset(design).with_(**knobs_of(knobs)).routing.router is not Router.EXACT
+
+
+def label(row: dict) -> str:
+    """The design, and the knobs its arms changed."""
+    return row["design"] + "".join(f" ({k})" for k in row["median_run"].get("knobs", []))
 
 
 def main(argv=None):
@@ -191,8 +198,7 @@ def main(argv=None):
     for r in rows:
         m = r["median_run"]
         f = lambda k, fmt=".3f", scale=1: "" if m.get(k) is None else format(m[k] * scale, fmt)
-        label = r["design"] + "".join(f" ({k})" for k in m.get("knobs", []))
-        md.append(f"| {label} | {r['budget']} | {r['tok_s']:.3f} | {r['tok_s_min']:.3f}-{r['tok_s_max']:.3f} | "
+        md.append(f"| {label(r)} | {r['budget']} | {r['tok_s']:.3f} | {r['tok_s_min']:.3f}-{r['tok_s_max']:.3f} | "
                   f"{r.get('over_llama_cpp', 1.0):.2f} | {gib(r['peak_rss_bytes']):.2f} | {gib(r['memory_bytes']):.2f} | "
                   f"{r.get('memory_over_llama_cpp', 1.0):.2f} | "
                   f"{f('bytes_read_per_token', '.0f', 1e-6)} | "
@@ -223,8 +229,7 @@ def main(argv=None):
            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows[1:]:
         m, n = r["median_run"], max(1, r["median_run"]["decode_steps"])
-        label = r["design"] + "".join(f" ({k})" for k in m.get("knobs", []))
-        md.append(f"| {label} | {r['budget']} | {1e3 * m['compute_s'] / n:.0f} | {1e3 * m['router_s'] / n:.0f} | "
+        md.append(f"| {label(r)} | {r['budget']} | {1e3 * m['compute_s'] / n:.0f} | {1e3 * m['router_s'] / n:.0f} | "
                   f"{1e3 * m['flash_wait_s'] / n:.0f} | {1e3 * m['other_s'] / n:.0f} | "
                   f"{1e3 * m['floor_compute_s_per_token']:.0f} | {1e3 * m['floor_read_s_per_token']:.0f} |")
     name = Path(a.model).stem + (f"-{a.tag}" if a.tag else "")

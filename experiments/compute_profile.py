@@ -317,18 +317,19 @@ def _read_floor(reads: _timed_reads | None, workers: int) -> dict | None:
     if not firsts or not spans:
         return None
     alone, shared, together = [], [], []    # rates of reads alone and overlapping; (bytes, ns) of each overlap
-    run = [spans[0]]
+    run, reach = [spans[0]], spans[0][1]
     for span in spans[1:] + [(float("inf"), float("inf"), 0)]:
-        if span[0] < max(t1 for _, t1, _ in run):
+        if span[0] < reach:
             run.append(span)
+            reach = max(reach, span[1])
             continue
         rates = [n / ((t1 - t) / 1e9) for t, t1, n in run]
         if len(run) == 1:
             alone += rates
         else:
             shared += rates
-            together.append((sum(n for *_, n in run), max(t1 for _, t1, _ in run) - run[0][0]))
-        run = [span]
+            together.append((sum(n for *_, n in run), reach - run[0][0]))
+        run, reach = [span], span[1]
     bw = statistics.median(alone or shared)
     peak = max(bw, sum(b for b, _ in together) / (sum(ns for _, ns in together) / 1e9)) if together else \
         bw * max(1, workers)

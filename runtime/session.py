@@ -279,13 +279,13 @@ def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int, budget=N
     return {(r["token"], r["layer"]): sorted(set(r["idx"].reshape(-1).tolist())) for r in records if r["phase"] == "decode"}
 
 
-def prefills(pack_path, windows, keep: tuple[str, ...] = ()):
+def prefills(pack: Pack, windows, keep: tuple[str, ...] = ()):
     """Each window prefilled from position 0 with exact routing, yielding its RoutingCapture records ({layer:
     (T, ...)} of `keep` and "idx"). The experts stream through one layer's worth of slots (a prefill reads each
     layer's routed experts once whatever the cache holds): a model bigger than memory is captured too, in little
     memory."""
-    budget = f"{min(1.0, 1 / len(Pack(pack_path).spec.moe_layers)):.6f}"
-    with Session(str(pack_path), "on_demand", budget=budget) as s, RoutingCapture(s, keep) as cap:
+    budget = f"{min(1.0, 1 / len(pack.spec.moe_layers)):.6f}"
+    with Session(str(pack.path), "on_demand", budget=budget) as s, RoutingCapture(s, keep) as cap:
         for ids in windows:
             s.engine.reset()
             s.step(list(map(int, ids)), "prefill")
@@ -294,6 +294,6 @@ def prefills(pack_path, windows, keep: tuple[str, ...] = ()):
 
 def usage_profile(pack_path, ids: list[int]) -> dict:
     """Count expert use per layer over `ids` (one prefill, exact routing, streamed: `prefills`)."""
-    [got] = prefills(pack_path, [ids])
-    E = Pack(pack_path).spec.num_experts
-    return {L: np.bincount(idx.reshape(-1), minlength=E).tolist() for L, idx in got["idx"].items()}
+    pack = Pack(pack_path)
+    [got] = prefills(pack, [ids])
+    return {L: np.bincount(idx.reshape(-1), minlength=pack.spec.num_experts).tolist() for L, idx in got["idx"].items()}

@@ -20,7 +20,7 @@ def _info_flags(p):
 def cmd_info(args):
     from engines import default_engine, engine_class, expert_bytes
     from workbench.presets import Budget, get_preset
-    from workbench.edge0.artifacts import edge0_dir, served_bytes
+    from workbench.edge0.artifacts import edge0_dir, edge0_dir_of, served_bytes
     from workbench.registry import is_pack, model_dir
     preset = get_preset(args.preset)
     gguf = _info_gguf(args) if str(args.model).endswith(".gguf") else None
@@ -46,7 +46,7 @@ def cmd_info(args):
         spec, shapes = m.spec, {n: m.tensor_shape(n) for n in m.where}
         # not converted yet: an expert costs what it will in the pack the preset's Session converts it to
         item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
-        adapters = served_bytes(p / "edge0", preset)
+        adapters = served_bytes(edge0_dir_of(p), preset)
     from workbench.memory import describe, memory_needs
     from workbench.host import peak_rss_bytes
     budget = Budget(str(args.budget if args.budget is not None else preset.cache.budget))

@@ -39,7 +39,7 @@ def collect(pack, windows: np.ndarray, log=print):
     out = {L: (np.zeros((N, T, s.hidden_size), np.float16), np.zeros((N, T, s.top_k), np.int16),
                np.zeros((N, T, s.num_experts), np.float32)) for L in s.moe_layers}
     clock = Clock()
-    for n, got in enumerate(prefills(pack.path, windows, keep=("x", "logits"))):
+    for n, got in enumerate(prefills(pack, windows, keep=("x", "logits"))):
         for L, (x, idx, lg) in out.items():
             x[n], idx[n], lg[n] = got["x"][L], got["idx"][L], got["logits"][L]
         if log and (n % 8 == 0 or n == N - 1):

@@ -32,8 +32,13 @@ def model_dir_of(pack) -> Path:
 
 
 def edge0_dir(pack) -> Path:
-    src = model_dir_of(pack)
-    return (src.parent if src.is_file() else src) / "edge0"     # a single-file source (GGUF): beside it
+    return edge0_dir_of(model_dir_of(pack))
+
+
+def edge0_dir_of(source) -> Path:
+    """Where the Edge0 files of a model (a directory, or a single-file source: a GGUF) lie: beside it."""
+    src = Path(source)
+    return (src.parent if src.is_file() else src) / "edge0"
 
 
 def artifact_path(pack, kind: str) -> Path:
