@@ -46,17 +46,21 @@ def verb(*args) -> dict:
     return json.loads(p.stdout)
 
 
-def knobs_for(model: str, preset: str) -> list[str]:
-    """Edge0 serves its recovery LoRA where one was trained for the file (beside it, edge0/lora.safetensors), and
-    routes with its prerouter alone where none was: a LoRA's training holds the whole model in torch."""
-    return ["routing=prerouter:nolora"] if preset == "edge0" and not (
-        edge0_dir_of(model) / FILES["lora"]).exists() else []
+def knobs_for(model: str, design: str) -> list[str]:
+    """A design is a preset and the knobs it sets (edge0@routing=prerouter:nolora). Edge0 serves its recovery LoRA
+    where one was trained for the file (beside it, edge0/lora.safetensors), and routes with its prerouter alone
+    where none was (training/edge0_lora.py trains one)."""
+    preset, *knobs = design.split("@")
+    if preset == "edge0" and not any(k.startswith("routing=") for k in knobs) and not (
+            edge0_dir_of(model) / FILES["lora"]).exists():
+        knobs.append("routing=prerouter:nolora")
+    return knobs
 
 
-def bench_arm(model: str, preset: str, budget: str, tokens: int, threads: int | None) -> dict:
+def bench_arm(model: str, design: str, budget: str, tokens: int, threads: int | None) -> dict:
     """One design in a fresh process, and what `info` said it would hold (run_bytes, for --tokens of context); a
     design that fails or is refused is recorded with its one-line reason, and the others go on."""
-    knobs = knobs_for(model, preset)
+    preset, knobs = design.split("@")[0], knobs_for(model, design)
     try:
         res = verb("bench", "--model", model, "--preset", preset, "--budget", budget, "--tokens", tokens, "--prompt",
                    PROMPT, *(["--threads", threads] if threads else []), *(a for k in knobs for a in ("--set", k)))
@@ -102,12 +106,12 @@ def bound(od: dict, disk: dict, seen_bw: float, compute_s: float, routing: dict 
 def routes_otherwise(design: str, knobs: list[str]) -> bool:
     """The design's routing is not the model's exact router (Edge0's prerouter, a cache-aware bias): its accesses
     are its own, and so is its bound."""
-    return get_preset(design).with_(**knobs_of(knobs)).routing.router is not Router.EXACT
+    return get_preset(design.split("@")[0]).with_(**knobs_of(knobs)).routing.router is not Router.EXACT
 
 
 def label(row: dict) -> str:
     """The design, and the knobs its arms changed."""
-    return row["design"] + "".join(f" ({k})" for k in row["median_run"].get("knobs", []))
+    return row["design"].split("@")[0] + "".join(f" ({k})" for k in row["median_run"].get("knobs", []))
 
 
 def main(argv=None):

@@ -297,6 +297,83 @@ def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
     np.testing.assert_allclose(inc, served, rtol=1e-4, atol=1e-4)
 
 
+def test_edge0s_trainer_streams_a_gguf_and_trains_as_if_it_held_it(hybrid_models, tmp_path):
+    """A model bigger than memory trains its recovery LoRA: with nothing held (each layer's tensors and experts read
+    from the GGUF and dequantized by ggml at every use, each layer recomputed for the backward pass) the student's
+    logits and the LoRA's gradients are those of the whole model held in torch (plain autograd, the gguf package's
+    dequantization), the prerouter's routing weights included."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")
+    import torch.nn.functional as F
+
+    from engines.gguf_export import export_gguf
+    from training.edge0_common import HeadSet, LoRASet, TorchMoE, head_features, open_pack
+    from training.model import MoEDecoder
+    from workbench.edge0.artifacts import pack_weights
+    pack = open_pack(str(export_gguf(HFModel(hybrid_models["qwen3_next"]), tmp_path / "m.gguf", "f16")), "q4")
+    s, moe = pack.spec, pack.spec.moe_layers
+    torch.manual_seed(0)
+    heads = HeadSet(moe[:-1], s.hidden_size, s.num_experts, hidden=8)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    ids = torch.tensor([TOKENS[:12], TOKENS[2:]])
+
+    def held_in_torch(lora):                # the whole model in memory, the prerouter routing written out again
+        model, feats = MoEDecoder.from_pack(pack, *pack_weights(pack)), {}
+
+        def router(i, xn, logits):
+            used = logits
+            if i != moe[0]:
+                used = torch.cat([logits[:, :1], heads(moe[moe.index(i) - 1], feats.pop(moe[moe.index(i) - 1]))[:, :-1]], 1)
+            idx, w = model.route(i, used)
+            feats[i] = head_features(xn, idx, s.num_experts)
+            return idx, w
+        return model(ids, router, lora.delta)[0]
+
+    def trained(run):
+        lora = LoRASet(shapes, rank=4, seed=1)
+        torch.manual_seed(1)
+        for b in lora.B.values():
+            torch.nn.init.normal_(b, 0, 0.3)
+        logits = run(lora)
+        F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+        return logits.detach(), {n: p.grad for n, p in lora.named_parameters()}
+
+    streamed = TorchMoE(pack, hold=0)
+    shapes = streamed.proj_shapes()
+    got, want = trained(lambda lora: streamed(ids, heads=heads, lora=lora)), trained(held_in_torch)
+    assert streamed.weights.streams and not streamed.weights.held
+    assert set(got[1]) == set(want[1]) and len(want[1]) == 8                # A and B of q, k, v, o on layer 3
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
+    for n, g in want[1].items():
+        assert g.abs().max() > 0
+        np.testing.assert_allclose(got[1][n], g, rtol=1e-3, atol=1e-5 * float(g.abs().max()), err_msg=n)
+
+
+def test_edge0s_lora_trains_on_a_gguf_and_is_served(hybrid_models, tmp_path):
+    """`python -m training.edge0_lora --model X.gguf`: the GGUF is its own teacher (exact routing) and student
+    (its prerouter heads), both phases run, and `--preset edge0` serves the adapter it wrote beside the file."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")
+    from engines.gguf_export import export_gguf
+    from test_edge0 import teacher_forced, write_heads
+    from training import edge0_lora
+    from training.edge0_common import open_pack
+    from workbench.edge0.artifacts import artifact_path, load_safetensors
+    path = export_gguf(HFModel(hybrid_models["qwen3_next"]), tmp_path / "m.gguf", "f16")
+    pack = open_pack(str(path), "q4")
+    write_heads(None, pack=pack)
+    edge0_lora.main(["--model", str(path), "--text-seqs", "2", "--text-len", "6", "--ce-steps", "2", "--batch", "2",
+                     "--rkl-rounds", "1", "--rkl-batch", "1", "--rkl-len", "4", "--val-windows", "1", "--val-ctx", "12"])
+    t, meta = load_safetensors(artifact_path(pack, "lora"), "lora")
+    assert set(t) == {f"lora.3.{p}.{m}" for p in "qkvo" for m in "AB"} and np.abs(t["lora.3.q.B"]).max() > 0
+    assert meta["teacher"] == "the same weights, exact routing" and meta["val_kl_train_corpora"]["int4_exact"] == 0
+    ids = TOKENS[:8]
+    with Session(str(path), "edge0", budget="all") as s:
+        assert s.lora is not None
+        served = teacher_forced(s, ids)
+    with Session(str(path), "edge0", budget="all", routing="prerouter:nolora") as s:
+        assert np.abs(teacher_forced(s, ids) - served).max() > 0
+
+
 def test_bench_runs_les_and_edge0_on_the_tiny_qwen3_next_on_the_packed_engine(hybrid_models, tmp_path):
     """The issue's commands: `bench --model <tiny qwen3_next dir> --preset les --budget 0.25 --json`, and
     `--preset edge0` once the model has Edge0's heads and LoRA (random ones here, written as test_edge0 writes

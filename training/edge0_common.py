@@ -1,7 +1,8 @@
 """Torch pieces shared by the Edge0 trainers (the `train` extra): heads, adapters, and the model (training/model.py).
 
-TorchMoE runs a pack's own dequantized weights (the teacher: the bf16 pack; the student: the int4 pack) in the
-shared torch decoder (the numpy engine's math) in fp32, over whole sequences at once:
+TorchMoE runs a pack's own dequantized weights (the teacher: the bf16 pack; the student: the int4 pack; a GGUF is
+both) in the shared torch decoder (the numpy engine's math) in fp32, over whole sequences at once, its weights
+held in memory where the model fits and streamed from disk layer by layer where it does not:
   exact routing                           the real router at every layer
   prerouter routing (heads, skip_layers)  a streamed layer L+1 at position t takes routing from the head of
                                           owner L on position t-1's features (position 0 routes exactly, as
@@ -12,21 +13,29 @@ so a sequence run here in parallel gives what the numpy engine gives decoding it
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from training.model import MoEDecoder
-from workbench.edge0.artifacts import model_identity, pack_weights
-from workbench.registry import GGUF_STORAGE, resolve_pack
+from torch.utils.checkpoint import checkpoint
+
+from engines.ggml_kernels import dequantize
+from training.model import MoEConfig, MoEDecoder, state_name
+from workbench.edge0.artifacts import model_identity
+from workbench.host import available_memory_bytes, cores
+from workbench.spec_hybrid import split_fused_projections
 from workbench.errors import WorkbenchError
-from workbench.store.pack import Pack
+from workbench.registry import GGUF_STORAGE, resolve_pack
+from workbench.store.pack import PARTS, Pack
 
 PROJ = ("q", "k", "v", "o")
 
@@ -154,11 +163,141 @@ class LoRASet(nn.Module):
         return ls
 
 
-class TorchMoE(nn.Module):
-    """A pack's model in torch (training/model.py's MoEDecoder, fp32, frozen); the prerouter routing and the
-    adapters are arguments of forward and step."""
+class RoutedExperts(torch.autograd.Function):
+    """Each token through its k experts, weighted, with the experts fetched as they are needed and never saved for
+    the backward pass: it fetches them again. each(fn, groups) gives fn(group, (gate (ff, d), up (ff, d),
+    down (d, ff))) for each (expert, rows, slots) group, in order (Weights.each_expert: on a pool, each expert read,
+    dequantized and computed with by one thread)."""
 
-    def __init__(self, pack: Pack):
+    @staticmethod
+    def forward(ctx, x, w, idx, each):
+        ctx.save_for_backward(x, w, idx)
+        ctx.each = each
+
+        def one(group, mats):
+            (_, rows, slots), (g, u, d) = group, mats
+            xr = x[rows]
+            return (F.silu(xr @ g.T) * (xr @ u.T)) @ d.T * w[rows, slots, None]
+        out = torch.zeros_like(x)
+        groups = list(RoutedExperts.groups(idx))
+        for (_, rows, _), y in zip(groups, each(one, groups)):
+            out[rows] += y                                      # a token takes an expert once: rows are distinct
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w, idx = ctx.saved_tensors
+
+        def one(group, mats):
+            (_, rows, slots), (g, u, d) = group, mats
+            xr, dy = x[rows], dout[rows]
+            a, b = xr @ g.T, xr @ u.T
+            sa = torch.sigmoid(a)
+            dw = (dy * ((a * sa * b) @ d.T)).sum(-1)             # silu(a) * b, through down
+            dh = (dy * w[rows, slots, None]) @ d
+            da = dh * b * sa * (1 + a * (1 - sa))                # silu'(a) = s (1 + a (1 - s))
+            return da @ g + (dh * a * sa) @ u, dw
+        dx, dw = torch.zeros_like(x), torch.zeros_like(w)
+        groups = list(RoutedExperts.groups(idx))
+        for (_, rows, slots), (dxe, dwe) in zip(groups, ctx.each(one, groups)):
+            dx[rows] += dxe
+            dw[rows, slots] = dwe
+        return dx, dw, None, None
+
+    @staticmethod
+    def groups(idx):
+        """(expert, rows, slots) for every expert some token chose, in id order."""
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        k = idx.shape[-1]
+        start = 0
+        for e, n in enumerate(torch.bincount(flat).tolist()):
+            if n:
+                o = order[start:start + n]
+                yield e, o // k, o % k
+                start += n
+
+
+class Weights:
+    """A pack's frozen weights as f32 tensors, dequantized when asked for: the top (embedding, final norm, lm_head,
+    always held), one layer's other tensors, one expert's three matrices. Held after the first ask when the whole
+    model fits in `hold` bytes; otherwise read and dequantized at every ask (a model bigger than memory), GGUF
+    blocks by ggml's own to_float."""
+
+    def __init__(self, pack: Pack, hold: int):
+        self.pack, s = pack, pack.spec
+        self.f32_bytes = 4 * (sum(int(np.prod(t["shape"])) for t in pack.tensors.values())
+                              + s.num_experts * len(s.moe_layers) * 3 * s.hidden_size * s.moe_intermediate_size)
+        self.streams = self.f32_bytes > hold
+        self.held: dict = {}
+        self.fd = os.open(pack.data_path, os.O_RDONLY)
+        self.workers = cores()
+        self.pool = ThreadPoolExecutor(self.workers)
+        top = {n: self._tensor(n) for n in ("embed", "norm", "lm_head") if n in pack.tensors}
+        top.setdefault("lm_head", top["embed"])
+        self.top = {state_name(n): torch.from_numpy(a) for n, a in top.items()}
+
+    def __del__(self):
+        self.pool.shutdown(wait=False)
+        os.close(self.fd)
+
+    def _tensor(self, name: str) -> np.ndarray:
+        t = self.pack.tensors[name]
+        if t["kind"].startswith("gguf:"):
+            return dequantize(self.pack.tensor_bytes(name), tuple(t["shape"]), t["kind"])
+        return np.array(self.pack.tensor(name), np.float32)
+
+    def _memo(self, key, make):
+        if key in self.held:
+            return self.held[key]
+        v = make()
+        if not self.streams:
+            self.held[key] = v
+        return v
+
+    def layer(self, i: int) -> dict:
+        """{name in the Layer module: tensor} of layer i, its experts left out."""
+        def make():
+            w = {n: self._tensor(n) for n in self.pack.tensors if n.startswith(f"layers.{i}.")}
+            if self.pack.spec.family == "qwen3_next":
+                split_fused_projections(self.pack.spec, w)
+            cut = len(f"model.layers.{i}.")
+            return {state_name(n)[cut:]: torch.from_numpy(np.ascontiguousarray(a, np.float32)) for n, a in w.items()
+                    if state_name(n)}
+        return self._memo(("layer", i), make)
+
+    def each_expert(self, L: int, fn, groups):
+        """fn(group, expert(L, group[0])) for each group, in order, a few ahead on the pool's threads: one thread
+        reads, dequantizes and computes with an expert while it is in its cache (ggml and torch let go of the GIL)."""
+        ahead = collections.deque()
+        for g in groups:
+            ahead.append(self.pool.submit(lambda g=g: fn(g, self.expert(L, g[0]))))
+            if len(ahead) > 2 * self.workers:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+    def expert(self, L: int, e: int) -> tuple:
+        def make():
+            p = self.pack
+            chunks = [np.frombuffer(os.pread(self.fd, n, off), np.uint8) for off, n in p.expert_reads(L, e)]
+            kinds = p.kinds_of(L)
+            if all(k.startswith("gguf:") for k in kinds.values()):
+                raw = p.decode_expert(L, e, chunks, raw=True)
+                parts = {q: dequantize(raw[q], p.expert_shapes[q], kinds[q]) for q in PARTS}
+            else:
+                parts = p.decode_expert(L, e, chunks)
+            return tuple(torch.from_numpy(np.ascontiguousarray(parts[q], np.float32)) for q in PARTS)
+        return self._memo(("expert", L, e), make)
+
+
+class TorchMoE(nn.Module):
+    """A pack's model in torch (training/model.py's layers, fp32, frozen), its weights from `Weights`: held when the
+    model fits in `hold` bytes (default: half the memory available), else streamed layer by layer, each layer
+    recomputed for the backward pass (activation checkpointing) so that no more than one layer's tensors are in
+    memory at once. The prerouter routing and the adapters are arguments of forward and step."""
+
+    def __init__(self, pack: Pack, hold: int | None = None):
         super().__init__()
         s = self.spec = pack.spec
         if (s.router != "softmax_topk" or (s.shared_expert_size and not s.layer_types) or s.dense_layers or s.attention_bias
@@ -168,32 +307,72 @@ class TorchMoE(nn.Module):
                                  f"no shared expert, no dense layers, plain RoPE) and the hybrid family; this is {s.family}")
         self.pack = pack
         self.identity = model_identity(pack)
-        w, ex = pack_weights(pack)
-        self.np_w = w
-        self.model = MoEDecoder.from_pack(pack, w, ex)
+        if hold is None:
+            hold = (available_memory_bytes() or 8 << 30) // 2
+        self.weights = Weights(pack, hold)
+        with torch.device("meta"):                      # the modules' shapes only: their tensors come from weights
+            self.model = MoEDecoder(MoEConfig.of_spec(s))
+        self.model.requires_grad_(False)
+        rd = s.rotary_dim or s.head_dim
+        self.model.inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, rd, 2).float() / rd))
+        self.top = self.weights.top
 
     def proj_shapes(self, projs=PROJ) -> dict:
-        return {f"layers.{i}.{p}": tuple(self.np_w[f"layers.{i}.{p}"].shape) for i in range(self.spec.num_layers)
+        return {f"layers.{i}.{p}": tuple(self.pack.tensors[f"layers.{i}.{p}"]["shape"]) for i in range(self.spec.num_layers)
                 for p in projs if not self.spec.is_linear(i)}          # attention layers only (no q, k, v, o in DeltaNet)
+
+    def layer(self, i, x, cos, sin, router, delta, kv=None, collect=None):
+        """Layer i on x with its weights as Weights gives them; its experts through RoutedExperts."""
+        w = self.weights
+
+        def routed(xn, idx, wts):
+            shape = xn.shape
+            out = RoutedExperts.apply(xn.reshape(-1, shape[-1]), wts.to(xn.dtype).reshape(-1, idx.shape[-1]),
+                                      idx.reshape(-1, idx.shape[-1]), lambda fn, groups: w.each_expert(i, fn, groups))
+            return out.reshape(shape)
+        return torch.func.functional_call(self.model.model.layers[i], w.layer(i), (x, cos, sin),
+                                          dict(router=router, delta=delta, kv=kv, collect=collect, routed=routed),
+                                          strict=False)[0]
+
+    def embed(self, ids):
+        return F.embedding(ids, self.top["model.embed_tokens.weight"])
+
+    def logits(self, x):
+        n = self.top["model.norm.weight"]
+        return F.linear(n * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)),
+                        self.top["lm_head.weight"])
 
     def forward(self, ids, heads: HeadSet | None = None, skip_layers: int = 1, lora: LoRASet | None = None,
                 collect: bool = False):
         """ids (B, T) -> logits (B, T, V); collect: also {layer: (router input, executed ids, real router logits)}."""
         moe = self.spec.moe_layers
         streamed = set(moe[skip_layers:]) if heads is not None else set()
-        feats, got = {}, {}
+        got = {} if collect else None
+        delta = lora.delta if lora is not None else None
+        cos, sin = self.model.rope(0, ids.shape[1])
+        checkpointing = self.weights.streams and torch.is_grad_enabled()
 
-        def router(i, xn, logits):
-            used = logits
-            if i in streamed:               # position t routes from the owner's head at t-1 (t=0: exactly)
-                owner = moe[moe.index(i) - 1]
-                used = torch.cat([logits[:, :1], heads(owner, feats.pop(owner))[:, :-1]], 1)
-            idx, wts = self.model.route(i, used)
-            if heads is not None and i in moe[:-1] and moe[moe.index(i) + 1] in streamed:
-                feats[i] = head_features(xn, idx, self.spec.num_experts)
-            return idx, wts
+        def run(i, x, feats):
+            """Layer i given the owner's features (None: it routes exactly) -> (x, the features it owns)."""
+            mine = {}
 
-        out, _ = self.model(ids, router, lora.delta if lora is not None else None, collect=got if collect else None)
+            def router(i, xn, logits):
+                used = logits
+                if i in streamed:           # position t routes from the owner's head at t-1 (t=0: exactly)
+                    used = torch.cat([logits[:, :1], heads(moe[moe.index(i) - 1], feats)[:, :-1]], 1)
+                idx, wts = self.model.route(i, used)
+                if heads is not None and i in moe[:-1] and moe[moe.index(i) + 1] in streamed:
+                    mine["f"] = head_features(xn, idx, self.spec.num_experts)
+                return idx, wts
+            return self.layer(i, x, cos, sin, router, delta, collect=got), mine.get("f")
+
+        x, feats = self.embed(ids), None
+        for i in range(self.spec.num_layers):
+            if checkpointing:
+                x, feats = checkpoint(run, i, x, feats, use_reentrant=False)
+            else:
+                x, feats = run(i, x, feats)
+        out = self.logits(x)
         return (out, got) if collect else out
 
     # ------------------------------------------------------------ incremental decoding (sampling)
@@ -216,9 +395,13 @@ class TorchMoE(nn.Module):
                 prev[i] = oh
             return idx, wts
 
-        out, _ = self.model(tok[:, None], router, lora.delta if lora is not None else None, cache=cache)
+        cos, sin = self.model.rope(pos, 1)
+        x = self.embed(tok[:, None])
+        for i in range(self.spec.num_layers):
+            x = self.layer(i, x, cos, sin, router, lora.delta if lora is not None else None, kv=cache.setdefault("kv", {}))
+        cache["pos"] = pos + 1
         cache["staged"] = nxt
-        return out[:, 0]
+        return self.logits(x)[:, 0]
 
     @torch.no_grad()
     def sample(self, prompts, new_tokens: int, gen: torch.Generator, temperature: float = 1.0, **route_kw):

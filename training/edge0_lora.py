@@ -4,7 +4,9 @@
 
 Student: the int4 pack (experts and rest dequantized), routed by the trained prerouter heads (frozen) exactly
 as the numpy engine serves it, plus rank-16 adapters on attention q, k, v, o (the demo model, Qwen3-MoE, has
-no shared expert to adapt). Teacher: the bf16 pack, exact routing.
+no shared expert to adapt; a hybrid's shared experts are left as they are). Teacher: the bf16 pack, exact
+routing. A GGUF is both, in its own blocks: the student differs from its teacher by the routing only. A model
+bigger than memory streams from disk layer by layer (training/edge0_common.TorchMoE), every phase included.
   phase 1  cross-entropy on teacher-written text: prompts from the training corpora, continued by the teacher
            (sampled); the loss is on the teacher's tokens
   phase 2  on-policy distillation: the student samples continuations, loss = reverse KL(student || teacher)
@@ -30,6 +32,7 @@ from training.edge0_common import (PROJ, Clock, HeadSet, LoRASet, TorchMoE, comm
 from workbench.commands import flags
 from workbench.registry import REPO, tokenizer_for
 from workbench.errors import WorkbenchError
+from workbench.host import peak_rss_bytes
 from training.corpora import TRAIN, encode_train
 
 
@@ -43,6 +46,11 @@ def reverse_kl(s_logits, t_logits, mask):
     ls, lt = F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1)
     kl = (ls.exp() * (ls - lt)).sum(-1)
     return (kl * mask).sum() / mask.sum()
+
+
+def every(n: int) -> int:
+    """Log a phase at about every quarter of its steps."""
+    return max(1, min(20, n // 4))
 
 
 def main(argv=None):
@@ -66,6 +74,7 @@ def main(argv=None):
     ap.add_argument("--rkl-steps", type=int, default=2, help="gradient steps per on-policy batch")
     ap.add_argument("--rkl-lr", type=float, default=1e-3)
     ap.add_argument("--val-windows", type=int, default=8)
+    ap.add_argument("--val-ctx", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="default: <model dir>/edge0/lora.safetensors")
@@ -80,8 +89,11 @@ def main(argv=None):
     ident = model_identity(spack)
     if model_identity(tpack) != ident:
         raise WorkbenchError("the teacher's and the student's packs come from different checkpoints")
-    teacher, student = TorchMoE(tpack), TorchMoE(spack)
+    student = TorchMoE(spack)
+    teacher = student if tpack.path == spack.path else TorchMoE(tpack)     # teacher: exact routing, no adapters
     s = student.spec
+    print(f"{spack.path}: {student.weights.f32_bytes / 2**30:.1f} GiB in f32, "
+          f"{'streamed from disk layer by layer' if student.weights.streams else 'held in memory'}", flush=True)
     hpath = a.heads or artifact_path(spack, "prerouter")
     hn = Heads.load(s, spack, hpath)                       # checks shapes and that it was trained for this model
     heads = HeadSet.from_numpy(hn.t, hn.meta)
@@ -96,18 +108,18 @@ def main(argv=None):
 
     tok = tokenizer_for(spack)
     corpora = encode_train(tok)
-    val = torch.from_numpy(sample_windows(corpora, a.val_windows, 128, rng))
+    val = torch.from_numpy(sample_windows(corpora, a.val_windows, a.val_ctx, rng))
 
     def val_kl():
         with torch.no_grad():
-            return kl_teacher_student(teacher(val), student(val, lora=lora, **route)[:, :], None).item()
+            return kl_teacher_student(t_val, student(val, lora=lora, **route), None).item()
 
     with torch.no_grad():
         t_val = teacher(val)
         base_kl = kl_teacher_student(t_val, student(val, **route)).item()
-        exact_kl = kl_teacher_student(t_val, student(val)).item()
-    print(f"val KL(teacher||student): int4 exact {exact_kl:.4f}, int4 + prerouter {base_kl:.4f}  ({clock():.0f}s)",
-          flush=True)
+        exact_kl = 0.0 if teacher is student else kl_teacher_student(t_val, student(val)).item()
+    print(f"val KL(teacher||student): exact routing {exact_kl:.4f}{' (the same weights)' if teacher is student else ''}, "
+          f"prerouter {base_kl:.4f}  ({clock():.0f}s)", flush=True)
 
     # ---- phase 1: cross-entropy on teacher-written text
     P = a.prompt_len
@@ -132,7 +144,7 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if (step + 1) % 20 == 0:
+        if (step + 1) % every(a.ce_steps) == 0:
             log.append({"phase": "ce", "step": step + 1, "ce": round(loss.item(), 4)})
             print(f"ce step {step + 1}/{a.ce_steps} loss {loss.item():.4f}  ({clock():.0f}s)", flush=True)
     kl1 = val_kl()
@@ -154,14 +166,18 @@ def main(argv=None):
             loss.backward()
             opt.step()
         log.append({"phase": "rkl", "round": r + 1, "rkl": round(loss.item(), 4)})
-        if (r + 1) % 5 == 0:
+        if (r + 1) % every(a.rkl_rounds) == 0:
             print(f"rkl round {r + 1}/{a.rkl_rounds} reverse KL {loss.item():.4f}  ({clock():.0f}s)", flush=True)
     kl2 = val_kl()
     print(f"val KL after phase 2: {kl2:.4f}  ({clock():.0f}s)", flush=True)
 
     meta = {**ident, "format": 1, "rank": a.rank, "alpha": a.alpha, "scale": lora.scale, "targets": targets,
-            "num_layers": s.num_layers, "shared_expert": "none in this model (Qwen3-MoE demo): attention only",
-            "student": "int4 pack (experts q4, rest q4, dequantized) + prerouter routing, fp32",
+            "num_layers": s.num_layers,
+            "shared_expert": "not adapted" if s.shared_expert_size else "none in this model: attention only",
+            "student": ("the GGUF's own blocks, dequantized + prerouter routing, fp32" if teacher is student else
+                        "int4 pack (experts q4, rest q4, dequantized) + prerouter routing, fp32"),
+            "teacher": "the same weights, exact routing" if teacher is student else "bf16 pack, exact routing",
+            "weights": "streamed from disk layer by layer" if student.weights.streams else "held in memory",
             "heads": {"path": str(hpath), "skip_layers": skip, "trained": hn.meta.get("created")},
             "phases": [{"name": "ce on teacher-written text", "steps": a.ce_steps, "batch": a.batch, "lr": a.lr,
                         "seqs": a.text_seqs, "prompt_len": P, "text_len": a.text_len, "temperature": a.temperature},
@@ -170,8 +186,9 @@ def main(argv=None):
             "data": {"corpora": {n: str(p.relative_to(REPO)) for n, p in TRAIN.items()}, "seed": a.seed,
                      "prompts_sha256": data_digest(prompts.numpy())},
             "val_kl_train_corpora": {"int4_exact": exact_kl, "int4_prerouter": base_kl, "after_ce": kl1,
-                                     "after_rkl": kl2, "windows": a.val_windows, "ctx": 128},
+                                     "after_rkl": kl2, "windows": a.val_windows, "ctx": a.val_ctx},
             "log": log, "command": command_line(), "train_seconds": round(clock(), 1), "threads": a.threads,
+            "peak_rss_bytes": peak_rss_bytes(),
             "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = save_safetensors(a.out or artifact_path(spack, "lora"), lora.to_numpy(), "lora", meta)
     print(json.dumps(meta["val_kl_train_corpora"]))

@@ -211,14 +211,19 @@ class SparseMoE(nn.Module):
                 r = rows[start:start + n]
                 out = out.index_add(0, r, self.experts[e](x[r]) * w[order[start:start + n]].unsqueeze(-1))
             start += n
+        return self.shared(x, out).reshape(shape)
+
+    def shared(self, x, routed):
+        """The routed experts' sum plus the shared expert where the model has one."""
         if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.reshape(shape)
+            return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed
 
 
 class Layer(nn.Module):
     def __init__(self, c, layer: int):
         super().__init__()
+        self.index = layer
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if getattr(c, "layer_types", None) and c.layer_types[layer] == "linear_attention":
             self.linear_attn = GatedDeltaNet(c, layer)
@@ -226,6 +231,26 @@ class Layer(nn.Module):
             self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SparseMoE(c)
+
+    def forward(self, x, cos, sin, router=None, delta=None, kv=None, collect=None, routed=None):
+        """-> (x after the layer, its Switch load-balancing loss); routed(x, ids, weights) in place of the
+        experts' modules (a frozen model's experts streamed from disk: training/edge0_common.py)."""
+        if hasattr(self, "linear_attn"):
+            x = x + self.linear_attn(self.input_layernorm(x), kv)
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, delta, kv)
+        xn = self.post_attention_layernorm(x)
+        logits = self.mlp.gate(xn)
+        idx, w, probs = self.mlp.route(logits)
+        if router is not None:
+            idx, w = router(self.index, xn, logits)
+        if collect is not None:
+            collect[self.index] = (xn.detach(), idx, logits.detach())
+        x = x + (self.mlp(xn, idx, w) if routed is None else self.mlp.shared(xn, routed(xn, idx, w)))
+        # Switch-style load balancing: fraction routed x mean probability, per expert
+        E = logits.shape[-1]
+        frac = torch.bincount(idx.reshape(-1), minlength=E).float() / idx.numel()
+        return x, E * (frac * probs.reshape(-1, E).mean(0)).sum()
 
 
 class Inner(nn.Module):
@@ -250,36 +275,25 @@ class MoEDecoder(nn.Module):
         """The model's own routing of `layer` for these router logits: (ids, weights)."""
         return self.model.layers[layer].mlp.route(logits)[:2]
 
+    def rope(self, pos: int, T: int):
+        """cos, sin of positions pos .. pos + T - 1, shaped to broadcast over (B, heads, T, rotary dims)."""
+        f = torch.outer(torch.arange(pos, pos + T, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((f, f), dim=-1)
+        return emb.cos()[None, None], emb.sin()[None, None]
+
     def forward(self, ids, router=None, delta=None, cache: dict | None = None, collect: dict | None = None):
         """ids (B, T) -> (logits (B, T, V), the Switch load-balancing loss averaged over layers).
         collect: filled with {layer: (router input, executed ids, real router logits)}."""
-        T = ids.shape[1]
         pos = cache.setdefault("pos", 0) if cache is not None else 0
-        f = torch.outer(torch.arange(pos, pos + T, dtype=torch.float32), self.inv_freq)
-        emb = torch.cat((f, f), dim=-1)
-        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        cos, sin = self.rope(pos, ids.shape[1])
         kv = cache.setdefault("kv", {}) if cache is not None else None
         x = self.model.embed_tokens(ids)
         aux = 0.0
-        for i, layer in enumerate(self.model.layers):
-            if hasattr(layer, "linear_attn"):
-                x = x + layer.linear_attn(layer.input_layernorm(x), kv)
-            else:
-                x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, delta, kv)
-            xn = layer.post_attention_layernorm(x)
-            logits = layer.mlp.gate(xn)
-            idx, w, probs = layer.mlp.route(logits)
-            if router is not None:
-                idx, w = router(i, xn, logits)
-            if collect is not None:
-                collect[i] = (xn.detach(), idx, logits.detach())
-            x = x + layer.mlp(xn, idx, w)
-            # Switch-style load balancing: fraction routed x mean probability, per expert
-            E = len(layer.mlp.experts)
-            frac = torch.bincount(idx.reshape(-1), minlength=E).float() / idx.numel()
-            aux = aux + E * (frac * probs.reshape(-1, E).mean(0)).sum()
+        for layer in self.model.layers:
+            x, a = layer(x, cos, sin, router, delta, kv, collect)
+            aux = aux + a
         if cache is not None:
-            cache["pos"] = pos + T
+            cache["pos"] = pos + ids.shape[1]
         return self.lm_head(self.model.norm(x)), aux / len(self.model.layers)
 
     @classmethod
@@ -287,23 +301,33 @@ class MoEDecoder(nn.Module):
         """A pack's model (weights, experts: workbench.edge0.artifacts.pack_weights), fp32 and frozen."""
         s = pack.spec
         m = cls(MoEConfig.of_spec(s))
-        names = {"embed": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
-        for i in range(s.num_layers):
-            p, q = f"layers.{i}.", f"model.layers.{i}."
-            names.update({p + "attn_norm": q + "input_layernorm", p + "mlp_norm": q + "post_attention_layernorm",
-                          p + "router": q + "mlp.gate", p + "q_norm": q + "self_attn.q_norm",
-                          p + "k_norm": q + "self_attn.k_norm"})
-            names.update({p + n: q + f"self_attn.{n}_proj" for n in "qkvo"})
-            names.update({p + f"shared.{n}": q + f"mlp.shared_expert.{n}_proj" for n in ("gate", "up", "down")})
-            names.update({p + f"lin_{n}": q + f"linear_attn.in_proj_{n}" for n in ("qkv", "z", "b", "a")})
-            names.update({p + "shared_gate": q + "mlp.shared_expert_gate", p + "lin_conv": q + "linear_attn.conv1d",
-                          p + "lin_norm": q + "linear_attn.norm", p + "lin_out": q + "linear_attn.out_proj"})
-        state = {names[k] + ".weight": torch.from_numpy(np.array(v, np.float32)) for k, v in weights.items() if k in names}
-        state.update({f"model.layers.{k.split('.')[1]}.linear_attn.{k.split('_', 1)[1]}": torch.from_numpy(np.array(v, np.float32))
-                      for k, v in weights.items() if k.endswith(("lin_A_log", "lin_dt_bias"))})
+        state = {state_name(k): torch.from_numpy(np.array(v, np.float32)) for k, v in weights.items() if state_name(k)}
         for L, parts in experts.items():
             for part, a in parts.items():
                 for e in range(s.num_experts):
                     state[f"model.layers.{L}.mlp.experts.{e}.{part}_proj.weight"] = torch.from_numpy(np.array(a[e], np.float32))
         m.load_state_dict(state)
         return m.requires_grad_(False).eval()
+
+
+TOP = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+PER_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "router": "mlp.gate",
+             "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+             **{n: f"self_attn.{n}_proj" for n in "qkvo"},
+             **{f"shared.{n}": f"mlp.shared_expert.{n}_proj" for n in ("gate", "up", "down")},
+             **{f"lin_{n}": f"linear_attn.in_proj_{n}" for n in ("qkv", "z", "b", "a")},
+             "shared_gate": "mlp.shared_expert_gate", "lin_conv": "linear_attn.conv1d", "lin_norm": "linear_attn.norm",
+             "lin_out": "linear_attn.out_proj"}
+
+
+def state_name(name: str) -> str | None:
+    """A pack tensor's name in MoEDecoder's state dict; None for a tensor it has no place for (e.g. MTP's)."""
+    if name in TOP:
+        return TOP[name]
+    head, _, rest = name.partition(".")
+    i, _, rest = rest.partition(".")
+    if head != "layers":
+        return None
+    if rest in ("lin_A_log", "lin_dt_bias"):
+        return f"model.layers.{i}.linear_attn.{rest[4:]}"
+    return f"model.layers.{i}.{PER_LAYER[rest]}.weight" if rest in PER_LAYER else None
