@@ -313,8 +313,6 @@ class TorchMoE(nn.Module):
         with torch.device("meta"):                      # the modules' shapes only: their tensors come from weights
             self.model = MoEDecoder(MoEConfig.of_spec(s))
         self.model.requires_grad_(False)
-        rd = s.rotary_dim or s.head_dim
-        self.model.inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, rd, 2).float() / rd))
         self.top = self.weights.top
 
     def proj_shapes(self, projs=PROJ) -> dict:

@@ -1,13 +1,15 @@
 """The MoE decoder in torch, one module for both trainers (the `train` extra).
 
 The demo model is trained as it: Hugging Face Qwen3-MoE names, so its state dict is the exported checkpoint
-(training/demo.py). Edge0's trainers load a pack into it, frozen (`from_pack`), and run it with the routing
-and the adapters as arguments of forward (training/edge0_common.py). It computes what the numpy engine
+(training/demo.py). Edge0's trainers run a pack's model in its layers, frozen, one layer's weights at a time
+(training/edge0_common.py: `Layer.forward` with the routed experts streamed), the routing and the adapters as
+arguments; `from_pack` holds a whole pack in it, the reference the tests hold them to. It computes what the numpy engine
 computes (engines/decoder.py) for these models: tests/test_training_model.py and tests/test_edge0.py check it.
 
     router(layer, xn, logits) -> (ids, weights)   in place of softmax top-k (Edge0's prerouter routing)
     delta(name, x) -> tensor or None              added to x W^T of projection `name` (an unmerged LoRA)
     cache {"pos", "kv"}                           incremental decoding: positions go on from cache["pos"]
+    routed(x, ids, weights) -> tensor             the routed experts' sum, in place of the experts' modules
 """
 from __future__ import annotations
 
@@ -268,7 +270,7 @@ class MoEDecoder(nn.Module):
         self.model = Inner(c)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         rd = getattr(c, "rotary_dim", 0) or c.head_dim
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, rd, 2).float() / rd))
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, rd, 2, device="cpu").float() / rd))   # real on "meta" too
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def route(self, layer: int, logits):
