@@ -336,9 +336,8 @@ class TorchMoE(nn.Module):
         return F.embedding(ids, self.top["model.embed_tokens.weight"])
 
     def logits(self, x):
-        n = self.top["model.norm.weight"]
-        return F.linear(n * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)),
-                        self.top["lm_head.weight"])
+        xn = torch.func.functional_call(self.model.model.norm, {"weight": self.top["model.norm.weight"]}, (x,))
+        return F.linear(xn, self.top["lm_head.weight"])
 
     def forward(self, ids, heads: HeadSet | None = None, skip_layers: int = 1, lora: LoRASet | None = None,
                 collect: bool = False):
