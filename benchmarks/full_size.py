@@ -46,10 +46,15 @@ def verb(*args) -> dict:
     return json.loads(p.stdout)
 
 
+def preset_of(design: str) -> str:
+    """A design is a preset and the knobs it sets: edge0@routing=prerouter:nolora."""
+    return design.split("@")[0]
+
+
 def knobs_for(model: str, design: str) -> list[str]:
-    """A design is a preset and the knobs it sets (edge0@routing=prerouter:nolora). Edge0 serves its recovery LoRA
-    where one was trained for the file (beside it, edge0/lora.safetensors), and routes with its prerouter alone
-    where none was (training/edge0_lora.py trains one)."""
+    """The knobs a design sets. Edge0 serves its recovery LoRA where one was trained for the file (beside it,
+    edge0/lora.safetensors), and routes with its prerouter alone where none was (training/edge0_lora.py trains
+    one)."""
     preset, *knobs = design.split("@")
     if preset == "edge0" and not any(k.startswith("routing=") for k in knobs) and not (
             edge0_dir_of(model) / FILES["lora"]).exists():
@@ -60,7 +65,7 @@ def knobs_for(model: str, design: str) -> list[str]:
 def bench_arm(model: str, design: str, budget: str, tokens: int, threads: int | None) -> dict:
     """One design in a fresh process, and what `info` said it would hold (run_bytes, for --tokens of context); a
     design that fails or is refused is recorded with its one-line reason, and the others go on."""
-    preset, knobs = design.split("@")[0], knobs_for(model, design)
+    preset, knobs = preset_of(design), knobs_for(model, design)
     try:
         res = verb("bench", "--model", model, "--preset", preset, "--budget", budget, "--tokens", tokens, "--prompt",
                    PROMPT, *(["--threads", threads] if threads else []), *(a for k in knobs for a in ("--set", k)))
@@ -84,9 +89,9 @@ def bound(od: dict, disk: dict, seen_bw: float, compute_s: float, routing: dict 
     found at the run's read size (any queue depth) or the most any run drew from the disk (its bytes over its decode
     time: a virtualised disk may serve a file's blocks faster than a fresh probe's), each read on_demand's bytes per
     expert, or `compute_s` a token where that is slower (the least any arm at the budget computed and routed: reads
-    slow the compute thread that waits on them, so on_demand's own is not the least); from the cache every cold run starts decoding with (the prompt's experts,
-    the most recent first, as many as fit), and from the best start any policy could have (the first experts
-    decoding asks for, preloaded free: a bound no cold run can reach)."""
+    slow the compute thread that waits on them, so on_demand's own is not the least); from the cache every cold
+    run starts decoding with (the prompt's experts, the most recent first, as many as fit), and from the best start
+    any policy could have (the first experts decoding asks for, preloaded free: a bound no cold run can reach)."""
     seen = accesses((routing or od)["run"])
     seq, prompt = seen["decode"], list(dict.fromkeys(reversed(seen["prefill"])))
     expert = od["bytes_read"] / max(1, od["misses"])              # bytes one demand read brings in
@@ -106,12 +111,12 @@ def bound(od: dict, disk: dict, seen_bw: float, compute_s: float, routing: dict 
 def routes_otherwise(design: str, knobs: list[str]) -> bool:
     """The design's routing is not the model's exact router (Edge0's prerouter, a cache-aware bias): its accesses
     are its own, and so is its bound."""
-    return get_preset(design.split("@")[0]).with_(**knobs_of(knobs)).routing.router is not Router.EXACT
+    return get_preset(preset_of(design)).with_(**knobs_of(knobs)).routing.router is not Router.EXACT
 
 
 def label(row: dict) -> str:
     """The design, and the knobs its arms changed."""
-    return row["design"].split("@")[0] + "".join(f" ({k})" for k in row["median_run"].get("knobs", []))
+    return preset_of(row["design"]) + "".join(f" ({k})" for k in row["median_run"].get("knobs", []))
 
 
 def main(argv=None):
@@ -214,7 +219,8 @@ def main(argv=None):
     md += [] if not bounds else [
         "", "Belady's bound per budget (MIN over on_demand's decode routing, its slots; reads at the best bandwidth "
         "the disk probe found at the run's read size or the most a run drew from the disk, whichever is more; "
-        "or the least compute and routing any arm at the budget took a token, where that is slower), from the cache a cold run starts decoding with (the prompt's experts): "
+        "or the least compute and routing any arm at the budget took a token, where that is slower), from the cache "
+        "a cold run starts decoding with (the prompt's experts): "
         "`/ Belady`; and from the best start any policy could have (the first experts decoding asks for, preloaded "
         "free):", ""]
     md += [f"- {b}: {v['slots']} slots, {v['belady_misses']} misses of {v['accesses']} accesses "

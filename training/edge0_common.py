@@ -313,10 +313,10 @@ class TorchMoE(nn.Module):
         with torch.device("meta"):                      # the modules' shapes only: their tensors come from weights
             self.model = MoEDecoder(MoEConfig.of_spec(s))
         self.model.requires_grad_(False)
-        self.top = self.weights.top
 
     def proj_shapes(self, projs=PROJ) -> dict:
-        return {f"layers.{i}.{p}": tuple(self.pack.tensors[f"layers.{i}.{p}"]["shape"]) for i in range(self.spec.num_layers)
+        shape = lambda name: tuple(self.pack.tensors[name]["shape"])
+        return {f"layers.{i}.{p}": shape(f"layers.{i}.{p}") for i in range(self.spec.num_layers)
                 for p in projs if not self.spec.is_linear(i)}          # attention layers only (no q, k, v, o in DeltaNet)
 
     def layer(self, i, x, cos, sin, router, delta, kv=None, collect=None):
@@ -333,11 +333,12 @@ class TorchMoE(nn.Module):
                                           strict=False)[0]
 
     def embed(self, ids):
-        return F.embedding(ids, self.top["model.embed_tokens.weight"])
+        return F.embedding(ids, self.weights.top["model.embed_tokens.weight"])
 
     def logits(self, x):
-        xn = torch.func.functional_call(self.model.model.norm, {"weight": self.top["model.norm.weight"]}, (x,))
-        return F.linear(xn, self.top["lm_head.weight"])
+        top = self.weights.top
+        xn = torch.func.functional_call(self.model.model.norm, {"weight": top["model.norm.weight"]}, (x,))
+        return F.linear(xn, top["lm_head.weight"])
 
     def forward(self, ids, heads: HeadSet | None = None, skip_layers: int = 1, lora: LoRASet | None = None,
                 collect: bool = False):
@@ -394,8 +395,9 @@ class TorchMoE(nn.Module):
 
         cos, sin = self.model.rope(pos, 1)
         x = self.embed(tok[:, None])
+        delta, kv = (lora.delta if lora is not None else None), cache.setdefault("kv", {})
         for i in range(self.spec.num_layers):
-            x = self.layer(i, x, cos, sin, router, lora.delta if lora is not None else None, kv=cache.setdefault("kv", {}))
+            x = self.layer(i, x, cos, sin, router, delta, kv=kv)
         cache["pos"] = pos + 1
         cache["staged"] = nxt
         return self.logits(x)[:, 0]
