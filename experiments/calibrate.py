@@ -20,9 +20,10 @@ def _med(xs: list) -> dict:
 def calibrate(designs=DESIGNS, budgets=BUDGETS, devices=DEVICES, rounds: int = 3, tokens: int = 32,
               trace=TRACE, model: str = "demo", log=print) -> dict:
     """Measured (bench --routing-trace) vs simulated A for each design x budget x device (resident: at all, once a
-    round); each round measures each design's compute profile once (measure_compute: runs of its own, never the
-    runs it predicts) and the compute thread's wake-up with this machine's reads (probe_reader), and alternates the
-    arms' order from round to round."""
+    round); each round measures each design's compute profile once per device (measure_compute: runs of its own,
+    never the runs it predicts; its streaming run's reads emulated as the device's arms are) and the compute
+    thread's wake-up with this machine's reads (probe_reader), and alternates the arms' order from round to
+    round."""
     from experiments.bench import measure
     from experiments.routing_trace import drive
     from runtime.session import open_session
@@ -51,16 +52,18 @@ def calibrate(designs=DESIGNS, budgets=BUDGETS, devices=DEVICES, rounds: int = 3
     got = {a: {"measured": [], "simulated": [], "simulated_no_floor": [], "typical": [], "hit_measured": [],
                "hit_simulated": []}
            for a in arms}
-    profiles = {d: [] for d in designs}
+    profiles = {dev: {d: [] for d in designs} for dev in devices}
     load0, t0 = os.getloadavg(), time.time()
     prompt, skipped = None, {}
     for r in range(rounds):
         wake = disk_probe.probe_reader(resolve_pack(model, "contiguous", "q4", "q4"),
                                        workers=slot_readers()).sources["wake_s"]
-        cps = {d: dataclasses.replace(measure_compute(model, spec, get_preset(d).storage.experts, preset=d,
-                                                      routing_trace=trace), wake_s=wake) for d in designs}
-        for d in designs:
-            profiles[d].append(dataclasses.asdict(cps[d]))
+        # each design's profile, its streaming run's reads as the arms it predicts read (this disk, or emulated)
+        cps = {(dev, d): dataclasses.replace(measure_compute(
+            model, spec, get_preset(d).storage.experts, preset=d, routing_trace=trace,
+            device=None if dev == "this-machine" else dev), wake_s=wake) for dev in devices for d in designs}
+        for (dev, d), cp in cps.items():
+            profiles[dev][d].append(dataclasses.asdict(cp))
         for dev, d, b in (arms if r % 2 == 0 else arms[::-1]):
             if (dev, d, b) in skipped:
                 continue
@@ -77,10 +80,10 @@ def calibrate(designs=DESIGNS, budgets=BUDGETS, devices=DEVICES, rounds: int = 3
                 continue
             if prompt is None:
                 prompt = _prompt_tokens(model)
-            s = simulate(trace, d, b, dev, tokens=tokens, prompt=prompt, compute=cps[d],
+            s = simulate(trace, d, b, dev, tokens=tokens, prompt=prompt, compute=cps[(dev, d)],
                          workers=m["reader_workers"], record=False, here=True)
             s0 = simulate(trace, d, b, dev, tokens=tokens, prompt=prompt, record=False, workers=m["reader_workers"],
-                          compute=dataclasses.replace(cps[d], read_floor=None))      # the model before read_floor
+                          compute=dataclasses.replace(cps[(dev, d)], read_floor=None))      # the model before read_floor
             for k, v in (("measured", m["tok_s"]), ("simulated", s["tok_s"]), ("simulated_no_floor", s0["tok_s"]),
                          ("typical", m["typical_tok_s"]),
                          ("hit_measured", m["hit_rate"]),

@@ -4,6 +4,7 @@ file (load_compute). The simulator (experiments.simulate) replays a design's dec
 """
 from __future__ import annotations
 
+import bisect
 import gc
 import json
 import math
@@ -37,34 +38,36 @@ class ComputeProfile:
                                     # Python reader threads); not the packed engine's GIL-free readers (slot_reads)
     wake_s: float = 0.0       # per blocking wait: from the read it waits for landing to the compute thread running
                               # again (its poll returning, the settle); probe_reader measures it
-    land_s: float = 0.0       # per expert read, when the compute thread takes it in (its read settled, its crc
-                              # compared, the cache entry made the slot) and computes on its fresh bytes, or (the
-                              # larger) all a streaming run's compute thread spends beyond a resident one's per read
-                              # besides its issues: the readers' CPU on shared cores included (_per_read_rest)
+    land_s: float = 0.0       # per expert read taken in: the compute thread's time on it (its read settled, its crc
+                              # compared, the cache entry made the slot, its fresh bytes computed on)
+    after_issue_s: float = 0.0    # per issue, after its call: the compute thread's time lost while the readers it
+                                  # woke start on the cores it shares (both fitted over a streaming run's tokens:
+                                  # _reading_costs)
     row_s: float | None = None    # per MoE layer, dense + router time of each row of a batch after the first
                                   # (speculative verification); None: each row costs what one token does
     read_floor: dict | None = None  # this machine's reads as its readers served them in the streaming run
-                                    # (DeviceProfile's latency_s: an idle reader's wake-up, read_bw, peak_bw,
-                                    # queue_depth): what reads take here at the least (_read_floor)
+                                    # (devices.ServedReads: an idle reader's wake-up, a read's latency and bandwidth
+                                    # alone and beside another): what reads take here at the least (_read_floor)
     engine: str = "numpy"     # the engine measured: what an expert costs in its cache (engines.expert_bytes), so what
                               # a byte budget buys (the packed engine's slots of packed bytes, numpy's f32 experts)
     source: str = ""
 
 
 def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, engine: str | None = None,
-                    preset=None, routing_trace: str | None = None, stream_budget: str = "0.5") -> ComputeProfile:
+                    preset=None, routing_trace: str | None = None, stream_budget: str = "0.5",
+                    device: str | None = None) -> ComputeProfile:
     """This engine's compute, measured in two runs of the model as `preset` (None: resident), driven by
-    `routing_trace` if given (as the runs it predicts are):
+    `routing_trace` if given (as the runs it predicts are), the streaming one's reads emulated as `device` if given
+    (for runs predicted under that emulation here: its readers' sleeps and wake-ups share the cores too):
       in memory                every expert in memory (or, where they do not all fit here, at the largest budget
                                that does, after a run of the same tokens brought theirs in: only what no read touched
                                counts, _untouched): dense, router (the predictor's naming inside) and other time per
                                layer and token, expert compute per expert on bytes in memory
-      at `stream_budget`       what reading costs the compute thread, from the streamer's own timers: an issue (per
-                               submit and per expert, fitted over the layers' issues), taking a landed read in (less
-                               what a layer's look at its experts costs with every one in memory), and computing
-                               on bytes just read instead of bytes long in memory (per expert read); or, where
-                               larger, all the run's compute thread spends beyond the resident run's besides its
-                               issues, per expert read (the reader threads' CPU on cores it shares shows there)
+      at `stream_budget`       what reading costs the compute thread: the submit call (per issue and per expert, by
+                               the streamer's own timers), and what the run's tokens spend beyond the resident run's
+                               besides those calls, fitted per issue (the readers woken on the cores it shares) and
+                               per read taken in (_reading_costs); and how this machine's readers served its reads
+                               (their own stamps: _read_floor)
     Expert compute and what a reader thread does per expert are then timed on this spec's expert shape with the
     engine's own kernels on the formats its pack holds (each layer's: a GGUF's own blocks, ggml's g2..g8, the affine
     formats): the numpy engine's matmuls and the pack's decode (dequant), or the packed engine's compiled kernels
@@ -76,10 +79,10 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
     p = p.with_(experts=experts, speculative=0)     # a batch's rows: _row_cost
     resident, stream_budget = _budgets(model, p, engine, tokens, stream_budget)
-    runs, row, reads, workers = [], None, None, 1
+    runs, row, reads, poll_ns = [], None, None, 0
     for budget in (resident, stream_budget):
-        with open_session(model, p, budget, prompt=PROMPT, tokens=tokens, drive=drive(routing_trace),
-                          engine=engine) as s:
+        with open_session(model, p, budget, prompt=PROMPT, tokens=3 * tokens if runs else tokens,
+                          drive=drive(routing_trace), engine=engine, device=device if runs else None) as s:
             if not runs:            # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
                 # after it needs none, and would find the same experts cached); below "all", the same tokens, so
                 # that the measured run finds its experts in memory
@@ -91,9 +94,9 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                 s.generate([5, 6, 7, 8], tokens=4)      # buffers and first kernel calls are not a decode's
                 s.reset_telemetry()
                 s.cold_start()
-                with _timed_reads(s.reader) as reads:
-                    s.generate(PROMPT, tokens=tokens)
-                workers = s.reader.workers
+                with _timed_reads(s.reader) as reads:       # thrice the tokens: one fit's point a token
+                    s.generate(PROMPT, tokens=3 * tokens)
+                poll_ns = s.reader.poll_ns
             runs.append(([t for t in s.tel.tokens if t.phase == "decode"],
                          [e for e in s.tel.events if e.phase == "decode"]))
             if len(runs) == 1 and not routing_trace:
@@ -117,8 +120,8 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     other = statistics.median(t.other_s + t.flash_wait_s + t.dequant_s for t in dec)
     expert_measured = statistics.median(sum(e.compute_s for e in at(t)) / max(1, sum(len(e.routed) for e in at(t)))
                                         for t in dec)
-    issue_call, issue, land = _read_costs(evs, stream[1], expert_measured)
-    land = max(land, _per_read_rest(dec, *stream, issue_call, issue))
+    issue_call, issue = _issue_costs(stream[1])
+    after_issue, land = _reading_costs(dec, *stream, issue_call, issue)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     packed = name == "packed"
     shape = (measured_model.hidden_size, measured_model.moe_intermediate_size)
@@ -148,14 +151,16 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
         f"same tokens ran once: the {len(quiet[0])} of {len(all_dec)} decode tokens no read touched"
         f"{'' if quiet[0] else ', so every token, its reads included'}")
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
-                          issue_call_s=issue_call, land_s=land, row_s=row, read_floor=_read_floor(reads, workers),
+                          issue_call_s=issue_call, after_issue_s=after_issue, land_s=land, row_s=row,
+                          read_floor=_read_floor(reads, poll_ns),
                           reader_holds_gil=not (packed and slot_reads.runs_here()), engine=name,
                           dequant_busy_s=_contended(work[most], (lambda: kernel(d, ff, most)) if packed else lambda: mlp(
                               ones, w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
                                  f"loaded), {name} engine: {model} as {p.name}{' (routing trace)' if routing_trace else ''} with "
                                  f"{where} for dense/router/other (medians over tokens), at budget "
-                                 f"{stream_budget} for issues, reads taken in (the streamer's timers, "
+                                 f"{stream_budget}{f' (reads emulated as {device})' if device else ''} for issues, "
+                                 f"reads taken in (the streamer's timers, "
                                  f"{layout} layout) and the reads' floor (the readers' stamps); expert compute and "
                                  f"{'crc check' if packed else 'dequant'} on its {held_text} experts at d={d}, ff={ff} with the "
                                  f"engine's kernels")
@@ -275,11 +280,12 @@ def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> Comp
 
 
 class _timed_reads:
-    """The reads a session's reader serves meanwhile: (submitted ns, [(bytes, started ns, landed ns)] per submit),
-    from the readers' own stamps (SlotRead and Future t_start, t_end)."""
+    """The reads a session's reader serves meanwhile, from the readers' own stamps: calls, (submitted ns, [(bytes,
+    started ns, landed ns)] per key) per submit (SlotRead and Future t_start, t_end), and jobs, [(bytes, started ns,
+    landed ns)] per preadv where the readers log them (the slot readers: a key of the native layout is three)."""
 
     def __init__(self, reader):
-        self.reader, self.calls = reader, []
+        self.reader, self.calls, self.jobs = reader, [], []
 
     def __enter__(self):
         submit = self.reader.submit_into
@@ -291,50 +297,79 @@ class _timed_reads:
             self.calls.append((t0, [(sizes[k], f) for k, f in futs.items()]))
             return futs
         self.reader.submit_into = timed
+        self.logs = getattr(self.reader, "log", None) is None      # a test's log left as it is
+        if self.logs:
+            self.reader.log = []
         return self
 
     def __exit__(self, *exc):
         del self.reader.submit_into             # the class's method again
         self.calls = [(t0, [(n, f.t_start, f.t_end) for n, f in fs if getattr(f, "t_end", 0)])
                       for t0, fs in self.calls]
+        if self.logs:
+            self.jobs = [(int(n), round(t * 1e9), round(t1 * 1e9)) for n, _, t, t1 in self.reader.log]
+            self.reader.log = None
 
 
-def _read_floor(reads: _timed_reads | None, workers: int) -> dict | None:
+def _read_floor(reads: _timed_reads | None, poll_ns: int = 0) -> dict | None:
     """What a read takes on this machine in a streaming run of the engine (its readers and compute thread sharing
-    the cores with each other and whatever else runs), as DeviceProfile fields: a latency (the median wait from a
-    submit to its first read starting: a reader's wake-up, which the simulator charges to a read that finds its
-    reader idle), the median rate of a read that ran alone (read_bw) and the rate the readers reached together
-    where reads overlapped (peak_bw: the overlapping reads' bytes over the time they covered; a read's own rate
-    times the readers would count two reads that only touched as `workers` in flight); the simulator floors the
-    device's reads at them. Experts read in one preadv share its stamps and count as one read. None: no reads."""
-    firsts = [min(t for _, t, _ in fs) - t0 for t0, fs in reads.calls if fs] if reads else []
-    merged: dict = {}           # experts read in one preadv (adjacent in the pack) share its stamps: one read
-    for i, (_, fs) in enumerate(reads.calls if reads else []):
+    the cores with each other and whatever else runs), for devices.ServedReads: an idle reader's wake-up (the
+    median wait from a submit that found every reader idle to its first read starting; apart, where a reader that
+    landed a read less than poll_ns before polls for the next: the slot readers'), and a read's service as
+    latency + bytes / bandwidth, fitted apart for reads that started alone and reads that started while another
+    was in flight (a reader that just woke on an idle core serves slower than one already running). Each preadv is
+    a read (the readers' log; else experts read in one preadv, which share its stamps, count as one). None: no
+    reads."""
+    if not reads or not any(fs for _, fs in reads.calls):
+        return None
+    spans = sorted((t, t1, n) for n, t, t1 in reads.jobs) if reads.jobs else \
+        sorted((t, t1, n) for (_, t, t1), n in _merged(reads.calls).items())
+    starts, ends = [t for t, _, _ in spans], sorted(t1 for _, t1, _ in spans)
+    in_flight = lambda t: bisect.bisect_right(starts, t) - bisect.bisect_right(ends, t)    # reads with start <= t < end
+    firsts = [(t0, min(t for _, t, _ in fs)) for t0, fs in reads.calls if fs]
+    sleeping, polling = [], []          # the waits of submits that found every reader idle
+    for t0, t in firsts:
+        if not in_flight(t0):
+            last = ends[bisect.bisect_right(ends, t0) - 1] if ends[0] <= t0 else None
+            (polling if last is not None and t0 - last < poll_ns else sleeping).append((t - t0) / 1e9)
+    alone, overlapped = [], []
+    for t, t1, n in spans:
+        (alone if in_flight(t) == 1 else overlapped).append((n, (t1 - t) / 1e9))
+    fits = [_service(x) for x in (alone, overlapped)]
+    fits = [f or next(g for g in fits if g) for f in fits]
+    median = lambda xs: max(0.0, statistics.median(xs))
+    wake = median(sleeping or polling or [(t - t0) / 1e9 for t0, t in firsts])
+    return {"wake_s": wake, "wake_polling_s": median(polling) if polling else wake, "poll_s": poll_ns / 1e9,
+            "latency_s": [f[0] for f in fits], "read_bw": [f[1] for f in fits]}
+
+
+def _merged(calls) -> dict:
+    """{(submit, started, landed): bytes}: the keys of one submit that share a preadv's stamps, as one read."""
+    merged: dict = {}
+    for i, (_, fs) in enumerate(calls):
         for n, t, t1 in fs:
             if t1 > t:
                 merged[(i, t, t1)] = merged.get((i, t, t1), 0) + n
-    spans = sorted((t, t1, n) for (_, t, t1), n in merged.items())
-    if not firsts or not spans:
+    return merged
+
+
+def _service(reads: list) -> tuple[float, float] | None:
+    """(latency, bandwidth) of a line through the median time of the reads of each size (the median resists a
+    stall); reads of one size: no latency, that size's rate. None: no reads."""
+    by: dict = {}
+    for n, s in reads:
+        by.setdefault(n, []).append(s)
+    if not by:
         return None
-    alone, shared, together = [], [], []    # rates of reads alone and overlapping; (bytes, ns) of each overlap
-    run, reach = [spans[0]], spans[0][1]
-    for span in spans[1:] + [(float("inf"), float("inf"), 0)]:
-        if span[0] < reach:
-            run.append(span)
-            reach = max(reach, span[1])
-            continue
-        rates = [n / ((t1 - t) / 1e9) for t, t1, n in run]
-        if len(run) == 1:
-            alone += rates
-        else:
-            shared += rates
-            together.append((sum(n for *_, n in run), reach - run[0][0]))
-        run, reach = [span], span[1]
-    bw = statistics.median(alone or shared)
-    peak = max(bw, sum(b for b, _ in together) / (sum(ns for _, ns in together) / 1e9)) if together else \
-        bw * max(1, workers)
-    return {"latency_s": max(0.0, statistics.median(firsts) / 1e9), "read_bw": bw, "peak_bw": peak,
-            "queue_depth": max(1, workers)}
+    sizes = np.array(sorted(by), float)
+    med = np.array([statistics.median(by[n]) for n in sorted(by)])
+    count = np.array([len(by[n]) for n in sorted(by)], float)
+    if len(sizes) > 1:
+        w = np.sqrt(count)
+        per_byte, lat = np.linalg.lstsq(np.c_[sizes, np.ones_like(sizes)] * w[:, None], med * w, rcond=None)[0]
+        if per_byte > 0 and lat >= 0:
+            return float(lat), float(1 / per_byte)
+    return 0.0, float(np.sum(sizes * count) / np.sum(med * count))
 
 
 def _crc(enc):
@@ -440,10 +475,9 @@ def _row_cost(s, rows: int = 5, reps: int = 8) -> float:
     return max(0.0, (statistics.median(took[rows]) - statistics.median(took[1])) / (rows - 1))
 
 
-def _read_costs(resident_events, stream_events, expert_s: float) -> tuple[float, float, float]:
-    """(per issue, per expert issued, per expert read taken in and computed) from the streamer's own timers in a
-    streaming run (telemetry.LayerEvent), less what the same layers cost with every expert in memory. The issue's
-    two costs: a line through the median time of a layer's one submit of n experts, for each n."""
+def _issue_costs(stream_events) -> tuple[float, float]:
+    """(per issue, per expert issued): the submit call itself, by the streamer's own timers in a streaming run
+    (telemetry.LayerEvent issue_s): a line through the median time of a layer's one submit of n experts, for each n."""
     by_n: dict = {}             # experts in a layer's one submit -> its times (the median resists a stall)
     for e in stream_events:
         if e.issues == 1:
@@ -458,38 +492,64 @@ def _read_costs(resident_events, stream_events, expert_s: float) -> tuple[float,
             per_expert, per_call = np.linalg.lstsq(np.c_[n, np.ones_like(n)] * w[:, None], med * w, rcond=None)[0]
         if len(n) == 1 or per_expert < 0 or per_call < 0:      # one size, or a fit that makes no sense: per expert
             per_call, per_expert = 0.0, float(np.sum(med * w ** 2) / np.sum(n * w ** 2))
-    taken = sum(e.taken for e in stream_events)
-    look = sum(e.take_s for e in resident_events) / max(1, len(resident_events))
-    take = sum(e.take_s for e in stream_events) - look * len(stream_events)
-    fresh = sum(e.compute_s for e in stream_events) - expert_s * sum(len(e.routed) for e in stream_events)
-    return float(per_call), float(per_expert), max(0.0, (take + fresh) / taken) if taken else 0.0
+    return float(per_call), float(per_expert)
 
 
-def _per_read_rest(resident_tokens, stream_tokens, stream_events, issue_call: float, issue: float) -> float:
-    """Per expert read taken in, what the streaming run's compute thread spends beyond the resident run's typical
-    token (flash waits aside) that its issues do not explain: taking reads in, computing on fresh bytes, and the
-    CPU the reader threads take from it where they share its cores (their syscalls and crc checks, their wake-ups),
-    which show as slower dense, router and other time, not in the streamer's timers. The median over the tokens
-    that took reads in of each one's excess per read: a stall lands in one token."""
+def _reading_costs(resident_tokens, stream_tokens, stream_events, issue_call: float,
+                   issue: float) -> tuple[float, float]:
+    """(per issue after its call, per read taken in): what a streaming run's compute thread spends beyond the
+    resident run's typical token (flash waits aside) and beyond its submit calls, fitted over its tokens as
+    a * issues + b * reads taken in (non-negative, a token whose excess is far off the fit dropped: a stall).
+    Taking a read in and computing on its fresh bytes go with the reads; the reader threads' wake-ups and CPU on
+    the cores the compute thread shares go with the submits that start them, and show as slower dense, router and
+    other time, not in the streamer's timers."""
     if not resident_tokens:
-        return 0.0
+        return 0.0, 0.0
     busy = lambda t: t.compute_s + t.router_s + t.other_s
     base = statistics.median(busy(t) for t in resident_tokens)
     per_token: dict = {}
     for e in stream_events:
         per_token.setdefault(e.token, []).append(e)
-    rest = []
+    X, y = [], []
     for t in stream_tokens:
         evs = per_token.get(t.token, [])
-        taken = sum(e.taken for e in evs)
-        if taken:
-            issued = sum(issue_call * e.issues + issue * e.issued for e in evs)
-            rest.append((busy(t) - base - issued) / taken)
-    return max(0.0, statistics.median(rest)) if rest else 0.0
+        issues, issued, taken = (sum(getattr(e, k) for e in evs) for k in ("issues", "issued", "taken"))
+        if issues or taken:
+            X.append((issues, taken))
+            y.append(busy(t) - base - issue_call * issues - issue * issued)
+    if not X:
+        return 0.0, 0.0
+    X, y = np.array(X, float), np.array(y)
+    keep = np.ones(len(y), bool)
+    for _ in range(3):
+        coef = _nonnegative_fit(X[keep], y[keep])
+        res = y - X @ coef
+        spread = 4 * 1.4826 * np.median(np.abs(res[keep] - np.median(res[keep])))
+        keep = np.abs(res) <= spread
+        if keep.sum() < 2:
+            break
+    return float(coef[0]), float(coef[1])
+
+
+def _nonnegative_fit(X, y) -> np.ndarray:
+    """Least squares with coefficients >= 0 (two or fewer columns: each subset tried)."""
+    coef = np.linalg.lstsq(X, y, rcond=None)[0]
+    if (coef >= 0).all():
+        return coef
+    best = np.zeros(X.shape[1])
+    for j in range(X.shape[1]):
+        c = np.zeros(X.shape[1])
+        c[j] = max(0.0, X[:, j] @ y / (X[:, j] @ X[:, j])) if X[:, j].any() else 0.0
+        if np.sum((y - X @ c) ** 2) < np.sum((y - X @ best) ** 2):
+            best = c
+    return best
 
 
 def load_compute(path) -> ComputeProfile:
     d = json.loads(open(path).read())
     if "slots" in d:                        # a profile written before it named its engine
         d["engine"] = "packed" if d.pop("slots") else "numpy"
+    if (fl := d.get("read_floor")) and "peak_bw" in fl:      # a floor written before it fitted a read's latency
+        d["read_floor"] = {"wake_s": fl["latency_s"], "latency_s": [0.0, 0.0],
+                           "read_bw": [fl["read_bw"], min(fl["read_bw"], fl["peak_bw"] / 2)]}
     return ComputeProfile(**d)

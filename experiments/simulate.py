@@ -19,8 +19,9 @@ modelled, mirroring ExpertStreamer:
   compute         a measured profile of this engine (experiments.compute_profile): dense and router time per layer, expert
                   compute per expert, dequant (the packed engine: the crc check) per expert read, other per token,
                   a wake-up per wait that blocked (the compute thread runs again that long after the read lands),
-                  and what reads cost the compute thread: an issue (per submit, per expert) and taking each read
-                  in (with computing on its fresh bytes), measured in a streaming run of the engine
+                  and what reads cost the compute thread: an issue (per submit, per expert; then, after the
+                  submit, what the readers it woke take from the cores the compute thread shares) and taking
+                  each read in (with computing on its fresh bytes), measured in a streaming run of the engine
   speculative     (a preset with speculative n) a step verifies the input token and the trace's recorded draft
                   (up to n tokens) in one batch: the layer reads the union of the batch's experts once; dense and
                   router are charged for one row plus the measured cost of each further row (row_s), expert
@@ -29,8 +30,9 @@ modelled, mirroring ExpertStreamer:
   prerouter       Edge0's heads, recorded in the trace, name the next token's experts (prefetched a token ahead)
 
   runs here       (this-machine, or --here: the device emulated on this machine) every read takes at least what
-                  the reads of a streaming run of the engine took here (ComputeProfile.read_floor: a reader's start
-                  after a submit, a read's service, from the readers' own stamps), where the readers share the cores
+                  the reads of a streaming run of the engine took here (ComputeProfile.read_floor: an idle reader's
+                  start after a submit, a read's latency and bandwidth alone and beside another, from the readers'
+                  own stamps: workbench.devices.ServedReads), where the readers share the cores
                   with the compute thread and whatever else runs; the result is labelled as simulate --calibrate
                   found this machine (experiments/calibration.py), or "uncalibrated"
 
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import sys
 from dataclasses import dataclass
 
@@ -141,10 +144,12 @@ class _Pool:
     """A FIFO pool of reader threads on the virtual clock."""
 
     def __init__(self, workers: int, device: DeviceProfile, dequant_s: float, split: bool = True,
-                 wake_s: float = 0.0):
+                 wake_s: float = 0.0, polling: tuple[float, float] = (0.0, 0.0)):
         self.workers = workers
-        self.wake_s = wake_s                 # a reader idle when a read comes starts it this much later (its wake-up)
-        self.free = [0.0] * workers          # when each worker is next free (a heap)
+        self.wake_s = wake_s                 # a sleeping reader starts a read this much after its submit (its wake-up)
+        self.polling = polling               # (window, wake): a reader that landed a read less than window ago polls
+                                             # for the next, and starts the first read of a submit wake after it
+        self.free = [-math.inf] * workers    # when each worker is next free (a heap; never read: asleep)
         self.busy: list[tuple[float, float]] = []    # (end, start) of reads, a heap: the depth a new read sees
         self.device, self.dequant_s = device, dequant_s
         self.split = split                   # a large read in pieces on several workers, as the slot readers do
@@ -152,15 +157,15 @@ class _Pool:
 
     def submit(self, t: float, groups) -> dict:
         """Issue reads at time t; returns {expert: (end of its read, its place among the read's dequants)}."""
-        ready = {}
+        ready, polled = {}, False
+        while self.busy and self.busy[0][0] <= t:       # ended before any read of this submit starts
+            heapq.heappop(self.busy)
         for experts, nbytes in groups:
             end = 0.0
             pieces = split_sizes(nbytes, self.workers) if self.split else [nbytes]
             for i, piece in enumerate(pieces):          # the last piece's worker does the read's dequants
-                free = heapq.heappop(self.free)
-                while self.busy and self.busy[0][0] <= max(t, free):    # ended before any later read starts
-                    heapq.heappop(self.busy)
-                start = max(t, free) + (self.wake_s if free <= t else 0.0)
+                start, polls = self._start(t, polled)
+                polled = polled or polls
                 depth = 1 + sum(1 for e, s in self.busy if s <= start < e)
                 done = start + self.device.read_s(piece, depth)
                 heapq.heappush(self.busy, (done, start))
@@ -174,6 +179,19 @@ class _Pool:
                 ready[e] = (end, k)
             heapq.heappush(self.free, end + offset)   # (at the uncontended speed: an approximation)
         return ready
+
+    def _start(self, t: float, polled: bool) -> tuple[float, bool]:
+        """When a read submitted at t starts, and whether a polling reader took it: a busy reader's next read as
+        it lands its last; an idle one's (the one that landed a read last: it polls, if any does) a wake-up later."""
+        idle = [f for f in self.free if f <= t]
+        if not idle:
+            return heapq.heappop(self.free), False
+        free = max(idle)
+        self.free.remove(free)
+        heapq.heapify(self.free)
+        window, wake = self.polling
+        polls = not polled and t - free < window
+        return t + (wake if polls else self.wake_s), polls
 
 
 class _Clock:
@@ -233,7 +251,7 @@ class _Simulation:
 
     def __init__(self, drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
                  workers: int, plan: ReadPlan | None, shared_cpu: bool, switch_s: float | None, split: bool,
-                 reader_wake_s: float = 0.0):
+                 readers=None):
         self.drive, self.spec, self.preset, self.compute = drive, spec, preset, compute
         self.plan = plan or read_plan(spec, preset.storage.layout.value, experts_for(preset.storage.experts, compute.engine))
         item = self.plan.item or expert_bytes(compute.engine, spec, preset.storage)
@@ -249,7 +267,8 @@ class _Simulation:
         if switch_s is None:
             switch_s = sys.getswitchinterval() if shared_cpu and not self.busy else 0.0
         self.clock = _Clock(switch_s)
-        self.pool = _Pool(workers, device, compute.dequant_s, split, reader_wake_s)
+        self.pool = _Pool(workers, device, compute.dequant_s, split, *(
+            (readers.wake_s, (readers.poll_s, readers.wake_polling_s)) if readers else ()))
         self.fill(item * n_experts)
         self.pos = _Position()
         self.predictor = drive.predictor()
@@ -296,6 +315,7 @@ class _Simulation:
                   for g, b in [([(L, e) for e in run], nb)
                                for run, nb in self.plan.reads([k[1] for k in keys if k[0] == L], L)]]
         ready = self.pool.submit(self.clock.now, groups)
+        self.work(c.after_issue_s)
         for k in keys:
             self.cache.set(k, _Read(ready[k][0], self.clock, ready[k][1], c.dequant_s, self.busy))
         if counted:
@@ -480,16 +500,17 @@ class _Simulation:
 def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
                  tokens: int, prompt: int = 4, workers: int = 1, plan: ReadPlan | None = None,
                  shared_cpu: bool = True, switch_s: float | None = None, split: bool = True,
-                 reader_wake_s: float = 0.0) -> dict:
+                 readers=None) -> dict:
     """Prefill `prompt` trace rows (reads only, untimed), then decode `tokens - 1` steps on the virtual clock,
     as `bench` measures: tok_s counts decode steps only. shared_cpu: the numpy engine's dequant (reader threads)
     and compute (its own thread) hold one GIL: a dequant that starts while the compute thread works delays that
     work by the dequant's length (one that starts while it waits costs it nothing) and itself takes the contended
     time (compute.dequant_busy_s); without a measured contended time, a read that ends while the compute thread
     works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore). split: a large read goes to
-    several readers in pieces (workbench.io.split_sizes), as reads into slots do; the numpy engine's reads do not."""
+    several readers in pieces (workbench.io.split_sizes), as reads into slots do; the numpy engine's reads do not.
+    readers: this machine's readers as a streaming run served them (devices.ServedReads): their wake-ups."""
     sim = _Simulation(drive, spec, preset, budget, device, compute, workers, plan, shared_cpu, switch_s, split,
-                      reader_wake_s)
+                      readers)
     at_decode = sim.prefill(prompt)
     t_decode = sim.clock.now
     steps, n_spec = max(0, tokens - 1), preset.execution.speculative
@@ -601,16 +622,20 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace)
     own = model is None or model == meta.get("model")        # the traced model: measured on its own trace
     simulated = model or (meta.get("model") if compute is None else None)     # the model whose storage is read
-    compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts, preset=p,
-                                         routing_trace=str(trace_path) if own else None, engine=engine)
     here = dev.name == "this-machine" if here is None else here
-    wake = 0.0
+    emulated = device if here and isinstance(device, str) and dev.name != "this-machine" else None
+    compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts, preset=p,
+                                         routing_trace=str(trace_path) if own else None, engine=engine,
+                                         device=emulated)
+    readers = None
     if here and compute.read_floor:     # a read's service here at the least; an idle reader's wake-up before it
-        fl = dict(compute.read_floor)
-        wake = fl.pop("latency_s")
-        dev = devices.Slowest(dev, devices.DeviceProfile("this-machine-streaming", "this machine's readers in a "
-                                                         "streaming run (the compute profile's read_floor)",
-                                                         latency_s=0.0, **fl))
+        readers = devices.ServedReads(**{k: (tuple(v) if isinstance(v, list) else v)
+                                         for k, v in compute.read_floor.items()})
+        dev = devices.Slowest(dev, readers)
+    # the slot readers check a read's crc before they stamp it landed, and an emulated read waits out the device's
+    # time after both: here, the per-expert check is inside each read's time
+    run_compute = dataclasses.replace(compute, dequant_s=0.0, dequant_busy_s=0.0) \
+        if here and compute.read_floor and not compute.reader_holds_gil else compute
     workers = workers or dev.queue_depth
     plan = None
     if simulated and str(simulated).endswith(".gguf") and not shape:    # read in place: its own blocks, not the preset's
@@ -621,8 +646,8 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
         if pack.spec.to_dict() == spec.to_dict():
             p, plan = p.with_(**dict(zip(("layout", "experts", "rest"), storage))), pack_plan(pack, compute.engine)
     plan = plan or read_plan(spec, p.storage.layout.value, experts_for(p.storage.experts, compute.engine))
-    res = simulate_run(drive, spec, p, budget, dev, compute, tokens, prompt, workers, plan=plan,
-                       shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil, reader_wake_s=wake)
+    res = simulate_run(drive, spec, p, budget, dev, run_compute, tokens, prompt, workers, plan=plan,
+                       shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil, readers=readers)
     bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"), engine=compute.engine,
                    item=plan.item)
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s

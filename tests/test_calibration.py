@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from experiments import calibration as C
-from experiments.compute_profile import ComputeProfile, _per_read_rest, _read_floor
+from experiments.compute_profile import ComputeProfile, _reading_costs, _read_floor
 from workbench.errors import WorkbenchError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_reads_here_take_at_least_the_compute_profiles_read_floor():
     """A read floor of 2 ms a read (this machine's readers, measured in a streaming run) slows the runs predicted
     here and not another device's."""
     from experiments.simulate import run
-    slow = dataclasses.replace(CPU, read_floor={"latency_s": 2e-3, "read_bw": 1e9, "peak_bw": 2e9, "queue_depth": 2})
+    slow = dataclasses.replace(CPU, read_floor={"wake_s": 0.0, "latency_s": [2e-3, 2e-3], "read_bw": [1e9, 1e9]})
     kw = dict(tokens=6, record=False)
     fast = run(TRACE, "on_demand", "0.25", "this-machine", compute=CPU, **kw)
     floored = run(TRACE, "on_demand", "0.25", "this-machine", compute=slow, **kw)
@@ -85,19 +85,53 @@ def test_reads_here_take_at_least_the_compute_profiles_read_floor():
     assert phone(slow, False) == phone(CPU, False) > phone(slow, True)
 
 
-def test_read_floor_and_per_read_rest_come_from_the_streaming_runs_own_stamps():
-    class Reads:       # submits: (submitted ns, [(bytes, started ns, landed ns)])
-        calls = [(0, [(40_000, 100_000, 300_000), (40_000, 300_000, 500_000)]),    # one after the other: alone
-                 (1_000_000, [(80_000, 1_300_000, 1_700_000)]),
-                 (2_000_000, [(40_000, 2_100_000, 2_300_000)] * 2),                   # one preadv of two experts
-                 (4_000_000, [(40_000, 4_100_000, 4_200_000), (40_000, 4_150_000, 4_250_000)])]   # overlapping
-    fl = _read_floor(Reads(), workers=2)
-    assert fl["latency_s"] == pytest.approx(100e-6)                # median of the submits' first waits
-    assert fl["read_bw"] == pytest.approx(2e8)                     # alone: 200, 200, 200 MB/s, and 80 kB in 200 us
-    assert fl["peak_bw"] == pytest.approx(80_000 / 150e-6)         # overlapping: 80 kB in the 150 us they covered
-    assert fl["queue_depth"] == 2
-    assert _read_floor(None, 2) is None
+def test_here_the_slot_readers_check_is_inside_a_reads_time():
+    """The packed engine's readers check an expert's crc before they stamp its read landed (and an emulated read
+    waits out the device's time after both): a run predicted here, whose reads the floor times, pays no check
+    after them; a device's own run does."""
+    from experiments.simulate import run
+    fl = {"wake_s": 0.0, "latency_s": [1e-4, 1e-4], "read_bw": [1e9, 1e9]}
+    cp = lambda check: dataclasses.replace(CPU, read_floor=fl, dequant_s=check, dequant_busy_s=check)
+    tok_s = lambda check, here: run(TRACE, "on_demand", "0.25", "ufs22-phone", compute=cp(check), here=here,
+                                    tokens=6, record=False)["tok_s"]
+    assert tok_s(1e-3, True) == tok_s(0.0, True)
+    assert tok_s(1e-3, False) < tok_s(0.0, False)
 
+
+class Reads:
+    """What _timed_reads gives: per submit (submitted ns, [(bytes, started ns, landed ns)] per key), and per preadv
+    (bytes, started ns, landed ns): a read alone takes 50 us + bytes at 1 GB/s, one beside another 20 us + bytes at
+    0.5 GB/s."""
+    calls = [(0, [(40_000, 100_000, 190_000)]),                       # a sleeping reader's wake-up: 100 us
+             (1_000_000, [(80_000, 1_100_000, 1_230_000)]),
+             (1_250_000, [(40_000, 1_280_000, 1_370_000)]),           # 20 us after a read landed: a polling reader
+             (3_000_000, [(40_000, 3_100_000, 3_190_000), (40_000, 3_120_000, 3_220_000)])]   # the second beside
+    jobs = [(40_000, 100_000, 190_000), (80_000, 1_100_000, 1_230_000), (40_000, 1_280_000, 1_370_000),
+            (40_000, 3_100_000, 3_190_000), (40_000, 3_120_000, 3_220_000), (80_000, 5_000_000, 5_180_000),
+            (80_000, 5_000_000, 5_180_000)]
+
+
+def test_read_floor_comes_from_the_streaming_runs_own_stamps():
+    fl = _read_floor(Reads(), poll_ns=200_000)
+    assert fl["wake_s"] == pytest.approx(100e-6)                   # the submits that found a sleeping reader
+    assert fl["wake_polling_s"] == pytest.approx(30e-6) and fl["poll_s"] == pytest.approx(200e-6)
+    assert fl["latency_s"][0] == pytest.approx(50e-6) and fl["read_bw"][0] == pytest.approx(1e9)   # reads alone
+    # beside another: 40 kB in 100 us, 80 kB in 180 us twice
+    assert fl["read_bw"][1] == pytest.approx(40_000 / 80e-6) and fl["latency_s"][1] == pytest.approx(20e-6)
+    fl = _read_floor(Reads(), poll_ns=0)                         # readers that never poll: every idle one sleeps
+    assert fl["wake_s"] == pytest.approx(100e-6)
+    assert _read_floor(None) is None
+
+
+def test_without_the_readers_log_a_preadv_of_several_experts_is_one_read():
+    class Keys(Reads):
+        jobs = []
+        calls = [c for c in Reads.calls if c[0] != 1_000_000] + [(2_000_000, [(40_000, 2_100_000, 2_230_000)] * 2)]
+    fl = _read_floor(Keys(), poll_ns=0)           # the last: one preadv of two experts, 80 kB in 130 us
+    assert fl["read_bw"][0] == pytest.approx(1e9) and fl["latency_s"][0] == pytest.approx(50e-6)
+
+
+def test_what_reading_costs_the_compute_thread_is_fitted_per_issue_and_per_read_over_tokens():
     @dataclasses.dataclass
     class Tok:
         token: int
@@ -108,17 +142,21 @@ def test_read_floor_and_per_read_rest_come_from_the_streaming_runs_own_stamps():
     @dataclasses.dataclass
     class Ev:
         token: int
+        issues: int
         taken: int
-        issues: int = 1
-        issued: int = 2
+        issued: int = 0
     resident = [Tok(i, 1.0e-3) for i in range(3)]
-    stream = [Tok(0, 1.5e-3), Tok(1, 1.6e-3), Tok(2, 9.0), Tok(3, 1.2e-3)]     # token 2: a stall; token 3: no reads
-    events = [Ev(0, 2), Ev(1, 2), Ev(2, 2), Ev(3, 0, 0, 0)]
-    # beyond the resident token's 1 ms, less 0.1 ms of issues (1 of 20 us + 2 of 40 us), per read: 0.2, 0.25 ms
-    # and the stall's; the median of the three
-    got = _per_read_rest(resident, stream, events, issue_call=20e-6, issue=40e-6)
-    assert got == pytest.approx((1.6e-3 - 1.0e-3 - 0.1e-3) / 2)
-    assert _per_read_rest([], stream, events, 20e-6, 40e-6) == 0.0
+    # each issue costs 100 us after its call, each read taken in 10 us; token 4 a stall; token 5 no reads
+    counts = [(1, 2), (2, 2), (3, 8), (1, 6), (2, 4), (0, 0)]
+    stream = [Tok(i, 1e-3 + 100e-6 * n + 10e-6 * k + (9.0 if i == 4 else 0.0)) for i, (n, k) in enumerate(counts)]
+    events = [Ev(i, n, k) for i, (n, k) in enumerate(counts)]
+    after, land = _reading_costs(resident, stream, events, issue_call=0.0, issue=0.0)
+    assert (after, land) == (pytest.approx(100e-6), pytest.approx(10e-6))
+    # the submit calls' own time (20 us an issue, 5 us an expert issued) is not counted twice
+    timed = [Tok(t.token, t.compute_s + 20e-6 * e.issues + 5e-6 * 3 * e.issues) for t, e in zip(stream, events)]
+    events3 = [Ev(e.token, e.issues, e.taken, 3 * e.issues) for e in events]
+    assert _reading_costs(resident, timed, events3, 20e-6, 5e-6) == (pytest.approx(100e-6), pytest.approx(10e-6))
+    assert _reading_costs([], stream, events, 0.0, 0.0) == (0.0, 0.0)
 
 
 def test_calibrate_command_reports_a_over_measured_per_design_budget_and_device(where, capsys):

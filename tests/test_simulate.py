@@ -86,6 +86,33 @@ def test_a_large_read_goes_to_the_readers_in_pieces_as_reads_into_slots_do(split
     assert res["bytes_read"] == 1024 * 1024
 
 
+def test_an_issue_costs_its_call_before_its_reads_start_and_what_the_readers_take_after():
+    """The first schedule with a 0.1 ms submit call and 0.3 ms lost after it (the readers it woke, on the cores the
+    compute thread shares): the reads start at 0.6 ms and land at 3.6; the compute thread, busy until 0.9 ms,
+    waits 2.7 ms for them, then computes 0.5 ms."""
+    cpu = dataclasses.replace(CPU, issue_call_s=0.1 * MS, after_issue_s=0.3 * MS)
+    drive = Drive([{0: [1, 3]}, {0: [0, 2]}])
+    p = get_preset("on_demand").with_(layout="contiguous")
+    res = simulate_run(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1, workers=2, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(0.5 * MS + 0.1 * MS + 0.3 * MS + 2.7 * MS + 0.5 * MS, abs=1e-12)
+    assert res["flash_wait_s"] == pytest.approx(2.7 * MS, abs=1e-12)
+
+
+def test_a_reader_that_landed_a_read_moments_ago_polls_and_starts_the_next_sooner():
+    """Two readers that sleep after 0.2 ms of polling: a sleeping one starts a read 0.3 ms after its submit, the
+    polling one 0.05 ms after (one read a submit: the other reader is asleep). A read alone takes 2 ms, one beside
+    another 3 ms (DEV)."""
+    from experiments.simulate import _Pool
+    pool = _Pool(2, DEV, 0.0, wake_s=0.3 * MS, polling=(0.2 * MS, 0.05 * MS))
+    one = lambda e: [([(0, e)], KB)]
+    assert pool.submit(0.0, one(0))[(0, 0)][0] == pytest.approx(2.3 * MS)      # asleep: 0.3 + 2
+    assert pool.submit(2.4 * MS, one(1))[(0, 1)][0] == pytest.approx(4.45 * MS)     # 0.1 ms after a landing: polls
+    assert pool.submit(5.0 * MS, one(2))[(0, 2)][0] == pytest.approx(7.3 * MS)      # 0.55 ms after: asleep again
+    both = pool.submit(7.4 * MS, one(3) + one(5))
+    assert both[(0, 3)][0] == pytest.approx(9.45 * MS)                            # the polling reader: 7.45 + 2
+    assert both[(0, 5)][0] == pytest.approx(10.7 * MS)                           # the sleeping one: 7.7 + 3
+
+
 def test_a_wait_that_blocks_costs_one_wake_up_and_a_landed_read_none():
     """The two schedules above and below with a 0.2 ms wake-up: wait_all sleeps once for its two reads and runs
     again 0.2 ms after the second lands (3.7 ms); ready_first sleeps once in layer 0 (its miss) and not in layer 1,

@@ -78,11 +78,36 @@ def load(name: str) -> DeviceProfile:
 
 
 @dataclass(frozen=True)
+class ServedReads:
+    """How this machine's readers served a streaming run's reads (experiments.compute_profile._read_floor): a read
+    that starts while `depth` reads are in flight, itself included, takes latency + size / bandwidth, each the
+    first entry's for a read alone and the second's beside others. A sleeping reader starts a read wake_s after
+    its submit; one that landed a read less than poll_s before polls for the next, and starts the first read of a
+    submit wake_polling_s after it (the simulator's reader pool charges these)."""
+    wake_s: float
+    latency_s: tuple
+    read_bw: tuple
+    poll_s: float = 0.0
+    wake_polling_s: float = 0.0
+    name: str = "this-machine-streaming"
+
+    def read_s(self, size: int, depth: int = 1) -> float:
+        i = min(depth, len(self.latency_s)) - 1
+        return self.latency_s[i] + size / self.read_bw[i]
+
+    def describe(self) -> dict:
+        return {"name": self.name, "label": "this machine's readers in a streaming run (the compute profile's "
+                "read_floor)", "wake_us": self.wake_s * 1e6, "wake_polling_us": self.wake_polling_s * 1e6,
+                "poll_us": self.poll_s * 1e6, "latency_us": [x * 1e6 for x in self.latency_s],
+                "read_mb_s": [x / 1e6 for x in self.read_bw]}
+
+
+@dataclass(frozen=True)
 class Slowest:
     """Reads that take the longer of two profiles' times: a device emulated on this machine (real read, then the
     remainder waited) cannot read faster than this machine does."""
     device: DeviceProfile
-    floor: DeviceProfile
+    floor: DeviceProfile | ServedReads
 
     def read_s(self, size: int, depth: int = 1) -> float:
         return max(self.device.read_s(size, depth), self.floor.read_s(size, depth))

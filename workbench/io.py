@@ -460,6 +460,11 @@ class Reader:
 
     # -- bookkeeping -------------------------------------------------------------
 
+    @property
+    def poll_ns(self) -> int:
+        """How long an idle reader thread polls for the next read before it sleeps (the slot readers'), else 0."""
+        return int(self._slots.idle[slot_reads.SPIN_NS]) if self._slots is not None else 0
+
     def stats(self) -> dict:
         b, n, s, _ = self._slots.totals() if self._slots is not None else (0, 0, 0.0, 0.0)
         with self._lock:
