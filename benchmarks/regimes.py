@@ -214,7 +214,8 @@ def calibrate(rounds, tokens, device=None, log=print):
         # each design's profile, measured in runs of its own (every expert in memory; at budget 0.5 for what its
         # reads cost), on the same trace; the compute thread's wake-up after a blocking wait, measured with the reads
         cps = {d: dataclasses.replace(measure_compute("demo", spec, get_preset(d).storage.experts, preset=d,
-                                                      routing_trace=TRACE), wake_s=now.sources["wake_s"])
+                                                      routing_trace=TRACE, device=device),
+                                      wake_s=now.sources["wake_s"])
                for d in DESIGNS}
         for d in DESIGNS:
             profiles[d].append(dataclasses.asdict(cps[d]))

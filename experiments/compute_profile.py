@@ -110,16 +110,17 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     quiet = _untouched(all_dec, all_evs)
     dec, evs = quiet if quiet[0] else (all_dec, all_evs)       # none: every token, reads and all
     nl = len(measured_model.moe_layers)
-    # medians over the tokens: on a shared machine a stall (another process taking the core) lands in one token
+    # means over the tokens (a run's time is their sum) but a stall's: on a shared machine another process taking
+    # the core lands in one token
     per_token = {}
     for e in evs:
         per_token.setdefault(e.token, []).append(e)
     at = lambda t: per_token.get(t.token, [])
-    dense = statistics.median((t.compute_s - sum(e.compute_s for e in at(t))) / nl for t in dec)
-    router = statistics.median(e.router_s for e in evs)
-    other = statistics.median(t.other_s + t.flash_wait_s + t.dequant_s for t in dec)
-    expert_measured = statistics.median(sum(e.compute_s for e in at(t)) / max(1, sum(len(e.routed) for e in at(t)))
-                                        for t in dec)
+    dense = _mean_but_stalls([(t.compute_s - sum(e.compute_s for e in at(t))) / nl for t in dec])
+    router = _mean_but_stalls([e.router_s for e in evs])
+    other = _mean_but_stalls([t.other_s + t.flash_wait_s + t.dequant_s for t in dec])
+    expert_measured = _mean_but_stalls([sum(e.compute_s for e in at(t)) / max(1, sum(len(e.routed) for e in at(t)))
+                                        for t in dec])
     issue_call, issue = _issue_costs(stream[1])
     after_issue, land = _reading_costs(dec, *stream, issue_call, issue)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
@@ -164,6 +165,17 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                                  f"{layout} layout) and the reads' floor (the readers' stamps); expert compute and "
                                  f"{'crc check' if packed else 'dequant'} on its {held_text} experts at d={d}, ff={ff} with the "
                                  f"engine's kernels")
+
+
+def _mean_but_stalls(xs: list) -> float:
+    xs = np.asarray(xs, float)
+    return float(np.mean(xs[_ordinary(xs)]))
+
+
+def _ordinary(xs: np.ndarray) -> np.ndarray:
+    """Which values lie within four robust deviations (1.4826 MAD) of their median: the others are stalls."""
+    med = np.median(xs)
+    return np.abs(xs - med) <= 4 * 1.4826 * np.median(np.abs(xs - med))
 
 
 def _budgets(model: str, preset, engine: str | None, tokens: int, stream: str) -> tuple[str, str]:
@@ -523,11 +535,7 @@ def _reading_costs(resident_tokens, stream_tokens, stream_events, issue_call: fl
     keep = np.ones(len(y), bool)
     for _ in range(3):
         coef = _nonnegative_fit(X[keep], y[keep])
-        res = y - X @ coef
-        spread = 4 * 1.4826 * np.median(np.abs(res[keep] - np.median(res[keep])))
-        keep = np.abs(res) <= spread
-        if keep.sum() < 2:
-            break
+        keep = _ordinary(y - X @ coef)
     return float(coef[0]), float(coef[1])
 
 
