@@ -76,17 +76,13 @@ def reading(res: dict) -> str:
   simulated shape, one call per layer's top-k, and dense, router and other time come from the model itself run
   as the design with every expert in memory (its predictor's naming in the router time). What reading costs the
   compute thread is measured in a second run of the design, at budget 0.5 (another configuration than the one
-  predicted), by the streamer's own timers (telemetry.LayerEvent issue_s, take_s): an issue per submit and per
-  expert (`issue_call_s`, `issue_s`: a slot reserved and claimed, the submit), and per expert read, taking it in
-  (its read settled, its crc compared, the cache entry made its slot) and computing on its freshly read bytes
-  rather than bytes long in memory (`land_s`); the simulator charges each as its reads happen. Without these A
-  predicted the streaming designs 1.27-1.59x faster than they ran (the last results here, before this profile).
-  The OS run queue (reader threads, which share the two cores with the compute thread, and other engineers'
-  processes taking its core), which in-situ reads, timed with the readers alone, do not see, enters A through the
-  same streaming run: its reads as the readers' stamps timed them (an idle reader's wake-up, the rate of a read
-  alone and of reads together: `read_floor`) floor every read of a run predicted here, and what its compute
-  thread spends beyond the resident run's per read, past its issues, is charged per read taken in (`land_s`);
-  compute profiles are medians over tokens (calibration.md). Not modelled: other processes' stalls of the
+  predicted; under the device's emulation, for a device): the submit call by the streamer's own timers
+  (telemetry.LayerEvent issue_s: `issue_call_s`, `issue_s`), and what the run's tokens spend beyond the resident
+  run's besides those calls, fitted over the tokens per issue (`after_issue_s`: the readers it wakes, on the cores
+  the compute thread shares) and per read taken in (`land_s`: taking it in, computing on its fresh bytes). The same
+  run's reads, as the readers' own log stamped each preadv, floor every read of a run predicted here (`read_floor`:
+  a sleeping reader's wake-up and a polling one's, a read's latency and bandwidth alone and beside another read).
+  Compute profiles are means over tokens but stalls (calibration.md). Not modelled: other processes' stalls of the
   compute thread, which move bench's tok/s of a short run and not its typical token.""")
     if "les" in res:
         rows = res["les"]["rows"]
@@ -442,11 +438,13 @@ def split_table(rows: dict) -> list[str]:
     return out
 
 
-def markdown(res: dict, cmd: str) -> str:
+def markdown(res: dict) -> str:
     L = ["# The papers' regime: calibration and ladders", "",
-         f"`{cmd}` ({res['when']}, load average at start {res['load']}). 2 cores (above about 1, other jobs "
-         "shared them and every timing below is under that load); emulated numbers are this machine's "
-         "reads slowed to a device profile (`data/devices/`), simulated numbers come from `simulate` (no model run).", "",
+         "Each part, the command that made it (UTC, load average at its start; 2 cores: above about 1, other jobs "
+         "shared them and every timing of that part is under that load):", ""]
+    L += [f"- {part}: `{r['cmd']}` ({r['when']}, load {r['load']:.1f})" for part, r in res["ran"].items()]
+    L += ["", "Emulated numbers are this machine's reads slowed to a device profile (`data/devices/`), simulated "
+          "numbers come from `simulate` (no model run).", "",
          "The simulator across budgets 0.1, 0.25 and 0.5 on both devices, as a user calibrates it "
          "(`python -m workbench simulate --calibrate`), and what its model of this machine's reads is: "
          "[calibration.md](calibration.md).", ""]
@@ -456,10 +454,11 @@ def markdown(res: dict, cmd: str) -> str:
               f"{cal['rounds']} alternating rounds, median (min-max).", "",
               "Simulated three ways: (A) reads by the stored profile, compute by a profile of the design measured in "
               "two runs of its own on the same trace (never the run it predicts): every expert in memory for dense, router "
-              "(its predictor inside) and other time, and budget 0.5 for what a read costs the compute thread (an issue, "
-              "taking it in and computing on its fresh bytes: the streamer's own timers, or all its compute thread "
-              "spends beyond the resident run's per read besides issues, if more), its reads floored at what that run's "
-              "reads took (the readers' stamps: a reader's start after a submit, a read's service; read_floor); (B) reads "
+              "(its predictor inside) and other time, and budget 0.5 (its reads emulated as the device's, for a device) "
+              "for what reading costs the compute thread (the submit call by the streamer's own timers; what its tokens "
+              "spend beyond the resident run's, fitted per issue after the call and per read taken in), its reads "
+              "floored at what that run's reads took (the readers' stamps: a reader's wake-up, asleep or polling, a "
+              "read's latency and bandwidth alone and beside another; read_floor); (B) reads "
               "floored at this machine's reads through the engine's reader now, same compute; (C) as B, with the compute, "
               "router and other time of the measured run itself, so only the flash model (reads, waits, overlap) is "
               "predicted.", "",
@@ -475,10 +474,11 @@ def markdown(res: dict, cmd: str) -> str:
         fits = "; ".join(", ".join(f"{p['size'] // 1024} KiB {p['median_s'] * 1e3:.3f} ms" for p in f["reads"])
                          + f", wake-up {f['wake_s'] * 1e6:.0f} us" for f in cal["in_situ_reads"])
         if "compute_profiles" in cal:
-            us = lambda d, k: statistics.median(c[k] for c in cal["compute_profiles"][d]) * 1e6
+            us = lambda d, k: statistics.median(c.get(k, 0.0) for c in cal["compute_profiles"][d]) * 1e6
             L += ["", "A's profiles, medians over the rounds (us): " + "; ".join(
-                f"{d}: issue {us(d, 'issue_call_s'):.0f} + {us(d, 'issue_s'):.0f} an expert, taken in "
-                f"{us(d, 'land_s'):.0f}, router {us(d, 'router_s'):.0f} a layer" for d in cal["compute_profiles"]) + "."]
+                f"{d}: issue {us(d, 'issue_call_s'):.0f} + {us(d, 'issue_s'):.0f} an expert and {us(d, 'after_issue_s'):.0f} "
+                f"after it, taken in {us(d, 'land_s'):.0f}, router {us(d, 'router_s'):.0f} a layer"
+                for d in cal["compute_profiles"]) + "."]
         L += ["", "In-situ reads (one at a time through the engine's reader pool, median per size, from the submit to "
               "the reader's stamp of its landing; then the waiting thread's wake-up, charged per blocking wait; each "
               f"round): {fits}.", ""]
@@ -569,7 +569,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(REPO / "results"))
     args = ap.parse_args(argv)
     parts = args.only.split(",")
-    res = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load": os.getloadavg()[0]}
+    res = {}
     if "calibrate" in parts:
         res["calibrate"] = [calibrate(args.rounds, args.tokens), calibrate(args.rounds, args.tokens, "ufs22-phone")]
     if "les" in parts:
@@ -587,9 +587,26 @@ def main(argv=None):
             res["ufs35b_gguf"] = {**ufs35b_gguf(args.rounds, args.tokens, str(model)), "layers": args.layers}
     out = Path(args.out)
     cmd = "python benchmarks/regimes.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    res = kept(out / "regimes.json", res, {"cmd": cmd, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                           "load": os.getloadavg()[0]})
     atomic_write(out / "regimes.json", json.dumps(res, indent=1, default=str))
-    atomic_write(out / "regimes.md", markdown(res, cmd))
-    print(markdown(res, cmd))
+    atomic_write(out / "regimes.md", markdown(res))
+    print(markdown(res))
+
+
+PARTS = ("calibrate", "les", "smol", "ufs35b", "ufs35b_gguf")
+
+
+def kept(path: Path, new: dict, run: dict) -> dict:
+    """The parts this run made, beside the parts of the last run (path) that this one did not run, each with the
+    command that made it ("ran": part -> cmd, when, load)."""
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    if "ran" not in old and "when" in old:      # written before each part named its run: one run made them all
+        old["ran"] = {k: {"cmd": "python benchmarks/regimes.py --rounds 3 --tokens 32", "when": old["when"],
+                          "load": old["load"]} for k in PARTS if k in old}
+    res = {k: v for k, v in old.items() if k in PARTS and k not in new}
+    ran = {k: v for k, v in old.get("ran", {}).items() if k in res}
+    return {**res, **new, "ran": {**ran, **{k: run for k in new}}}
 
 
 if __name__ == "__main__":
