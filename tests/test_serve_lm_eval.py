@@ -64,7 +64,12 @@ def test_every_task_scores_through_the_server_as_in_process(served, monkeypatch)
         got = items(res["samples"][task])
         assert len(got["doc_id"]) == LIMIT, task
         assert got["doc_id"] == want[task]["items"]["doc_id"], task
-        assert got["ll"] == pytest.approx(want[task]["items"]["ll"], abs=1e-3), task
+        # the server prefills context and continuation in one call, the adapter in two (the context's KV kept for
+        # the next choice), and the packed engine's prefill of a token is not the same to the last bit in calls of
+        # other lengths (on a Xeon, a context's logits from its 16th position on moved by up to 0.026 between a 30-
+        # and a 79-row call, the routing the same): 4e-5 of an item's log-likelihood there (-436.654 in one call,
+        # -436.638 in two); a wrong token or window costs nats
+        assert got["ll"] == pytest.approx(want[task]["items"]["ll"], rel=1e-4, abs=1e-3), task
         for metric in ("acc", "acc_mutual_info", "exact_match"):
             if metric in want[task]["items"]:
                 assert got[metric] == want[task]["items"][metric], (task, metric)
