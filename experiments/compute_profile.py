@@ -159,7 +159,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                               ones, w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
                                  f"loaded), {name} engine: {model} as {p.name}{' (routing trace)' if routing_trace else ''} with "
-                                 f"{where} for dense/router/other (medians over tokens), at budget "
+                                 f"{where} for dense/router/other (means over tokens but stalls), at budget "
                                  f"{stream_budget}{f' (reads emulated as {device})' if device else ''} for issues, "
                                  f"reads taken in (the streamer's timers, "
                                  f"{layout} layout) and the reads' floor (the readers' stamps); expert compute and "
@@ -366,22 +366,28 @@ def _merged(calls) -> dict:
 
 
 def _service(reads: list) -> tuple[float, float] | None:
-    """(latency, bandwidth) of a line through the median time of the reads of each size (the median resists a
-    stall); reads of one size: no latency, that size's rate. None: no reads."""
+    """(latency, bandwidth) of reads [(bytes, seconds)]: _line; None: no reads."""
     by: dict = {}
-    for n, s in reads:
-        by.setdefault(n, []).append(s)
+    for n, t in reads:
+        by.setdefault(n, []).append(t)
     if not by:
         return None
-    sizes = np.array(sorted(by), float)
-    med = np.array([statistics.median(by[n]) for n in sorted(by)])
-    count = np.array([len(by[n]) for n in sorted(by)], float)
-    if len(sizes) > 1:
+    lat, per_byte = _line(by)
+    return lat, 1 / per_byte if per_byte > 0 else math.inf
+
+
+def _line(by: dict) -> tuple[float, float]:
+    """(intercept, slope) of a line through the median y of each x ({x: [y]}; the median resists a stall), each
+    point weighted by the root of its count; one x, or a line that makes no sense: no intercept, the points' ratio."""
+    xs = np.array(sorted(by), float)
+    med = np.array([statistics.median(by[x]) for x in sorted(by)])
+    count = np.array([len(by[x]) for x in sorted(by)], float)
+    if len(xs) > 1:
         w = np.sqrt(count)
-        per_byte, lat = np.linalg.lstsq(np.c_[sizes, np.ones_like(sizes)] * w[:, None], med * w, rcond=None)[0]
-        if per_byte > 0 and lat >= 0:
-            return float(lat), float(1 / per_byte)
-    return 0.0, float(np.sum(sizes * count) / np.sum(med * count))
+        slope, at0 = np.linalg.lstsq(np.c_[xs, np.ones_like(xs)] * w[:, None], med * w, rcond=None)[0]
+        if slope > 0 and at0 >= 0:
+            return float(at0), float(slope)
+    return 0.0, float(np.sum(med * count) / np.sum(xs * count))
 
 
 def _crc(enc):
@@ -489,22 +495,13 @@ def _row_cost(s, rows: int = 5, reps: int = 8) -> float:
 
 def _issue_costs(stream_events) -> tuple[float, float]:
     """(per issue, per expert issued): the submit call itself, by the streamer's own timers in a streaming run
-    (telemetry.LayerEvent issue_s): a line through the median time of a layer's one submit of n experts, for each n."""
-    by_n: dict = {}             # experts in a layer's one submit -> its times (the median resists a stall)
+    (telemetry.LayerEvent issue_s): a line through the median time of a layer's one submit of n experts (_line)."""
+    by_n: dict = {}             # experts in a layer's one submit -> its times
     for e in stream_events:
         if e.issues == 1:
             by_n.setdefault(e.issued, []).append(e.issue_s)
-    per_call = per_expert = 0.0
     by_n = {k: v for k, v in by_n.items() if len(v) >= 3} or by_n     # a size seen once or twice: a stall decides it
-    if by_n:
-        n = np.array(sorted(by_n), float)
-        med = np.array([statistics.median(by_n[k]) for k in sorted(by_n)])
-        w = np.sqrt([len(by_n[k]) for k in sorted(by_n)])
-        if len(n) > 1:
-            per_expert, per_call = np.linalg.lstsq(np.c_[n, np.ones_like(n)] * w[:, None], med * w, rcond=None)[0]
-        if len(n) == 1 or per_expert < 0 or per_call < 0:      # one size, or a fit that makes no sense: per expert
-            per_call, per_expert = 0.0, float(np.sum(med * w ** 2) / np.sum(n * w ** 2))
-    return float(per_call), float(per_expert)
+    return _line(by_n) if by_n else (0.0, 0.0)
 
 
 def _reading_costs(resident_tokens, stream_tokens, stream_events, issue_call: float,
