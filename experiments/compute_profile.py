@@ -507,7 +507,7 @@ def _issue_costs(stream_events) -> tuple[float, float]:
 def _reading_costs(resident_tokens, stream_tokens, stream_events, issue_call: float,
                    issue: float) -> tuple[float, float]:
     """(per issue after its call, per read taken in): what a streaming run's compute thread spends beyond the
-    resident run's typical token (flash waits aside) and beyond its submit calls, fitted over its tokens as
+    resident run's mean token but stalls (flash waits aside) and beyond its submit calls, fitted over its tokens as
     a * issues + b * reads taken in (non-negative, a token whose excess is far off the fit dropped: a stall).
     Taking a read in and computing on its fresh bytes go with the reads; the reader threads' wake-ups and CPU on
     the cores the compute thread shares go with the submits that start them, and show as slower dense, router and
@@ -515,7 +515,7 @@ def _reading_costs(resident_tokens, stream_tokens, stream_events, issue_call: fl
     if not resident_tokens:
         return 0.0, 0.0
     busy = lambda t: t.compute_s + t.router_s + t.other_s
-    base = statistics.median(busy(t) for t in resident_tokens)
+    base = _mean_but_stalls([busy(t) for t in resident_tokens])
     per_token: dict = {}
     for e in stream_events:
         per_token.setdefault(e.token, []).append(e)
