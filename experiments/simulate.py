@@ -267,6 +267,7 @@ class _Simulation:
         if switch_s is None:
             switch_s = sys.getswitchinterval() if shared_cpu and not self.busy else 0.0
         self.clock = _Clock(switch_s)
+        self.slowed = 0.0           # what the readers woken since the compute thread last worked take from it
         self.pool = _Pool(workers, device, compute.dequant_s, split, *(
             (readers.wake_s, (readers.poll_s, readers.wake_polling_s)) if readers else ()))
         self.fill(item * n_experts)
@@ -290,10 +291,13 @@ class _Simulation:
 
     # ------------------------------------------------------------ the compute thread and the reader pool
 
-    def work(self, seconds: float):
-        """The compute thread works `seconds`, plus (shared_cpu) every dequant that takes the GIL from it: one whose
-        read ended at t preempts the work at t + switch_s if the work is still going then."""
+    def work(self, seconds: float, slowed: bool = True):
+        """The compute thread works `seconds`, plus (slowed) what the readers its submits woke have taken from its
+        cores since its last such work, plus (shared_cpu) every dequant that takes the GIL from it: one whose read
+        ended at t preempts the work at t + switch_s if the work is still going then."""
         clock, pool = self.clock, self.pool
+        if slowed:
+            seconds, self.slowed = seconds + self.slowed, 0.0
         start, end = clock.now, clock.now + seconds
         if self.shared_cpu:
             if clock.ends and start > clock.ends[-1]:       # it waited since its last work: those ran meanwhile
@@ -310,12 +314,12 @@ class _Simulation:
         """Submit reads of `keys` (slots reserved): the compute thread pays the issue, the pool reads them in merged
         runs; returns the bytes read."""
         c = self.compute
-        self.work(c.issue_call_s + c.issue_s * len(keys))
+        self.work(c.issue_call_s + c.issue_s * len(keys), slowed=False)     # submits follow each other at once
         groups = [(g, b) for L in sorted({k[0] for k in keys})
                   for g, b in [([(L, e) for e in run], nb)
                                for run, nb in self.plan.reads([k[1] for k in keys if k[0] == L], L)]]
         ready = self.pool.submit(self.clock.now, groups)
-        self.work(c.after_issue_s)
+        self.slowed += c.after_issue_s          # the compute thread's next work is that much slower
         for k in keys:
             self.cache.set(k, _Read(ready[k][0], self.clock, ready[k][1], c.dequant_s, self.busy))
         if counted:
@@ -357,7 +361,7 @@ class _Simulation:
         for k in at_decode:
             if isinstance(ent := cache.peek(k), _Read):
                 ent.taken = True                         # taken in while the prompt ran
-        self.pool.dequants = []                          # the prompt's dequants are done before decoding starts
+        self.pool.dequants, self.slowed = [], 0.0         # the prompt's dequants and slowdown are over by then
         return at_decode
 
     def decode_step(self, step: int, drafts: int) -> int:
