@@ -14,6 +14,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import nnls
 
 from workbench.errors import WorkbenchError
 from workbench.spec import MoESpec
@@ -531,23 +532,9 @@ def _reading_costs(resident_tokens, stream_tokens, stream_events, issue_call: fl
     X, y = np.array(X, float), np.array(y)
     keep = np.ones(len(y), bool)
     for _ in range(3):
-        coef = _nonnegative_fit(X[keep], y[keep])
+        coef = nnls(X[keep], y[keep])[0]
         keep = _ordinary(y - X @ coef)
     return float(coef[0]), float(coef[1])
-
-
-def _nonnegative_fit(X, y) -> np.ndarray:
-    """Least squares with coefficients >= 0 (two or fewer columns: each subset tried)."""
-    coef = np.linalg.lstsq(X, y, rcond=None)[0]
-    if (coef >= 0).all():
-        return coef
-    best = np.zeros(X.shape[1])
-    for j in range(X.shape[1]):
-        c = np.zeros(X.shape[1])
-        c[j] = max(0.0, X[:, j] @ y / (X[:, j] @ X[:, j])) if X[:, j].any() else 0.0
-        if np.sum((y - X @ c) ** 2) < np.sum((y - X @ best) ** 2):
-            best = c
-    return best
 
 
 def load_compute(path) -> ComputeProfile:

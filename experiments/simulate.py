@@ -633,8 +633,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
                                          device=emulated)
     readers = None
     if here and compute.read_floor:     # a read's service here at the least; an idle reader's wake-up before it
-        readers = devices.ServedReads(**{k: (tuple(v) if isinstance(v, list) else v)
-                                         for k, v in compute.read_floor.items()})
+        readers = devices.ServedReads(**compute.read_floor)
         dev = devices.Slowest(dev, readers)
     # the slot readers check a read's crc before they stamp it landed, and an emulated read waits out the device's
     # time after both: here, the per-expert check is inside each read's time

@@ -85,8 +85,8 @@ class ServedReads:
     its submit; one that landed a read less than poll_s before polls for the next, and starts the first read of a
     submit wake_polling_s after it (the simulator's reader pool charges these)."""
     wake_s: float
-    latency_s: tuple
-    read_bw: tuple
+    latency_s: list           # [alone, beside others]
+    read_bw: list
     poll_s: float = 0.0
     wake_polling_s: float = 0.0
     name: str = "this-machine-streaming"
