@@ -75,15 +75,14 @@ def reading(res: dict) -> str:
   demo's experts are never split, a 35B-A3B expert is); expert compute is the engine's compiled kernel on encoded bytes of the
   simulated shape, one call per layer's top-k, and dense, router and other time come from the model itself run
   as the design with every expert in memory (its predictor's naming in the router time). What reading costs the
-  compute thread is measured in a second run of the design, at budget 0.5 (another configuration than the one
+  compute thread is measured in three more runs of the design, at budget 0.5 (another configuration than the one
   predicted; under the device's emulation, for a device): the submit call by the streamer's own timers
   (telemetry.LayerEvent issue_s: `issue_call_s`, `issue_s`), and what the run's tokens spend beyond the resident
   run's besides those calls, fitted over the tokens per issue (`after_issue_s`: the readers it wakes, on the cores
   the compute thread shares) and per read taken in (`land_s`: taking it in, computing on its fresh bytes). The same
   run's reads, as the readers' own log stamped each preadv, floor every read of a run predicted here (`read_floor`:
   a sleeping reader's wake-up and a polling one's, a read's latency and bandwidth alone and beside another read).
-  Compute profiles are means over tokens but stalls (calibration.md). Not modelled: other processes' stalls of the
-  compute thread, which move bench's tok/s of a short run and not its typical token.""")
+  Compute profiles, read times and wake-ups are means, stalls and all (calibration.md): a run's time is their sum.""")
     if "les" in res:
         rows = res["les"]["rows"]
         steps = [(b["rung"], b["tok_s"] / a["tok_s"]) for a, b in zip(rows, rows[1:])]
@@ -210,7 +209,7 @@ def calibrate(rounds, tokens, device=None, log=print):
         # each design's profile, measured in runs of its own (every expert in memory; at budget 0.5 for what its
         # reads cost), on the same trace; the compute thread's wake-up after a blocking wait, measured with the reads
         cps = {d: dataclasses.replace(measure_compute("demo", spec, get_preset(d).storage.experts, preset=d,
-                                                      routing_trace=TRACE, device=device),
+                                                      routing_trace=TRACE, device=device, tokens=tokens),
                                       wake_s=now.sources["wake_s"])
                for d in DESIGNS}
         for d in DESIGNS:
@@ -314,7 +313,8 @@ def ufs35b(rounds, tokens, model_dir, log=print):
         for d, (p, b) in runs.items():
             m = bench(model_dir, p, budget=b, tokens=tokens, prompt=[1, 2, 3, 4], routing_trace=TRACE,
                       device="ufs22-phone")
-            cp = measure_compute(model_dir, spec, get_preset(p).storage.experts, preset=p, routing_trace=TRACE)
+            cp = measure_compute(model_dir, spec, get_preset(p).storage.experts, preset=p, routing_trace=TRACE,
+                                 tokens=tokens)
             kw = dict(tokens=tokens, prompt=4, compute=cp, spec=spec, workers=m["reader_workers"], record=False)
             s = simulate(TRACE, p, b, ufs, **kw)
             s3 = simulate(TRACE, p, b, ufs, **{**kw, "compute": compute_from_run(m, spec, cp)})

@@ -60,7 +60,7 @@ def calibrate(designs=DESIGNS, budgets=BUDGETS, devices=DEVICES, rounds: int = 3
                                        workers=slot_readers()).sources["wake_s"]
         # each design's profile, its streaming run's reads as the arms it predicts read (this disk, or emulated)
         cps = {(dev, d): dataclasses.replace(measure_compute(
-            model, spec, get_preset(d).storage.experts, preset=d, routing_trace=trace,
+            model, spec, get_preset(d).storage.experts, preset=d, routing_trace=trace, tokens=tokens,
             device=None if dev == "this-machine" else dev), wake_s=wake) for dev in devices for d in designs}
         for (dev, d), cp in cps.items():
             profiles[dev][d].append(dataclasses.asdict(cp))

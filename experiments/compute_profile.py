@@ -9,6 +9,7 @@ import gc
 import json
 import math
 import statistics
+from statistics import fmean
 import time
 import zlib
 from dataclasses import dataclass
@@ -57,18 +58,19 @@ class ComputeProfile:
 def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, engine: str | None = None,
                     preset=None, routing_trace: str | None = None, stream_budget: str = "0.5",
                     device: str | None = None) -> ComputeProfile:
-    """This engine's compute, measured in two runs of the model as `preset` (None: resident), driven by
-    `routing_trace` if given (as the runs it predicts are), the streaming one's reads emulated as `device` if given
-    (for runs predicted under that emulation here: its readers' sleeps and wake-ups share the cores too):
+    """This engine's compute, measured in runs of the model as `preset` (None: resident) of `tokens` tokens each (the
+    runs predicted: attention grows with the context), driven by `routing_trace` if given (as the runs it predicts
+    are), the streaming ones' reads emulated as `device` if given (for runs predicted under that emulation here: its
+    readers' sleeps and wake-ups share the cores too):
       in memory                every expert in memory (or, where they do not all fit here, at the largest budget
                                that does, after a run of the same tokens brought theirs in: only what no read touched
                                counts, _untouched): dense, router (the predictor's naming inside) and other time per
                                layer and token, expert compute per expert on bytes in memory
-      at `stream_budget`       what reading costs the compute thread: the submit call (per issue and per expert, by
-                               the streamer's own timers), and what the run's tokens spend beyond the resident run's
-                               besides those calls, fitted per issue (the readers woken on the cores it shares) and
-                               per read taken in (_reading_costs); and how this machine's readers served its reads
-                               (their own stamps: _read_floor)
+      at `stream_budget`       three cold runs: what reading costs the compute thread: the submit call (per issue
+                               and per expert, by the streamer's own timers), and what their tokens spend beyond the
+                               resident run's besides those calls, fitted per issue (the readers woken on the cores it
+                               shares) and per read taken in (_reading_costs); and how this machine's readers served
+                               their reads (their own stamps: _read_floor)
     Expert compute and what a reader thread does per expert are then timed on this spec's expert shape with the
     engine's own kernels on the formats its pack holds (each layer's: a GGUF's own blocks, ggml's g2..g8, the affine
     formats): the numpy engine's matmuls and the pack's decode (dequant), or the packed engine's compiled kernels
@@ -80,50 +82,48 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     p = get_preset(preset or "resident") if isinstance(preset or "resident", str) else preset
     p = p.with_(experts=experts, speculative=0)     # a batch's rows: _row_cost
     resident, stream_budget = _budgets(model, p, engine, tokens, stream_budget)
-    runs, row, reads, poll_ns = [], None, None, 0
+    decode = lambda tel: ([t for t in tel.tokens if t.phase == "decode"], [e for e in tel.events if e.phase == "decode"])
+    row, reads, poll_ns, stream = None, None, 0, []
     for budget in (resident, stream_budget):
-        with open_session(model, p, budget, prompt=PROMPT, tokens=3 * tokens if runs else tokens,
-                          drive=drive(routing_trace), engine=engine, device=device if runs else None) as s:
-            if not runs:            # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
+        with open_session(model, p, budget, prompt=PROMPT, tokens=tokens, drive=drive(routing_trace), engine=engine,
+                          device=device if budget is stream_budget else None) as s:
+            if budget is resident:  # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
                 # after it needs none, and would find the same experts cached); below "all", the same tokens, so
                 # that the measured run finds its experts in memory
                 s.generate(PROMPT, tokens=4 if resident == "all" else tokens)
                 s.reset_telemetry()
                 s.generate(PROMPT, tokens=tokens)
                 formats, held, layout = _formats(s.pack), s.pack.quant["experts"], s.pack.layout
+                all_dec, all_evs = decode(s.tel)
+                row = None if routing_trace else _row_cost(s)
             else:                   # warmed up and started cold, as bench measures: first reads into fresh
                 s.generate([5, 6, 7, 8], tokens=4)      # buffers and first kernel calls are not a decode's
-                s.reset_telemetry()
-                s.cold_start()
-                with _timed_reads(s.reader) as reads:       # thrice the tokens: one fit's point a token
-                    s.generate(PROMPT, tokens=3 * tokens)
+                with _timed_reads(s.reader) as reads:   # three runs (a fit's point a token), each at the
+                    for _ in range(3):                  # contexts of the runs predicted (attention grows with them)
+                        s.reset_telemetry()
+                        s.cold_start()
+                        s.generate(PROMPT, tokens=tokens)
+                        stream.append(decode(s.tel))
                 poll_ns = s.reader.poll_ns
-            runs.append(([t for t in s.tel.tokens if t.phase == "decode"],
-                         [e for e in s.tel.events if e.phase == "decode"]))
-            if len(runs) == 1 and not routing_trace:
-                row = _row_cost(s)
+                mlp = s.engine.mlp
             measured_model, name = s.spec, s.engine.name
-            mlp = s.engine.mlp if len(runs) == 2 else None
-        if len(runs) == 1:
+        if budget is resident:
             del s               # its cache (cyclic garbage) gone before the next run fills its own: at full size the
             gc.collect()        # two would not fit together
-    (all_dec, all_evs), stream = runs
     quiet = _untouched(all_dec, all_evs)
     dec, evs = quiet if quiet[0] else (all_dec, all_evs)       # none: every token, reads and all
     nl = len(measured_model.moe_layers)
-    # means over the tokens (a run's time is their sum) but a stall's: on a shared machine another process taking
-    # the core lands in one token
+    # means over the tokens, stalls and all: a run's time is their sum, and the runs predicted stall as often
     per_token = {}
     for e in evs:
         per_token.setdefault(e.token, []).append(e)
     at = lambda t: per_token.get(t.token, [])
-    dense = _mean_but_stalls([(t.compute_s - sum(e.compute_s for e in at(t))) / nl for t in dec])
-    router = _mean_but_stalls([e.router_s for e in evs])
-    other = _mean_but_stalls([t.other_s + t.flash_wait_s + t.dequant_s for t in dec])
-    expert_measured = _mean_but_stalls([sum(e.compute_s for e in at(t)) / max(1, sum(len(e.routed) for e in at(t)))
-                                        for t in dec])
-    issue_call, issue = _issue_costs(stream[1])
-    after_issue, land = _reading_costs(dec, *stream, issue_call, issue)
+    dense = fmean([(t.compute_s - sum(e.compute_s for e in at(t))) / nl for t in dec])
+    router = fmean([e.router_s for e in evs])
+    other = fmean([t.other_s + t.flash_wait_s + t.dequant_s for t in dec])
+    expert_measured = fmean([sum(e.compute_s for e in at(t)) / max(1, sum(len(e.routed) for e in at(t))) for t in dec])
+    issue_call, issue = _issue_costs([e for _, evs_ in stream for e in evs_])
+    after_issue, land = _reading_costs(dec, stream, issue_call, issue)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     packed = name == "packed"
     shape = (measured_model.hidden_size, measured_model.moe_intermediate_size)
@@ -160,17 +160,12 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                               ones, w["gate"], w["up"], w["down"])),
                           source=f"measured {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} on this machine (shared, "
                                  f"loaded), {name} engine: {model} as {p.name}{' (routing trace)' if routing_trace else ''} with "
-                                 f"{where} for dense/router/other (means over tokens but stalls), at budget "
+                                 f"{where} for dense/router/other (means over tokens), at budget "
                                  f"{stream_budget}{f' (reads emulated as {device})' if device else ''} for issues, "
                                  f"reads taken in (the streamer's timers, "
                                  f"{layout} layout) and the reads' floor (the readers' stamps); expert compute and "
                                  f"{'crc check' if packed else 'dequant'} on its {held_text} experts at d={d}, ff={ff} with the "
                                  f"engine's kernels")
-
-
-def _mean_but_stalls(xs: list) -> float:
-    xs = np.asarray(xs, float)
-    return float(np.mean(xs[_ordinary(xs)]))
 
 
 def _ordinary(xs: np.ndarray) -> np.ndarray:
@@ -293,9 +288,10 @@ def compute_from_run(res: dict, spec: MoESpec, measured: ComputeProfile) -> Comp
 
 
 class _timed_reads:
-    """The reads a session's reader serves meanwhile, from the readers' own stamps: calls, (submitted ns, [(bytes,
-    started ns, landed ns)] per key) per submit (SlotRead and Future t_start, t_end), and jobs, [(bytes, started ns,
-    landed ns)] per preadv where the readers log them (the slot readers: a key of the native layout is three)."""
+    """The reads a session's reader serves meanwhile, from the readers' own stamps: calls, (called ns, returned ns,
+    [(bytes, started ns, landed ns)] per key) per submit (SlotRead and Future t_start, t_end), and jobs, [(bytes,
+    started ns, landed ns)] per preadv where the readers log them (the slot readers: a key of the native layout is
+    three)."""
 
     def __init__(self, reader):
         self.reader, self.calls, self.jobs = reader, [], []
@@ -307,7 +303,7 @@ class _timed_reads:
             t0 = time.perf_counter_ns()
             futs = submit(requests, priority, checks)
             sizes = {k: sum(b.nbytes for _, b in parts) for k, parts in requests}
-            self.calls.append((t0, [(sizes[k], f) for k, f in futs.items()]))
+            self.calls.append((t0, time.perf_counter_ns(), [(sizes[k], f) for k, f in futs.items()]))
             return futs
         self.reader.submit_into = timed
         self.logs = getattr(self.reader, "log", None) is None      # a test's log left as it is
@@ -317,8 +313,8 @@ class _timed_reads:
 
     def __exit__(self, *exc):
         del self.reader.submit_into             # the class's method again
-        self.calls = [(t0, [(n, f.t_start, f.t_end) for n, f in fs if getattr(f, "t_end", 0)])
-                      for t0, fs in self.calls]
+        self.calls = [(t0, t1, [(n, f.t_start, f.t_end) for n, f in fs if getattr(f, "t_end", 0)])
+                      for t0, t1, fs in self.calls]
         if self.logs:
             self.jobs = [(int(n), round(t * 1e9), round(t1 * 1e9)) for n, _, t, t1 in self.reader.log]
             self.reader.log = None
@@ -327,39 +323,40 @@ class _timed_reads:
 def _read_floor(reads: _timed_reads | None, poll_ns: int = 0) -> dict | None:
     """What a read takes on this machine in a streaming run of the engine (its readers and compute thread sharing
     the cores with each other and whatever else runs), for devices.ServedReads: an idle reader's wake-up (the
-    median wait from a submit that found every reader idle to its first read starting; apart, where a reader that
+    mean wait from the return of a submit call that found every reader idle to its first read starting, as the
+    simulator's reader pool starts it after the issue's call; apart, where a reader that
     landed a read less than poll_ns before polls for the next: the slot readers'), and a read's service as
     latency + bytes / bandwidth, fitted apart for reads that started alone and reads that started while another
     was in flight (a reader that just woke on an idle core serves slower than one already running). Each preadv is
     a read (the readers' log; else experts read in one preadv, which share its stamps, count as one). None: no
     reads."""
-    if not reads or not any(fs for _, fs in reads.calls):
+    if not reads or not any(fs for _, _, fs in reads.calls):
         return None
     spans = sorted((t, t1, n) for n, t, t1 in reads.jobs) if reads.jobs else \
         sorted((t, t1, n) for (_, t, t1), n in _merged(reads.calls).items())
     starts, ends = [t for t, _, _ in spans], sorted(t1 for _, t1, _ in spans)
     in_flight = lambda t: bisect.bisect_right(starts, t) - bisect.bisect_right(ends, t)    # reads with start <= t < end
-    firsts = [(t0, min(t for _, t, _ in fs)) for t0, fs in reads.calls if fs]
-    sleeping, polling = [], []          # the waits of submits that found every reader idle
-    for t0, t in firsts:
+    firsts = [(t0, t1, min(t for _, t, _ in fs)) for t0, t1, fs in reads.calls if fs]
+    sleeping, polling = [], []          # the waits of submits that found every reader idle, from the call's return
+    for t0, t1, t in firsts:
         if not in_flight(t0):
             last = ends[bisect.bisect_right(ends, t0) - 1] if ends[0] <= t0 else None
-            (polling if last is not None and t0 - last < poll_ns else sleeping).append((t - t0) / 1e9)
+            (polling if last is not None and t0 - last < poll_ns else sleeping).append((t - t1) / 1e9)
     alone, overlapped = [], []
     for t, t1, n in spans:
         (alone if in_flight(t) == 1 else overlapped).append((n, (t1 - t) / 1e9))
     fits = [_service(x) for x in (alone, overlapped)]
     fits = [f or next(g for g in fits if g) for f in fits]
-    median = lambda xs: max(0.0, statistics.median(xs))
-    wake = median(sleeping or polling or [(t - t0) / 1e9 for t0, t in firsts])
-    return {"wake_s": wake, "wake_polling_s": median(polling) if polling else wake, "poll_s": poll_ns / 1e9,
+    mean = lambda xs: max(0.0, fmean(xs))
+    wake = mean(sleeping or polling or [(t - t1) / 1e9 for _, t1, t in firsts])
+    return {"wake_s": wake, "wake_polling_s": mean(polling) if polling else wake, "poll_s": poll_ns / 1e9,
             "latency_s": [f[0] for f in fits], "read_bw": [f[1] for f in fits]}
 
 
 def _merged(calls) -> dict:
     """{(submit, started, landed): bytes}: the keys of one submit that share a preadv's stamps, as one read."""
     merged: dict = {}
-    for i, (_, fs) in enumerate(calls):
+    for i, (_, _, fs) in enumerate(calls):
         for n, t, t1 in fs:
             if t1 > t:
                 merged[(i, t, t1)] = merged.get((i, t, t1), 0) + n
@@ -378,17 +375,18 @@ def _service(reads: list) -> tuple[float, float] | None:
 
 
 def _line(by: dict) -> tuple[float, float]:
-    """(intercept, slope) of a line through the median y of each x ({x: [y]}; the median resists a stall), each
-    point weighted by the root of its count; one x, or a line that makes no sense: no intercept, the points' ratio."""
+    """(intercept, slope) of a line through the mean y of each x ({x: [y]}; a run's time is the sum of its reads' and
+    calls', stalls and all), each point weighted by the root of its count; one x, or a line that makes no sense: no
+    intercept, the points' ratio."""
     xs = np.array(sorted(by), float)
-    med = np.array([statistics.median(by[x]) for x in sorted(by)])
+    mean = np.array([fmean(by[x]) for x in sorted(by)])
     count = np.array([len(by[x]) for x in sorted(by)], float)
     if len(xs) > 1:
         w = np.sqrt(count)
-        slope, at0 = np.linalg.lstsq(np.c_[xs, np.ones_like(xs)] * w[:, None], med * w, rcond=None)[0]
+        slope, at0 = np.linalg.lstsq(np.c_[xs, np.ones_like(xs)] * w[:, None], mean * w, rcond=None)[0]
         if slope > 0 and at0 >= 0:
             return float(at0), float(slope)
-    return 0.0, float(np.sum(med * count) / np.sum(xs * count))
+    return 0.0, float(np.sum(mean * count) / np.sum(xs * count))
 
 
 def _crc(enc):
@@ -496,19 +494,18 @@ def _row_cost(s, rows: int = 5, reps: int = 8) -> float:
 
 def _issue_costs(stream_events) -> tuple[float, float]:
     """(per issue, per expert issued): the submit call itself, by the streamer's own timers in a streaming run
-    (telemetry.LayerEvent issue_s): a line through the median time of a layer's one submit of n experts (_line)."""
+    (telemetry.LayerEvent issue_s): a line through the mean time of a layer's one submit of n experts (_line)."""
     by_n: dict = {}             # experts in a layer's one submit -> its times
     for e in stream_events:
         if e.issues == 1:
             by_n.setdefault(e.issued, []).append(e.issue_s)
-    by_n = {k: v for k, v in by_n.items() if len(v) >= 3} or by_n     # a size seen once or twice: a stall decides it
+    by_n = {k: v for k, v in by_n.items() if len(v) >= 3} or by_n     # a size seen once or twice: too few to fit
     return _line(by_n) if by_n else (0.0, 0.0)
 
 
-def _reading_costs(resident_tokens, stream_tokens, stream_events, issue_call: float,
-                   issue: float) -> tuple[float, float]:
-    """(per issue after its call, per read taken in): what a streaming run's compute thread spends beyond the
-    resident run's mean token but stalls (flash waits aside) and beyond its submit calls, fitted over its tokens as
+def _reading_costs(resident_tokens, stream_runs, issue_call: float, issue: float) -> tuple[float, float]:
+    """(per issue after its call, per read taken in): what streaming runs' compute thread spends beyond the
+    resident run's mean token (flash waits aside) and beyond its submit calls, fitted over their tokens as
     a * issues + b * reads taken in (non-negative, a token whose excess is far off the fit dropped: a stall).
     Taking a read in and computing on its fresh bytes go with the reads; the reader threads' wake-ups and CPU on
     the cores the compute thread shares go with the submits that start them, and show as slower dense, router and
@@ -516,17 +513,18 @@ def _reading_costs(resident_tokens, stream_tokens, stream_events, issue_call: fl
     if not resident_tokens:
         return 0.0, 0.0
     busy = lambda t: t.compute_s + t.router_s + t.other_s
-    base = _mean_but_stalls([busy(t) for t in resident_tokens])
-    per_token: dict = {}
-    for e in stream_events:
-        per_token.setdefault(e.token, []).append(e)
+    base = fmean([busy(t) for t in resident_tokens])
     X, y = [], []
-    for t in stream_tokens:
-        evs = per_token.get(t.token, [])
-        issues, issued, taken = (sum(getattr(e, k) for e in evs) for k in ("issues", "issued", "taken"))
-        if issues or taken:
-            X.append((issues, taken))
-            y.append(busy(t) - base - issue_call * issues - issue * issued)
+    for stream_tokens, stream_events in stream_runs:      # (decode tokens, their layer events) of each run
+        per_token: dict = {}
+        for e in stream_events:
+            per_token.setdefault(e.token, []).append(e)
+        for t in stream_tokens:
+            evs = per_token.get(t.token, [])
+            issues, issued, taken = (sum(getattr(e, k) for e in evs) for k in ("issues", "issued", "taken"))
+            if issues or taken:
+                X.append((issues, taken))
+                y.append(busy(t) - base - issue_call * issues - issue * issued)
     if not X:
         return 0.0, 0.0
     X, y = np.array(X, float), np.array(y)

@@ -19,9 +19,10 @@ modelled, mirroring ExpertStreamer:
   compute         a measured profile of this engine (experiments.compute_profile): dense and router time per layer, expert
                   compute per expert, dequant (the packed engine: the crc check) per expert read, other per token,
                   a wake-up per wait that blocked (the compute thread runs again that long after the read lands),
-                  and what reads cost the compute thread: an issue (per submit, per expert; then, after the
-                  submit, what the readers it woke take from the cores the compute thread shares) and taking
-                  each read in (with computing on its fresh bytes), measured in a streaming run of the engine
+                  and what reads cost the compute thread: an issue (per submit, per expert; then what the
+                  readers it woke take from the cores the compute thread shares, on its work once the submit's
+                  reads have landed: not hidden behind them) and taking each read in (with computing on its
+                  fresh bytes), measured in streaming runs of the engine
   speculative     (a preset with speculative n) a step verifies the input token and the trace's recorded draft
                   (up to n tokens) in one batch: the layer reads the union of the batch's experts once; dense and
                   router are charged for one row plus the measured cost of each further row (row_s), expert
@@ -146,7 +147,7 @@ class _Pool:
     def __init__(self, workers: int, device: DeviceProfile, dequant_s: float, split: bool = True,
                  wake_s: float = 0.0, polling: tuple[float, float] = (0.0, 0.0)):
         self.workers = workers
-        self.wake_s = wake_s                 # a sleeping reader starts a read this much after its submit (its wake-up)
+        self.wake_s = wake_s                 # a sleeping reader starts a read this long after its submit call returns
         self.polling = polling               # (window, wake): a reader that landed a read less than window ago polls
                                              # for the next, and starts the first read of a submit wake after it
         self.free = [-math.inf] * workers    # when each worker is next free (a heap; never read: asleep)
@@ -267,7 +268,8 @@ class _Simulation:
         if switch_s is None:
             switch_s = sys.getswitchinterval() if shared_cpu and not self.busy else 0.0
         self.clock = _Clock(switch_s)
-        self.slowed = 0.0           # what the readers woken since the compute thread last worked take from it
+        self.slowed: list = []      # (when, seconds): what a submit's readers take from the compute thread, due once
+                                    # its reads have landed (a heap)
         self.pool = _Pool(workers, device, compute.dequant_s, split, *(
             (readers.wake_s, (readers.poll_s, readers.wake_polling_s)) if readers else ()))
         self.fill(item * n_experts)
@@ -292,13 +294,13 @@ class _Simulation:
     # ------------------------------------------------------------ the compute thread and the reader pool
 
     def work(self, seconds: float, slowed: bool = True):
-        """The compute thread works `seconds`, plus (slowed) what the readers its submits woke have taken from its
-        cores since its last such work, plus (shared_cpu) every dequant that takes the GIL from it: one whose read
-        ended at t preempts the work at t + switch_s if the work is still going then."""
+        """The compute thread works `seconds`, plus (slowed) what the readers of each submit whose reads have landed
+        by the work's end took from its cores, plus (shared_cpu) every dequant that takes the GIL from it: one whose
+        read ended at t preempts the work at t + switch_s if the work is still going then."""
         clock, pool = self.clock, self.pool
-        if slowed:
-            seconds, self.slowed = seconds + self.slowed, 0.0
         start, end = clock.now, clock.now + seconds
+        while slowed and self.slowed and self.slowed[0][0] < end:       # due before or during this work
+            end += heapq.heappop(self.slowed)[1]
         if self.shared_cpu:
             if clock.ends and start > clock.ends[-1]:       # it waited since its last work: those ran meanwhile
                 pool.dequants = [t for t in pool.dequants if t >= start]
@@ -319,7 +321,8 @@ class _Simulation:
                   for g, b in [([(L, e) for e in run], nb)
                                for run, nb in self.plan.reads([k[1] for k in keys if k[0] == L], L)]]
         ready = self.pool.submit(self.clock.now, groups)
-        self.slowed += c.after_issue_s          # the compute thread's next work is that much slower
+        if c.after_issue_s:     # the compute thread's work once the submit's reads have landed is that much slower
+            heapq.heappush(self.slowed, (max(ready[k][0] for k in keys), c.after_issue_s))
         for k in keys:
             self.cache.set(k, _Read(ready[k][0], self.clock, ready[k][1], c.dequant_s, self.busy))
         if counted:
@@ -361,7 +364,7 @@ class _Simulation:
         for k in at_decode:
             if isinstance(ent := cache.peek(k), _Read):
                 ent.taken = True                         # taken in while the prompt ran
-        self.pool.dequants, self.slowed = [], 0.0         # the prompt's dequants and slowdown are over by then
+        self.pool.dequants, self.slowed = [], []          # the prompt's dequants and slowdown are over by then
         return at_decode
 
     def decode_step(self, step: int, drafts: int) -> int:
@@ -630,7 +633,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     emulated = device if here and isinstance(device, str) and dev.name != "this-machine" else None
     compute = compute or measure_compute(model or meta.get("model") or "demo", spec, p.storage.experts, preset=p,
                                          routing_trace=str(trace_path) if own else None, engine=engine,
-                                         device=emulated)
+                                         device=emulated, tokens=tokens)
     readers = None
     if here and compute.read_floor:     # a read's service here at the least; an idle reader's wake-up before it
         readers = devices.ServedReads(**compute.read_floor)

@@ -98,6 +98,20 @@ def test_an_issue_costs_its_call_before_its_reads_start_and_slows_the_compute_af
     assert res["flash_wait_s"] == pytest.approx(3 * MS, abs=1e-12)
 
 
+def test_what_an_issue_costs_after_its_call_falls_once_its_reads_have_landed():
+    """ready_first, expert 0 in memory and expert 2 a miss: the submit (0.1 ms call) starts the read at 0.6 ms, which
+    lands at 2.6. Expert 0's compute (0.25 ms) runs while the read flies and is not slowed; the 0.3 ms the readers
+    take falls on the compute after the read landed (expert 2's), so it is not hidden behind the read: the wait is
+    2.6 - 0.85 ms and the token ends at 2.6 + 0.25 + 0.3."""
+    cpu = dataclasses.replace(CPU, issue_call_s=0.1 * MS, after_issue_s=0.3 * MS)
+    p = get_preset("on_demand").with_(layout="contiguous", execution="ready_first")
+    res = simulate_run(Drive([{0: [0, 1]}, {0: [0, 2]}]), spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2,
+                       prompt=1, workers=2, plan=PLAN)
+    assert (res["hits"], res["misses"]) == (1, 1)
+    assert res["flash_wait_s"] == pytest.approx(2.6 * MS - 0.85 * MS, abs=1e-12)
+    assert res["decode_s"] == pytest.approx(2.6 * MS + 0.25 * MS + 0.3 * MS, abs=1e-12)
+
+
 def test_submits_follow_each_other_and_only_the_compute_after_them_is_slowed():
     """Oracle over two layers: layer 0 reads its miss (expert 1) and then expert 3 for layer 1, two submits of
     0.1 ms each, each slowing the compute after it by 0.3 ms; the second read starts 0.1 ms after the first, not

@@ -82,8 +82,8 @@ class ServedReads:
     """How this machine's readers served a streaming run's reads (experiments.compute_profile._read_floor): a read
     that starts while `depth` reads are in flight, itself included, takes latency + size / bandwidth, each the
     first entry's for a read alone and the second's beside others. A sleeping reader starts a read wake_s after
-    its submit; one that landed a read less than poll_s before polls for the next, and starts the first read of a
-    submit wake_polling_s after it (the simulator's reader pool charges these)."""
+    its submit call returns; one that landed a read less than poll_s before polls for the next, and starts the
+    first read of a submit wake_polling_s after it (the simulator's reader pool charges these)."""
     wake_s: float
     latency_s: list           # [alone, beside others]
     read_bw: list
