@@ -9,7 +9,6 @@ import gc
 import json
 import math
 import statistics
-from statistics import fmean
 import time
 import zlib
 from dataclasses import dataclass
@@ -114,14 +113,12 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     dec, evs = quiet if quiet[0] else (all_dec, all_evs)       # none: every token, reads and all
     nl = len(measured_model.moe_layers)
     # means over the tokens, stalls and all: a run's time is their sum, and the runs predicted stall as often
-    per_token = {}
-    for e in evs:
-        per_token.setdefault(e.token, []).append(e)
-    at = lambda t: per_token.get(t.token, [])
-    dense = fmean([(t.compute_s - sum(e.compute_s for e in at(t))) / nl for t in dec])
-    router = fmean([e.router_s for e in evs])
-    other = fmean([t.other_s + t.flash_wait_s + t.dequant_s for t in dec])
-    expert_measured = fmean([sum(e.compute_s for e in at(t)) / max(1, sum(len(e.routed) for e in at(t))) for t in dec])
+    at = _by_token(evs)
+    dense = statistics.fmean([(t.compute_s - sum(e.compute_s for e in at(t))) / nl for t in dec])
+    router = statistics.fmean([e.router_s for e in evs])
+    other = statistics.fmean([t.other_s + t.flash_wait_s + t.dequant_s for t in dec])
+    expert_measured = statistics.fmean([sum(e.compute_s for e in at(t)) / max(1, sum(len(e.routed) for e in at(t)))
+                                        for t in dec])
     issue_call, issue = _issue_costs([e for _, evs_ in stream for e in evs_])
     after_issue, land = _reading_costs(dec, stream, issue_call, issue)
     d, ff = spec.hidden_size, spec.moe_intermediate_size
@@ -166,6 +163,14 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                                  f"{layout} layout) and the reads' floor (the readers' stamps); expert compute and "
                                  f"{'crc check' if packed else 'dequant'} on its {held_text} experts at d={d}, ff={ff} with the "
                                  f"engine's kernels")
+
+
+def _by_token(events):
+    """A token record's layer events (of one run: token indices repeat across runs)."""
+    per_token: dict = {}
+    for e in events:
+        per_token.setdefault(e.token, []).append(e)
+    return lambda t: per_token.get(t.token, [])
 
 
 def _ordinary(xs: np.ndarray) -> np.ndarray:
@@ -347,7 +352,7 @@ def _read_floor(reads: _timed_reads | None, poll_ns: int = 0) -> dict | None:
         (alone if in_flight(t) == 1 else overlapped).append((n, (t1 - t) / 1e9))
     fits = [_service(x) for x in (alone, overlapped)]
     fits = [f or next(g for g in fits if g) for f in fits]
-    mean = lambda xs: max(0.0, fmean(xs))
+    mean = lambda xs: max(0.0, statistics.fmean(xs))
     wake = mean(sleeping or polling or [(t - t1) / 1e9 for _, t1, t in firsts])
     return {"wake_s": wake, "wake_polling_s": mean(polling) if polling else wake, "poll_s": poll_ns / 1e9,
             "latency_s": [f[0] for f in fits], "read_bw": [f[1] for f in fits]}
@@ -379,7 +384,7 @@ def _line(by: dict) -> tuple[float, float]:
     calls', stalls and all), each point weighted by the root of its count; one x, or a line that makes no sense: no
     intercept, the points' ratio."""
     xs = np.array(sorted(by), float)
-    mean = np.array([fmean(by[x]) for x in sorted(by)])
+    mean = np.array([statistics.fmean(by[x]) for x in sorted(by)])
     count = np.array([len(by[x]) for x in sorted(by)], float)
     if len(xs) > 1:
         w = np.sqrt(count)
@@ -513,14 +518,12 @@ def _reading_costs(resident_tokens, stream_runs, issue_call: float, issue: float
     if not resident_tokens:
         return 0.0, 0.0
     busy = lambda t: t.compute_s + t.router_s + t.other_s
-    base = fmean([busy(t) for t in resident_tokens])
+    base = statistics.fmean([busy(t) for t in resident_tokens])
     X, y = [], []
     for stream_tokens, stream_events in stream_runs:      # (decode tokens, their layer events) of each run
-        per_token: dict = {}
-        for e in stream_events:
-            per_token.setdefault(e.token, []).append(e)
+        at = _by_token(stream_events)
         for t in stream_tokens:
-            evs = per_token.get(t.token, [])
+            evs = at(t)
             issues, issued, taken = (sum(getattr(e, k) for e in evs) for k in ("issues", "issued", "taken"))
             if issues or taken:
                 X.append((issues, taken))
