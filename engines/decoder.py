@@ -240,11 +240,12 @@ class Decoder(GatedDeltaNet, Engine):
         ctx = {"x": self.to_numpy(x), "h": self.to_numpy(h), "logits": self.to_numpy(self.linear(x, p + "router")),
                "phase": phase, "engine": self}
         idx, weights = self.route(i, ctx["logits"], ctx)
-        needed, ev = self.streamer.begin_layer(i, idx, self.token_index, ctx, self.predictor, t0)
+        step = self.streamer.begin_layer(i, idx, self.token_index, ctx, self.predictor, t0)
         compute = self.experts.begin(i, x, idx, weights)
-        self.streamer.run_layer(i, needed, compute, ev)
+        self.streamer.run_layer(step, compute)
         t0 = time.perf_counter()
-        out = self.experts.combine(needed)
+        ev = step.ev
+        out = self.experts.combine(step.needed)
         if s.shared_expert_size:
             y = self.dense_mlp(x, p + "shared.")
             if s.shared_expert_gate:

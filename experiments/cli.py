@@ -20,9 +20,7 @@ def _bench_flags(p):
                         "(default: cold, an empty expert cache and the model's file out of the page cache)")
     flags("routing_trace", routing_trace={"help": "route and predict as recorded in this trace (real reads, real "
                                                   "compute; ids mapped, see JSON)"})(p)
-    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
-                   help="change one of the preset's knobs, by the name a run record's config gives it "
-                        "(e.g. routing=prerouter:nolora); repeatable")
+    flags("set")(p)
     bench_flags(p)
 
 
@@ -143,23 +141,20 @@ def cmd_trace(args):
 
 
 def _replay_flags(p):
+    from experiments.traces import REPLAYED
     p.add_argument("trace")
-    flags("preset", "budget", "engine", "model", preset="les",
+    flags("preset", "budget", "engine", "tokens", "prompt_tokens", "skip", "set",
+          preset={"default": ",".join(REPLAYED), "help": "the presets, comma-separated (default: %(default)s)"},
           engine={"help": "whose expert cache the budget sizes (default: packed, as bench's: engines.default_engine)"},
-          model={"default": None, "help": "where to read the routers for lookahead (default: the trace's)"})(p)
-    p.add_argument("--designs", default=None, help="comma-separated subset of on_demand,history,shuffled,lookahead,oracle")
-    p.add_argument("--skip", type=int, default=0, help="tokens that only warm the cache, not counted")
+          tokens={"default": None, "help": "tokens the window decodes, as bench's (default: the rest of the trace)"})(p)
 
 
-@command("replay", "simulate the expert cache of each design over a routing trace", _replay_flags)
+@command("replay", "each preset's schedule over a routing trace, every read landing at once (no timing)",
+         _replay_flags)
 def cmd_replay(args):
-    from experiments.traces import DESIGNS, replay, table
-    designs = tuple(args.designs.split(",")) if args.designs else DESIGNS
-    bad = [d for d in designs if d not in DESIGNS]
-    if bad:
-        raise WorkbenchError(f"--designs {bad[0]!r}: choose from {', '.join(DESIGNS)}")
-    res = replay(args.trace, args.preset, args.budget, model=args.model, designs=designs, skip=args.skip,
-                 engine=args.engine)
+    from experiments.traces import replay, table
+    res = replay(args.trace, [p for p in args.preset.split(",") if p], args.budget, tokens=args.tokens,
+                 prompt=args.prompt_tokens, skip=args.skip, engine=args.engine, knobs=knobs_of(args.set))
     emit(args, res, table(res))
 
 
@@ -172,8 +167,8 @@ def _simulate_flags(p):
                           "packed: engines.default_engine; a --compute profile names its own)"},
           model={"default": None, "help": "measure the compute profile on this model (default: the trace's); a "
                                           "GGUF's experts are read as they lie, in its own blocks"})(p)
+    flags("prompt_tokens", "skip", "set")(p)
     p.add_argument("--shape", default=None, help="a real model's expert shape (make-model's shapes)")
-    p.add_argument("--prompt-tokens", type=int, default=4, help="trace rows replayed as the prompt (untimed)")
     p.add_argument("--workers", type=int, default=None, help="reader threads (default: the profile's queue depth)")
     p.add_argument("--compute", default=None, help="a compute profile JSON instead of measuring one")
     p.add_argument("--predictor", default=None, help="prefetch with this recorded predictor instead of the preset's "
@@ -200,8 +195,10 @@ def cmd_simulate(args):
         return _calibrate(args)
     if not args.trace:
         raise WorkbenchError("simulate: --trace FILE is needed (or --calibrate)")
-    res = run(args.trace, args.preset, args.budget, args.device or "this-machine", shape=args.shape, tokens=args.tokens,
-              prompt=args.prompt_tokens, compute=load_compute(args.compute) if args.compute else None,
+    from workbench.presets import get_preset
+    res = run(args.trace, get_preset(args.preset).with_(**knobs_of(args.set)), args.budget,
+              args.device or "this-machine", shape=args.shape, tokens=args.tokens, prompt=args.prompt_tokens,
+              skip=args.skip, compute=load_compute(args.compute) if args.compute else None,
               workers=args.workers, model=args.model, record=not args.no_record, predictor=args.predictor,
               engine=args.engine, here=args.here or None)
     emit(args, res, f"SIMULATED {res['preset']} on {res['device']['label']} ({res['shape_note']}): "

@@ -127,7 +127,7 @@ def drive(path):
 
 
 class TraceDrive:
-    def __init__(self, path, spec: MoESpec, predictor: str | None, trace: dict | None = None):
+    def __init__(self, path, spec: MoESpec, predictor: str | None, trace: dict | None = None, skip: int = 0):
         from experiments.traces import read_trace
         tr = trace or read_trace(path)      # trace: the file already read
         self.path, self.spec = str(path), spec
@@ -141,7 +141,9 @@ class TraceDrive:
                         f"{rule}; tokens: prompt then decode replay trace rows in order, wrapping at {self.T}")
         self.source = {"path": self.path, "engine": meta.get("engine"), "model": meta.get("gguf") or meta.get("model"),
                        "tokens": self.T, "data": meta.get("data"), "mapping": self.mapping}
-        self.predictor_name = predictor
+        self.predictor_name, self.skip = predictor, skip       # skip: trace rows before the run's first
+        if predictor == "shuffled":                     # each layer's marginals in this trace (in-sample)
+            predictor = None
         if predictor and predictor.split(":")[0] == "prerouter":     # prerouter:SKIP names the layers from SKIP on
             predictor = "prerouter"
         if predictor and predictor not in self.preds:
@@ -160,10 +162,10 @@ class TraceDrive:
         return np.where(a[..., :, None] < 0, -1, wide).reshape(*a.shape[:-1], -1)
 
     def rows(self, engine, n: int) -> np.ndarray:
-        if n > 1 or engine.token_index == 0:           # prefill: trace rows 0..P-1
+        if n > 1 or engine.token_index == 0:           # prefill: trace rows skip..skip+P-1
             self.prompt_len = n
-            return np.arange(n) % self.T
-        return np.array([(self.prompt_len - 1 + engine.token_index) % self.T])
+            return (self.skip + np.arange(n)) % self.T
+        return np.array([(self.skip + self.prompt_len - 1 + engine.token_index) % self.T])
 
     def route(self, layer: int, logits, ctx):
         """The router hook: the trace's experts for these tokens, uniform mixing weights."""
@@ -171,6 +173,9 @@ class TraceDrive:
         return idx, np.full(idx.shape, 1.0 / idx.shape[1], np.float32)
 
     def predictor(self):
+        if self.predictor_name == "shuffled":
+            from workbench.predict import Shuffled
+            return Shuffled(self.spec, self.usage)
         return None if not self.predictor_name else _Recorded(self)
 
     def draft(self, token_index: int, n: int) -> tuple[list[int], int]:
@@ -179,7 +184,7 @@ class TraceDrive:
         if self.drafts is None:
             raise WorkbenchError(f"{self.path}: no speculative drafts recorded (a trace written before they were): "
                                  f"write it again with `trace`")
-        r = (self.prompt_len - 1 + token_index) % self.T
+        r = (self.skip + self.prompt_len - 1 + token_index) % self.T
         d = [int(t) for t in self.drafts[r][:n] if t >= 0]
         accepted = 0
         while accepted < len(d) and d[accepted] == self.ids[(r + 1 + accepted) % self.T]:

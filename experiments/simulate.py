@@ -3,15 +3,13 @@
     python -m workbench simulate --trace data/traces/demo-tinystories-256.parquet --preset les --budget 0.25 \
         --device ufs22-phone [--shape qwen3.6-35b-a3b] --json
 
-It keeps the engine's own pieces where they carry the logic: the ExpertCache (budget, policy, scope, pins,
-protection of in-flight and current-layer experts), the trace's recorded predictions (TraceDrive, as
-`bench --routing-trace` uses them) and the pack's read plan (expert byte sizes, contiguous or native layout,
-adjacent reads merged as Reader.submit merges them; a GGUF read in place: its own blocks, each layer's). What is
-modelled, mirroring ExpertStreamer:
+What is decided is the engine's own code: the schedule (workbench.schedule: hits, late prefetches, misses, the
+predictor's reads, ready_first or wait_all, waves) over the ExpertCache, the trace's recorded predictions
+(TraceDrive, as `bench --routing-trace` uses them) and the pack's read plan (expert byte sizes, contiguous or
+native layout, adjacent reads merged as Reader.submit merges them; a GGUF read in place: its own blocks, each
+layer's). What is modelled is the clock it runs on:
 
-  per MoE layer   clock += dense + router time; the predictor's experts for a later layer are reserved and
-                  read; the layer's misses are reserved and read; ready_first computes experts already in
-                  memory first, then each in arrival order; wait_all waits for every read, then computes
+  per MoE layer   clock += dense + router time, then the schedule's layer
   reads           a FIFO pool of `workers` reader threads; a (merged) read issued while n reads are in flight
                   takes the device profile's read_s(bytes, n), a large one in pieces on several threads as
                   the engine's reads into slots are (workbench.io.split_sizes); the pool thread then dequantizes
@@ -56,7 +54,7 @@ import numpy as np
 
 from engines import expert_bytes
 from experiments.compute_profile import ComputeProfile, measure_compute
-from workbench.cache import ExpertCache, GuessAdmission, reserve_ahead, warm_set
+from workbench.cache import ExpertCache, warm_set
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
 from workbench.io import split_sizes
@@ -64,7 +62,8 @@ from workbench.presets import Budget, CacheScope, Order, Router
 from workbench.spec import MoESpec
 from workbench.registry import experts_for
 from workbench.store.pack import PARTS, _align, _nbytes, expert_kinds, expert_shapes   # the pack's own read plan
-from workbench.telemetry import rates
+from workbench.schedule import LayerStep, Schedule
+from workbench.telemetry import LayerEvent, Telemetry, rates
 
 
 @dataclass(frozen=True)
@@ -228,32 +227,15 @@ class _Position:
         return {"engine": self, "phase": phase}
 
 
-def _layer_event(layer):
-    return dict(layer=layer, hits=0, late=0, misses=0, bytes_read=0, wait_s=0.0, compute_s=0.0)
-
-
-class _LayerStep:
-    """One MoE layer of one decode step: the batch's routed experts and where each stands (in memory and ready,
-    a read pending, not yet issued), as run_layer's locals are in the streamer."""
-
-    def __init__(self, L: int, routed: list[set], ev: dict):
-        self.L, self.routed, self.ev = L, routed, ev
-        self.uses = {e: sum(e in r for r in routed) for e in set().union(*routed)}     # (token, expert) pairs
-        self.needed = sorted(self.uses)
-        self.protect = {(L, e) for e in self.needed}
-        self.named: dict = {}           # target layer -> experts the predictor named for it here
-        self.ready, self.pending, self.backlog = [], {}, []
-        self.spare, self.guess = 0, True
-
-
 class _Simulation:
-    """The state of one simulated run, and its steps: prefill, then per decode step and MoE layer route, name
-    ahead, look up, issue, compute, wait (simulate_run)."""
+    """One simulated run: the schedule (workbench.schedule) on the virtual clock, its reads on a pool of reader
+    threads and its compute as the profile measured it. Prefill, then per decode step and MoE layer: route, name
+    ahead, and the schedule's layer (simulate_run)."""
 
     def __init__(self, drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
                  workers: int, plan: ReadPlan | None, shared_cpu: bool, switch_s: float | None, split: bool,
                  readers=None):
-        self.drive, self.spec, self.preset, self.compute = drive, spec, preset, compute
+        self.drive, self.spec, self.preset, self.profile = drive, spec, preset, compute
         self.plan = plan or read_plan(spec, preset.storage.layout.value, experts_for(preset.storage.experts, compute.engine))
         item = self.plan.item or expert_bytes(compute.engine, spec, preset.storage)
         n_experts = spec.num_experts * len(spec.moe_layers)
@@ -275,10 +257,11 @@ class _Simulation:
         self.fill(item * n_experts)
         self.pos = _Position()
         self.predictor = drive.predictor()
-        self.admission, self.named_for = GuessAdmission(len(spec.moe_layers)), {}     # as the streamer's prefetches
-        self.layers = {L: _layer_event(L) for L in spec.moe_layers}
-        self.n = dict(bytes=0, wait=0.0, issued=0, used=0, predicted=0, demand=0, spec_steps=0, spec_accepted=0)
-        self.prefetched: set = set()
+        self.counts = Telemetry(len(spec.moe_layers))
+        self.schedule = Schedule(self.cache, self, self.counts, preset.execution.order.value)
+        self.layers = {L: dict(layer=L, hits=0, late=0, misses=0, bytes_read=0, wait_s=0.0, compute_s=0.0,
+                               predicted=0, predicted_used=0, routed=0) for L in spec.moe_layers}
+        self.n = dict(bytes=0, wait=0.0, spec_steps=0, spec_accepted=0)
 
     def fill(self, total: int):
         """What is in memory before the prompt: every expert (all-resident), else the design's warm set."""
@@ -306,16 +289,16 @@ class _Simulation:
                 pool.dequants = [t for t in pool.dequants if t >= start]
             while (mine := [t for t in pool.dequants if t + clock.switch_s < end]):
                 pool.dequants = [t for t in pool.dequants if t + clock.switch_s >= end]
-                end += len(mine) * self.compute.dequant_s
+                end += len(mine) * self.profile.dequant_s
         if end > start:
             clock.starts.append(start)
             clock.ends.append(end)
         clock.now = end
 
-    def issue(self, keys: list, counted: bool) -> int:
+    def submit(self, keys: list, counted: bool) -> int:
         """Submit reads of `keys` (slots reserved): the compute thread pays the issue, the pool reads them in merged
         runs; returns the bytes read."""
-        c = self.compute
+        c = self.profile
         self.work(c.issue_call_s + c.issue_s * len(keys), slowed=False)     # submits follow each other at once
         groups = [(g, b) for L in sorted({k[0] for k in keys})
                   for g, b in [([(L, e) for e in run], nb)
@@ -329,18 +312,12 @@ class _Simulation:
             self.n["bytes"] += sum(b for _, b in groups)
         return sum(b for _, b in groups)
 
-    def take(self, ent: _Read):
-        """The compute thread takes a landed read in (once)."""
-        if not ent.taken:
-            ent.taken = True
-            self.work(self.compute.land_s)
-
-    def wait(self, until: float, ev: dict):
+    def block(self, until: float, ev: LayerEvent):
         """The compute thread blocks until `until`; having slept, it runs again a wake-up later."""
         wait = max(0.0, until - self.clock.now)
-        wait += self.compute.wake_s if wait > 0 else 0.0
+        wait += self.profile.wake_s if wait > 0 else 0.0
         self.clock.now += wait
-        ev["wait_s"] += wait
+        ev.wait_s += wait
         self.n["wait"] += wait
 
     # ------------------------------------------------------------ the run's steps
@@ -357,7 +334,7 @@ class _Simulation:
                     break
             keys = [k for k in keys if cache.peek(k) is None and k in cache]
             if keys:
-                self.issue(keys, False)
+                self.submit(keys, False)
             clock.now = max([clock.now] + [cache.peek(k).ready for k in cache.keys(L)
                                            if isinstance(cache.peek(k), _Read)])
         at_decode = list(cache.keys())                   # what any policy starts decoding with (Belady too)
@@ -376,129 +353,90 @@ class _Simulation:
         self.n["spec_accepted"] += accepted
         for L in self.spec.moe_layers:
             self.layer(L, batch)
-        self.work(self.compute.other_s)
+        self.work(self.profile.other_s)
         return accepted
 
     def layer(self, L: int, batch: range):
-        """One MoE layer, as ExpertStreamer.begin_layer and run_layer: route, name ahead, look up, issue the misses
-        and then the predictor's reads, compute (ready_first: what is in memory first), wait for the rest."""
-        st = self.route(L, batch)
-        self.name_ahead(st, batch)
-        self.look_up(st)
-        self.issue_backlog(st, predicted=True)
-        wait_all = self.preset.execution.order is Order.WAIT_ALL
-        if not wait_all:
-            self.run(st, st.ready)
-            st.ready = []
-        while st.pending or st.backlog or st.ready:
-            if st.pending and (wait_all or not st.ready):
-                self.wait_for_reads(st, wait_all)
-            self.run(st, st.ready)
-            st.ready = []
-            self.issue_backlog(st)
-            if st.backlog and not st.pending:          # every free slot holds a read in flight: wait for one
-                self.wait_for_a_slot(st)
-
-    def route(self, L: int, batch: range) -> _LayerStep:
-        """The layer's clock (dense + router, each further row of a batch at its own cost) and its routing."""
-        c = self.compute
-        self.cache.step()
+        """One MoE layer, as the engine runs it: dense and router on the clock (each further row of a batch at its
+        own cost), the trace's routing, the predictor's names, then the schedule's layer."""
+        c = self.profile
         one = c.dense_s + c.router_s
         self.work(one + (len(batch) - 1) * (one if c.row_s is None else c.row_s))
         routed = [set(int(e) for e in self.drive.route(L, np.zeros((1, 1)), self.pos.step(b))[0].reshape(-1))
                   for b in batch]
-        return _LayerStep(L, routed, self.layers[L])
-
-    def name_ahead(self, st: _LayerStep, batch: range):
-        """GuessAdmission judges the names made for this layer; the predictor names later layers' experts."""
-        L = st.L
-        for i, b in enumerate(batch):
-            if (L, b) in self.named_for:
-                self.admission.scored(self.named_for.pop((L, b)), st.routed[i])
+        ev = LayerEvent(token=batch[0], layer=L, phase="decode", routed=[], predicted=[], hit=[])
+        st = self.schedule.begin_layer(L, routed, list(batch), ev)
         for b in batch if self.predictor is not None else ():
-            for target, experts in self.predictor.predict(L, self.pos.step(b)).items():
-                # a later layer of this token, or (layer, token) of a later token (Edge0's prerouter)
-                st.named.setdefault(target[0] if isinstance(target, tuple) else target, []).extend(experts)
-                self.named_for[target if isinstance(target, tuple) else (target, b)] = list(map(int, experts))
-        if not getattr(self.predictor, "certain", False):
-            st.spare, st.guess = self.admission.spare(), self.admission.admit()
+            self.schedule.name(b, self.predictor.predict(L, self.pos.step(b)), getattr(self.predictor, "certain", False))
+        self.schedule.run_layer(st)
+        r = self.layers[L]
+        r["predicted"] += len(ev.predicted)
+        r["predicted_used"] += len(set(ev.predicted) & set(ev.routed))
+        r["routed"] += len(ev.routed)
+        r["hits"] += sum(ev.hit)
+        r["late"] += ev.late
+        r["misses"] += st.misses
+        r["bytes_read"] += ev.bytes_read
+        r["wait_s"] += ev.wait_s
+        r["compute_s"] += ev.compute_s
 
-    def look_up(self, st: _LayerStep):
-        """Each needed expert: a hit (taken in), a read still in flight (late), or a miss for the backlog."""
-        for e in st.needed:
-            k = (st.L, e)
-            ent = self.cache.get(k)
-            self.admission.asked_for(ent is not None, k in self.prefetched)
-            if k in self.prefetched:
-                self.prefetched.discard(k)
-                self.n["used"] += 1
-            if ent is None:
-                st.backlog.append(e)
-                st.ev["misses"] += 1
-            elif ent.done():
-                st.ev["hits"] += 1
-                self.take(ent)
-                st.ready.append(e)
-            else:
-                st.ev["late"] += 1
-                st.pending[e] = ent
+    # ------------------------------------------------------------ the virtual clock (workbench.schedule.Clock)
 
-    def issue_backlog(self, st: _LayerStep, predicted: bool = False):
-        """As the streamer's: the backlog's reads, then (predicted) the predictor's, queued behind them."""
-        keys = []
-        while st.backlog and self.cache.reserve((st.L, st.backlog[0]), None, st.protect):
-            keys.append((st.L, st.backlog.pop(0)))
-        if keys:
-            self.n["demand"] += len(keys)
-            st.ev["bytes_read"] += self.issue(keys, True)
-            for k in keys:
-                st.pending[k[1]] = self.cache.peek(k)
-        for target, experts in (st.named.items() if predicted and st.guess else ()):
-            experts = list(dict.fromkeys(int(e) for e in experts))
-            self.n["predicted"] += len(experts)
-            then = reserve_ahead(self.cache, [(target, e) for e in experts], None, st.protect, st.spare)
-            if then:
-                self.issue(then, True)
-                self.prefetched.update(then)
-                self.n["issued"] += len(then)
+    def now(self) -> float:
+        return self.clock.now
 
-    def run(self, st: _LayerStep, es: list):
-        """One compute call on the experts `es` (in memory together)."""
-        t = sum(self.compute.expert_s * st.uses[e] for e in es)
-        st.protect.difference_update((st.L, e) for e in es)
-        self.work(t)
-        st.ev["compute_s"] += t
+    def issue(self, keys: list, priority: int, st: LayerStep) -> int:
+        return self.submit(keys, True)
 
-    def wait_for_reads(self, st: _LayerStep, every: bool):
-        """Wait for the first pending read (every: for all of them), then take in each that has landed, in order."""
+    def flying(self, ent) -> bool:
+        return isinstance(ent, _Read) and not ent.done()
+
+    def failed(self, ent) -> bool:
+        return False
+
+    def take(self, key, ent, st: LayerStep) -> bool:
+        """The compute thread takes a landed read in (once)."""
+        if not isinstance(ent, _Read) or ent.taken:
+            return False
+        ent.taken = True
+        self.work(self.profile.land_s)
+        return True
+
+    def wait(self, st: LayerStep, every: bool) -> list[int]:
+        """Wait for the first pending read (every: for all of them); those landed, in the order they landed."""
         at = [r.ready for r in st.pending.values()]
-        self.wait(max(at) if every else min(at), st.ev)
-        for e in sorted((e for e, r in st.pending.items() if r.done()), key=lambda e: st.pending[e].ready):
-            self.take(st.pending.pop(e))
-            st.ready.append(e)
+        self.block(max(at) if every else min(at), st.ev)
+        return sorted((e for e, r in st.pending.items() if r.done()), key=lambda e: st.pending[e].ready)
 
-    def wait_for_a_slot(self, st: _LayerStep):
-        """Every free slot is taken by a read in flight (prefetches): wait for the first to land."""
-        flying = [v.ready for k in self.cache.keys() if isinstance(v := self.cache.peek(k), _Read) and not v.done()]
-        if not flying:
-            raise WorkbenchError(f"layer {st.L}: no cache slot for expert {st.backlog[0]}: pinned experts fill the "
-                                 f"budget")
-        wait = min(flying) - self.clock.now + self.compute.wake_s
+    def wait_for_slot(self, st: LayerStep, flying: list):
+        wait = min(self.cache.peek(k).ready for k in flying) - self.clock.now + self.profile.wake_s
         self.clock.now += wait
-        st.ev["wait_s"] += wait
+        st.ev.wait_s += wait
         self.n["wait"] += wait
+
+    def compute(self, st: LayerStep, es: list[int]):
+        t = sum(self.profile.expert_s * st.uses[e] for e in es)
+        self.work(t)
+        st.ev.compute_s += t
+
+    def evicted(self, keys: list):
+        pass
 
     def result(self, steps: int, decode_s: float, at_decode: list) -> dict:
         n, layers = self.n, self.layers
-        hits, late, misses = (sum(r[k] for r in layers.values()) for k in ("hits", "late", "misses"))
+        hits, late, misses, named, used, routed = (sum(r[k] for r in layers.values()) for k in (
+            "hits", "late", "misses", "predicted", "predicted_used", "routed"))
         for r in layers.values():
             r.update(rates(r["hits"], r["late"], r["misses"]))
         return {"tok_s": steps / decode_s if decode_s > 0 else float("inf"), **rates(hits, late, misses),
                 "hits": hits, "late": late, "misses": misses, "bytes_read": n["bytes"],
                 "bytes_read_per_token": n["bytes"] / max(1, steps),
                 "flash_wait_s": n["wait"], "flash_wait_per_token_s": n["wait"] / max(1, steps), "decode_s": decode_s,
-                "decode_steps": steps, "prefetch_issued": n["issued"], "prefetch_used": n["used"],
-                "experts_read": n["demand"] + n["issued"], "spec_steps": n["spec_steps"],
+                "decode_steps": steps, "prefetch_issued": self.counts.prefetch_issued,
+                "prefetch_used": self.counts.prefetch_used,
+                "prefetch_wasted": self.counts.prefetch_wasted, "recall": used / routed if named else None,
+                "precision": used / named if named else None,
+                "experts_read": self.counts.demand_reads + self.counts.prefetch_issued, "spec_steps": n["spec_steps"],
                 "spec_accepted": n["spec_accepted"], "budget_bytes": self.budget_bytes,
                 "cache_slots": self.cache.capacity[self.spec.moe_layers[0]], "cache_at_decode": at_decode,
                 "per_layer": [layers[L] for L in self.spec.moe_layers]}
@@ -528,6 +466,18 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
         step += accepted + 1
     return sim.result(steps, sim.clock.now - t_decode, at_decode)
 
+
+
+INSTANT = DeviceProfile("instant", "every read lands at once (replay)", latency_s=0.0, read_bw=math.inf,
+                        peak_bw=math.inf, queue_depth=1)
+
+
+def replay_run(drive, spec: MoESpec, preset, budget: str, tokens: int, prompt: int, engine: str,
+               plan: ReadPlan | None = None) -> dict:
+    """simulate_run on the clock replay runs on: every read lands at once and nothing takes time (no compute, no
+    wake-ups), so what a design serves from memory, reads and prefetches is its schedule's alone."""
+    return simulate_run(drive, spec, preset, budget, INSTANT, ComputeProfile(0.0, 0.0, 0.0, 0.0, engine=engine),
+                        tokens, prompt, plan=plan, shared_cpu=False, split=False)
 
 
 def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, initial=(),
@@ -597,7 +547,8 @@ def simulable(p):
 
 
 def run(trace_path: str, preset, budget: str | None, device: str, shape: str | None = None,
-        tokens: int = 64, prompt: int = 4, compute: ComputeProfile | None = None, workers: int | None = None,
+        tokens: int = 64, prompt: int = 4, skip: int = 0, compute: ComputeProfile | None = None,
+        workers: int | None = None,
         model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None,
         predictor: str | None = None, engine: str | None = None, here: bool | None = None) -> dict:
     """One design over a trace. The simulated model: `spec` if given, else the traced model at `shape`'s expert
@@ -626,7 +577,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     if compute is not None and engine is not None and engine != compute.engine:
         raise WorkbenchError(f"--engine {engine}: the compute profile given was measured on the {compute.engine} "
                              f"engine")
-    drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace)
+    drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace, skip=skip)
     own = model is None or model == meta.get("model")        # the traced model: measured on its own trace
     simulated = model or (meta.get("model") if compute is None else None)     # the model whose storage is read
     here = dev.name == "this-machine" if here is None else here
@@ -662,7 +613,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     bound["belady_tok_s"] = res["decode_steps"] / max(compute_s, miss_bytes / dev.peak_bw)
     res.update(bound, simulated=True, emulated=False, device=dev.describe(), preset=p.name, budget=budget,
                shape=shape, shape_note=note, spec=spec.to_dict(), reader_workers=workers,
-               compute_profile=dataclasses.asdict(compute), routing_trace=drive.source, tokens=tokens, prompt=prompt,
+               compute_profile=dataclasses.asdict(compute), routing_trace=drive.source, tokens=tokens, prompt=prompt, skip=skip,
                expert_disk_bytes=plan.expert_bytes)
     res["device"]["emulated"] = False
     res["device"]["simulated"] = True

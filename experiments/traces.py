@@ -1,5 +1,5 @@
-"""Routing traces: per-token, per-layer routing and router inputs in a Parquet file, and a replay that
-simulates the expert cache for each design without running the model.
+"""Routing traces: per-token, per-layer routing and router inputs in a Parquet file, and a replay of presets over
+one without running the model.
 
     python -m workbench trace --engine llamacpp --model X.gguf --data tinystories --tokens 512 --out t.parquet
     python -m workbench replay t.parquet --preset les --budget 0.25 --json
@@ -9,15 +9,11 @@ topk (the experts chosen, best first), logits (the router's logits over all expe
 (the residual stream entering the MoE block: llama.cpp's `ffn_inp-N`, the numpy engine's `h`).
 The file's schema metadata (`workbench.trace`) holds the engine, the model, the spec and the data.
 
-Replay: the cache holds the slots the budget buys in --engine's cache (the default engine's, as bench's Session:
-engines.expert_bytes, Budget.slots). Every token is a decode step through the MoE layers in order, as in the
-engine: a layer's routed experts are hits if already in the cache (else read: a miss); the design's predictor then names
-experts of a later layer, which are prefetched without evicting the current layer's. Prefetches are
-assumed to land in time (no timing is simulated), so hit rates are upper bounds for a design's
-scheduling; recall/precision are exact. Designs (predictors from workbench.predict, same code as the
-engine): on_demand (none), history, shuffled (marginals of this trace: in-sample), lookahead (the
-preset's lookahead, else 1 layer ahead at 2k; scored from the recorded router inputs with the next
-layer's norm and router read from the traced model), oracle (the recorded routing one layer ahead).
+Replay: each preset's schedule (workbench.schedule, the streamer's and the simulator's) over the trace's routing
+and its recorded predictions (experiments.routing_trace.TraceDrive), on a clock where every read lands at once and
+nothing takes time: hit rates with no late prefetches, exact recall and precision, reads per token, and Belady's
+bound at the same budget. The budget buys the slots it buys in --engine's cache (engines.expert_bytes,
+Budget.slots), and the window is simulate's and bench's: `--prompt` rows, then `--tokens` - 1 decode steps.
 """
 from __future__ import annotations
 
@@ -27,16 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.cache import GuessAdmission, reserve_ahead, warm_set
 from runtime.capture import RoutingCapture
 from workbench.errors import WorkbenchError
-from workbench.presets import Budget, Predictor, Prefetch
 from workbench.runs import write_table
 from workbench.spec import MoESpec
-from workbench.telemetry import rates
 
 META_KEY = b"workbench.trace"
-DESIGNS = ("on_demand", "history", "shuffled", "lookahead", "oracle")
+REPLAYED = ("on_demand", "history", "shuffled", "les", "smol", "oracle")     # replay's presets by default
 
 
 # ---------------------------------------------------------------- file format
@@ -143,100 +136,6 @@ def _weights_for(meta: dict, model: str | None, spec: MoESpec) -> dict:
     return {n: hf.tensor(n) for n in need if n in hf.where}
 
 
-class _Ctx:
-    token_index = 0
-
-
-def _predictor(design: str, preset, spec, weights, trace: dict, usage: dict):
-    from workbench.predict import make_predictor
-    if design == "on_demand":
-        return None
-    if design == "lookahead":
-        pf = preset.prefetch if preset.prefetch.predictor is Predictor.LOOKAHEAD else \
-            Prefetch(Predictor.LOOKAHEAD, depth=1, width=2)
-    else:
-        pf = Prefetch(Predictor(design))
-    layers, topk = trace["moe_layers"], trace["topk"]
-    oracle = {(t, L): sorted(set(topk[t, j].tolist())) for t in range(topk.shape[0]) for j, L in enumerate(layers)} \
-        if design == "oracle" else None
-    return make_predictor(pf, spec, weights, usage=usage, trace=oracle)
-
-
-def simulate(design: str, trace: dict, spec: MoESpec, preset, budget: str, weights: dict, usage: dict,
-             skip: int = 0, engine: str | None = None) -> dict:
-    """One design over the whole trace; counts from token `skip` on (earlier tokens only warm the cache). The budget
-    buys the slots it buys `engine`'s cache (None: the default engine) for the preset's pack of the traced model."""
-    from engines import expert_bytes
-    from workbench.cache import ExpertCache
-    layers, topk, h = trace["moe_layers"], trace["topk"], trace["router_input"]
-    T = topk.shape[0]
-    item, n_experts = expert_bytes(engine, spec, preset.storage), spec.num_experts * len(layers)
-    budget_bytes = Budget(budget).nbytes(item, n_experts)
-    cache = ExpertCache(Budget(budget).slots(item, n_experts), item, layers, policy=preset.cache.policy.value,
-                        scope=preset.cache.scope.value, min_slots_per_layer=spec.top_k)
-    if preset.cache.warm:                                 # the most-used experts of each layer (this trace's counts)
-        for k in warm_set(cache, usage):
-            cache.reserve(k, True)
-    pred = _predictor(design, preset, spec, weights, trace, usage)
-    admission = GuessAdmission(len(layers))                # as the streamer's prefetches
-    ectx = _Ctx()
-    predicted_for: dict = {}
-    outstanding: dict = {}                                 # prefetched key -> target token, not yet used
-    n = dict(hits=0, routed=0, predicted=0, predicted_used=0, pred_routed=0, issued=0, wasted=0, misses=0)
-    for t in range(T):
-        ectx.token_index = t
-        count = t >= skip
-        for j, L in enumerate(layers):
-            cache.step()
-            routed = sorted(set(topk[t, j].tolist()))
-            keys = [(L, e) for e in routed]
-            hits = sum(k in cache for k in keys)
-            for k in keys:
-                admission.asked_for(k in cache, k in outstanding)
-            p = predicted_for.pop((L, t), None)
-            if p is not None:
-                admission.scored(p, routed)
-            if count:
-                n["hits"] += hits
-                n["misses"] += len(keys) - hits
-                n["routed"] += len(keys)
-                if p is not None:
-                    used = len(set(p) & set(routed))
-                    n["predicted"] += len(p)
-                    n["predicted_used"] += used
-                    n["pred_routed"] += len(routed)
-            for k in keys:
-                outstanding.pop(k, None)
-            for k in [k for k, tt in outstanding.items() if k[0] == L and tt <= t]:
-                outstanding.pop(k)
-                n["wasted"] += count
-            if pred is not None:
-                ctx = {"phase": "decode", "h": h[t, j][None].astype(np.float32), "routed": topk[t, j][None],
-                       "engine": ectx}
-                protect = set(keys)
-                for target, experts in pred.predict(L, ctx).items():
-                    experts = list(map(int, experts))
-                    predicted_for[(target, t)] = experts
-                    certain = getattr(pred, "certain", False)
-                    if not (certain or admission.admit()):
-                        continue
-                    spare = 0 if certain else admission.spare()
-                    for key in reserve_ahead(cache, [(target, e) for e in experts], True, protect, spare):
-                        outstanding[key] = t
-                        n["issued"] += count
-            for k in keys:                                # the layer's misses are read now (never evicting its own)
-                if cache.get(k) is None and not cache.reserve(k, True, set(keys)):
-                    raise WorkbenchError(f"budget {budget}: no slot for {k} (pinned experts fill the cache)")
-    steps = max(1, T - skip)
-    return {"design": design, **rates(n["hits"], 0, n["misses"]),    # every prefetch lands in time here: no late
-            "recall": n["predicted_used"] / n["pred_routed"] if n["predicted"] else None,
-            "precision": n["predicted_used"] / n["predicted"] if n["predicted"] else None,
-            "misses_per_token": n["misses"] / steps, "prefetch_per_token": n["issued"] / steps,
-            "reads_per_token": (n["misses"] + n["issued"]) / steps, "prefetch_wasted": n["wasted"],
-            "routed": n["routed"], "hits": n["hits"], "cache_slots": cache.capacity[layers[0]],
-            "budget_bytes": budget_bytes}
-
-
 def near_ties(logits: np.ndarray, topk: np.ndarray, k: int) -> dict:
     """Rows whose recorded top-k is not the top-k of the recorded logits, and the smallest k-th/(k+1)-th gap."""
     order = np.argsort(-logits, axis=-1, kind="stable")
@@ -249,44 +148,50 @@ def near_ties(logits: np.ndarray, topk: np.ndarray, k: int) -> dict:
             "max_gap_where_mismatch": float(gap[mism].max()) if mism.any() else None}
 
 
-def replay(path, preset: str = "les", budget: str | None = None, model: str | None = None,
-           designs=DESIGNS, skip: int = 0, engine: str | None = None) -> dict:
+def replay(path, presets=REPLAYED, budget: str | None = None, tokens: int | None = None, prompt: int = 4,
+           skip: int = 0, engine: str | None = None, knobs: dict | None = None) -> dict:
+    """Each preset over the trace's window (prompt rows, then tokens - 1 decode steps, from row `skip`) on the
+    schedule with every read landing at once: what it serves from memory, reads and prefetches, untimed. The
+    predictors are the trace's recorded ones, as simulate and bench --routing-trace replay them."""
+    from engines import default_engine
+    from experiments.routing_trace import TraceDrive
+    from experiments.simulate import belady, replay_run, simulable
     from workbench.presets import get_preset
     tr = read_trace(path)
     meta = tr["meta"]
     spec = MoESpec.from_dict(meta["spec"])
     if list(spec.moe_layers) != list(tr["moe_layers"]):
         raise WorkbenchError(f"{path}: the trace's layers {tr['moe_layers']} are not the spec's MoE layers")
-    p = get_preset(preset)
-    budget = str(budget if budget is not None else p.cache.budget)
-    usage = {L: np.bincount(tr["topk"][:, j].reshape(-1), minlength=spec.num_experts).tolist()
-             for j, L in enumerate(tr["moe_layers"])}
-    weights = {}
-    if "lookahead" in designs:
-        weights = _weights_for(meta, model, spec)
-        # the traced router, recomputed from the recorded inputs: a check that these are the traced weights
-        from workbench.predict import _rms
-        j, L = 0, tr["moe_layers"][0]
-        mine = _rms(tr["router_input"][:, j], weights[f"layers.{L}.mlp_norm"], spec.rms_norm_eps) @ weights[f"layers.{L}.router"].T
-        check = float(np.abs(mine - tr["logits"][:, j]).max())
-    else:
-        check = None
-    from engines import default_engine
     engine = engine or default_engine()
-    rows = [simulate(d, tr, spec, p, budget, weights, usage, skip=skip, engine=engine) for d in designs]
+    tokens = tokens or len(tr["ids"]) - prompt - skip + 1
+    rows = []
+    for name in presets:
+        p = simulable(get_preset(name).with_(**(knobs or {})))
+        b = str(budget if budget is not None else p.cache.budget)
+        drive = TraceDrive(path, spec, str(p.prefetch) or None, trace=tr, skip=skip)
+        res = replay_run(drive, spec, p, b, tokens, prompt, engine)
+        steps = max(1, res["decode_steps"])
+        bound = belady(drive, spec, p, b, prompt, tokens, initial=res.pop("cache_at_decode"), engine=engine)
+        rows.append({"preset": p.name, "budget": b, **{k: res[k] for k in (
+            "hit_rate", "late_rate", "miss_rate", "recall", "precision", "cache_slots", "budget_bytes",
+            "prefetch_issued", "prefetch_wasted", "experts_read")},
+            "misses_per_token": res["misses"] / steps, "prefetch_per_token": res["prefetch_issued"] / steps,
+            "reads_per_token": res["experts_read"] / steps, "belady_hit_rate": bound["belady_hit_rate"]})
     return {"trace": str(path), "engine": meta.get("engine"), "model": meta.get("gguf") or meta.get("model"),
-            "tokens": len(tr["ids"]), "skip": skip, "preset": p.name, "budget": budget, "cache_engine": engine,
-            "cache_policy": p.cache.policy.value, "cache_scope": p.cache.scope.value, "warm": p.cache.warm,
-            "router_recompute_max_abs": check, "routing_check": near_ties(tr["logits"], tr["topk"], spec.top_k),
-            "designs": rows}
+            "trace_tokens": len(tr["ids"]), "tokens": tokens, "prompt": prompt, "skip": skip, "cache_engine": engine,
+            "clock": "instant: every read lands at once (no timing)",
+            "routing_check": near_ties(tr["logits"], tr["topk"], spec.top_k) if "logits" in tr else None,
+            "presets": rows}
 
 
 def table(res: dict) -> str:
-    lines = [f"replay of {res['trace']} ({res['engine']}, {res['tokens']} tokens) preset {res['preset']}, "
-             f"budget {res['budget']} ({res['designs'][0]['cache_slots']} slots of the {res['cache_engine']} engine's cache)",
-             f"{'design':12} {'hit':>6} {'recall':>7} {'precision':>9} {'miss/tok':>9} {'prefetch/tok':>12}"]
-    for r in res["designs"]:
+    lines = [f"replay of {res['trace']} ({res['engine']}; rows {res['skip']}.., {res['prompt']} prompt + "
+             f"{res['tokens']} tokens; every read lands at once)",
+             f"{'preset':16} {'budget':>8} {'slots':>6} {'hit':>6} {'Belady':>7} {'recall':>7} {'precision':>9} "
+             f"{'miss/tok':>9} {'prefetch/tok':>12}"]
+    for r in res["presets"]:
         f = lambda v: "" if v is None else f"{v:.3f}"
-        lines.append(f"{r['design']:12} {r['hit_rate']:6.3f} {f(r['recall']):>7} {f(r['precision']):>9} "
+        lines.append(f"{r['preset']:16} {r['budget']:>8} {r['cache_slots']:6d} {r['hit_rate']:6.3f} "
+                     f"{r['belady_hit_rate']:7.3f} {f(r['recall']):>7} {f(r['precision']):>9} "
                      f"{r['misses_per_token']:9.2f} {r['prefetch_per_token']:12.2f}")
     return "\n".join(lines)

@@ -50,7 +50,7 @@ def info_slots(preset, budget, engine, capsys):
 
 def replay_slots(preset, budget, engine):
     kw = {"engine": engine} if engine else {}
-    return replay(TRACE, preset, budget, designs=("on_demand",), **kw)["designs"][0]["cache_slots"]
+    return replay(TRACE, [preset], budget, tokens=2, **kw)["presets"][0]["cache_slots"]
 
 
 def simulate_slots(preset, budget, engine):

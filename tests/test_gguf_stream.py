@@ -225,7 +225,7 @@ def test_the_verbs_that_take_a_model_take_the_gguf(gguf_file, tmp_path, monkeypa
     assert b["tokens"] == 4 and b["reader_mode"] == "o_direct"
     run("trace", "--engine", "numpy", *m, "--data", "tinystories", "--tokens", "16",
         "--out", str(tmp_path / "t.parquet"))
-    assert run("replay", str(tmp_path / "t.parquet"), "--preset", "les", "--budget", "0.5")["designs"]
+    assert run("replay", str(tmp_path / "t.parquet"), "--preset", "les", "--budget", "0.5")["presets"]
     assert [p.suffix for p in (tmp_path / "cache" / "packs").iterdir()] == [".index"]
 
 

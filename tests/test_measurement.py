@@ -42,7 +42,7 @@ def test_cold_start_keeps_what_the_design_keeps():
         warm = set(s.cache.keys())
         s.generate("Once upon a time", tokens=6)
         s.cold_start()
-        assert set(s.cache.keys()) == warm and not s.streamer.prefetched
+        assert set(s.cache.keys()) == warm and not s.streamer.schedule.prefetched
     with Session("demo", "les", budget="0.25") as s:
         s.generate("Once upon a time", tokens=6)
         s.cold_start()

@@ -119,18 +119,18 @@ def test_submits_follow_each_other_and_only_the_compute_after_them_is_slowed():
     from experiments.simulate import _Simulation
     cpu = dataclasses.replace(CPU, router_s=1 * MS, issue_call_s=0.1 * MS, after_issue_s=0.3 * MS)
     starts = []
-    submit = _Simulation.issue
+    submit = _Simulation.submit
 
     def issue(self, keys, counted):
         starts.append(self.clock.now + cpu.issue_call_s)
         return submit(self, keys, counted)
     drive = Drive([{0: [0, 2], 1: [2, 0]}, {0: [0, 1], 1: [2, 3]}], named=[{}, {1: [3]}])
-    _Simulation.issue = issue
+    _Simulation.submit = issue
     try:
         simulate_run(drive, spec(layers=2), get_preset("oracle").with_(budget="all"), str(8 * 4 * 3 * 64 * 64 - 1),
                      DEV, cpu, tokens=2, prompt=1, workers=2, plan=PLAN)
     finally:
-        _Simulation.issue = submit
+        _Simulation.submit = submit
     assert starts[-1] - starts[-2] == pytest.approx(0.1 * MS, abs=1e-12)
 
 

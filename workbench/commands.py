@@ -61,6 +61,12 @@ FLAGS = {
     "routing_trace": dict(default=None, metavar="FILE", help="route and predict as recorded in this routing trace"),
     "threads": dict(type=int, default=None, help="the cores the kernels share (default: every core but one; "
                                                  "llama.cpp: every core)"),
+    "set": dict(action="append", default=[], metavar="KNOB=VALUE",
+                help="change one of the preset's knobs, by the name a run record's config gives it "
+                     "(e.g. routing=prerouter:nolora); repeatable"),
+    # a routing trace's window, for the verbs that replay one (simulate, replay): bench's --tokens after these
+    "prompt_tokens": dict(type=int, default=4, help="trace rows replayed as the prompt (default: %(default)s)"),
+    "skip": dict(type=int, default=0, help="trace rows before the window's first (default: %(default)s)"),
 }
 
 

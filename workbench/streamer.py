@@ -1,14 +1,11 @@
-"""The expert streamer: brings a layer's experts into memory and hands them to compute.
+"""The expert streamer: brings a layer's experts into memory and hands them to compute, on the real clock of
+the schedule (workbench/schedule.py decides what is read, prefetched, evicted and computed when).
 
-Reads go to the reader pool as one batch (adjacent experts merge); each expert is checked
-and dequantized on the pool thread that completes its read, so reads and dequant overlap
-compute. With a slot arena (workbench/arena.py) reads land in the expert's slot instead and the
-reader only checks them; demand reads are read before prefetches. The budget is a hard bound: when the experts a layer needs do not all fit, they
-are streamed through the cache in waves (compute, release, read the next).
-
-ready_first: compute the experts already in memory, then each arriving expert in arrival
-order. wait_all: wait for every issued read, then compute. Either way the results are
-summed in expert-id order by the caller, so the numeric result is the same.
+Reads go to the reader pool as one batch (adjacent experts merge); each expert is checked and dequantized on the
+pool thread that completes its read, so reads and dequant overlap compute. With a slot arena (workbench/arena.py)
+reads land in the expert's slot instead and the reader only checks them; demand reads are read before prefetches.
+Whatever order the schedule computes a layer's experts in, the caller sums them in expert-id order, so the numeric
+result is the same.
 """
 from __future__ import annotations
 
@@ -17,11 +14,12 @@ import time
 from concurrent.futures import Future
 
 
-from workbench.cache import ExpertCache, GuessAdmission
+from workbench.cache import ExpertCache
 from workbench.errors import WorkbenchError
 from workbench.io import ALIGN, ChecksumError, Reader
 from workbench.slot_reads import SlotRead
 from workbench.store.pack import Pack
+from workbench.schedule import LayerStep, Schedule
 from workbench.telemetry import LayerEvent, Telemetry
 
 # A read of an expert not back after this many seconds fails the run (a stalled disk; set WORKBENCH_READ_TIMEOUT)
@@ -32,25 +30,18 @@ IN_FLIGHT = (Future, SlotRead)      # a cache entry whose read has not been take
 class ExpertStreamer:
     def __init__(self, pack: Pack, cache: ExpertCache, reader: Reader, telemetry: Telemetry,
                  execution: str = "ready_first", raw: bool = False, arena=None):
-        if execution not in ("ready_first", "wait_all"):
-            raise ValueError(f"execution {execution!r}: choose ready_first or wait_all")
         self.pack, self.cache, self.reader, self.tel = pack, cache, reader, telemetry
-        self.execution = execution
         self.read_timeout = float(os.environ.get("WORKBENCH_READ_TIMEOUT", READ_TIMEOUT_S))
         self.raw = raw      # True: compute gets each part's encoded bytes, not f32 (an engine's raw_experts)
         self.arena = arena  # a SlotArena: reads land in slots, and an entry is its slot's offset
-        self.prefetched: dict[tuple, tuple] = {}   # key -> (bytes, token), issued by a predictor, not yet consumed
-        self.predicted_for: dict[tuple, list[int]] = {}  # (layer, token index) -> experts a predictor named
-        self.to_prefetch: list = []     # ((layer, token index), experts) named by begin_layer, read by run_layer
         self._plan: dict = {}           # key -> what reading it into a slot takes (_plan_of)
-        self.admission = GuessAdmission(len(pack.spec.moe_layers))
-        self.spare, self.guess = 0, True    # what a prefetch may evict, and whether it is made (begin_layer)
+        self.schedule = Schedule(cache, self, telemetry, execution)
 
     # ------------------------------------------------------------ reads
 
-    def _reserve(self, key, protect=frozenset(), pin=False, spare: int = 0) -> bool:
+    def _reserve(self, key, pin=False) -> bool:
         """A cache slot for key (evicting as the cache decides); the arena frees the slots of what was evicted."""
-        ok = self.cache.pin(key, None) if pin else self.cache.reserve(key, None, protect, spare)
+        ok = self.cache.pin(key, None) if pin else self.cache.reserve(key, None)
         if self.arena is not None and self.cache.last_evicted:
             self.arena.release(self.cache.last_evicted)
         return ok
@@ -153,31 +144,6 @@ class ExpertStreamer:
             raise
         return self.arena.where[key] if self.arena is not None else w
 
-    def prefetch(self, layer: int, experts, protect=frozenset(), token: int = 0,
-                 ev: LayerEvent | None = None) -> list[int]:
-        """Predicted experts of `layer` at `token`: start reads for those not in memory. Never evicts `protect`; a
-        guess is made and evicts as GuessAdmission says.
-        ev: the layer event that pays for the issue (its issue_s, issues, issued)."""
-        t0 = time.perf_counter()
-        keys = []
-        for e in experts if self.guess else ():
-            key = (layer, int(e))
-            if key in self.cache:
-                continue
-            if not self._reserve(key, protect, spare=self.spare):
-                break
-            keys.append(key)
-        if keys:
-            nbytes = self._issue(keys, priority=1)
-            for k in keys:
-                self.prefetched[k] = (nbytes // len(keys), token)
-            self.tel.prefetch_issued += len(keys)
-            if ev is not None:
-                ev.issue_s += time.perf_counter() - t0
-                ev.issues += 1
-                ev.issued += len(keys)
-        return [k[1] for k in keys]
-
     def empty(self):
         """Forget every expert that is not pinned (a cold start): reads still in flight land first, then every
         slot but the pinned ones is free, and no prefetch is outstanding."""
@@ -191,10 +157,7 @@ class ExpertStreamer:
             self.cache.drop(k)
         if self.arena is not None:
             self.arena.release(keys)
-        self.prefetched.clear()
-        self.predicted_for.clear()
-        self.to_prefetch.clear()
-        self.admission = GuessAdmission(self.admission.window)
+        self.schedule.forget()
 
     def load_resident(self, keys, pin=True):
         """Fill the cache with these experts now (all-resident or a warm set), synchronously."""
@@ -207,132 +170,68 @@ class ExpertStreamer:
             self._wait([self.cache.peek(k)], k, every=True)
             self.cache.set(k, self._landed(k, self.cache.peek(k)))
 
-    # ------------------------------------------------------------ one layer
+    # ------------------------------------------------------------ one layer, scheduled (workbench.schedule)
 
-    def begin_layer(self, layer: int, idx, token: int, ctx: dict, predictor, t0: float):
-        """A MoE layer routed to experts `idx` at `token` (the engine's token index): start the predictor's
-        prefetches. ctx: what the predictor reads (x, h, logits: numpy; phase; engine); t0: when the router started.
-        Returns (needed, event)."""
+    def begin_layer(self, layer: int, idx, token: int, ctx: dict, predictor, t0: float) -> LayerStep:
+        """A MoE layer routed to experts `idx` at `token` (the engine's token index): the schedule's step, with the
+        predictor's names for later layers (read by run_layer after this layer's own misses). ctx: what the
+        predictor reads (x, h, logits: numpy; phase; engine); t0: when the router started."""
         phase = ctx["phase"]
         ev = LayerEvent(token=token if phase == "decode" else -1, layer=layer, phase=phase,
                         routed=[], predicted=[], hit=[], t_start=t0)
         ctx["routed"] = idx
         ev.router_s = time.perf_counter() - t0
-        ev.predicted = self.predicted_for.pop((layer, token), []) if phase == "decode" else []
-        needed = sorted(set(idx.ravel().tolist()))     # np.unique's list, at a fifth of its cost per layer
-        if ev.predicted:
-            self.admission.scored(ev.predicted, needed)
-        self.cache.step()
-        if predictor is not None:        # name later layers' experts now; run_layer reads them after its own
-            # a prediction that is the routing (oracle, Edge0) evicts as a demand read does; a guess as admitted
-            certain = getattr(predictor, "certain", False)
-            self.spare = 0 if certain else self.admission.spare()
-            self.guess = certain or self.admission.admit()
+        st = self.schedule.begin_layer(layer, [set(idx.ravel().tolist())], [token], ev)
+        if predictor is not None:
             t1 = time.perf_counter()
-            for target, experts in predictor.predict(layer, ctx).items():
-                # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
-                target = target if isinstance(target, tuple) else (target, token)
-                self.predicted_for[target] = experts = list(map(int, experts))
-                self.to_prefetch.append((target, experts))
+            self.schedule.name(token, predictor.predict(layer, ctx), getattr(predictor, "certain", False))
             ev.router_s += time.perf_counter() - t1
-        ev.routed = needed
-        return needed, ev
+        return st
 
-    def run_layer(self, layer: int, needed: list[int], compute, ev: LayerEvent):
+    def run_layer(self, st: LayerStep, compute):
         """Bring every needed expert into memory and call compute(experts, their cache entries) on each batch
-        that is in memory together (ready_first: what is there, then each arrival; wait_all: one batch)."""
-        protect = {(layer, e) for e in needed}
-        ready, pending, backlog = [], {}, []
-        t_take = time.perf_counter()
-        hit, get, prefetched = ev.hit, self.cache.get, self.prefetched
-        for e in needed:
-            key = (layer, e)
-            ent = get(key)
-            self.admission.asked_for(ent is not None, key in prefetched)
-            if key in prefetched:
-                self.tel.prefetch_used += 1
-                del prefetched[key]
-            if isinstance(ent, IN_FLIGHT):
-                if not ent.done():
-                    hit.append(False)                         # a late prefetch: still in flight
-                    ev.late += 1
-                    pending[e] = ent
-                    continue
-                if ent.exception() is None:                   # a prefetch that landed in time
-                    hit.append(True)
-                    self.cache.set(key, self._landed(key, ent))
-                    ev.taken += 1
-                    ready.append(e)
-                    continue
-                self.cache.drop(key)        # a read that failed earlier (a prefetch, a failed request): read it again
-                ent = None
-            hit.append(ent is not None)
-            (backlog if ent is None else ready).append(e)
-        ev.take_s += time.perf_counter() - t_take
-        for key in [k for k, (_, t) in self.prefetched.items() if k[0] == layer and t <= ev.token]:
-            self.tel.prefetch_wasted += 1                 # predicted for this layer and token, not used
-            self.tel.wasted_bytes += self.prefetched.pop(key)[0]
+        that is in memory together, as the schedule orders."""
+        st.work = compute
+        self.schedule.run_layer(st)
 
-        def issue_backlog():
-            t0 = time.perf_counter()
-            keys = []
-            while backlog:
-                key = (layer, backlog[0])
-                if not self._reserve(key, protect):
-                    break
-                keys.append(key)
-                backlog.pop(0)
-            if keys:
-                ev.bytes_read += self._issue(keys)
-                for k in keys:
-                    pending[k[1]] = self.cache.peek(k)
-                ev.issue_s += time.perf_counter() - t0
-                ev.issues += 1
-                ev.issued += len(keys)
+    # ------------------------------------------------------------ the real clock (workbench.schedule.Clock)
 
-        def run(es):
-            if not es:
-                return
-            t0 = time.perf_counter()
-            compute(es, [self.cache.peek((layer, e)) for e in es])
-            ev.compute_s += time.perf_counter() - t0
-            protect.difference_update((layer, e) for e in es)   # done with them: evictable for the next wave
+    now = staticmethod(time.perf_counter)
 
-        issue_backlog()
-        if self.to_prefetch:                # the predictor's reads, queued behind this layer's demand reads
-            t0 = time.perf_counter()
-            for (target, token), experts in self.to_prefetch:
-                self.prefetch(target, experts, protect=protect, token=token, ev=ev)
-            self.to_prefetch.clear()
-            ev.router_s += time.perf_counter() - t0
-        if self.execution == "ready_first":
-            run(ready)
-            ready = []
-        while pending or backlog or ready:
-            if pending and (self.execution == "wait_all" or not ready):
-                t0 = time.perf_counter()
-                done = self._wait(list(pending.values()), (layer, min(pending)), self.execution == "wait_all")
-                waited = time.perf_counter() - t0
-                dq = sum(getattr(f, "dequant_s", 0.0) for f in done)
-                ev.dequant_s += min(waited, dq)
-                ev.wait_s += waited - min(waited, dq)
-                t0 = time.perf_counter()
-                for e in [e for e, f in pending.items() if f in done]:
-                    self.cache.set((layer, e), self._landed((layer, e), pending.pop(e)))
-                    ready.append(e)
-                    ev.taken += 1
-                ev.take_s += time.perf_counter() - t0
-            run(sorted(ready))
-            ready = []
-            issue_backlog()
-            if backlog and not pending:
-                self._wait_for_a_slot(layer, backlog[0], ev)
+    def issue(self, keys: list, priority: int, st: LayerStep) -> int:
+        return self._issue(keys, priority)
 
-    def _wait_for_a_slot(self, layer, e, ev):
-        """Every free slot is taken by reads in flight (prefetches): wait for one to land, then it can go."""
-        flying = {k: v for k in self.cache.keys() if isinstance(v := self.cache.peek(k), IN_FLIGHT) and not v.done()}
-        if not flying:
-            raise RuntimeError(f"layer {layer}: no cache slot for expert {e}: pinned experts fill the budget")
+    def flying(self, ent) -> bool:
+        return isinstance(ent, IN_FLIGHT) and not ent.done()
+
+    def failed(self, ent) -> bool:
+        return isinstance(ent, IN_FLIGHT) and ent.done() and ent.exception() is not None
+
+    def take(self, key, ent, st: LayerStep) -> bool:
+        if not isinstance(ent, IN_FLIGHT):
+            return False
+        self.cache.set(key, self._landed(key, ent))
+        return True
+
+    def wait(self, st: LayerStep, every: bool) -> list[int]:
         t0 = time.perf_counter()
-        self._wait(list(flying.values()), next(iter(flying)))
-        ev.wait_s += time.perf_counter() - t0
+        done = self._wait(list(st.pending.values()), (st.layer, min(st.pending)), every)
+        waited = time.perf_counter() - t0
+        dq = min(waited, sum(getattr(f, "dequant_s", 0.0) for f in done))
+        st.ev.dequant_s += dq
+        st.ev.wait_s += waited - dq
+        return [e for e, f in st.pending.items() if f in done]
+
+    def wait_for_slot(self, st: LayerStep, flying: list):
+        t0 = time.perf_counter()
+        self._wait([self.cache.peek(k) for k in flying], flying[0])
+        st.ev.wait_s += time.perf_counter() - t0
+
+    def compute(self, st: LayerStep, es: list[int]):
+        t0 = time.perf_counter()
+        st.work(es, [self.cache.peek((st.layer, e)) for e in es])
+        st.ev.compute_s += time.perf_counter() - t0
+
+    def evicted(self, keys: list):
+        if self.arena is not None:
+            self.arena.release(keys)

@@ -78,6 +78,8 @@ class Telemetry:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     wasted_bytes: int = 0
+    prefetch_named: int = 0     # experts a predictor named (issued or not: a guess may not be admitted)
+    demand_reads: int = 0       # experts read on demand
     spec_proposed: int = 0      # speculative verification: draft tokens proposed, accepted, target steps
     spec_accepted: int = 0
     spec_steps: int = 0
@@ -93,6 +95,7 @@ class Telemetry:
             self.tokens.clear()
             self.ring.clear()
             self.prefetch_issued = self.prefetch_used = self.prefetch_wasted = self.wasted_bytes = 0
+            self.prefetch_named = self.demand_reads = 0
             self.spec_proposed = self.spec_accepted = self.spec_steps = 0
 
     def add_event(self, ev: LayerEvent):
