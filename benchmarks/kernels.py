@@ -308,10 +308,10 @@ def bench_dense(repeat, rng):
 def rest_end_to_end(rounds: int = 5, steps: int = 200) -> dict:
     """The demo's resident decode step (packed engine) with its non-expert matrices encoded, as it runs, against a
     session of the same engine given their dequantized f32 copies, alternating in one process: ms per token."""
-    from runtime.session import Session
-    with Session("demo", "resident", engine="packed") as enc:
+    from runtime.session import open_session
+    with open_session("demo", "resident", engine="packed") as enc:
         f32 = {k: np.ascontiguousarray(np.asarray(v)) for k, v in enc.engine.w.items()}   # Encoded: dequantized
-        with Session("demo", "resident", engine="packed", weights=f32) as full:
+        with open_session("demo", "resident", engine="packed", weights=f32) as full:
             return alternate_steps({"encoded (q4, K.dense)": enc, "f32 copies (BLAS)": full}, rounds, steps)
 
 
@@ -350,12 +350,12 @@ def token_split(repeat) -> list[tuple[str, int, float, float]]:
     from engines import packed_kernels as K
     from engines.decoder import Decoder
     from workbench.routing import route
-    from runtime.session import Session
+    from runtime.session import open_session
 
     def t(fn):
         ts = timings_us(fn, repeat)
         return float(ts.min()), float(np.median(ts))
-    with Session("demo", "resident", engine="packed") as s:
+    with open_session("demo", "resident", engine="packed") as s:
         e, sp = s.engine, s.spec
         e.reset()
         s.step([3, 17, 42, 99], "prefill")

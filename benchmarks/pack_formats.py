@@ -16,7 +16,7 @@ from pathlib import Path
 from experiments.bench import bench
 from workbench.atomic import atomic_write
 from workbench.registry import resolve_pack
-from runtime.session import Session
+from runtime.session import open_session
 from workbench.store.pack import Pack
 
 ARMS = [("on_demand", "q4", "g4"), ("les", "q3", "g3")]     # (preset, old default, new default)
@@ -44,10 +44,10 @@ def quality(budget: str, chunks: int) -> list[dict]:
     out, trace = [], None
     for preset, a, b in ARMS:
         for x in (a, b):
-            with Session("demo", preset, budget, engine="packed", experts=x) as s:
+            with open_session("demo", preset, budget, engine="packed", experts=x) as s:
                 if trace is None:
                     ids = text_ids(s.tokenizer, "tinystories", tokens_needed(512, chunks, None))
-                    with Session("demo", "teacher", engine="numpy") as t:
+                    with open_session("demo", "teacher", engine="numpy") as t:
                         trace = TeacherTrace(t, ids, 512, chunks, None, False, "tinystories")
                 r = compare(s, trace, False)
                 p = Pack(s.pack_path)

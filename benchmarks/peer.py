@@ -37,10 +37,10 @@ def interleaved_steps(model: str, tokens: int, rounds: int) -> dict:
     import numpy as np
 
     from engines.llamacpp_engine import LlamaCpp, resolve_gguf
-    from runtime.session import Session
+    from runtime.session import open_session
     ids = [3, 17, 42, 99]                       # the demo's tokenizer is the GGUF's: the same ids
     times = {"workbench resident": [], "llama.cpp": []}
-    with Session(model, "resident", engine="packed") as s, \
+    with open_session(model, "resident", engine="packed") as s, \
             LlamaCpp(resolve_gguf(model, "q4_k_m"), n_ctx=len(ids) + tokens + 8, threads=1) as llm:
         for _ in range(rounds):
             s.engine.reset()

@@ -20,7 +20,7 @@ from runtime.capture import RoutingCapture
 from workbench.commands import flags
 from workbench.predict import Lookahead
 from workbench.routing import topk_desc
-from runtime.session import Session
+from runtime.session import Session, open_session
 from workbench.textdata import heldout_ids
 
 DOMAINS = ("tinystories", "wikitext2")
@@ -63,7 +63,7 @@ def routing_stats(session: Session, ids: list[int], ctx: int = 512) -> dict:
 def measure(model: str = "demo", ctx: int = 512, chunks: int = 8, routing_tokens: int = 4096) -> dict:
     out = {"model": model, "ppl_method": f"llama.cpp: chunks of {ctx}, second half scored, {chunks} chunks",
            "heldout": {}}
-    with Session(model, "teacher") as s:
+    with open_session(model, "teacher") as s:
         for d in DOMAINS:
             ids = heldout_ids(s.tokenizer, d, ctx * chunks)
             r = perplexity(s, ids, n_ctx=ctx, chunks=chunks, progress=False)
@@ -76,7 +76,7 @@ def measure(model: str = "demo", ctx: int = 512, chunks: int = 8, routing_tokens
                                      - (0 if "lm_head" in s.pack.tensors else np.prod(s.engine.w["lm_head"].shape))
                                      + n_expert * spec.num_experts * len(spec.moe_layers))}
         out["spec"] = spec.to_dict()
-    with Session(model, "resident") as q4:
+    with open_session(model, "resident") as q4:
         out["size"]["expert_bytes_q4"] = q4.pack.expert_nbytes
     return out
 

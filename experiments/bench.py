@@ -1,7 +1,6 @@
 """`bench`: one preset at one budget, warm-up first, then a cold measured run, the floor, and a run record."""
 from __future__ import annotations
 
-import gc
 
 from experiments.routing_trace import drive
 from workbench.disk_probe import probe
@@ -36,7 +35,6 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
         session.generate(prompt if warm else warmup_prompt(session, prompt), tokens=warmup)
         session.reset_telemetry()
     page_cache = None if warm else session.cold_start()
-    gc.collect()        # an earlier session's cyclic garbage (its arena) is not this run's to collect mid-decode
     out = session.generate(prompt, tokens=tokens)
     s = session.summary()
     n = max(1, s["decode_steps"])

@@ -5,7 +5,6 @@ file (load_compute). The simulator (experiments.simulate) replays a design's dec
 from __future__ import annotations
 
 import bisect
-import gc
 import json
 import math
 import statistics
@@ -106,9 +105,6 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                 poll_ns = s.reader.poll_ns
                 mlp = s.engine.mlp
             measured_model, name = s.spec, s.engine.name
-        if budget is resident:
-            del s               # its cache (cyclic garbage) gone before the next run fills its own: at full size the
-            gc.collect()        # two would not fit together
     quiet = _untouched(all_dec, all_evs)
     dec, evs = quiet if quiet[0] else (all_dec, all_evs)       # none: every token, reads and all
     nl = len(measured_model.moe_layers)

@@ -29,7 +29,7 @@ from workbench.edge0.serve import Heads, LoRA, Prerouter, edge0_counters, featur
 from workbench.presets import get_preset
 from workbench.routing import route, topk_desc
 from workbench.runs import write_run
-from runtime.session import Session
+from runtime.session import Session, open_session
 from workbench.errors import WorkbenchError
 from workbench.store import quant
 from workbench.textdata import heldout_ids
@@ -67,7 +67,7 @@ def chunks_of(tokenizer, n_chunks: int, chunk: int) -> list[np.ndarray]:
 def teacher_pass(model, chunks):
     """Teacher logits per chunk and, per layer, (router input, top-k ids) of every position."""
     out = []
-    with Session(model, "teacher", budget="all") as s:
+    with open_session(model, "teacher", budget="all") as s:
         for ids in chunks:
             cap = {}
 
@@ -177,7 +177,7 @@ def run_edge0(model: str = "demo", budget: str = "0.25", tokens: int = 48, round
               progress=None, record: bool = True) -> dict:
     say = progress or (lambda m: None)
     rungs = edge0_rungs(skip_layers)
-    with Session(model, rungs[0], budget="all") as s0:
+    with open_session(model, rungs[0], budget="all") as s0:
         text = chunks_of(s0.tokenizer, chunks, chunk_tokens)
         hpath, lpath = artifact_path(s0.pack, "prerouter"), artifact_path(s0.pack, "lora")
         heads = Heads.load(s0.spec, s0.pack)
@@ -198,7 +198,7 @@ def run_edge0(model: str = "demo", budget: str = "0.25", tokens: int = 48, round
         p = p or rungs[1].with_(name="merge+requantize (alternative)")
         agree = {}
         merged_w = requantized_merge(lora, bf16_w, rest_kind) if merged else None
-        with Session(model, p, budget="all", weights=merged_w) as s:
+        with open_session(model, p, budget="all", weights=merged_w) as s:
             row = {"rung": p.name, **student_pass(s, text, t_logits, agree), **edge0_counters(s)}
             row["agreement_with_real_router"] = {L: a[0] / a[1] for L, a in sorted(agree.items())} or None
             say(f"{p.name}: ppl {row['heldout_ppl']:.3f} KL {row['kl_per_token']:.4f} top-1 {row['top1_agreement']:.3f}")

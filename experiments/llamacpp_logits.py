@@ -41,8 +41,8 @@ def llama_logits(path, ids, context=None) -> np.ndarray:
 
 def workbench_logits(path, ids, nudge: bool = False, **kw) -> np.ndarray:
     """nudge: every attention norm's weights one float32 step up (a calibration: what one ulp does)."""
-    from runtime.session import Session
-    with Session(str(path), "resident", **kw) as s:
+    from runtime.session import open_session
+    with open_session(str(path), "resident", **kw) as s:
         if nudge:
             w = s.engine.w
             for n in [n for n in w if n.endswith(".attn_norm")]:

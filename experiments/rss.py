@@ -33,8 +33,8 @@ def peak_rss(model: str, preset: str, budget: str, tokens: int = 32) -> dict:
 
 def smallest_budget(model: str, preset: str) -> str:
     """One layer's top-k expert slots, in bytes: the least a Session of this design runs with."""
-    from runtime.session import Session
-    with Session(model, preset, budget="all") as s:
+    from runtime.session import open_session
+    with open_session(model, preset, budget="all") as s:
         return str(s.spec.top_k * s.item_bytes)
 
 
@@ -54,8 +54,8 @@ def _child(model, preset, budget, tokens):
     transients (the same at every budget, but noisy) are not in it; the arena, touched at open, is. Where the peak
     cannot be reset (macOS) it is the process's since it started, and "peak_reset" says so."""
     from workbench.host import peak_rss_bytes, reset_peak_rss
-    from runtime.session import Session
-    with Session(model, preset, budget=budget) as s:
+    from runtime.session import open_session
+    with open_session(model, preset, budget=budget) as s:
         reset = reset_peak_rss()
         s.generate("Once upon a time", tokens=int(tokens))
         arena = s.arena.nbytes if s.arena is not None else 0

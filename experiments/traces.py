@@ -98,8 +98,8 @@ def read_trace(path) -> dict:
 
 def capture_numpy(model: str, ids: list[int], preset: str = "teacher") -> tuple[dict, dict]:
     """The workbench engine's own routing on `ids` (one teacher-forced batch, every expert resident)."""
-    from runtime.session import Session
-    with Session(model, preset, budget="all") as s, RoutingCapture(s, keep=("logits", "h")) as cap:
+    from runtime.session import open_session
+    with open_session(model, preset, budget="all") as s, RoutingCapture(s, keep=("logits", "h")) as cap:
         s.engine.reset()
         s.step(ids, "prefill")
         layers = s.spec.moe_layers

@@ -6,13 +6,13 @@
 """
 from __future__ import annotations
 
-import gc
+import inspect
 import json
 import time
 
 import numpy as np
 
-from engines import default_engine, engine_class, expert_bytes
+from engines import engine_class
 from engines.base import Hooks
 from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
@@ -20,12 +20,11 @@ from workbench.cache import ExpertCache, warm_set
 from runtime.capture import RoutingCapture
 from workbench.io import drop_page_cache, slot_readers
 from workbench.devices import open_reader
-from workbench.edge0.artifacts import edge0_dir, served_bytes
 from workbench.host import peak_rss_bytes
-from workbench.memory import check_fits, memory_needs
 from workbench.predict import make_predictor
-from workbench.presets import KNOBS, Budget, Predictor, Preset, Router, get_preset
-from workbench.registry import cache_dir, resolve_pack, storage_for, tokenizer_for
+from workbench.presets import Predictor, Preset, Router, get_preset
+from workbench.registry import cache_dir, tokenizer_for
+from runtime.plan import Plan, plan
 from workbench.routing import cache_bias_router
 from workbench.shapes import random_label
 from workbench.streamer import ExpertStreamer
@@ -36,52 +35,26 @@ from workbench.telemetry import Telemetry, TokenRecord
 
 
 class Session:
-    def __init__(self, model: str = "demo", preset: str | Preset = "on_demand", budget: str | None = None,
-                 engine: str | None = None, direct: bool = True, workers: int | None = None, progress: bool = False,
+    def __init__(self, plan: Plan, *, direct: bool = True, workers: int | None = None, usage: dict | None = None,
                  trace: dict | None = None, weights: dict | None = None, deltas: dict | None = None,
-                 device: str | None = None, drive=None, threads: int | None = None, **overrides):
-        """engine: None is the default engine for this pack (engines.default_engine). weights: replacements for some of
-        the pack's non-expert weights (a merged adapter); deltas: projection deltas added to the preset's (an
-        unmerged adapter). Both for experiments on adapters (Edge0's ladder).
+                 device: str | None = None, drive=None, threads: int | None = None):
+        """The parts of a planned run (runtime.plan), wired together; open_session is the way in.
+        usage: expert use per layer (usage_profile) for a design that warm-starts or draws from the marginals.
+        weights: replacements for some of the pack's non-expert weights (a merged adapter); deltas: projection
+        deltas added to the preset's (an unmerged adapter). Both for experiments on adapters (Edge0's ladder).
         device: a device profile (data/devices) whose flash the reads emulate. drive: routing and predictions
         replayed from outside, drive(spec, predictor text) -> route, predictor(), usage, source (a routing trace:
-        experiments.routing_trace.TraceDrive).
-        A .gguf model runs on its own blocks, in place (registry.storage_for), unless layout=, experts= or rest=
-        say otherwise: the preset's q4 would quantize llama.cpp's blocks again, a different model from the file's.
-        For the packed engine a checkpoint's experts are ggml's blocks at the preset's bits (registry.storage_for)."""
-        self.preset = preset if isinstance(preset, Preset) else get_preset(preset)
-        if overrides:
-            self.preset = self.preset.with_(**overrides)
+        experiments.routing_trace.TraceDrive)."""
+        self.plan, self.preset, self.model, self.pack = plan, plan.preset, plan.model, plan.pack
         p = self.preset
         if p.prefetch.predictor is Predictor.ORACLE and trace is None and drive is None:
             raise WorkbenchError(f"preset {p.name}: the oracle replays the true routing of the tokens it will decode; "
                                  f"give it that trace (runtime.session.oracle_trace) or a routing trace to drive it")
-        self.model = model
-        layout, experts, rest = storage_for(model, p.storage, overrides, engine)
-        if (layout, experts, rest) != (p.storage.layout.value, p.storage.experts, p.storage.rest):
-            self.preset = p = p.with_(layout=layout, experts=experts, rest=rest)   # a GGUF's own: what records say
-        self.pack_path = resolve_pack(model, layout, experts, rest, progress=progress)
-        self.pack = Pack(self.pack_path)
-        self.spec = self.pack.spec
+        s = self.spec = self.pack.spec
         self.tokenizer = tokenizer_for(self.pack)
-        s = self.spec
-        engine = engine or default_engine(self.pack)
-        cls = engine_class(engine)
-        self.item_bytes = expert_bytes(engine, self.pack)
-        n_experts = self.pack.num_expert_total
-        self.all_expert_bytes = self.item_bytes * n_experts
-        self.budget_text = str(budget if budget is not None else p.cache.budget)
-        budget = Budget(self.budget_text)
-        self.budget_bytes = budget.nbytes(self.item_bytes, n_experts)
-        if (resident := cls.resident_bytes(self.pack)) is not None:
-            check_fits(memory_needs(s, {n: t["shape"] for n, t in self.pack.tensors.items()}, budget, self.item_bytes,
-                                    resident, engine, speculative=p.execution.speculative,
-                                    adapter_bytes=served_bytes(edge0_dir(self.pack), p)),
-                       f"{self.pack_path} at --budget {self.budget_text}")
-        # the usage profile runs a session of its own: before this one holds its cache and weights
-        profile = self.usage() if not drive and (p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED) else None
-        self.cache = ExpertCache(budget.slots(self.item_bytes, n_experts), self.item_bytes, s.moe_layers,
-                                 policy=p.cache.policy.value, scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
+        cls = engine_class(plan.engine)
+        self.cache = ExpertCache(plan.slots, plan.slot_bytes, s.moe_layers, policy=p.cache.policy.value,
+                                 scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
         self.reader = open_reader(self.pack.data_path, device, direct=direct, # device: emulated flash
                                   workers=workers or (slot_readers() if cls.slot_arena and not device else None))
         self.device = getattr(self.reader, "profile", None)
@@ -103,18 +76,24 @@ class Session:
             usage = self.drive.usage
             predictor, router_hook, hook_deltas = self.drive.predictor(), self.drive.route, {}
         else:
-            usage = profile
             predictor = make_predictor(p.prefetch, s, w, usage=usage, trace=trace, pack=self.pack)
             router_hook, hook_deltas = self._routing(predictor, w)
         self.warm_usage = usage if p.cache.warm else None
         hooks = Hooks(predictor, router_hook, {**hook_deltas, **(deltas or {})})
         self.engine = cls(self.pack, self.streamer, self.tel, hooks, weights=w, **({"threads": threads} if threads else {}))
         self.reader_bytes0 = 0
-        if self.budget_bytes >= self.all_expert_bytes:
+        if plan.all_resident:
             self.streamer.load_resident([(L, e) for L in s.moe_layers for e in range(s.num_experts)])
         elif p.cache.warm:
             self.warm_start(usage)
         self.reader_bytes0 = self.reader.bytes_read
+
+    # what records and callers read of the plan
+    pack_path = property(lambda self: self.pack.path)
+    item_bytes = property(lambda self: self.plan.slot_bytes)
+    budget_text = property(lambda self: self.plan.budget)
+    budget_bytes = property(lambda self: self.plan.budget_bytes)
+    all_expert_bytes = property(lambda self: self.plan.slot_bytes * self.plan.experts)
 
     # ------------------------------------------------------------ setup helpers
 
@@ -129,17 +108,6 @@ class Session:
         from workbench.edge0.serve import prerouter_routing     # Edge0: the head's prediction is the routing
         hook, self.lora = prerouter_routing(predictor, r.lora, self.spec, w, self.pack)
         return hook, self.lora.deltas() if self.lora else {}
-
-    def usage(self) -> dict:
-        """Expert use per layer on held-out text (TinyStories validation), cached per pack."""
-        path = cache_dir() / "profiles" / f"{self.pack.content_id()}.json"
-        if path.exists():
-            return {int(k): v for k, v in json.loads(path.read_text()).items()}
-        from workbench.textdata import heldout_ids
-        counts = usage_profile(self.pack_path, heldout_ids(self.tokenizer, "tinystories", min(512, self.spec.max_position_embeddings)))
-        atomic_write(path, json.dumps(counts))
-        gc.collect()        # the profile's session (its arena, its weights) is cyclic garbage: gone before this one fills
-        return counts
 
     def warm_start(self, usage: dict):
         """Fill each layer's pool (or the global cache, evenly) with its most-used experts."""
@@ -240,7 +208,14 @@ class Session:
                 "random_weights": self.random_weights, "routing_trace": self.drive.source if self.drive else None}
 
     def close(self):
+        """Release what the session holds: the reader's threads and files, the expert cache and its slots, the
+        engine and its weights (the parts refer to each other, so they are let go here, not left to a full GC)."""
         self.reader.close()
+        self.cache.drop_all()
+        if self.arena is not None:
+            self.arena.close()
+        self.streamer.schedule = None           # the schedule's clock is the streamer
+        self.engine = self.streamer = self.arena = self.drive = None
 
     def __enter__(self):
         return self
@@ -250,19 +225,37 @@ class Session:
 
 
 def open_session(model: str = "demo", preset: str | Preset = "on_demand", budget=None, *,
-                 prompt="Once upon a time", tokens: int = 64, drive=None, **kw) -> Session:
-    """The one way to open a Session: every verb, bench, the evaluations, sweep cells and dashboard workers. The
-    oracle's trace is captured first from what it will decode (`tokens` greedy tokens after `prompt`), unless
-    `drive` routes and predicts (a routing trace: experiments.routing_trace.drive). prompt None: no decoding known
-    ahead (an evaluation's prefills, a server's requests): the oracle has no future to replay and names nothing.
-    kw: Session's (engine, device, direct, ...; engine None is engines.default_engine) and preset knobs by their
-    flat names (Preset.with_)."""
-    p = preset if isinstance(preset, Preset) else get_preset(preset)
-    if knobs := {k: v for k, v in kw.items() if k in KNOBS}:      # Session takes them again: storage_for names them
-        p = p.with_(**knobs)
-    if p.prefetch.predictor is Predictor.ORACLE and drive is None:
+                 prompt="Once upon a time", tokens: int = 64, drive=None, engine: str | None = None,
+                 progress: bool = False, **kw) -> Session:
+    """The way to open a Session: every verb, bench, the evaluations, sweep cells and dashboard workers. Its plan
+    (runtime.plan) first, then what the design needs ahead: the usage profile it warms from, the oracle's trace
+    captured from what it will decode (`tokens` greedy tokens after `prompt`), unless `drive` routes and predicts
+    (a routing trace: experiments.routing_trace.drive). prompt None: no decoding known ahead (an evaluation's
+    prefills, a server's requests): the oracle has no future to replay and names nothing.
+    kw: Session's (device, direct, weights, ...) and preset knobs by their flat names (Preset.with_)."""
+    knobs = {k: kw.pop(k) for k in list(kw) if k not in WIRING}      # the preset checks them (Preset.with_)
+    pl = plan(model, preset, budget, engine, progress, **knobs)
+    p = pl.preset
+    if p.prefetch.predictor is Predictor.ORACLE and drive is None and kw.get("trace") is None:
         kw["trace"] = {} if prompt is None else oracle_trace(model, p, prompt, tokens, budget)
-    return Session(model, p, budget=budget, drive=drive, **kw)
+    if drive is None and (p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED):
+        kw["usage"] = usage(pl.pack)
+    return Session(pl, drive=drive, **kw)
+
+
+WIRING = set(inspect.signature(Session.__init__).parameters) - {"self", "plan"}    # what open_session passes on
+
+
+def usage(pack: Pack) -> dict:
+    """Expert use per layer on held-out text (TinyStories validation), cached per pack."""
+    path = cache_dir() / "profiles" / f"{pack.content_id()}.json"
+    if path.exists():
+        return {int(k): v for k, v in json.loads(path.read_text()).items()}
+    from workbench.textdata import heldout_ids
+    counts = usage_profile(pack.path, heldout_ids(tokenizer_for(pack), "tinystories",
+                                                  min(512, pack.spec.max_position_embeddings)))
+    atomic_write(path, json.dumps(counts))
+    return counts
 
 
 def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int, budget=None) -> dict | None:
@@ -272,10 +265,9 @@ def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int, budget=N
     p = preset if isinstance(preset, Preset) else get_preset(preset)
     if p.prefetch.predictor is not Predictor.ORACLE:
         return None
-    with Session(model, p.with_(predictor=None, routing="exact"), budget=budget) as s, RoutingCapture(s) as cap:
+    with Session(plan(model, p.with_(predictor=None, routing="exact"), budget)) as s, RoutingCapture(s) as cap:
         s.generate(prompt, tokens=tokens)
         records = cap.records
-    gc.collect()        # that session (its arena) is cyclic garbage: gone before the oracle's own fills
     return {(r["token"], r["layer"]): sorted(set(r["idx"].reshape(-1).tolist())) for r in records if r["phase"] == "decode"}
 
 
@@ -285,7 +277,7 @@ def prefills(pack: Pack, windows, keep: tuple[str, ...] = ()):
     layer's routed experts once whatever the cache holds): a model bigger than memory is captured too, in little
     memory."""
     budget = f"{min(1.0, 1 / len(pack.spec.moe_layers)):.6f}"
-    with Session(str(pack.path), "on_demand", budget=budget) as s, RoutingCapture(s, keep) as cap:
+    with Session(plan(str(pack.path), "on_demand", budget)) as s, RoutingCapture(s, keep) as cap:
         for ids in windows:
             s.engine.reset()
             s.step(list(map(int, ids)), "prefill")

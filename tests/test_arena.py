@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.session import Session
+from runtime.session import open_session
 
 
 @pytest.mark.parametrize("knobs", [dict(), dict(execution="ready_first", predictor="lookahead:1:2k"),
                                    dict(execution="ready_first", predictor="history", cache_scope="per_layer")])
 def test_slots_are_the_cached_experts(tiny_models, knobs):
-    with Session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.25", engine="packed", **knobs) as s:
+    with open_session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.25", engine="packed", **knobs) as s:
         s.generate([1, 2, 3, 4], tokens=8)
         assert s.cache.evictions > 0, "nothing was evicted: no slot was reused"
         where = s.arena.where
@@ -21,7 +21,7 @@ def test_slots_are_the_cached_experts(tiny_models, knobs):
 
 
 def test_a_layers_demand_reads_are_queued_before_its_predictors_prefetches(tiny_models):
-    with Session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.25", engine="packed", execution="ready_first",
+    with open_session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.25", engine="packed", execution="ready_first",
                  predictor="lookahead:1:2k") as s:
         log, submit, begin_layer = [], s.reader.submit_into, s.streamer.begin_layer
 

@@ -6,7 +6,7 @@ import pytest
 
 from workbench.cache import ExpertCache
 from workbench.presets import Budget
-from runtime.session import Session
+from runtime.session import open_session
 from workbench.errors import WorkbenchError
 
 
@@ -23,7 +23,7 @@ def held_bytes(cache: ExpertCache) -> int:
 @pytest.mark.parametrize("preset,scope", [("on_demand", "global"), ("les", "global"), ("smol", "per_layer")])
 def test_long_decode_at_a_small_budget_never_exceeds_it(tiny_models, preset, scope):
     model = tiny_models["qwen3_moe"]
-    with Session(str(model), preset, budget="0.3", cache_scope=scope) as s:
+    with open_session(str(model), preset, budget="0.3", cache_scope=scope) as s:
         s.engine.reset()
         worst = 0
         logits = s.step(list(range(1, 40)), "prefill")         # a prefill needing more experts than fit
@@ -46,7 +46,7 @@ def test_budget_parsing():
 
 def test_budget_below_one_layers_top_k_is_refused(tiny_models):
     with pytest.raises(WorkbenchError, match="below one layer's top-k"):
-        Session(str(tiny_models["qwen3_moe"]), "on_demand", budget="1KiB")
+        open_session(str(tiny_models["qwen3_moe"]), "on_demand", budget="1KiB")
 
 
 def test_pinned_and_protected_experts_are_not_evicted():

@@ -63,11 +63,12 @@ def test_bench_reports_the_contract_fields_and_writes_a_record(tiny_models, pres
 
 def test_the_oracle_replays_the_routing_of_what_it_decodes_and_is_refused_without_it(tiny_models):
     from workbench.errors import WorkbenchError
-    from runtime.session import Session, oracle_trace
+    from runtime.plan import plan
+    from runtime.session import Session, open_session, oracle_trace
     model = str(tiny_models["qwen3_moe"])
     with pytest.raises(WorkbenchError, match="oracle replays the true routing"):
-        Session(model, "oracle", budget="0.25")         # it would prefetch nothing: on demand under the oracle's name
-    with Session(model, "oracle", budget="0.25", trace=oracle_trace(model, "oracle", "Once upon", 6)) as s:
+        Session(plan(model, "oracle", "0.25"))      # it would prefetch nothing: on demand under the oracle's name
+    with open_session(model, "oracle", budget="0.25", trace=oracle_trace(model, "oracle", "Once upon", 6)) as s:
         s.generate("Once upon", tokens=6)
         assert s.summary()["prefetch_recall"] == 1.0
     out = run_json("generate", "--model", model, "--preset", "oracle", "--prompt", "Once upon", "--tokens", "5")

@@ -106,10 +106,10 @@ def warm_packs():
     so that the four designs generate at the same time in the browser test."""
     sys.path.insert(0, str(REPO))
     from dashboards.common import default_designs
-    from runtime.session import Session
+    from runtime.session import open_session
     designs = default_designs("demo")
     for d in designs:
-        Session("demo", d).close()
+        open_session("demo", d).close()
     return designs
 
 

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from evals.ppl import perplexity
-from runtime.session import Session
+from runtime.session import open_session
 from workbench.textdata import heldout_ids
 
 DEMO = Path(__file__).resolve().parents[1] / "data" / "models" / "demo-moe"
@@ -26,7 +26,7 @@ PPL_BOUND = 1.25 * CARD["heldout"]["tinystories"]["ppl"]
 
 @pytest.fixture(scope="module")
 def teacher():
-    with Session("demo", "teacher") as s:
+    with open_session("demo", "teacher") as s:
         yield s
 
 

@@ -13,7 +13,7 @@ from conftest import make_checkpoint
 from workbench.edge0.artifacts import artifact_path, load_safetensors, model_identity, save_safetensors
 from workbench.edge0.serve import LoRA, edge0_counters
 from workbench.registry import resolve_pack
-from runtime.session import Session
+from runtime.session import open_session
 from workbench.errors import WorkbenchError
 from workbench.store.pack import Pack
 
@@ -84,7 +84,7 @@ def test_long_decode_consumes_every_staged_expert(tiny4, tmp_path, routing):
     m = fresh(tiny4, tmp_path)
     write_heads(m)
     write_lora(m)
-    with Session(str(m), "edge0", budget="0.5", routing=routing) as s:
+    with open_session(str(m), "edge0", budget="0.5", routing=routing) as s:
         s.generate(PROMPT, tokens=160)
         c = edge0_counters(s)
         assert c["streamed_layers"] == [1, 2, 3]
@@ -101,7 +101,7 @@ def test_long_decode_consumes_every_staged_expert(tiny4, tmp_path, routing):
 def test_skip_layers_and_exact_layers(tiny4, tmp_path):
     m = fresh(tiny4, tmp_path)
     write_heads(m, skip=1)
-    with Session(str(m), "edge0", budget="all", predictor="prerouter:2", routing="prerouter:nolora") as s:
+    with open_session(str(m), "edge0", budget="all", predictor="prerouter:2", routing="prerouter:nolora") as s:
         s.generate(PROMPT, tokens=20)
         c = edge0_counters(s)
         assert c["streamed_layers"] == [2, 3] and c["consumed"] == c["edge0_routed"] == 19 * 2 * 2
@@ -112,14 +112,14 @@ def test_skip_layers_and_exact_layers(tiny4, tmp_path):
 def test_prerouter_routing_differs_from_exact_and_needs_the_predictor(tiny4, tmp_path):
     m = fresh(tiny4, tmp_path)
     write_heads(m)
-    with Session(str(m), "edge0", budget="all", predictor=None, routing="exact") as s:
+    with open_session(str(m), "edge0", budget="all", predictor=None, routing="exact") as s:
         exact = teacher_forced(s, PROMPT * 3)
-    with Session(str(m), "edge0", budget="all", routing="prerouter:nolora") as s:
+    with open_session(str(m), "edge0", budget="all", routing="prerouter:nolora") as s:
         pre = teacher_forced(s, PROMPT * 3)
     np.testing.assert_array_equal(exact[0], pre[0])        # the prefill token routes exactly
     assert np.abs(exact - pre).max() > 1e-3
     with pytest.raises(WorkbenchError, match="needs predictor prerouter"):
-        Session(str(m), "edge0", budget="all", predictor="history")
+        open_session(str(m), "edge0", budget="all", predictor="history")
 
 
 # ---------------------------------------------------------------- the LoRA, unmerged
@@ -129,13 +129,13 @@ def test_unmerged_lora_equals_merged_dequantized_reference(tiny4, tmp_path):
     path = write_lora(m)
     ids = PROMPT * 4
     exact = dict(budget="all", predictor=None, routing="exact")
-    with Session(str(m), "edge0", **exact) as s:
+    with open_session(str(m), "edge0", **exact) as s:
         base = teacher_forced(s, ids)
         lora = LoRA.load(s.spec, s.engine.w, s.pack)
         merged_w = lora.merged(s.engine.w)                  # W_int4 dequantized + scale * B A, fp32
-    with Session(str(m), "edge0", deltas=lora.deltas(), **exact) as s:
+    with open_session(str(m), "edge0", deltas=lora.deltas(), **exact) as s:
         unmerged = teacher_forced(s, ids)
-    with Session(str(m), "edge0", weights=merged_w, **exact) as s:
+    with open_session(str(m), "edge0", weights=merged_w, **exact) as s:
         merged = teacher_forced(s, ids)
     assert lora.path == path and len(merged_w) == 16
     assert np.abs(unmerged - base).max() > 1e-2             # the adapter does something
@@ -148,7 +148,7 @@ def test_torch_student_equals_numpy_serving(tiny4, tmp_path):
     m = fresh(tiny4, tmp_path)
     hp, lp = write_heads(m), write_lora(m)
     ids = PROMPT * 3
-    with Session(str(m), "edge0", budget="all", experts="q4") as s:      # the trainers' int4: the affine q4 pack
+    with open_session(str(m), "edge0", budget="all", experts="q4") as s:      # the trainers' int4: the affine q4 pack
         served = teacher_forced(s, ids)
     full, inc = student_logits(pack_of(m), ids, hp, lp)
     np.testing.assert_allclose(full, served, rtol=1e-4, atol=1e-4)
@@ -208,7 +208,7 @@ def test_info_counts_the_edge0_files_a_run_serves(tiny4, tmp_path):
 def test_missing_heads_name_the_file(tiny4, tmp_path):
     m = fresh(tiny4, tmp_path)
     with pytest.raises(WorkbenchError, match="prerouter.safetensors: missing"):
-        Session(str(m), "edge0")
+        open_session(str(m), "edge0")
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -220,7 +220,7 @@ def test_mismatched_heads_fail_clearly(tiny4, tmp_path, bad, match):
     m = fresh(tiny4, tmp_path)
     path = write_heads(m, meta=bad)
     with pytest.raises(WorkbenchError, match=match) as e:
-        Session(str(m), "edge0", routing="prerouter:nolora")
+        open_session(str(m), "edge0", routing="prerouter:nolora")
     assert str(path) in str(e.value)
 
 
@@ -237,10 +237,10 @@ def test_heads_of_another_checkpoint_fail_clearly(tiny4, tmp_path):
     (b / "edge0").mkdir()
     shutil.move(str(artifact_path(pack_of(other), "prerouter")), str(b / "edge0" / "prerouter.safetensors"))
     with pytest.raises(WorkbenchError, match="trained for another model") as e:
-        Session(str(b), "edge0", routing="prerouter:nolora")
+        open_session(str(b), "edge0", routing="prerouter:nolora")
     assert "prerouter.safetensors" in str(e.value)
     write_heads(a)
-    with Session(str(a), "edge0", routing="prerouter:nolora") as s:   # the right ones load
+    with open_session(str(a), "edge0", routing="prerouter:nolora") as s:   # the right ones load
         assert s.engine.predictor.streamed == {1, 2, 3}
     del path
 
@@ -253,13 +253,13 @@ def test_heads_with_wrong_dims_or_layers_fail_clearly(tiny4, tmp_path):
     t["heads.0.fc1.weight"] = t["heads.0.fc1.weight"][:, :-8]           # features of a wrong width
     save_safetensors(path, t, "prerouter", meta)
     with pytest.raises(WorkbenchError, match=r"heads\.0\.fc1\.weight has shape") as e:
-        Session(str(m), "edge0", routing="prerouter:nolora")
+        open_session(str(m), "edge0", routing="prerouter:nolora")
     assert str(path) in str(e.value)
     t, meta = load_safetensors(write_heads(m, pack=pack), "prerouter")
     meta["owners"] = [0, 1, 2, 3]                                         # a head for a layer with no next layer
     save_safetensors(path, t, "prerouter", meta)
     with pytest.raises(WorkbenchError, match="owner layers"):
-        Session(str(m), "edge0", routing="prerouter:nolora")
+        open_session(str(m), "edge0", routing="prerouter:nolora")
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -272,7 +272,7 @@ def test_mismatched_lora_fails_clearly(tiny4, tmp_path, bad, match):
     write_heads(m)
     path = write_lora(m, meta=bad)
     with pytest.raises(WorkbenchError, match=match) as e:
-        Session(str(m), "edge0")
+        open_session(str(m), "edge0")
     assert str(path) in str(e.value)
 
 

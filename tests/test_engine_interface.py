@@ -11,7 +11,7 @@ from engines import ENGINES, engine_class
 from engines.base import Engine, Hooks
 from test_layering import modules
 from workbench.errors import WorkbenchError
-from runtime.session import Session
+from runtime.session import open_session
 
 
 def test_every_engine_is_an_engine():
@@ -24,7 +24,7 @@ def test_every_engine_is_an_engine():
 
 
 def test_the_engine_counts_its_own_token_index(tiny_models):
-    with Session(str(tiny_models["qwen3_moe"]), "resident") as s:
+    with open_session(str(tiny_models["qwen3_moe"]), "resident") as s:
         e = s.engine
         e.reset()
         logits = e.prefill([5, 9, 33])
@@ -41,12 +41,12 @@ def test_an_engine_without_hooks_refuses_them(tiny_models):
     """The llama.cpp engine routes inside llama.cpp: handed a predictor it says so, before exporting anything."""
     cls = engine_class("llamacpp")
     assert not cls.takes_hooks
-    with Session(str(tiny_models["qwen3_moe"]), "resident") as s:
+    with open_session(str(tiny_models["qwen3_moe"]), "resident") as s:
         with pytest.raises(WorkbenchError, match="takes no predictor"):
             cls(s.pack, s.streamer, s.tel, Hooks(predictor=object()))
     for preset in ("les", "smol_bias", "edge0"):     # a session says so before building hooks it would refuse
         with pytest.raises(WorkbenchError, match="takes no predictor"):
-            Session(str(tiny_models["qwen3_moe"]), preset, engine="llamacpp")
+            open_session(str(tiny_models["qwen3_moe"]), preset, engine="llamacpp")
 
 
 def test_nothing_outside_engines_sets_engine_state():

@@ -19,8 +19,8 @@ def tiny(monkeypatch, tmp_path):
 @pytest.fixture
 def lm(tiny):
     from evals.lm_eval_adapter import WorkbenchLM
-    from runtime.session import Session
-    with Session(tiny, "les", direct=False) as s:
+    from runtime.session import open_session
+    with open_session(tiny, "les", direct=False) as s:
         yield WorkbenchLM(session=s, model=tiny, progress=False)
 
 
@@ -80,9 +80,9 @@ def test_loglikelihood_rolling_is_the_whole_text_after_eos(lm):
 
 def test_loglikelihood_rolling_windows_beyond_max_length(tiny):
     from evals.lm_eval_adapter import WorkbenchLM
-    from runtime.session import Session
+    from runtime.session import open_session
     text = (REPO / "data/corpora/tinystories/tinystories_val_head.txt").read_text()[:3000]
-    with Session(tiny, "resident", direct=False) as s:
+    with open_session(tiny, "resident", direct=False) as s:
         small = WorkbenchLM(session=s, max_length=64, progress=False)
         (got,) = small.loglikelihood_rolling([_req("loglikelihood_rolling", text)])
         ids = s.encode(text)

@@ -50,8 +50,8 @@ def direct_nll(session, ids, spans):
 def test_perplexity_equals_direct_numpy(tiny, tmp_path, stride):
     from evals.common import text_ids
     from evals.ppl import perplexity
-    from runtime.session import Session
-    with Session(tiny, "resident", direct=False) as s:
+    from runtime.session import open_session
+    with open_session(tiny, "resident", direct=False) as s:
         ids = text_ids(s.tokenizer, text_file(tmp_path))[:200]
         res = perplexity(s, ids, n_ctx=64, chunks=3, stride=stride, progress=False)
         if stride is None:
@@ -71,8 +71,8 @@ def test_perplexity_equals_direct_numpy(tiny, tmp_path, stride):
 def test_ppl_bos_replaces_first_token(tiny, tmp_path):
     from evals.common import text_ids
     from evals.ppl import perplexity
-    from runtime.session import Session
-    with Session(tiny, "resident", direct=False) as s:
+    from runtime.session import open_session
+    with open_session(tiny, "resident", direct=False) as s:
         ids = text_ids(s.tokenizer, text_file(tmp_path))[:128]
         with_bos = perplexity(s, ids, n_ctx=64, chunks=2, bos=True, progress=False)
         ids2 = list(ids)

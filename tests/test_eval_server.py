@@ -15,9 +15,9 @@ from eval_tiny import CTX, use_tiny
 @pytest.fixture
 def server(monkeypatch, tmp_path):
     from evals.server import make_server
-    from runtime.session import Session
+    from runtime.session import open_session
     tiny = use_tiny(monkeypatch, tmp_path)
-    s = Session(tiny, "les", direct=False)
+    s = open_session(tiny, "les", direct=False)
     srv = make_server(s, "127.0.0.1", 0, model_id="tiny", quiet=True)
     th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     th.start()
@@ -310,8 +310,8 @@ def test_safe_len_holds_back_stop_prefixes_and_partial_characters():
 def limited(monkeypatch, tmp_path):
     """make(**limits): a server on the tiny model with its own limits (evals.server.Server's keywords)."""
     from evals.server import make_server
-    from runtime.session import Session
-    s = Session(use_tiny(monkeypatch, tmp_path), "les", direct=False)
+    from runtime.session import open_session
+    s = open_session(use_tiny(monkeypatch, tmp_path), "les", direct=False)
     made = []
 
     def make(**limits):

@@ -19,8 +19,8 @@ def _ids(s, tmp_path, n=128):
 
 def test_teacher_against_itself_is_exact(tiny, tmp_path):
     from evals.teacher import TeacherTrace, compare
-    from runtime.session import Session
-    with Session(tiny, "teacher", direct=False) as t, Session(tiny, "teacher", direct=False) as s:
+    from runtime.session import open_session
+    with open_session(tiny, "teacher", direct=False) as t, open_session(tiny, "teacher", direct=False) as s:
         trace = TeacherTrace(t, _ids(t, tmp_path), 64, 2, progress=False)
         r = compare(s, trace, progress=False)
     assert r["kl"] == pytest.approx(0.0, abs=1e-12) and r["top1"] == 1.0
@@ -37,9 +37,9 @@ def _lsm(x):
 
 def test_student_metrics_match_a_direct_computation(tiny, tmp_path):
     from evals.teacher import TeacherTrace, compare
-    from runtime.session import Session
+    from runtime.session import open_session
     # les: q3 experts, exact routing (smol_bias's cache-biased routing depends on the cache's history)
-    with Session(tiny, "teacher", direct=False) as t, Session(tiny, "les", direct=False) as s:
+    with open_session(tiny, "teacher", direct=False) as t, open_session(tiny, "les", direct=False) as s:
         ids = _ids(t, tmp_path)
         trace = TeacherTrace(t, ids, 64, 2, progress=False)
         r = compare(s, trace, progress=False)
@@ -67,8 +67,8 @@ def test_student_metrics_match_a_direct_computation(tiny, tmp_path):
 
 def test_routing_capture_agrees_with_layer_events(tiny, tmp_path):
     from evals.common import RoutingCapture, forward
-    from runtime.session import Session
-    with Session(tiny, "smol_bias", direct=False) as s:
+    from runtime.session import open_session
+    with open_session(tiny, "smol_bias", direct=False) as s:
         cap = RoutingCapture(s)
         n_ev = len(s.tel.events)
         forward(s, _ids(s, tmp_path, 40))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.session import Session
+from runtime.session import open_session
 from workbench.registry import block_experts
 from workbench.store import ggml_blocks
 
@@ -13,7 +13,7 @@ PROMPT = [5, 9, 33, 71, 2, 18]
 
 
 def decode(path, preset, n=12, **kw):
-    with Session(str(path), preset, **kw) as s:
+    with open_session(str(path), preset, **kw) as s:
         s.engine.reset()
         logits = [s.step(PROMPT, "prefill")[-1]]
         toks = []
@@ -55,7 +55,7 @@ def test_streaming_equals_resident_for_each_family(tiny_models, family):
 
 
 def generate(model, preset, n=24, **kw):
-    with Session(str(model), preset, **kw) as s:
+    with open_session(str(model), preset, **kw) as s:
         out = s.generate([5, 9, 33, 71, 2, 18, 5, 9, 33], tokens=n)
         return out["tokens"], s.summary()
 

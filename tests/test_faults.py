@@ -24,7 +24,7 @@ from faults import STALL_S, faults
 from cli import main
 from workbench.io import RETRIES
 from workbench.runs import runs_dir
-from runtime.session import Session
+from runtime.session import open_session
 from workbench.store.pack import Pack, convert
 
 FLAGS = ["--preset", "on_demand", "--budget", "0.25"]
@@ -58,7 +58,7 @@ def run_verb(verb, pack, tmp_path, capsys):
 
 
 def generate(pack, **kw):
-    with Session(str(pack), "on_demand", budget="0.25", **kw) as s:
+    with open_session(str(pack), "on_demand", budget="0.25", **kw) as s:
         out = s.generate("Once upon a time", tokens=8)
         return out["tokens"], s.summary()
 
@@ -203,7 +203,7 @@ def test_serve_a_read_fault_fails_the_request_not_the_server(pack, first_expert,
     armed = threading.Event()
     ask = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
     with faults(monkeypatch, lambda call, pos, n, r: "eio" if armed.is_set() and pos >= first_expert else None), \
-            Session(str(pack), "on_demand", budget="0.25") as s:
+            open_session(str(pack), "on_demand", budget="0.25") as s:
         srv = make_server(s, "127.0.0.1", 0, model_id="tiny", quiet=True)
         th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         th.start()

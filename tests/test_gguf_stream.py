@@ -44,9 +44,9 @@ def cache_files(root: Path) -> dict:
 
 @pytest.mark.macos
 def test_a_gguf_streams_through_a_small_index_made_once(gguf_file, tmp_path, monkeypatch):
-    from runtime.session import Session
+    from runtime.session import open_session
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
-    with Session(str(gguf_file), "les", budget="0.5") as s:
+    with open_session(str(gguf_file), "les", budget="0.5") as s:
         assert s.pack.data_path == gguf_file.resolve() and s.reader.path == str(gguf_file.resolve())
         assert s.preset.storage.experts == "raw" and s.preset.storage.layout.value == "native"
         s.generate(IDS, 4)
@@ -54,16 +54,16 @@ def test_a_gguf_streams_through_a_small_index_made_once(gguf_file, tmp_path, mon
     packs = [f for f in files if f.parts[0] == "packs"]
     assert [f.suffix for f in packs] == [".index"], files
     assert all(st.st_size < gguf_file.stat().st_size / 4 for st in files.values()), files   # no copy of the model
-    with Session(str(gguf_file), "on_demand", budget="0.25"):
+    with open_session(str(gguf_file), "on_demand", budget="0.25"):
         pass
     again = cache_files(tmp_path / "cache")
     made, reused = files[packs[0]], again[packs[0]]
     assert (reused.st_mtime_ns, reused.st_ino) == (made.st_mtime_ns, made.st_ino)
     # a storage knob the run names itself is taken, the others stay the GGUF's: a converted pack
-    with Session(str(gguf_file), "on_demand", experts="q4") as s:
+    with open_session(str(gguf_file), "on_demand", experts="q4") as s:
         assert (s.pack.layout, s.pack.quant) == ("native", {"experts": "q4", "rest": "raw"})
         assert s.pack.data_path == s.pack.path
-    with Session(str(gguf_file), "les", layout="contiguous") as s:
+    with open_session(str(gguf_file), "les", layout="contiguous") as s:
         assert (s.pack.layout, s.pack.quant) == ("contiguous", {"experts": "raw", "rest": "raw"})
 
 
@@ -104,8 +104,8 @@ def test_streamed_experts_are_the_ggufs_bytes(gguf_file, surface):
 
 
 def logits_and_tokens(model, preset, budget, engine=None):
-    from runtime.session import Session
-    with Session(str(model), preset, budget=budget, engine=engine) as s:
+    from runtime.session import open_session
+    with open_session(str(model), preset, budget=budget, engine=engine) as s:
         s.engine.reset()
         z = np.concatenate([s.step(IDS[:8], "prefill")] + [s.step([t], "decode") for t in IDS[8:]])
         return z, s.generate(IDS[:6], 8)["tokens"], s.engine.name
@@ -136,9 +136,9 @@ def test_a_changed_gguf_is_refused_in_one_line(gguf_file, tmp_path, monkeypatch)
     data[off + 7] ^= 0xFF
     g.write_bytes(data)
     os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns))
-    from runtime.session import Session
+    from runtime.session import open_session
     with pytest.raises(WorkbenchError, match="checksum mismatch in expert 3 of layer 1"):
-        with Session(str(index), "on_demand", budget="all"):
+        with open_session(str(index), "on_demand", budget="all"):
             pass
     for change in ("touched", "truncated", "header"):
         g.write_bytes(gguf_file.read_bytes())

@@ -24,7 +24,7 @@ from test_packed_engine import ATOL as PACKED_ATOL
 from engines.hybrid import CHECKPOINT_WINDOW
 from workbench.errors import WorkbenchError
 from workbench.models.hf import HFModel
-from runtime.session import Session
+from runtime.session import open_session, usage as session_usage
 from workbench.registry import experts_for
 from workbench.store.pack import Pack
 
@@ -43,7 +43,7 @@ def hf_logits(path, family, ids):
 
 
 def ours(path, ids, decode_from=None, preset="teacher", engine="numpy", **kw):
-    with Session(str(path), preset, engine=engine, **kw) as s:
+    with open_session(str(path), preset, engine=engine, **kw) as s:
         s.engine.reset()
         if decode_from is None:
             return s.step(ids, "prefill")
@@ -97,7 +97,7 @@ def test_zero_centred_norms_are_loaded_as_one_plus_weight(hybrid_models):
 def test_truncate_then_redecode_equals_a_fresh_run(hybrid_models, family, engine):
     path = hybrid_models[family]
     fresh = ours(path, TOKENS, decode_from=SPLIT, engine=engine)
-    with Session(str(path), "teacher", engine=engine) as s:
+    with open_session(str(path), "teacher", engine=engine) as s:
         s.engine.reset()
         s.step(TOKENS[:SPLIT], "prefill")
         s.step([250, 251, 252], "decode")                         # a rejected speculative draft
@@ -120,7 +120,7 @@ def test_truncate_then_redecode_equals_a_fresh_run(hybrid_models, family, engine
 
 def test_truncate_keeps_each_prompts_end_and_refuses_older_positions(hybrid_models):
     path = hybrid_models["qwen3_5_moe"]
-    with Session(str(path), "teacher", engine="numpy") as s:
+    with open_session(str(path), "teacher", engine="numpy") as s:
         s.engine.reset()
         s.step(TOKENS[:SPLIT], "prefill")
         for t in range(CHECKPOINT_WINDOW + 3):
@@ -133,7 +133,7 @@ def test_truncate_keeps_each_prompts_end_and_refuses_older_positions(hybrid_mode
 
 
 def decode(path, preset, n=10, engine="numpy", **kw):
-    with Session(str(path), preset, engine=engine, **kw) as s:
+    with open_session(str(path), preset, engine=engine, **kw) as s:
         s.engine.reset()
         logits = [s.step(TOKENS[:6], "prefill")[-1]]
         toks = []
@@ -188,8 +188,8 @@ def wide(tmp_path_factory):
 def test_warm_sets_and_cache_bias_with_512_experts_top10_and_the_shared_expert_outside_the_budget(wide):
     runs = {}
     for preset in ("smol", "smol_bias"):
-        with Session(str(wide), preset, budget="0.1") as s:
-            usage = s.usage()
+        with open_session(str(wide), preset, budget="0.1") as s:
+            usage = session_usage(s.pack)
             assert sorted(usage) == [0, 1] and all(len(c) == 512 for c in usage.values())
             assert len({sum(c) for c in usage.values()}) == 1 and sum(usage[0]) % 10 == 0   # 10 experts a token
             s.engine.reset()
@@ -217,7 +217,7 @@ def test_info_prints_what_the_model_needs_in_memory(hybrid_models, capsys):
     assert mem["resident_f32_bytes"] == 4 * dense
     assert mem["experts"] == 64 and mem["expert_bytes"]["bf16"] == 64 * 3 * 64 * 32 * 2
     assert mem["cache_bytes"] == 16 * 3 * 64 * 32 * 4                 # a quarter of the experts, in numpy's f32
-    with Session(str(path), "teacher") as s:
+    with open_session(str(path), "teacher") as s:
         s.engine.reset()
         s.step(TOKENS, "prefill")
         state = sum(a.nbytes for conv_s in s.engine.lin.values() for a in conv_s)
@@ -241,7 +241,7 @@ def test_chat_completions_use_the_models_own_template(hybrid_models, tmp_path):
     model = shutil.copytree(hybrid_models["qwen3_5_moe"], tmp_path / "chat")
     (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
-    with Session(str(model), "resident", direct=False) as s:
+    with open_session(str(model), "resident", direct=False) as s:
         srv = make_server(s, "127.0.0.1", 0, model_id="tiny", quiet=True)
         th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         th.start()
@@ -288,9 +288,9 @@ def test_edge0_torch_student_equals_numpy_serving(hybrid_models, tmp_path):
     lp = write_lora(m, pack=pack)                                    # on layer 3, the one with attention projections
     hp = write_heads(m, pack=pack)
     ids = TOKENS[:8] * 2
-    with Session(str(m), "edge0", budget="all", experts="q4") as s:      # the trainers' int4: the affine q4 pack
+    with open_session(str(m), "edge0", budget="all", experts="q4") as s:      # the trainers' int4: the affine q4 pack
         served = teacher_forced(s, ids)
-    with Session(str(m), "edge0", budget="all", routing="prerouter:nolora") as s:
+    with open_session(str(m), "edge0", budget="all", routing="prerouter:nolora") as s:
         assert np.abs(teacher_forced(s, ids) - served).max() > 1e-3        # the adapter on layer 3 is served
     full, inc = student_logits(pack, ids, hp, lp)
     np.testing.assert_allclose(full, served, rtol=1e-4, atol=1e-4)
@@ -367,10 +367,10 @@ def test_edge0s_lora_trains_on_a_gguf_and_is_served(hybrid_models, tmp_path):
     assert set(t) == {f"lora.3.{p}.{m}" for p in "qkvo" for m in "AB"} and np.abs(t["lora.3.q.B"]).max() > 0
     assert meta["teacher"] == "the same weights, exact routing" and meta["val_kl_train_corpora"]["int4_exact"] == 0
     ids = TOKENS[:8]
-    with Session(str(path), "edge0", budget="all") as s:
+    with open_session(str(path), "edge0", budget="all") as s:
         assert s.lora is not None
         served = teacher_forced(s, ids)
-    with Session(str(path), "edge0", budget="all", routing="prerouter:nolora") as s:
+    with open_session(str(path), "edge0", budget="all", routing="prerouter:nolora") as s:
         assert np.abs(teacher_forced(s, ids) - served).max() > 0
 
 
@@ -414,7 +414,7 @@ def test_llamacpp_runs_the_exported_gguf_with_our_greedy_tokens(hybrid_models, f
     from workbench.models.gguf_model import GGUFModel
     path, prompt = hybrid_models[family], TOKENS[:8]
     gguf_path = export_gguf(HFModel(path), tmp_path / "m.gguf", "f16")
-    with Session(str(path), "teacher") as s:
+    with open_session(str(path), "teacher") as s:
         mine = s.generate(prompt, tokens=16)["tokens"]
     theirs, logits = in_child(llama_greedy_and_logits, gguf_path, prompt, 16, prompt + mine[:-1])
     assert theirs == mine
@@ -497,7 +497,7 @@ def test_the_states_held_are_the_ones_a_rollback_needs_and_info_counts_them(hybr
     from workbench.memory import memory_needs
     from workbench.presets import Budget
     path = hybrid_models["qwen3_5_moe"]
-    with Session(str(path), "teacher", engine="numpy") as s:
+    with open_session(str(path), "teacher", engine="numpy") as s:
         s.engine.reset()
 
         def held():

@@ -16,7 +16,7 @@ else:
 
 from test_hybrid import SPLIT, TOKENS  # noqa: E402
 from test_mlx_engine import ATOL, EXACT, LES, STAGED, agree  # noqa: E402
-from runtime.session import Session  # noqa: E402
+from runtime.session import open_session  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "minicpmv4_7"])
@@ -30,7 +30,7 @@ def test_matches_numpy_exact_staged_and_les(hybrid_models, family):
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "minicpmv4_7"])
 def test_truncate_then_redecode_equals_a_fresh_run_and_numpy(hybrid_models, family):
     def run(engine, draft):
-        with Session(str(hybrid_models[family]), "resident", engine=engine) as s:
+        with open_session(str(hybrid_models[family]), "resident", engine=engine) as s:
             s.engine.reset()
             s.step(TOKENS[:SPLIT], "prefill")
             if draft:

@@ -52,8 +52,8 @@ PROMPT = "Tom and his mom went to the park."   # our greedy path has no near-tie
 
 
 def teacher_logits(model, ids=IDS):
-    from runtime.session import Session
-    with Session(str(model), "teacher", budget="all") as s:
+    from runtime.session import open_session
+    with open_session(str(model), "teacher", budget="all") as s:
         s.engine.reset()
         return s.step(list(ids), "prefill")
 
@@ -335,9 +335,9 @@ def cli_json(*argv) -> dict:
 
 @needs_llama
 def test_llamacpp_runs_the_export_like_our_teacher(q3, exported):
-    from runtime.session import Session
+    from runtime.session import open_session
     theirs = in_child(llama_run, exported["f16"], PROMPT, 16)
-    with Session(str(q3), "teacher", budget="all") as s:
+    with open_session(str(q3), "teacher", budget="all") as s:
         ids = s.encode(PROMPT)
         assert theirs["ids"] == ids
         ref = teacher_logits(q3, ids)
@@ -461,8 +461,8 @@ def prompt_logits(path, engine):
     """The logits of IDS as one prompt, all experts resident, and the top-k each MoE layer routed each position to
     (sorted): (layers, positions, k)."""
     from runtime.capture import RoutingCapture
-    from runtime.session import Session
-    with Session(str(path), "resident", engine=engine) as s, RoutingCapture(s) as cap:
+    from runtime.session import open_session
+    with open_session(str(path), "resident", engine=engine) as s, RoutingCapture(s) as cap:
         s.engine.reset()
         z = s.step(IDS, "prefill")
         return z, np.stack([np.sort(r["idx"], -1) for r in cap.records])
@@ -470,8 +470,8 @@ def prompt_logits(path, engine):
 
 def packed_logits(path, preset, engine="packed", **kw):
     """Prefill IDS[:8], then decode the rest one token at a time: the logits of every position."""
-    from runtime.session import Session
-    with Session(str(path), preset, engine=engine, **kw) as s:
+    from runtime.session import open_session
+    with open_session(str(path), preset, engine=engine, **kw) as s:
         s.engine.reset()
         return np.concatenate([s.step(IDS[:8], "prefill")] + [s.step([t], "decode") for t in IDS[8:]]), s.engine.name
 
@@ -540,13 +540,13 @@ def test_checkpoint_experts_in_ggml_blocks(kquant_model, tmp_path, experts, bloc
 @needs_llama
 def test_the_packed_engine_leaves_a_core_to_the_readers_only_where_experts_stream(tiny_models):
     import numba
-    from runtime.session import Session
+    from runtime.session import open_session
     cores = numba.config.NUMBA_NUM_THREADS
-    with Session(str(tiny_models["qwen3_moe"]), "resident", budget="all") as s:
+    with open_session(str(tiny_models["qwen3_moe"]), "resident", budget="all") as s:
         assert s.engine.threads == cores
-    with Session(str(tiny_models["qwen3_moe"]), "les", budget="0.5") as s:
+    with open_session(str(tiny_models["qwen3_moe"]), "les", budget="0.5") as s:
         assert s.engine.threads == max(1, cores - 1)
-    with Session(str(tiny_models["qwen3_moe"]), "les", budget="0.5", threads=1) as s:
+    with open_session(str(tiny_models["qwen3_moe"]), "les", budget="0.5", threads=1) as s:
         assert s.engine.threads == 1
 
 
@@ -556,7 +556,7 @@ def test_packed_engine_defaults_to_ggml_blocks_and_the_others_to_affine(tiny_mod
     multiple of 256 take the 32-blocks (Q4_0; Q8_0 for g8)."""
     from workbench.presets import get_preset
     from workbench.registry import storage_for
-    from runtime.session import Session
+    from runtime.session import open_session
     les, teacher = get_preset("les").storage, get_preset("teacher").storage
     for engine in (None, "packed"):
         assert storage_for("demo", les, engine=engine) == ("contiguous", "g3", "q4")
@@ -565,7 +565,7 @@ def test_packed_engine_defaults_to_ggml_blocks_and_the_others_to_affine(tiny_mod
     for engine in ("numpy", "mlx", "llamacpp"):
         assert storage_for("demo", les, engine=engine) == ("contiguous", "q3", "q4")
     assert storage_for("x.gguf", les) == ("native", "raw", "raw")
-    with Session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.5") as s:     # rows of 64
+    with open_session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.5") as s:     # rows of 64
         assert (s.engine.name, s.preset.storage.experts, s.pack.quant["experts"]) == ("packed", "g4", "g4")
         assert s.pack.expert_kinds == {p: "gguf:Q4_0" for p in ("gate", "up", "down")}
         assert storage_for(str(s.pack_path), les) == ("contiguous", "q3", "q4")    # a pack: no conversion to name

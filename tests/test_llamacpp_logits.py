@@ -1,6 +1,6 @@
 """The workbench on a GGUF against stock llama.cpp on the same file: token ids, logits, greedy tokens.
 
-The demo model exported as q4_k_m and q8_0; the workbench runs it as Session("x.gguf") does (the GGUF's own
+The demo model exported as q4_k_m and q8_0; the workbench runs it as open_session("x.gguf") does (the GGUF's own
 blocks, experts and dense matrices in ggml's kernels), llama.cpp with its defaults (flash attention, an f16 KV
 cache). Both prefill 8 tokens, then decode one at a time, teacher-forced: a fixed text, and llama.cpp's own
 greedy continuation of a prompt; and the fixed text as one prompt.
@@ -76,8 +76,8 @@ def llama_side(path, text: str) -> dict:
 def workbench_side(path, ids, greedy) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
     """The workbench's ids for the text, its logits on the text step by step and as one prompt (more than 16 rows:
     the dense matrices dequantized, in BLAS), and teacher-forced on llama.cpp's greedy path."""
-    from runtime.session import Session
-    with Session(str(path), "resident") as s:
+    from runtime.session import open_session
+    with open_session(str(path), "resident") as s:
         assert s.pack.quant == {"experts": "raw", "rest": "raw"}
         mine = s.encode(fixed_text())[:N]
         s.engine.reset()
@@ -91,9 +91,9 @@ def workbench_side(path, ids, greedy) -> tuple[list[int], np.ndarray, np.ndarray
 
 
 def engine_llamacpp(path, ids) -> np.ndarray:
-    """Session(x.gguf, engine="llamacpp"): the text's logits as one prompt."""
-    from runtime.session import Session
-    with Session(str(path), "resident", engine="llamacpp") as s:
+    """open_session(x.gguf, engine="llamacpp"): the text's logits as one prompt."""
+    from runtime.session import open_session
+    with open_session(str(path), "resident", engine="llamacpp") as s:
         s.engine.reset()
         return s.step(list(ids), "prefill")
 

@@ -126,7 +126,7 @@ def test_apple_silicon_with_mlx_defaults_to_the_mlx_engine_and_engine_still_choo
     import platform
 
     from engines import available, default_engine
-    from runtime.session import Session
+    from runtime.session import open_session
     from workbench.store.pack import Pack
     pytest.importorskip("mlx.core")
     pack = Pack(q4_pack)
@@ -135,9 +135,9 @@ def test_apple_silicon_with_mlx_defaults_to_the_mlx_engine_and_engine_still_choo
     assert default_engine(pack) == "packed"             # an Intel Mac: no MLX default
     monkeypatch.setattr(platform, "machine", lambda: "arm64")
     assert "mlx" in available() and default_engine(pack) == "mlx" and default_engine() == "mlx"
-    with Session(str(q4_pack), "on_demand", budget="0.5") as s:
+    with open_session(str(q4_pack), "on_demand", budget="0.5") as s:
         assert s.engine.name == "mlx" and s.config()["engine"] == "mlx"
-    with Session(str(q4_pack), "on_demand", budget="0.5", engine="packed") as s:
+    with open_session(str(q4_pack), "on_demand", budget="0.5", engine="packed") as s:
         assert s.engine.name == "packed"
 
 

@@ -119,8 +119,8 @@ def test_the_gguf_is_labelled_random_wherever_it_goes(made, capsys):
 def test_the_workbench_runs_it_and_its_runs_are_labelled_random(tmp_path, monkeypatch, shape, layers):
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
     path = make_gguf(shape, tmp_path / "m.gguf", layers=layers, experts=16)
-    from runtime.session import Session
-    with Session(str(path), "on_demand", budget="0.5") as s:
+    from runtime.session import open_session
+    with open_session(str(path), "on_demand", budget="0.5") as s:
         s.generate([1, 2, 3], tokens=2)
         assert "RANDOM" in s.summary()["random_weights"]
 

@@ -8,7 +8,7 @@ import pytest
 from experiments.bench import measure
 from experiments.routing_trace import TraceDrive, drive
 from workbench.host import NOT_EVICTED
-from runtime.session import Session, open_session
+from runtime.session import open_session
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = str(REPO / "data" / "traces" / "demo-tinystories-256.parquet")
@@ -34,16 +34,16 @@ def test_a_measured_run_starts_cold_by_default(surface):
 
 
 def test_cold_start_keeps_what_the_design_keeps():
-    with Session("demo", "resident") as s:                   # all-resident: every expert stays
+    with open_session("demo", "resident") as s:                   # all-resident: every expert stays
         n = s.cache.slots_used
         s.cold_start()
         assert s.cache.slots_used == n == s.pack.num_expert_total
-    with Session("demo", "smol", budget="0.25") as s:        # the pager's warm set is part of the design
+    with open_session("demo", "smol", budget="0.25") as s:        # the pager's warm set is part of the design
         warm = set(s.cache.keys())
         s.generate("Once upon a time", tokens=6)
         s.cold_start()
         assert set(s.cache.keys()) == warm and not s.streamer.schedule.prefetched
-    with Session("demo", "les", budget="0.25") as s:
+    with open_session("demo", "les", budget="0.25") as s:
         s.generate("Once upon a time", tokens=6)
         s.cold_start()
         assert s.cache.slots_used == 0 and len(s.arena.where) == 0

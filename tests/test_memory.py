@@ -35,9 +35,9 @@ def test_available_memory_is_what_the_system_reports():
 
 
 def test_model_bytes_are_what_a_resident_session_holds(pack, sizes):
-    from runtime.session import Session
+    from runtime.session import open_session
     dense, experts = sizes
-    with Session(str(pack), "resident", budget="all", engine="numpy") as s:      # sizes counts f32 experts
+    with open_session(str(pack), "resident", budget="all", engine="numpy") as s:      # sizes counts f32 experts
         assert experts == s.all_expert_bytes
         held = sum(w.nbytes for k, w in s.engine.w.items() if k != "lm_head" or "lm_head" in s.pack.tensors)
         assert dense == held
@@ -93,8 +93,8 @@ def test_expert_reads_leave_no_cyclic_garbage(pack):
     RSS stays flat (the cycle read future -> callback -> futures once kept every read buffer alive)."""
     import gc
     from concurrent.futures import Future
-    from runtime.session import Session
-    with Session(str(pack), "on_demand", budget="0.25") as s:
+    from runtime.session import open_session
+    with open_session(str(pack), "on_demand", budget="0.25") as s:
         s.generate("Once upon a time", tokens=2)
         gc.collect()
         gc.disable()
@@ -117,12 +117,12 @@ def test_the_guard_counts_the_weights_as_each_engine_holds_them(pack, sizes, mon
     from engines import engine_class
     from engines.packed_engine import Encoded
     from workbench.errors import WorkbenchError
-    from runtime.session import Session
+    from runtime.session import open_session
     p = Pack(pack)
     dense, _ = sizes
     held = {}
     for engine in ("numpy", "packed"):
-        with Session(str(pack), "resident", engine=engine) as s:
+        with open_session(str(pack), "resident", engine=engine) as s:
             held[engine] = sum(w.nbytes for k, w in s.engine.w.items() if k != "lm_head" or "lm_head" in p.tensors)
             assert engine_class(engine).resident_bytes(p) == held[engine]
             assert engine == "numpy" or any(isinstance(w, Encoded) for w in s.engine.w.values())
@@ -130,9 +130,9 @@ def test_the_guard_counts_the_weights_as_each_engine_holds_them(pack, sizes, mon
     for engine in ("numpy", "packed"):
         monkeypatch.setattr(memory, "available_bytes", lambda: held[engine] // 2)
         with pytest.raises(WorkbenchError, match="needs"):
-            Session(str(pack), "resident", engine=engine)
+            open_session(str(pack), "resident", engine=engine)
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")
-    with Session(str(pack), "resident", engine="llamacpp") as s:
+    with open_session(str(pack), "resident", engine="llamacpp") as s:
         assert all(n.endswith(("router", "norm", "router_bias")) for n in s.engine.w)
         assert {f"layers.{i}.router" for i in s.spec.moe_layers} <= set(s.engine.w)
 

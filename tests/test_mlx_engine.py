@@ -28,7 +28,7 @@ else:
 
 from conftest import FAMILIES, TINY  # noqa: E402
 from engines.mlx_engine import Slot  # noqa: E402
-from runtime.session import Session  # noqa: E402
+from runtime.session import open_session  # noqa: E402
 
 TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
 SPLIT = 9          # prefill TOKENS[:SPLIT], then decode one token at a time
@@ -44,7 +44,7 @@ PER_LAYER = ("smol", {})                                       # per-layer pools
 
 def run(path, preset, engine, deltas=None, **kw):
     """Prefill then decode TOKENS; returns (logits, events, session). The session is closed."""
-    with Session(str(path), preset, engine=engine, deltas=deltas, **kw) as s:
+    with open_session(str(path), preset, engine=engine, deltas=deltas, **kw) as s:
         s.engine.reset()
         rows = [s.step(TOKENS[:SPLIT], "prefill")]
         for i, t in enumerate(TOKENS[SPLIT:]):
@@ -143,7 +143,7 @@ def test_speculative_verification_and_generate(tiny_models):
     path = tiny_models["qwen3_moe"]
     outs = {}
     for engine in ("numpy", "mlx"):
-        with Session(str(path), "les", engine=engine, speculative=4, experts="q4") as s:
+        with open_session(str(path), "les", engine=engine, speculative=4, experts="q4") as s:
             outs[engine] = s.generate([5, 9, 33, 71, 2, 18, 5, 9, 33], tokens=16)["tokens"]
             assert s.tel.spec_steps > 0
     assert outs["mlx"] == outs["numpy"]
@@ -173,7 +173,7 @@ def test_demo_greedy_output_is_the_numpy_engines():
     for preset, kw in [("resident", {}), ("les", dict(budget="0.25", experts="q4"))]:   # one q4 pack
         toks = {}
         for engine in ("numpy", "mlx"):
-            with Session("demo", preset, engine=engine, **kw) as s:
+            with open_session("demo", preset, engine=engine, **kw) as s:
                 toks[engine] = s.generate("Once upon a time", tokens=8)["tokens"]
         assert toks["mlx"] == toks["numpy"], preset
 
@@ -182,7 +182,7 @@ def test_refuses_experts_it_cannot_compute(tiny_models):
     """A raw GGUF pack's block formats (gguf:Q4_K, ...) are not MLX's affine format: a clear error, not garbage."""
     from engines.mlx_engine import MlxEngine
     from workbench.errors import WorkbenchError
-    with Session(str(tiny_models["mixtral"]), "resident", budget="0.5") as s:
+    with open_session(str(tiny_models["mixtral"]), "resident", budget="0.5") as s:
         s.pack.expert_kinds = {p: "gguf:Q4_K" for p in ("gate", "up", "down")}
         with pytest.raises(WorkbenchError, match="--engine mlx computes experts stored as"):
             MlxEngine(s.pack, s.streamer, s.tel)

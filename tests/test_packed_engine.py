@@ -19,7 +19,7 @@ from engines import packed_kernels as K
 from workbench.arena import slot_bytes
 from workbench.errors import WorkbenchError
 from workbench.io import ALIGN, ChecksumError, Reader, aligned_empty
-from runtime.session import Session
+from runtime.session import open_session
 from workbench.store import quant
 
 TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
@@ -32,7 +32,7 @@ def run(path, preset, engine="packed", **kw):
     kw names them: these tests hold the affine kernels to the reference (ggml's blocks, the packed engine's default
     elsewhere, are held to theirs in tests/test_llamacpp.py)."""
     kw.setdefault("experts", "q4")
-    with Session(str(path), preset, engine=engine, **kw) as s:
+    with open_session(str(path), preset, engine=engine, **kw) as s:
         s.engine.reset()
         rows = [s.step(TOKENS[:SPLIT], "prefill")]
         rows += [s.step([t], "decode") for t in TOKENS[SPLIT:]]
@@ -53,7 +53,7 @@ def test_resident_matrices_stay_encoded_and_project_as_their_dequantized_copies(
     """rest q4: attention, head and dense MLP matrices are held as the pack's bytes (Encoded), and a projection of
     one row, of a speculative batch and of a prompt (BLAS past KERNEL_ROWS) is x times the dequantized matrix."""
     from engines.packed_engine import KERNEL_ROWS, Encoded
-    with Session(str(tiny_models["qwen3_moe"]), "resident", engine="packed") as s:
+    with open_session(str(tiny_models["qwen3_moe"]), "resident", engine="packed") as s:
         w = s.engine.w
         encoded = {n for n, v in w.items() if isinstance(v, Encoded)}
         assert "layers.0.q" in encoded and "layers.0.o" in encoded and not {"embed", "layers.0.router"} & encoded
@@ -81,7 +81,7 @@ def test_decode_attention_kernel_is_the_decoders(tiny_models, family):
     """A decoded token's attention in one kernel call (families with per-head or no qk-norm; OLMoE's full qk-norm
     and latent attention keep the decoder's numpy) gives the decoder's output and KV cache, to float32 rounding."""
     from engines.decoder import Decoder
-    with Session(str(tiny_models[family]), "resident", engine="packed") as s:
+    with open_session(str(tiny_models[family]), "resident", engine="packed") as s:
         e = s.engine
         assert e.fused_attention == (family in ("qwen3_moe", "qwen2_moe", "mixtral", "dots1"))
         e.reset()
@@ -128,11 +128,11 @@ def test_demo_greedy_output_is_all_residents():
     """The demo model: greedy tokens of every exact streaming design equal all-resident's, at each budget."""
     ref = {}
     for experts in ("q4", "q3"):
-        with Session("demo", "resident", engine="packed", experts=experts) as s:
+        with open_session("demo", "resident", engine="packed", experts=experts) as s:
             ref[experts] = s.generate("Once upon a time", tokens=12)["tokens"]
     for preset, experts in [("on_demand", "q4"), ("les", "q3"), ("smol", "q4")]:
         for budget in ("0.125", "0.25", "0.5"):
-            with Session("demo", preset, budget=budget, engine="packed", experts=experts) as s:
+            with open_session("demo", preset, budget=budget, engine="packed", experts=experts) as s:
                 assert s.generate("Once upon a time", tokens=12)["tokens"] == ref[experts], (preset, budget)
                 assert s.summary()["misses"] > 0
 
@@ -141,7 +141,7 @@ def test_budget_counts_packed_bytes(tiny_models):
     """0.25 keeps a quarter of the experts at their packed size; the arena is the cache's memory; a byte budget
     holds more q3 experts than q4 experts. (Contiguous layout: one aligned span per expert; the native layout's
     three parts take an aligned region each.)"""
-    with Session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.25", engine="packed", layout="contiguous") as s:
+    with open_session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.25", engine="packed", layout="contiguous") as s:
         n = s.pack.num_expert_total
         assert s.item_bytes == slot_bytes(s.pack) < s.pack.expert_nbytes + ALIGN
         assert sum(s.cache.capacity[L] for L in s.spec.moe_layers[:1]) == n // 4
@@ -150,7 +150,7 @@ def test_budget_counts_packed_bytes(tiny_models):
         assert s.summary()["cache_bytes"] <= s.arena.nbytes
     slots = {}                  # the demo's experts: 14 pages at q4, 11 at q3
     for experts in ("q4", "q3"):
-        with Session("demo", "on_demand", budget="24MiB", engine="packed", experts=experts, layout="contiguous") as s:
+        with open_session("demo", "on_demand", budget="24MiB", engine="packed", experts=experts, layout="contiguous") as s:
             slots[experts] = s.cache.capacity[s.spec.moe_layers[0]]
     assert slots["q3"] >= 1.25 * slots["q4"]
 
@@ -194,7 +194,7 @@ def test_reads_land_in_their_buffers_checked_and_demand_goes_first(tmp_path, kin
 
 def test_a_corrupt_expert_is_an_error_not_garbage(tiny_models, tmp_path):
     import shutil
-    with Session(str(tiny_models["olmoe"]), "resident", engine="packed") as s:
+    with open_session(str(tiny_models["olmoe"]), "resident", engine="packed") as s:
         src, (off, _) = s.pack_path, s.pack.expert_reads(s.spec.moe_layers[0], 3)[0]
     bad = tmp_path / "bad.pack"
     shutil.copy(src, bad)
@@ -204,12 +204,12 @@ def test_a_corrupt_expert_is_an_error_not_garbage(tiny_models, tmp_path):
         f.seek(off + 10)
         f.write(bytes([b[0] ^ 0xFF]))
     with pytest.raises(WorkbenchError, match="checksum mismatch in expert 3"):
-        Session(str(bad), "resident", engine="packed")
+        open_session(str(bad), "resident", engine="packed")
 
 
 def test_refuses_experts_it_cannot_compute(tiny_models):
     from engines.packed_engine import PackedEngine
-    with Session(str(tiny_models["mixtral"]), "resident", budget="0.5", engine="packed") as s:
+    with open_session(str(tiny_models["mixtral"]), "resident", budget="0.5", engine="packed") as s:
         for kind, why in [("f32", "f32"), ("gguf:Q4_K", "does not split into its blocks")]:   # rows of 64, not 256
             s.pack.expert_kinds = {p: kind for p in ("gate", "up", "down")}
             with pytest.raises(WorkbenchError, match="--engine packed computes experts stored as") as e:

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import FAMILIES, YARN, make_checkpoint
 from workbench.models.hf import HFModel
-from runtime.session import Session
+from runtime.session import open_session
 from workbench.store.pack import Pack
 
 TOKENS = [3, 17, 42, 99, 7, 200, 31, 5, 128, 64, 250, 1, 77, 13]
@@ -31,7 +31,7 @@ def hf_logits(path, ids) -> np.ndarray:
 
 
 def our_logits(path, preset, ids, decode_from=None) -> np.ndarray:
-    with Session(str(path), preset) as s:
+    with open_session(str(path), preset) as s:
         s.engine.reset()
         if decode_from is None:
             return s.step(ids, "prefill")
@@ -87,7 +87,7 @@ def test_decode_with_kv_cache_matches_full_forward(tiny_models, family):
                          [("qwen3_moe", q, "q8") for q in ("q2", "q3", "q8")])
 def test_quantized_pack_matches_dequantized_reference(tiny_models, tmp_path, family, experts, rest):
     src = tiny_models[family]
-    with Session(str(src), "resident", experts=experts, rest=rest) as s:
+    with open_session(str(src), "resident", experts=experts, rest=rest) as s:
         s.engine.reset()
         ours = s.step(TOKENS, "prefill")
         pack_path = s.pack_path

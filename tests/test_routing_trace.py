@@ -92,8 +92,8 @@ def test_a_trace_from_another_shape_is_mapped_by_the_stated_rule_or_refused(demo
 
 
 def test_a_run_driven_by_a_trace_routes_and_prefetches_exactly_as_recorded(demo_trace):
-    from runtime.session import Session
-    with Session("demo", "les", budget="0.25", drive=partial(TraceDrive, str(DEMO_TRACE))) as s:
+    from runtime.session import open_session
+    with open_session("demo", "les", budget="0.25", drive=partial(TraceDrive, str(DEMO_TRACE))) as s:
         prompt = [5, 6, 7]
         s.generate(prompt, tokens=6)
         cfg = s.config()

@@ -47,7 +47,7 @@ def served(tmp_path_factory):
 def test_every_task_scores_through_the_server_as_in_process(served, monkeypatch):
     from evals.lm import evaluate, items, task_manager
     from evals.lm_eval_adapter import WorkbenchLM
-    from runtime.session import Session
+    from runtime.session import open_session
     url, model = served
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -57,7 +57,7 @@ def test_every_task_scores_through_the_server_as_in_process(served, monkeypatch)
     assert sorted(res["results"]) == TASKS
     # the same window on long items: the client sends the last max_length - 1 tokens (and asks for one more, which
     # must fit the context); the adapter scores the last max_length + 1
-    with Session(model, "les", direct=False) as s:
+    with open_session(model, "les", direct=False) as s:
         lm = WorkbenchLM(session=s, model=model, progress=False, max_length=CTX - 2)
         want = evaluate(lm, TASKS, limit=LIMIT, per_item=True)
     for task in TASKS:

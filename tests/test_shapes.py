@@ -27,8 +27,8 @@ def test_make_model_writes_a_checkpoint_the_workbench_reads_at_the_real_expert_s
     assert m.expert(0, 15)["down"].shape == (2048, 768)
     card = json.loads((out / "random_weights.json").read_text())
     assert card["random_weights"] and "RANDOM" in card["label"] and "16 of 128 experts" in " ".join(card["notes"])
-    from runtime.session import Session
-    with Session(str(out), "on_demand", budget="0.5") as s:
+    from runtime.session import open_session
+    with open_session(str(out), "on_demand", budget="0.5") as s:
         s.generate([1, 2, 3], tokens=2)
         assert "RANDOM" in s.summary()["random_weights"] and "RANDOM" in s.config()["random_weights"]
 

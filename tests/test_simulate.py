@@ -365,8 +365,8 @@ def test_the_streamers_timers_see_every_read_it_issues_and_takes_in(preset):
     at most once; on_demand, which waits for its reads in the layer, takes in each one it issued. With every
     expert in memory nothing is issued."""
     from workbench.io import ALIGN
-    from runtime.session import Session
-    with Session("demo", preset, budget="0.25") as s:
+    from runtime.session import open_session
+    with open_session("demo", preset, budget="0.25") as s:
         s.generate([1, 2, 3, 4], tokens=6)
         dec = [e for e in s.tel.events if e.phase == "decode"]
         toks = [t for t in s.tel.tokens if t.phase == "decode"]
@@ -376,7 +376,7 @@ def test_the_streamers_timers_see_every_read_it_issues_and_takes_in(preset):
         assert taken <= issued
         if preset == "on_demand":
             assert taken == issued and sum(t.bytes_read for t in toks) == issued * read
-    with Session("demo", preset, budget="all") as s:
+    with open_session("demo", preset, budget="all") as s:
         s.generate([1, 2, 3, 4], tokens=4)
         assert sum(e.issued + e.taken for e in s.tel.events if e.phase == "decode") == 0
 

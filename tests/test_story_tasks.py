@@ -78,7 +78,7 @@ def test_no_item_comes_from_the_training_text(built):
 def recorded(monkeypatch, tmp_path):
     """The tiny model behind lm-eval, recording the loglikelihood requests lm-eval makes."""
     from evals.lm_eval_adapter import WorkbenchLM
-    from runtime.session import Session
+    from runtime.session import open_session
     tiny = use_tiny(monkeypatch, tmp_path)
     seen = []
 
@@ -87,7 +87,7 @@ def recorded(monkeypatch, tmp_path):
             seen.extend(r.args for r in requests)
             return super().loglikelihood(requests, disable_tqdm)
 
-    with Session(tiny, "resident", direct=False) as s:
+    with open_session(tiny, "resident", direct=False) as s:
         yield Recording(session=s, progress=False), seen
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_tokenizer
-from runtime.session import Session
+from runtime.session import open_session
 
 torch = pytest.importorskip("torch")
 
@@ -31,7 +31,7 @@ def test_demo_model_exported_is_what_the_engine_runs(tmp_path):
     ids = [5, 9, 33, 71, 2, 18, 7, 7, 40]
     with torch.no_grad():
         ours, aux = model(torch.tensor([ids]))
-    with Session(str(tmp_path / "demo-tiny"), "teacher") as s:
+    with open_session(str(tmp_path / "demo-tiny"), "teacher") as s:
         s.engine.reset()
         engine = s.step(ids, "prefill")
     assert float(aux) > 0

@@ -98,6 +98,10 @@ class SlotArena:
             views = self._views[at] = [block[base + off:base + off + n] for off, n in regions]
         return views
 
+    def close(self):
+        """A closed session's arena: its blocks and every view of them let go, whoever still refers to the arena."""
+        self.blocks, self._views, self.where, self._free = {}, {}, {}, {}
+
     def release(self, keys):
         """The cache evicted these experts: their slots are free."""
         for key in keys:
