@@ -57,6 +57,7 @@ def _ladder_flags(p):
     p.add_argument("--skip-layers", type=int, default=None, help="edge0: MoE layers routed exactly (default: the heads')")
     flags("routing_trace", routing_trace={"help": "every rung routes and predicts as recorded in this trace (a model "
                                                   "with random weights)"})(p)
+    flags("set", set={"help": "set one of the presets' knobs on every rung (as bench's --set); repeatable"})(p)
 
 
 @command("ladder", "a design's ablation ladder, alternating arms, one run record per rung "
@@ -72,7 +73,8 @@ def cmd_ladder(args):
     else:
         from experiments.ladder import run_ladder, table
         res = run_ladder(args.name, model=args.model, budget=args.budget, tokens=args.tokens, rounds=args.rounds,
-                         progress=progress, device=args.device, routing_trace=args.routing_trace)
+                         progress=progress, device=args.device, routing_trace=args.routing_trace,
+                         knobs=knobs_of(args.set))
     emit(args, res, table(res))
 
 

@@ -63,11 +63,13 @@ def cache_rungs(spec_top_k: int, item_bytes: int, preset: str = "les"):
 
 def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3,
                prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, device: str | None = None,
-               engine: str = DEFAULT, also_on: dict | None = None, routing_trace: str | None = None) -> dict:
+               engine: str = DEFAULT, also_on: dict | None = None, routing_trace: str | None = None,
+               knobs: dict | None = None) -> dict:
     """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}. device: a
     device profile whose flash every rung's reads emulate (workbench.devices).
     also_on: {engine: [preset names]}: those rungs again on another engine (rung "<preset> [<engine>]").
     routing_trace: every rung routes and predicts as this trace recorded (experiments/routing_trace.py).
+    knobs: preset knobs set on every rung (`--set`, as bench takes them).
 
     The rungs are the arms of one timing group of a sweep (experiments.sweep, on a local Ray): one task, holding
     the machine's CPUs, runs them round by round, and one run record per rung comes back."""
@@ -95,6 +97,7 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
                  if n != "smol" or pager_fits(b)]
     else:
         raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache, designs or budgets (edge0 has its own verb)")
+    rungs = [(p.with_(**knobs), b) for p, b in rungs] if knobs else rungs
     base = {"les": "on_demand", "smol": "smol", "cache": "les"}.get(name)
     variant_of = {"on_demand c=0": "on_demand"}         # a designs rung that is not a preset of its own
     rungs = [(p, b, engine) for p, b in rungs] + [(p, b, e) for e, names in (also_on or {}).items()
