@@ -112,7 +112,7 @@ def _stop(body) -> list[str]:
     return [s for s in v if s]
 
 
-class Engine:
+class ServedSession:
     """The shared Session: tokenization is thread-safe, the forward pass is behind `lock`."""
 
     def __init__(self, session, model_id: str):
@@ -206,7 +206,7 @@ def _safe_len(text: str, stops: list[str]) -> int:
     return n - hold
 
 
-def generate(eng: Engine, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, stops: list[str],
+def generate(eng: ServedSession, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, stops: list[str],
              logprobs: int | None, echo: bool, seed: int | None, on_text=None, min_tokens: int = 0) -> dict:
     """Runs under eng.lock. on_text(delta) is called with text that is final (stop strings held back).
     min_tokens (vLLM's extension): EOS cannot be picked before that many tokens."""
@@ -281,7 +281,7 @@ class Handler(BaseHTTPRequestHandler):
     timeout = 120                              # socket timeout for writes: a client that stops reading is dropped
 
     @property
-    def eng(self) -> Engine:
+    def eng(self) -> ServedSession:
         return self.server.engine
 
     def setup(self):
@@ -710,7 +710,7 @@ class Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 64
 
-    def __init__(self, addr, engine: Engine, quiet: bool = False, api_key: str | None = None,
+    def __init__(self, addr, engine: ServedSession, quiet: bool = False, api_key: str | None = None,
                  max_waiting: int = MAX_WAITING, max_connections: int = MAX_CONNECTIONS,
                  read_timeout: float = READ_TIMEOUT):
         super().__init__(addr, Handler)
@@ -802,7 +802,7 @@ def make_server(session, host: str = "127.0.0.1", port: int = 8000, model_id: st
     """limits: api_key, max_waiting, max_connections, read_timeout (Server)."""
     from pathlib import Path
     mid = model_id or Path(str(session.model)).name
-    return Server((host, port), Engine(session, mid), quiet=quiet, **limits)
+    return Server((host, port), ServedSession(session, mid), quiet=quiet, **limits)
 
 
 def serve(model: str, preset: str, budget=None, host: str = "127.0.0.1", port: int = 8000, model_id: str | None = None,

@@ -257,7 +257,7 @@ def test_client_disconnect_mid_stream_does_not_kill_the_server(server):
 
 
 class _StubEngine:
-    """Engine-shaped stub: the model always prefers EOS (id 0), then token 1 ('a'), then 2 ('b')."""
+    """ServedSession-shaped stub: the model always prefers EOS (id 0), then token 1 ('a'), then 2 ('b')."""
     eos, ctx = 0, 64
 
     class s:
