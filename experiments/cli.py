@@ -143,7 +143,7 @@ def cmd_trace(args):
 
 
 def _replay_flags(p):
-    from experiments.traces import REPLAYED
+    from experiments.simulate import REPLAYED
     p.add_argument("trace")
     flags("preset", "budget", "engine", "tokens", "prompt_tokens", "skip", "set",
           preset={"default": ",".join(REPLAYED), "help": "the presets, comma-separated (default: %(default)s)"},
@@ -154,7 +154,7 @@ def _replay_flags(p):
 @command("replay", "each preset's schedule over a routing trace, every read landing at once (no timing)",
          _replay_flags)
 def cmd_replay(args):
-    from experiments.traces import replay, table
+    from experiments.simulate import replay, table
     res = replay(args.trace, [p for p in args.preset.split(",") if p], args.budget, tokens=args.tokens,
                  prompt=args.prompt_tokens, skip=args.skip, engine=args.engine, knobs=knobs_of(args.set))
     emit(args, res, table(res))

@@ -1,7 +1,13 @@
-"""The simulator: a design's decode over a routing trace on a virtual clock, no model run.
+"""The simulator: a design's decode over a routing trace on a virtual clock, no model run; and replay, the same on
+a clock where every read lands at once.
 
     python -m workbench simulate --trace data/traces/demo-tinystories-256.parquet --preset les --budget 0.25 \
         --device ufs22-phone [--shape qwen3.6-35b-a3b] --json
+    python -m workbench replay data/traces/demo-tinystories-256.parquet --preset on_demand,les,smol --budget 0.25
+
+Replay: each preset's schedule over the trace's routing and its recorded predictions, no timing: hit rates with no
+late prefetches, exact recall and precision, reads per token, and Belady's bound at the same budget, over the
+window simulate and bench take (`--prompt-tokens` rows, then `--tokens` - 1 decode steps, from row `--skip`).
 
 What is decided is the engine's own code: the schedule (workbench.schedule: hits, late prefetches, misses, the
 predictor's reads, ready_first or wait_all, waves) over the ExpertCache, the trace's recorded predictions
@@ -649,3 +655,57 @@ def shape_spec(shape: str, meta: dict, traced: MoESpec) -> tuple[MoESpec, str]:
     return spec, (f"{shape}'s expert shape (d {s['hidden_size']}, moe ff {s['moe_intermediate_size']}, top-{k}; "
                   f"{s['num_attention_heads']}/{s['num_key_value_heads']} heads of {s['head_dim']}) with "
                   f"{r * meta['num_experts']} experts ({r} x the trace's) on the trace's {len(traced.moe_layers)} MoE layers")
+
+
+# ---------------------------------------------------------------- replay: the instant clock
+
+REPLAYED = ("on_demand", "history", "shuffled", "les", "smol", "oracle")     # replay's presets by default
+
+
+def replay(path, presets=REPLAYED, budget: str | None = None, tokens: int | None = None, prompt: int = 4,
+           skip: int = 0, engine: str | None = None, knobs: dict | None = None) -> dict:
+    """Each preset over the trace's window (prompt rows, then tokens - 1 decode steps, from row `skip`) on the
+    schedule with every read landing at once: what it serves from memory, reads and prefetches, untimed. The
+    predictors are the trace's recorded ones, as simulate and bench --routing-trace replay them."""
+    from engines import default_engine
+    from experiments.routing_trace import TraceDrive
+    from experiments.traces import near_ties, read_trace
+    from workbench.presets import get_preset
+    tr = read_trace(path)
+    meta = tr["meta"]
+    spec = MoESpec.from_dict(meta["spec"])
+    if list(spec.moe_layers) != list(tr["moe_layers"]):
+        raise WorkbenchError(f"{path}: the trace's layers {tr['moe_layers']} are not the spec's MoE layers")
+    engine = engine or default_engine()
+    tokens = tokens or len(tr["ids"]) - prompt - skip + 1
+    rows = []
+    for name in presets:
+        p = simulable(get_preset(name).with_(**(knobs or {})))
+        b = str(budget if budget is not None else p.cache.budget)
+        drive = TraceDrive(path, spec, str(p.prefetch) or None, trace=tr, skip=skip)
+        res = replay_run(drive, spec, p, b, tokens, prompt, engine)
+        steps = max(1, res["decode_steps"])
+        bound = belady(drive, spec, p, b, prompt, tokens, initial=res.pop("cache_at_decode"), engine=engine)
+        rows.append({"preset": p.name, "budget": b, **{k: res[k] for k in (
+            "hit_rate", "late_rate", "miss_rate", "recall", "precision", "cache_slots", "budget_bytes",
+            "prefetch_issued", "prefetch_wasted", "experts_read")},
+            "misses_per_token": res["misses"] / steps, "prefetch_per_token": res["prefetch_issued"] / steps,
+            "reads_per_token": res["experts_read"] / steps, "belady_hit_rate": bound["belady_hit_rate"]})
+    return {"trace": str(path), "engine": meta.get("engine"), "model": meta.get("gguf") or meta.get("model"),
+            "trace_tokens": len(tr["ids"]), "tokens": tokens, "prompt": prompt, "skip": skip, "cache_engine": engine,
+            "clock": "instant: every read lands at once (no timing)",
+            "routing_check": near_ties(tr["logits"], tr["topk"], spec.top_k) if "logits" in tr else None,
+            "presets": rows}
+
+
+def table(res: dict) -> str:
+    lines = [f"replay of {res['trace']} ({res['engine']}; rows {res['skip']}.., {res['prompt']} prompt + "
+             f"{res['tokens']} tokens; every read lands at once)",
+             f"{'preset':16} {'budget':>8} {'slots':>6} {'hit':>6} {'Belady':>7} {'recall':>7} {'precision':>9} "
+             f"{'miss/tok':>9} {'prefetch/tok':>12}"]
+    for r in res["presets"]:
+        f = lambda v: "" if v is None else f"{v:.3f}"
+        lines.append(f"{r['preset']:16} {r['budget']:>8} {r['cache_slots']:6d} {r['hit_rate']:6.3f} "
+                     f"{r['belady_hit_rate']:7.3f} {f(r['recall']):>7} {f(r['precision']):>9} "
+                     f"{r['misses_per_token']:9.2f} {r['prefetch_per_token']:12.2f}")
+    return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""Routing traces: per-token, per-layer routing and router inputs in a Parquet file, and a replay of presets over
-one without running the model.
+"""Routing traces: per-token, per-layer routing and router inputs in a Parquet file (replayed by
+experiments.routing_trace, experiments.simulate).
 
     python -m workbench trace --engine llamacpp --model X.gguf --data tinystories --tokens 512 --out t.parquet
     python -m workbench replay t.parquet --preset les --budget 0.25 --json
@@ -8,12 +8,6 @@ A trace has one row per (token, MoE layer): token (index in the traced text), to
 topk (the experts chosen, best first), logits (the router's logits over all experts) and router_input
 (the residual stream entering the MoE block: llama.cpp's `ffn_inp-N`, the numpy engine's `h`).
 The file's schema metadata (`workbench.trace`) holds the engine, the model, the spec and the data.
-
-Replay: each preset's schedule (workbench.schedule, the streamer's and the simulator's) over the trace's routing
-and its recorded predictions (experiments.routing_trace.TraceDrive), on a clock where every read lands at once and
-nothing takes time: hit rates with no late prefetches, exact recall and precision, reads per token, and Belady's
-bound at the same budget. The budget buys the slots it buys in --engine's cache (engines.expert_bytes,
-Budget.slots), and the window is simulate's and bench's: `--prompt` rows, then `--tokens` - 1 decode steps.
 """
 from __future__ import annotations
 
@@ -29,7 +23,6 @@ from workbench.runs import write_table
 from workbench.spec import MoESpec
 
 META_KEY = b"workbench.trace"
-REPLAYED = ("on_demand", "history", "shuffled", "les", "smol", "oracle")     # replay's presets by default
 
 
 # ---------------------------------------------------------------- file format
@@ -146,52 +139,3 @@ def near_ties(logits: np.ndarray, topk: np.ndarray, k: int) -> dict:
     mism = (mine != theirs).any(-1)
     return {"rows": int(mism.size), "topk_vs_logits_mismatch": int(mism.sum()), "min_gap": float(gap.min()),
             "max_gap_where_mismatch": float(gap[mism].max()) if mism.any() else None}
-
-
-def replay(path, presets=REPLAYED, budget: str | None = None, tokens: int | None = None, prompt: int = 4,
-           skip: int = 0, engine: str | None = None, knobs: dict | None = None) -> dict:
-    """Each preset over the trace's window (prompt rows, then tokens - 1 decode steps, from row `skip`) on the
-    schedule with every read landing at once: what it serves from memory, reads and prefetches, untimed. The
-    predictors are the trace's recorded ones, as simulate and bench --routing-trace replay them."""
-    from engines import default_engine
-    from experiments.routing_trace import TraceDrive
-    from experiments.simulate import belady, replay_run, simulable
-    from workbench.presets import get_preset
-    tr = read_trace(path)
-    meta = tr["meta"]
-    spec = MoESpec.from_dict(meta["spec"])
-    if list(spec.moe_layers) != list(tr["moe_layers"]):
-        raise WorkbenchError(f"{path}: the trace's layers {tr['moe_layers']} are not the spec's MoE layers")
-    engine = engine or default_engine()
-    tokens = tokens or len(tr["ids"]) - prompt - skip + 1
-    rows = []
-    for name in presets:
-        p = simulable(get_preset(name).with_(**(knobs or {})))
-        b = str(budget if budget is not None else p.cache.budget)
-        drive = TraceDrive(path, spec, str(p.prefetch) or None, trace=tr, skip=skip)
-        res = replay_run(drive, spec, p, b, tokens, prompt, engine)
-        steps = max(1, res["decode_steps"])
-        bound = belady(drive, spec, p, b, prompt, tokens, initial=res.pop("cache_at_decode"), engine=engine)
-        rows.append({"preset": p.name, "budget": b, **{k: res[k] for k in (
-            "hit_rate", "late_rate", "miss_rate", "recall", "precision", "cache_slots", "budget_bytes",
-            "prefetch_issued", "prefetch_wasted", "experts_read")},
-            "misses_per_token": res["misses"] / steps, "prefetch_per_token": res["prefetch_issued"] / steps,
-            "reads_per_token": res["experts_read"] / steps, "belady_hit_rate": bound["belady_hit_rate"]})
-    return {"trace": str(path), "engine": meta.get("engine"), "model": meta.get("gguf") or meta.get("model"),
-            "trace_tokens": len(tr["ids"]), "tokens": tokens, "prompt": prompt, "skip": skip, "cache_engine": engine,
-            "clock": "instant: every read lands at once (no timing)",
-            "routing_check": near_ties(tr["logits"], tr["topk"], spec.top_k) if "logits" in tr else None,
-            "presets": rows}
-
-
-def table(res: dict) -> str:
-    lines = [f"replay of {res['trace']} ({res['engine']}; rows {res['skip']}.., {res['prompt']} prompt + "
-             f"{res['tokens']} tokens; every read lands at once)",
-             f"{'preset':16} {'budget':>8} {'slots':>6} {'hit':>6} {'Belady':>7} {'recall':>7} {'precision':>9} "
-             f"{'miss/tok':>9} {'prefetch/tok':>12}"]
-    for r in res["presets"]:
-        f = lambda v: "" if v is None else f"{v:.3f}"
-        lines.append(f"{r['preset']:16} {r['budget']:>8} {r['cache_slots']:6d} {r['hit_rate']:6.3f} "
-                     f"{r['belady_hit_rate']:7.3f} {f(r['recall']):>7} {f(r['precision']):>9} "
-                     f"{r['misses_per_token']:9.2f} {r['prefetch_per_token']:12.2f}")
-    return "\n".join(lines)

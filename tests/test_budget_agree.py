@@ -16,7 +16,7 @@ import pytest
 
 from experiments.compute_profile import load_compute
 from experiments.simulate import run as simulate
-from experiments.traces import replay
+from experiments.simulate import replay
 from cli import main
 from runtime.session import open_session
 

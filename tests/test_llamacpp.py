@@ -275,7 +275,8 @@ def test_refuses_what_moespec_cannot_express(tmp_path):
 
 
 def test_replay_of_a_numpy_trace(q3, tmp_path):
-    from experiments.traces import capture_numpy, read_trace, replay, write_trace
+    from experiments.simulate import replay
+    from experiments.traces import capture_numpy, read_trace, write_trace
     ids = np.random.default_rng(0).integers(0, 320, 96).tolist()
     tr, meta = capture_numpy(str(q3), ids)
     from experiments.routing_trace import named_predictions

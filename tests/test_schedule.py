@@ -176,7 +176,7 @@ def test_replay_and_the_simulator_serve_the_same_experts_on_the_same_window(pres
     """The target of #53: 64 tokens of the shipped trace, served (hit + late) and miss fractions within 0.02."""
     from experiments.compute_profile import load_compute
     from experiments.simulate import run as simulate
-    from experiments.traces import replay
+    from experiments.simulate import replay
     compute = load_compute(REPO / "benchmarks" / "compute" / f"demo-{preset}.json")
     if (preset, budget) == ("smol", "0.1"):      # 3 slots a layer's pool, under the demo's top-4: both refuse it
         for run in (lambda: simulate(TRACE, preset, budget, "this-machine", compute=compute, record=False),
