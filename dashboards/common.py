@@ -21,7 +21,7 @@ import pyarrow as pa
 from dashboards import worker
 from workbench.presets import PRESETS, Budget, budget_for
 from workbench.registry import model_dir
-from workbench.runs import list_runs, read_run, write_run
+from workbench.runs import list_runs, read_run
 from workbench.errors import WorkbenchError
 
 REFRESH_S = 0.5          # live numbers redraw this often
