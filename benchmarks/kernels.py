@@ -330,12 +330,12 @@ def alternate_steps(arms: dict, rounds: int, steps: int) -> dict:
     return out
 
 
-def rest_md(r: dict) -> str:
+def rest_md(r: dict, steps: int) -> str:
     med = {a: float(np.median(v)) for a, v in r.items()}
     (ea, e), (fa, f) = med.items()
     rows = "\n".join(f"| {a} | {med[a]:.3f} | {min(v):.3f}-{max(v):.3f} |" for a, v in r.items())
     return ("The whole decode step, resident, the two arms alternating in one process (" f"{len(r[ea])} rounds of "
-            "200 steps):\n\n| non-expert matrices | ms / token, median | min-max |\n|---|---:|---:|\n" + rows +
+            f"{steps} steps):\n\n| non-expert matrices | ms / token, median | min-max |\n|---|---:|---:|\n" + rows +
             f"\n\nEncoded, the step takes {e / f:.2f}x the time of f32 copies: a step reads every matrix once, and "
             "the encoded ones are a seventh of the bytes.\n")
 
@@ -347,7 +347,6 @@ SPLIT_NOTE = ("Each part timed alone, repeatedly, in a resident session that has
 
 def token_split(repeat) -> list[tuple[str, int, float, float]]:
     """Where a resident decode token of the demo goes on the packed engine (SPLIT_NOTE)."""
-    from engines import packed_kernels as K
     from engines.decoder import Decoder
     from workbench.routing import route
     from runtime.session import open_session
@@ -368,16 +367,13 @@ def token_split(repeat) -> list[tuple[str, int, float, float]]:
             s.step([5], "decode")
             e.truncate(e.pos - 1)               # the same position every time: the KV cache does not grow
         idx = np.array([[1, 5, 9, 20]])[:, :sp.top_k]
-        offs = np.array([s.cache.peek((sp.moe_layers[0], int(j))) for j in idx[0]])
-        Y = np.empty((sp.top_k, sp.hidden_size), np.float32)
-        kernel = (e.streamer.arena.blocks[sp.moe_layers[0]], offs, np.zeros(sp.top_k, np.int64),
-                  np.arange(sp.top_k), np.full(sp.top_k, 1 / sp.top_k, np.float32), x, Y,
-                  e.experts.kernels[sp.moe_layers[0]][1],
-                  sp.hidden_size, sp.moe_intermediate_size, K.F16)
+        offs = [s.cache.peek((sp.moe_layers[0], int(j))) for j in idx[0]]
+        # the call the engine makes for a layer's top-k, on the pack's own format (ggml's blocks or affine)
+        experts = e.experts.begin(sp.moe_layers[0], x, idx, np.full(idx.shape, 1 / sp.top_k, np.float32))
         lg = x @ W(f"layers.{sp.moe_layers[0]}.router").T
         rows = [("whole decode step", 1, *t(step)),
                 ("MoE block: route, streamer, experts, combine", nm, *t(lambda: e.moe(sp.moe_layers[0], x, x, "decode"))),
-                ("  of which the experts: one moe_layer call (top-k)", nm, *t(lambda: K.moe_layer(*kernel))),
+                ("  of which the experts: one kernel call (top-k)", nm, *t(lambda: experts(idx[0], offs))),
                 ("  of which route()", nm, *t(lambda: route(sp, lg))),
                 ("attention (kernel after the projections)", L, *t(lambda: e.attention(0, x))),
                 ("attention (the decoder's numpy, for comparison)", 0, *t(lambda: Decoder.attention(e, 0, x))),
@@ -475,7 +471,8 @@ def dense_decision(rows) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeat", type=int, default=200)
+    ap.add_argument("--repeat", type=int, default=200, help="timings of each kernel, and decode steps in each round "
+                    "of the whole-step comparison (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -488,7 +485,7 @@ def main(argv=None):
         rows += bench_shape(name, d, ff, a.repeat, ggml, rng, top_k=4 if name == "demo" else 8)
     dense = bench_dense(a.repeat, rng)
     split = token_split(a.repeat)
-    rest = rest_end_to_end()
+    rest = rest_end_to_end(steps=a.repeat)
     command = f"python benchmarks/kernels.py --repeat {a.repeat}"
     res = {"command": command, "rows": rows, "dense": dense, "token_split": split, "rest_end_to_end": rest,
            "ggml": ggml is not None,
@@ -501,7 +498,7 @@ def main(argv=None):
                     "## Where a resident decode token goes (demo, packed engine)\n", SPLIT_NOTE, "",
                     split_table(split), "",
                     "## Non-expert weights (one decoded token)\n", dense_table(dense), "", dense_decision(dense), "",
-                    rest_md(rest)])
+                    rest_md(rest, a.repeat)])
     atomic_write(a.out / "kernels.md", md)
     print(md)
 

@@ -11,13 +11,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
-from experiments.bench import bench
-from workbench.atomic import atomic_write
-from workbench.registry import resolve_pack
-from runtime.session import open_session
-from workbench.store.pack import Pack
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.bench import bench  # noqa: E402
+from workbench.atomic import atomic_write  # noqa: E402
+from workbench.registry import resolve_pack  # noqa: E402
+from runtime.session import open_session  # noqa: E402
+from workbench.store.pack import Pack  # noqa: E402
 
 ARMS = [("on_demand", "q4", "g4"), ("les", "q3", "g3")]     # (preset, old default, new default)
 
@@ -90,7 +93,8 @@ def main(argv=None):
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     a = ap.parse_args(argv)
-    command = f"python benchmarks/pack_formats.py --rounds {a.rounds} --tokens {a.tokens}"
+    command = (f"python benchmarks/pack_formats.py --rounds {a.rounds} --tokens {a.tokens} --budget {a.budget} "
+               f"--chunks {a.chunks}")
     rows, qual = speed(a.rounds, a.tokens, a.budget), quality(a.budget, a.chunks)
     load = os.getloadavg()
     atomic_write(a.out / "pack_formats.json", json.dumps({"command": command, "load": load, "speed": rows,

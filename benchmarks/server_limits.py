@@ -3,7 +3,8 @@
     python benchmarks/server_limits.py --out results/server_limits.md
 
 Starts `python -m workbench serve --model demo --preset les` on 127.0.0.1 and, one phase at a time:
-  burst      64 concurrent clients, 2 greedy completions each; a 429 is retried after its Retry-After
+  burst      64 concurrent clients (--clients), 2 greedy completions of 16 tokens (--tokens) each; a 429 is
+             retried after its Retry-After
   oversize   8 clients at once send a body over the server's MAX_BODY; one declares one and sends nothing
   loris      64 connections trickle a request's header a byte a second (under the connection cap), then 200
              (over it); meanwhile one completion a second from a well-behaved client
@@ -56,14 +57,14 @@ def threads_of(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
 
 
-def burst(port: int, clients: int = 64, each: int = 2) -> dict:
+def burst(port: int, clients: int = 64, each: int = 2, tokens: int = 16) -> dict:
     statuses, lat, lock = Counter(), [], threading.Lock()
 
     def client(c):
         for k in range(each):
             t0 = time.perf_counter()
             for _ in range(120):
-                st, info = request(port, completion(c + k))
+                st, info = request(port, completion(c + k, tokens))
                 with lock:
                     statuses[st] += 1
                 if st != 429:
@@ -155,7 +156,8 @@ def run(a) -> dict:
     from evals.server import MAX_BODY, MAX_CONNECTIONS, MAX_WAITING, READ_TIMEOUT
     port = free_port()
     srv = start_server(a, port, Path(a.log))
-    out = {"command": "python benchmarks/server_limits.py" + (f" --out {a.out}" if a.out else ""),
+    out = {"command": f"python benchmarks/server_limits.py --clients {a.clients} --tokens {a.tokens}" +
+                      (f" --out {a.out}" if a.out else ""),
            "server": f"python -m workbench serve --model {a.model} --preset {a.preset} --budget {a.budget} "
                      f"--port PORT (on {HOST})",
            "limits": {"MAX_BODY": MAX_BODY, "MAX_WAITING": MAX_WAITING, "MAX_CONNECTIONS": MAX_CONNECTIONS,
@@ -166,7 +168,7 @@ def run(a) -> dict:
         request(port, completion())                     # the first request converts nothing but warms the engine
         base = {"rss_bytes": rss_bytes(srv.pid), "threads": threads_of(srv.pid)}
         out["before"] = base
-        phases = [("burst", lambda: burst(port)), ("oversize", lambda: oversize(port, MAX_BODY)),
+        phases = [("burst", lambda: burst(port, a.clients, tokens=a.tokens)), ("oversize", lambda: oversize(port, MAX_BODY)),
                   ("loris under the cap", lambda: loris(port, 64, READ_TIMEOUT + 10)),
                   ("loris over the cap", lambda: loris(port, MAX_CONNECTIONS + 72, READ_TIMEOUT + 10))]
         for name, phase in phases:
@@ -224,6 +226,8 @@ def main(argv=None):
     ap.add_argument("--model", default="demo")
     ap.add_argument("--preset", default="les")
     ap.add_argument("--budget", default="0.25")
+    ap.add_argument("--clients", type=int, default=64, help="concurrent clients in the burst, 2 completions each")
+    ap.add_argument("--tokens", type=int, default=16, help="tokens a burst completion asks for")
     ap.add_argument("--log", default="/tmp/server_limits.log", help="the server's stderr")
     ap.add_argument("--out", default=None, help="write the Markdown here (and the JSON beside it)")
     a = ap.parse_args(argv)

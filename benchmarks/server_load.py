@@ -174,7 +174,8 @@ def main(argv=None):
     text = json.dumps(res, indent=1)
     print(text)
     if a.out:
-        Path(a.out).write_text(text + "\n")
+        from workbench.atomic import atomic_write
+        atomic_write(a.out, text + "\n")
     return 0 if res["errors"] == 0 and res["server_alive_after"] else 1
 
 

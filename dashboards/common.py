@@ -21,12 +21,13 @@ import pyarrow as pa
 from dashboards import worker
 from workbench.presets import PRESETS, Budget, budget_for
 from workbench.registry import model_dir
-from workbench.runs import list_runs, read_run, write_run
+from workbench.runs import list_runs, read_run
 from workbench.errors import WorkbenchError
 
 REFRESH_S = 0.5          # live numbers redraw this often
 CHARTS_REFRESH_S = 1.0   # and the live charts this often
 RECENT = 40              # decode tokens shown in the per-token charts
+STOP_GRACE_S = 2.0       # a stopped design ends at its next token, or this long after Stop, whatever step it is in
 MiB = 2 ** 20
 PARTS = [("compute_s", "compute"), ("router_s", "router"), ("dequant_s", "dequant"),
          ("flash_wait_s", "flash wait"), ("other_s", "other")]
@@ -107,6 +108,7 @@ class DesignRun:
         self.text, self.generated, self.summary, self.started, self.finished = "", 0, None, time.time(), None
         self._final: Snapshot | None = None
         self._last: Snapshot | None = None
+        self._stop_at: float | None = None     # when Stop was asked (time.monotonic)
         ctx = multiprocessing.get_context("spawn")       # a fresh interpreter: no locks forked from the server's threads
         self._conn, child = ctx.Pipe(duplex=False)
         self._stop = ctx.Event()
@@ -122,14 +124,21 @@ class DesignRun:
 
     @property
     def stopping(self) -> bool:
-        return self._stop.is_set()
+        return self._stop_at is not None
 
     def start(self) -> "DesignRun":
         self.thread.start()
         return self
 
     def stop(self):
-        self._stop.set()
+        """Ask the worker to stop at its next token (it sends its telemetry then); `_recv` ends the process if that
+        token has not come STOP_GRACE_S later. A step can outlast a Stop by tens of seconds (the first steps of a
+        fresh process compile kernels, a read is slow, the CPU is starved at nice 19), and a Stop is a Stop. Ending
+        the process is safe: its Session lives there alone, its files are written atomically, its run record only
+        once it is done."""
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
+            self._stop.set()
 
     def snapshot(self) -> Snapshot | None:
         """The finished run's numbers, or the latest copy of the live telemetry."""
@@ -152,19 +161,27 @@ class DesignRun:
             self.error = rest[0] if kind == "error" else None
             self.status = kind
 
+    def _recv(self):
+        """The worker's next message; ("stopped", None) when it outlasted a Stop by STOP_GRACE_S and was ended."""
+        while not self._conn.poll(0.25):
+            if self._stop_at is not None and time.monotonic() - self._stop_at > STOP_GRACE_S:
+                self.process.terminate()
+                return ("stopped", None)
+        return self._conn.recv()
+
     def _listen(self):
         storage = PRESETS[self.design].storage
         try:
             with self._init_locks.setdefault((self.model, storage), threading.Lock()):
-                if self._stop.is_set():
+                if self.stopping:
                     self.status = "stopped"
                     return
                 self.process.start()
                 self._child.close()
                 while self.status in ("queued", "starting"):      # its Session made (or failed) before the next's
-                    self._take(self._conn.recv())
+                    self._take(self._recv())
             while self.active:
-                self._take(self._conn.recv())
+                self._take(self._recv())
         except (EOFError, OSError):
             if self.active:
                 self.error, self.status = f"{self.design}: its process ended without a result", "error"

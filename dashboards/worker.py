@@ -9,6 +9,8 @@ does not hold the GIL another design needs. The process sends what the page show
     ("stopped", telemetry or None) | ("error", one line, telemetry or None)
 
 telemetry: (token records, the recent layer events, Session.summary of them), copied under the telemetry's lock.
+A Stop is the `stop` event, seen after each token; the page ends a process still running STOP_GRACE_S after it
+(dashboards/common.py: a step can outlast a Stop).
 The process runs at a lower priority than the page (and so do its reader threads, which inherit it).
 """
 from __future__ import annotations

@@ -235,7 +235,7 @@ class Decoder(GatedDeltaNet, Engine):
         """Route (the router hook, else the exact router), let the streamer bring the experts in (its predictor's
         prefetches started first), and let the backend's expert-compute object compute and sum them; the shared
         expert is added here."""
-        s, W, p = self.spec, self.W, f"layers.{i}."
+        s, p = self.spec, f"layers.{i}."
         t0 = time.perf_counter()
         ctx = {"x": self.to_numpy(x), "h": self.to_numpy(h), "logits": self.to_numpy(self.linear(x, p + "router")),
                "phase": phase, "engine": self}

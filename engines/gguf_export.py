@@ -235,7 +235,7 @@ def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = Non
             w.write_ti_data_to_file()
             items = plan
             if progress:
-                from tqdm import tqdm
+                from tqdm.auto import tqdm
                 items = tqdm(plan, desc="writing GGUF", unit="tensor")
             for gname, shape, t, make in items:
                 buf = _encode(make(), t, gname)

@@ -270,7 +270,7 @@ def make_gguf(shape: str, out, layers: int | None = None, experts: int | None = 
             f = w.fout[0]
             items = rows
             if progress:
-                from tqdm import tqdm
+                from tqdm.auto import tqdm
                 items = tqdm(rows, desc=f"writing {out.name}", unit="tensor")
             for gname, sh, t in items:
                 w.write_padding(f, f.tell())

@@ -61,6 +61,7 @@ def row(name: str, z: np.ndarray, ref: np.ndarray) -> str:
 
 def main(argv=None):
     from engines.llamacpp_engine import GGUF_TYPES, LlamaCpp, resolve_gguf
+    from workbench.commands import flags
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     flags("model", "tokens", model={"help": "a .gguf, or a workbench model exported to GGUF"})(ap)
     ap.add_argument("--type", default="q4_k_m", choices=GGUF_TYPES)

@@ -96,7 +96,7 @@ def run_peer(model: str = "demo", budget: str = "0.25", tokens: int = 64, rounds
 
 def markdown(res: dict) -> str:
     mib = lambda b: "" if b is None else f"{b / 2**20:.1f}"
-    lines = [f"# Workbench vs stock llama.cpp, measured\n", f"`{res['command']}`\n",
+    lines = ["# Workbench vs stock llama.cpp, measured\n", f"`{res['command']}`\n",
              f"Model `{res['model']}`; llama.cpp runs `{Path(res['gguf']).name}` ({res['gguf_type']}, "
              f"{mib(res['gguf_size'])} MiB, mmap on, {res['threads']} thread(s)); {res['rounds']} alternating rounds of "
              f"{res['tokens']} tokens, each arm a fresh process; median tok/s (min-max). "

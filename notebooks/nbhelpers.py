@@ -37,6 +37,19 @@ def figures_dir(small: bool) -> Path:
     return d
 
 
+def shown(path) -> str:
+    """A path as a notebook prints it: relative to the repository inside it, from ~ under the home folder, so that
+    stored outputs name no one's machine."""
+    if not path:
+        return path
+    p = Path(path)
+    if not p.is_absolute():
+        return str(p)
+    if p.is_relative_to(REPO):
+        return str(p.relative_to(REPO))
+    return f"~/{p.relative_to(Path.home())}" if p.is_relative_to(Path.home()) else str(p)
+
+
 # ---------------------------------------------------------------- labels: whose number, on what device
 
 def machine() -> dict:
@@ -129,7 +142,7 @@ def split_adds_up(row: dict, rel: float = 1e-6) -> bool:
 def frame(rows: list[dict], columns: dict):
     """A DataFrame of `rows` with `columns` {source key: header}, in that order."""
     import pandas as pd
-    return pd.DataFrame([{h: r.get(k) for k, h in columns.items()} for r in rows])
+    return pd.DataFrame([{h: shown(r.get(k)) if k == "run" else r.get(k) for k, h in columns.items()} for r in rows])
 
 
 def ladder_vs_paper(res: dict, pub: dict | None, ours: str):
@@ -171,7 +184,7 @@ def stamp(rows=(), model: str | None = None, simulated: bool = False, engine: st
     labels = ([f"EMULATED {d}" for d in sorted(devices)] + (["SIMULATED"] if simulated else [])
               + (["RANDOM WEIGHTS"] if random_weights else []))
     return {"engine": ", ".join(sorted(e for e in engines_ if e)) or "none",
-            "model": model or ", ".join(sorted(m for m in models if m)), "presets": presets,
+            "model": model or ", ".join(sorted(shown(m) for m in models if m)), "presets": presets,
             "cpu": env.get("cpu") or env.get("machine"), "cores": env.get("cores"),
             "commit": (env.get("git_commit") or "unknown")[:10], "date": datetime.date.today().isoformat(),
             "labels": labels, **extra}

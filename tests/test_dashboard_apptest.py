@@ -259,6 +259,27 @@ def test_stop_ends_the_runs_without_records(runs_root):
     assert len(at.warning) == 2 and not at.error
 
 
+def test_stop_ends_a_design_whose_step_outlasts_it(monkeypatch):
+    """A Stop clicked while a design is inside a long step (its first steps after a round starts: kernels compiled,
+    a slow read, CPU starved at nice 19) ends it within seconds, not when the step ends: the worker is asked to stop
+    at its next token, and ended by the page when that token does not come within STOP_GRACE_S."""
+    import slow_worker
+    monkeypatch.setattr(C.worker, "run_design", slow_worker.run_design)
+    run = C.DesignRun("demo", "on_demand", "0.25", "Once upon a time", 8).start()
+    deadline = time.time() + 60
+    while run.generated < 1:
+        assert time.time() < deadline and run.active, (run.status, run.error)
+        time.sleep(0.05)
+    run.stop()
+    stopped = time.time()
+    while run.active and time.time() - stopped < 15:
+        time.sleep(0.05)
+    assert run.status == "stopped" and not run.error, (run.status, run.error)
+    assert time.time() - stopped < C.STOP_GRACE_S + 5, f"stopped after {time.time() - stopped:.0f} s"
+    run.thread.join(15)
+    assert not run.process.is_alive()
+
+
 def test_booth_mode_has_only_start_and_stop_and_loops_unattended():
     at = ok(app(LIVE, booth="1", designs="on_demand,les", tokens="3", pause="0"))
     assert not at.sidebar.button and not at.text_input and not at.multiselect and not at.number_input

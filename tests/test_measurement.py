@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from experiments.bench import measure
-from experiments.routing_trace import TraceDrive, drive
+from experiments.routing_trace import drive
 from workbench.host import NOT_EVICTED
 from runtime.session import open_session
 

@@ -187,6 +187,10 @@ def test_notebook_runs_at_the_small_setting(name, venv_kernel, tmp_path, monkeyp
     NotebookClient(nb, timeout=900, kernel_name=KERNEL, resources={"metadata": {"path": str(NB_DIR)}}).execute()
 
     assert nb.cells[-1].outputs[0]["text"].strip() == sys.executable, "the kernel is not this interpreter"
+    printed = "".join(o.get("text", "") + json.dumps(o.get("data", {}))
+                      for c in nb.cells[:-1] for o in c.get("outputs", []))        # the notebook's own cells
+    for noise in ("IProgress not found", "TqdmWarning", "Missing packages: ['ipywidgets']", str(REPO)):
+        assert noise not in printed, f"{name}: an output shows {noise!r} (ipywidgets missing, or a machine path)"
     conclusion = [o for o in nb.cells[-2].outputs if "text/markdown" in o.get("data", {})]
     assert conclusion and "Conclusion" in conclusion[0]["data"]["text/markdown"], f"{name}: no conclusion shown"
     assert {p.stem for p in figures.glob("*.png")} == FIGURES[name]

@@ -106,7 +106,7 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
             tensors[n]["crc32"] = f"{c & 0xFFFFFFFF:08x}"
         bar = s.moe_layers
         if progress:
-            from tqdm import tqdm
+            from tqdm.auto import tqdm
             bar = tqdm(bar, desc="indexing experts", unit="layer")
         for L in bar:
             ents = layers[str(L)]

@@ -243,7 +243,7 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
 def _progress(items, on: bool, what: str):
     if not on:
         return items
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
     return tqdm(items, desc=f"converting {what}", unit="expert")
 
 
