@@ -64,7 +64,7 @@ from workbench.cache import ExpertCache, warm_set
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
 from workbench.io import split_sizes
-from workbench.presets import Budget, CacheScope, Order, Router
+from workbench.presets import Budget, CacheScope, Router
 from workbench.spec import MoESpec
 from workbench.registry import experts_for
 from workbench.store.pack import PARTS, _align, _nbytes, expert_kinds, expert_shapes   # the pack's own read plan
