@@ -75,6 +75,7 @@ def routing_stats(topk: np.ndarray, num_experts: int, fractions=FRACTIONS, looka
            "hot8_share": hot(HOT), "hot_experts": max(1, round(E / 16)), "hot_share": hot(max(1, round(E / 16))),
            "distinct": float(np.mean(distinct)), "distinct_fraction": float(np.mean(distinct)) / E,
            "entropy": float(np.mean(entropy)), "entropy_layers": [round(e, 4) for e in entropy]}
+    out["lookahead_recall"], out["lookahead_recall_layers"] = None, []
     if lookahead is not None:
         rows = [j for j in range(L) if (lookahead[:, j] >= 0).any()]
         rec = [float(_overlap(lookahead[:, j, :k], topk[:, j]).mean() / k) for j in rows]
@@ -156,6 +157,21 @@ def gguf_routing(path, tokens: int = TOKENS, data: str = "tinystories", threads:
     return tr["topk"], {"num_experts": spec.num_experts, "top_k": spec.top_k, "lookahead": preds[LOOKAHEAD]}
 
 
+def _lookahead(tr: dict) -> np.ndarray | None:
+    """What lookahead names for a trace that recorded no predictions, from its router inputs and the routers of the
+    model it names; None where that model is not here."""
+    from experiments.routing_trace import named_predictions
+    from experiments.traces import _weights_for
+    from workbench.spec import MoESpec
+    spec = MoESpec.from_dict(tr["meta"]["spec"])
+    for model in (None, tr["meta"].get("model")):          # the file it was traced from, else the model's name
+        try:
+            return named_predictions(tr, spec, _weights_for(tr["meta"], model, spec))[LOOKAHEAD]
+        except (WorkbenchError, OSError, KeyError):
+            continue
+    return None
+
+
 def trace_stats(path, tokens: int = TOKENS, threads: int = 2) -> dict:
     """The statistics of the trace at `path` (a route_trace v1 CSV, a workbench Parquet trace, or a GGUF run on
     TinyStories) over its first `tokens` tokens."""
@@ -168,6 +184,8 @@ def trace_stats(path, tokens: int = TOKENS, threads: int = 2) -> dict:
         tr = read_trace(path)
         topk, meta = tr["topk"], tr["meta"]
         la, source = tr["predictions"].get(LOOKAHEAD), "workbench trace"
+        if la is None:                       # from its router inputs and the traced model's routers, where it is here
+            la = _lookahead(tr)
     elif p.endswith(".gguf"):
         if not Path(p).is_file():
             raise WorkbenchError(f"{p}: no such GGUF file")

@@ -305,6 +305,21 @@ def test_routing_stats_refuses_what_is_not_a_trace(tmp_path, capsys):
         assert why in err and "\n" not in err, err
 
 
+def test_a_trace_without_predictions_gets_lookahead_from_its_model_routers(tmp_path):
+    """The demo's shipped trace with its recorded predictions dropped: routing-stats computes les's lookahead from
+    the trace's router inputs and the demo's routers (the traced pack is gone: the model's name is used), and
+    gets the recall the recorded predictions give."""
+    from experiments.routing_stats import trace_stats
+    from experiments.traces import read_trace, write_trace
+    shipped = REPO / "data" / "traces" / "demo-tinystories-256.parquet"
+    tr = read_trace(shipped)
+    bare = write_trace(tmp_path / "bare.parquet", tr, tr["ids"], {**tr["meta"], "predictions": []})
+    assert read_trace(bare)["predictions"] == {}
+    got, want = trace_stats(bare), trace_stats(shipped)
+    assert want["lookahead_recall"] > 0.5
+    assert got["lookahead_recall"] == pytest.approx(want["lookahead_recall"], abs=1e-6)
+
+
 def _routing(path):
     from experiments.routing_stats import gguf_routing
     return gguf_routing(path, tokens=128)
