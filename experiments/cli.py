@@ -240,8 +240,8 @@ def cmd_bench_peer(args):
 
 
 def _routing_stats_flags(p):
-    p.add_argument("trace", help="a route_trace v1 .csv (its decode tokens), a workbench .parquet trace, or a .gguf "
-                                 "(its own routing of TinyStories, run in llama.cpp)")
+    p.add_argument("trace", help="a route_trace v1 .csv (its decode tokens), a workbench .parquet trace, or a model "
+                                 "(a .gguf, or a model exported to one: its own routing of TinyStories in llama.cpp)")
     p.add_argument("--tokens", type=int, default=128, help="the first tokens counted (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads, for a .gguf")
 

@@ -4,6 +4,7 @@ model's, a workbench trace, or a checkpoint's own routing of real text run in ll
     python -m workbench routing-stats qwen.route.csv --json       # a route_trace v1 CSV (its decode tokens)
     python -m workbench routing-stats t.parquet                   # a workbench trace (`trace`)
     python -m workbench routing-stats made.gguf                   # the GGUF's own routing of TinyStories
+    python -m workbench routing-stats demo                        # a model's, exported to a GGUF once
 
 Each statistic is per MoE layer over the first `tokens` tokens (128), then averaged over layers:
   reuse      the fraction of a layer's top-k at token t+1 already in its top-k at t (chance: k / experts)
@@ -173,8 +174,8 @@ def _lookahead(tr: dict) -> np.ndarray | None:
 
 
 def trace_stats(path, tokens: int = TOKENS, threads: int = 2) -> dict:
-    """The statistics of the trace at `path` (a route_trace v1 CSV, a workbench Parquet trace, or a GGUF run on
-    TinyStories) over its first `tokens` tokens."""
+    """The statistics of the trace at `path` (a route_trace v1 CSV, a workbench Parquet trace, or a model's own
+    routing of TinyStories in llama.cpp: a GGUF, or a model exported to one) over its first `tokens` tokens."""
     p = str(path)
     if p.endswith(".csv"):
         topk, meta = read_route_csv(path)
@@ -186,13 +187,14 @@ def trace_stats(path, tokens: int = TOKENS, threads: int = 2) -> dict:
         la, source = tr["predictions"].get(LOOKAHEAD), "workbench trace"
         if la is None:                       # from its router inputs and the traced model's routers, where it is here
             la = _lookahead(tr)
-    elif p.endswith(".gguf"):
-        if not Path(p).is_file():
-            raise WorkbenchError(f"{p}: no such GGUF file")
-        topk, meta = gguf_routing(path, tokens, threads=threads)
-        la, source = meta["lookahead"], "the GGUF's own routing of TinyStories in llama.cpp"
-    else:
-        raise WorkbenchError(f"{p}: a routing trace is a route_trace v1 .csv, a workbench .parquet or a .gguf")
+    else:                                    # a model's own routing: a .gguf, or a model exported to one once
+        from engines.llamacpp_engine import resolve_gguf
+        from workbench.registry import MODELS
+        if not (p.endswith(".gguf") or p in MODELS or Path(p).is_dir()):
+            raise WorkbenchError(f"{p}: a routing trace is a route_trace v1 .csv, a workbench .parquet, or a model "
+                                 f"(a .gguf, a registered name, a Hugging Face directory or a pack)")
+        topk, meta = gguf_routing(resolve_gguf(p, "f16"), tokens, threads=threads)
+        la, source = meta["lookahead"], "the model's own routing of TinyStories in llama.cpp"
     topk = topk[:tokens]
     if len(topk) < 2:
         raise WorkbenchError(f"{p}: {len(topk)} token(s); the statistics need at least 2")
