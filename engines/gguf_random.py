@@ -8,9 +8,9 @@ names, order and metadata of engines/gguf_export.py. Nothing is quantized: the w
 quantized block is drawn as random bytes and then its scale fields are set (_SCALES) so that the dequantized values
 have mean 0 and std 0.02, the std of the Hugging Face checkpoints make-model writes. The token embedding, the
 routers, the first full-attention layer's projections (F16) and the output projections' rows into the routing's
-dims are laid out so that the routing has a real model's statistics (workbench/made_routing.py). Data is generated and written a slice of
-rows at a time after the header and tensor table, so memory stays flat whatever the size. The random-weights card
-is the metadata key `workbench.random_weights` (workbench.shapes.random_label finds it).
+dims are laid out so that the routing has a real model's statistics (workbench/made_routing.py). Data is generated
+and written a slice of rows at a time after the header and tensor table, so memory stays flat whatever the size.
+The random-weights card is the metadata key `workbench.random_weights` (workbench.shapes.random_label finds it).
 
 --type mixes, after llama.cpp's llama_tensor_get_type: q4_k_m (experts Q4_K, ffn_down Q6_K on use_more_bits layers,
 output Q6_K, the rest Q4_K); q2_k (experts Q2_K, ffn_down Q3_K); q2_k_s (experts Q2_K, ffn_down Q4_K in the first

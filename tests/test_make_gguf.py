@@ -13,7 +13,8 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install -e '.[llamacpp]')")
 
 from child import in_child                                     # noqa: E402
-from engines.gguf_random import RECIPES, _SCALES, STD, file_bytes, make_gguf, plan, random_blocks, with_mtp  # noqa: E402
+from engines.gguf_random import (RECIPES, _SCALES, STD, file_bytes, make_gguf, plan, random_blocks,  # noqa: E402
+                                 with_mtp)
 from cli import main                                 # noqa: E402
 from workbench.errors import WorkbenchError                    # noqa: E402
 from workbench.models.gguf_model import GGUFModel              # noqa: E402

@@ -25,10 +25,10 @@ from workbench.errors import WorkbenchError
 #   skew     a per-expert bias on the constant dim: hot and cold experts                               weight SKEW
 # The other layers write into these dims only at OUTPUT_GAIN. CONTEXT, PRIVATE and SKEW depend on the experts per
 # layer (512 experts need more context and less skew than 128 for the same statistics: _mix); they were fitted on
-# few-layer slices of the 30B and 80B shapes with experts/routing_stats.py, as results/routing_realism.md records.
+# few-layer slices of the 30B and 80B shapes with experiments/routing_stats.py, as results/routing_realism.md records.
 # The std of the context and private dims in the residual (CONTEXT_STD, PRIVATE_STD, measured on those slices) sets
 # the router weights that give each part its std.
-TOKEN_DIMS, CONTEXT_DIMS, PRIVATE_DIMS = 32, 32, 16
+TOKEN_DIMS, CONTEXT_DIMS, PRIVATE_DIMS = 32, 32, 16          # the context is the token dims averaged: as many
 OUTPUT_GAIN, PRIVATE_GAIN = 0.02, 6.0
 BAND, BAND_GAIN = (0.02, 0.12), 1.4       # rotary frequencies (radians per token) of the window; its q/k norm gain
 MIX = {128: (0.8, 0.6, 1.5), 512: (4.0, 1.0, 1.3)}        # experts: (CONTEXT, PRIVATE, SKEW), interpolated in log2
@@ -57,7 +57,7 @@ class Layout:
             raise WorkbenchError(f"{layers} layers need {self.end} routing dims, the hidden size is {spec.hidden_size}")
         full = [i for i in range(spec.num_layers) if not spec.is_linear(i)]
         self.writer = full[0] if full else None           # the layer whose attention writes the context
-        n_rot, hd = spec.rope_dim, spec.head_dim
+        n_rot = spec.rope_dim
         theta = spec.rope_theta ** (-2 * np.arange(n_rot // 2) / n_rot)
         band = np.flatnonzero((theta >= BAND[0]) & (theta <= BAND[1]))
         self.band = np.concatenate([band, band + n_rot // 2])           # both dims of each (NEOX) rotary pair
