@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 import runtime.verbs  # noqa: F401  info, convert, probe-disk, generate
-import experiments.cli  # noqa: F401  bench, ladder, trace, replay, bench-peer
+import experiments.cli  # noqa: F401  bench, ladder, trace, replay, bench-peer, routing-stats
 import evals.cli  # noqa: F401  eval ppl|teacher|lm|compare|report, serve
 import evals.sweep  # noqa: F401  sweep GRID.yaml on Ray
 import engines.llamacpp_cli  # noqa: F401  export-gguf

@@ -6,10 +6,11 @@
 The architecture is the real one (workbench.shapes.hf_config: qwen3moe, qwen3next, qwen35moe), with the tensor
 names, order and metadata of engines/gguf_export.py. Nothing is quantized: the weights are random, so each
 quantized block is drawn as random bytes and then its scale fields are set (_SCALES) so that the dequantized values
-have mean 0 and std 0.02, the std of the Hugging Face checkpoints make-model writes. The token embedding (F16) and
-the routers are built so that routing follows the tokens (Routing, below). Data is generated and written a slice of
-rows at a time after the header and tensor table, so memory stays flat whatever the size. The random-weights card
-is the metadata key `workbench.random_weights` (workbench.shapes.random_label finds it).
+have mean 0 and std 0.02, the std of the Hugging Face checkpoints make-model writes. The token embedding, the
+routers, the first full-attention layer's projections (F16) and the output projections' rows into the routing's
+dims are laid out so that the routing has a real model's statistics (workbench/made_routing.py). Data is generated
+and written a slice of rows at a time after the header and tensor table, so memory stays flat whatever the size.
+The random-weights card is the metadata key `workbench.random_weights` (workbench.shapes.random_label finds it).
 
 --type mixes, after llama.cpp's llama_tensor_get_type: q4_k_m (experts Q4_K, ffn_down Q6_K on use_more_bits layers,
 output Q6_K, the rest Q4_K); q2_k (experts Q2_K, ffn_down Q3_K); q2_k_s (experts Q2_K, ffn_down Q4_K in the first
@@ -34,6 +35,7 @@ from engines.gguf_export import _check, _gguf, _plan, gguf_vocab, write_metadata
 from engines.gguf_export_hybrid import ARCH
 from workbench import shapes
 from workbench.atomic import atomic_path
+from workbench.made_routing import Layout, _OUTPUTS
 from workbench.errors import WorkbenchError
 from workbench.shapes import DEMO, RANDOM_KEY, SHAPES, card, check_request, hf_config
 from workbench.spec import from_hf_config
@@ -110,37 +112,22 @@ def random_blocks(rng, t: str, n_values: int) -> np.ndarray:
     return b
 
 
-# Routing. A random router on a random residual stream routes almost the same experts for every token (qwen3moe)
-# or a new random set at every position (the DeltaNet shapes); real routing follows the tokens, unevenly. So the
-# first TOKEN_DIMS dims of the residual carry the token's identity: its embedding there (std 1), which the layers'
-# output projections write into only at OUTPUT_GAIN (a slow drift with depth: no layer routes exactly as the next);
-# the next dim is a constant 1 that carries a per-expert bias. Each router reads only those: a random projection
-# of the token (logit std 1) plus its bias (std BIAS), so an expert's use follows its tokens' frequency in the
-# text, skewed by its bias. The values were tuned with experiments/routing_stats.py against the demo model.
-TOKEN_DIMS, BIAS, OUTPUT_GAIN = 32, 0.2, 0.05
-_OUTPUTS = ("attn_output.weight", "ssm_out.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
 _D = {"Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}   # d, dmin
 
 
-def _floats(rng, gname: str, rows: int, cols: int) -> np.ndarray:
-    """(rows, cols) of an F32 / F16 tensor: norms 1 (llama.cpp's norms multiply), DeltaNet's decay and step bias
-    as Qwen3-Next initialises them, the embedding and routers as above, the rest normal with std STD."""
+def _floats(rng, gname: str, rows: int, cols: int, layout: Layout | None = None, r: int = 0) -> np.ndarray:
+    """(rows, cols) of an F32 / F16 tensor from row r: norms 1 (llama.cpp's norms multiply), DeltaNet's decay and
+    step bias as Qwen3-Next initialises them, the rest normal with std STD; then the routing laid in (Layout)."""
     base = gname.rsplit(".", 1)[0] if gname.endswith((".weight", ".bias")) else gname
-    if base.endswith("norm") or base.endswith("ssm_dt"):
-        return np.ones((rows, cols), np.float32)
     if base.endswith("ssm_a"):                               # -exp(A_log), A uniform in (0, 16]
         return -rng.uniform(1.0, 16.0, (rows, cols)).astype(np.float32)
     if base.endswith("ssm_conv1d"):                         # PyTorch's Conv1d init: within 1/sqrt(fan-in 4)
         return rng.uniform(-0.5, 0.5, (rows, cols)).astype(np.float32)
-    a = rng.standard_normal((rows, cols), np.float32) * STD
-    if base == "token_embd":
-        a[:, :TOKEN_DIMS] = rng.standard_normal((rows, TOKEN_DIMS), np.float32)
-        a[:, TOKEN_DIMS] = 1.0
-    elif base.endswith("ffn_gate_inp"):
-        a[:, :TOKEN_DIMS] = rng.standard_normal((rows, TOKEN_DIMS), np.float32) / np.sqrt(TOKEN_DIMS)
-        a[:, TOKEN_DIMS] = rng.standard_normal(rows, np.float32) * BIAS
-        a[:, TOKEN_DIMS + 1:] = 0
-    return a
+    if base.endswith("norm") or base.endswith("ssm_dt"):
+        a = np.ones((rows, cols), np.float32)
+    else:
+        a = rng.standard_normal((rows, cols), np.float32) * STD
+    return layout.floats(rng, gname, r, a) if layout else a
 
 
 class _Shapes:
@@ -162,11 +149,11 @@ class _Shapes:
                 "shared.gate": (sh, d), "shared.up": (sh, d), "shared.down": (d, sh), "shared_gate": (1, d)}[key]
 
 
-def _type(recipe, gname: str, shape, t: str, n_layers: int) -> str:
+def _type(recipe, gname: str, shape, t: str, n_layers: int, layout: Layout) -> str:
     gate_up, down, output, rest, _ = recipe
     if t == "F32":
         return t
-    if gname == "token_embd.weight":         # its token dims carry the routing (_floats); 16 MB at the demo's vocab
+    if layout.float_type(gname):             # the routing is laid out in them (Layout); 16 MB at the demo's vocab
         return "F16"
     if "_exps." in gname:
         t = down(int(gname.split(".")[1]), n_layers) if "ffn_down" in gname else gate_up
@@ -195,9 +182,10 @@ def plan(shape: str, layers: int | None = None, experts: int | None = None, qtyp
     spec = from_hf_config(cfg, shape)
     _check(spec, shape)
     recipe = RECIPES[qtype]
-    rows = [(g, tuple(sh), _type(recipe, g, sh, t, layers))
+    layout = Layout(with_mtp(spec, cfg))
+    rows = [(g, tuple(sh), _type(recipe, g, sh, t, layers, layout))
             for g, sh, t, _ in _plan(_Shapes(with_mtp(spec, cfg), shape), "f16")]
-    return spec, _nextn(rows, spec, cfg, recipe), recipe[4]
+    return spec, _nextn(rows, spec, cfg, recipe, layout), recipe[4]
 
 
 def with_mtp(spec, cfg: dict):
@@ -207,7 +195,7 @@ def with_mtp(spec, cfg: dict):
         if n else spec
 
 
-def _nextn(rows, spec, cfg: dict, recipe):
+def _nextn(rows, spec, cfg: dict, recipe, layout: Layout):
     """rows with each MTP block's own tensors after its decoder block's."""
     d, out = spec.hidden_size, []
     for row in rows:
@@ -216,7 +204,7 @@ def _nextn(rows, spec, cfg: dict, recipe):
         last = gname.startswith("blk.") and gname.endswith(".ffn_gate_inp_shexp.weight")
         if last and (i := int(gname.split(".")[1])) >= spec.num_layers:
             eh = f"blk.{i}.nextn.eh_proj.weight"
-            out += [(eh, (d, 2 * d), _type(recipe, eh, (d, 2 * d), "F16", spec.num_layers)),
+            out += [(eh, (d, 2 * d), _type(recipe, eh, (d, 2 * d), "F16", spec.num_layers, layout)),
                     *((f"blk.{i}.nextn.{n}.weight", (d,), "F32") for n in ("enorm", "hnorm", "shared_head_norm"))]
     return out
 
@@ -252,7 +240,7 @@ def make_gguf(shape: str, out, layers: int | None = None, experts: int | None = 
     tokens, types, merges = gguf_vocab((DEMO / "tokenizer.json").read_text(encoding="utf-8"), spec.vocab_size,
                                        str(DEMO / "tokenizer.json"))
     c = {**card(shape, spec.num_layers, spec.num_experts, gguf=qtype), "seed": seed, "type": qtype}
-    rng = np.random.Generator(np.random.SFC64(seed))
+    rng, layout = np.random.Generator(np.random.SFC64(seed)), Layout(with_mtp(spec, cfg))
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), ARCH.get(spec.family, "qwen3moe"))
         try:
@@ -274,25 +262,27 @@ def make_gguf(shape: str, out, layers: int | None = None, experts: int | None = 
                 items = tqdm(rows, desc=f"writing {out.name}", unit="tensor")
             for gname, sh, t in items:
                 w.write_padding(f, f.tell())
-                _write_tensor(f, rng, gname, sh, t)
+                _write_tensor(f, rng, gname, sh, t, layout)
                 w.write_padding(f, nbytes(sh, t))
         finally:
             w.close()
     return out
 
 
-def _write_tensor(f, rng, gname: str, shape, t: str):
+def _write_tensor(f, rng, gname: str, shape, t: str, layout: Layout):
     n_rows, row = int(np.prod(shape[:-1])), shape[-1]
     step = max(1, CHUNK // max(1, nbytes((row,), t)))
     for r in range(0, n_rows, step):
         n = min(step, n_rows - r)
         if t not in _SCALES:
-            f.write(_floats(rng, gname, n, row).astype(np.float16 if t == "F16" else np.float32).data)
+            a = _floats(rng, gname, n, row, layout, r)
+            f.write(a.astype(np.float16 if t == "F16" else np.float32).data)
             continue
         b = random_blocks(rng, t, n * row)
-        if gname.endswith(_OUTPUTS):           # the rows that write the token's dims: scaled by OUTPUT_GAIN
-            blocks, token_rows = b.reshape(n, -1, b.shape[1]), (np.arange(r, r + n) % shape[-2]) <= TOKEN_DIMS
+        if gname.endswith(_OUTPUTS):           # the rows that write the routing's dims: their scales times the gain
+            blocks, gain = b.reshape(n, -1, b.shape[1]), layout.gains(gname, np.arange(r, r + n) % shape[-2])
+            rows = gain != 1
             for o in _D[t]:
-                d = blocks[token_rows, :, o:o + 2].copy().view(np.float16) * np.float16(OUTPUT_GAIN)
-                blocks[token_rows, :, o:o + 2] = d.view(np.uint8)
+                d = blocks[rows, :, o:o + 2].copy().view(np.float16) * gain[rows, None, None].astype(np.float16)
+                blocks[rows, :, o:o + 2] = d.view(np.uint8)
         f.write(b.data)

@@ -1,4 +1,5 @@
-"""The experiments' verbs: bench, ladder, trace, replay, simulate, bench-peer (registered in workbench.commands).
+"""The experiments' verbs: bench, ladder, trace, replay, simulate, bench-peer, routing-stats (registered in
+workbench.commands).
 
 `bench --engine llamacpp` measures stock llama.cpp from outside (engines/llamacpp_cli.py); every other engine
 is measured here, in process.
@@ -235,3 +236,19 @@ def cmd_bench_peer(args):
                    gguf_type=args.type, threads=args.threads, prompt=args.prompt, out=Path(args.out),
                    progress=None if args.json else print)
     emit(args, res, res["markdown"])
+
+
+def _routing_stats_flags(p):
+    p.add_argument("trace", help="a route_trace v1 .csv (its decode tokens), a workbench .parquet trace, or a model "
+                                 "(a .gguf, or a model exported to one: its own routing of TinyStories in llama.cpp)")
+    p.add_argument("--tokens", type=int, default=128, help="the first tokens counted (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads, for a .gguf")
+
+
+@command("routing-stats", "a routing's reuse, LRU hits, hot experts and lookahead recall", _routing_stats_flags)
+def cmd_routing_stats(args):
+    from experiments.routing_stats import text, trace_stats
+    if args.tokens < 2:
+        raise WorkbenchError(f"--tokens {args.tokens}: at least 2")
+    res = trace_stats(args.trace, args.tokens, threads=args.threads)
+    emit(args, res, text(res))

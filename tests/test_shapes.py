@@ -64,3 +64,34 @@ def test_no_room_on_disk_is_a_one_line_refusal_before_anything_is_written(tmp_pa
     with pytest.raises(WorkbenchError, match=r"needs 0\.\d+ GB, the disk has 0\.00 GB free"):
         make_model("qwen3-30b-a3b", layers=1, out=tmp_path / "z", experts=8)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_hugging_face_checkpoint_lays_out_the_routing_as_a_gguf_does(tmp_path):
+    """workbench/made_routing.py's layout in the Qwen3-MoE tensors: the embedding carries the token dims and the
+    constant 1; each router reads only the routing's dims; layer 0's attention head 0 (the first full-attention
+    layer) queries and keys the constant in its window's rotary pairs alone and takes the token dims as values,
+    which its output writes into the context dims; the experts' down projections write the next layer's private
+    dims at PRIVATE_GAIN."""
+    import numpy as np
+    from workbench.made_routing import CONTEXT_DIMS, PRIVATE_GAIN, TOKEN_DIMS, Layout
+    path = make_model("qwen3-30b-a3b", 2, tmp_path / "m", experts=8)
+    m = HFModel(path)
+    lay = Layout(m.spec)
+    t = lambda n: np.asarray(m.tensor(n), np.float32)
+    embed = t("embed")
+    assert (embed[:, lay.one] == 1).all() and abs(embed[:, :TOKEN_DIMS].std() - 1) < 0.05
+    for i in range(2):
+        router = t(f"layers.{i}.router")
+        assert (router[:, lay.end:] == 0).all() and (router[:, :TOKEN_DIMS] != 0).all()
+        assert (router[:, lay.private(i)] != 0).all() and (router[:, lay.private(1 - i)] == 0).all()
+    hd = m.spec.head_dim
+    q, k, v, o = (t(f"layers.0.{n}") for n in "qkvo")
+    for a in (q, k):
+        assert set(np.flatnonzero(a[:hd].any(1))) == set(lay.band.tolist()) and (a[lay.band, lay.one] == 1).all()
+    assert (v[:CONTEXT_DIMS, :CONTEXT_DIMS] == np.eye(CONTEXT_DIMS)).all() and not v[CONTEXT_DIMS:hd].any()
+    context = slice(lay.context, lay.context + CONTEXT_DIMS)
+    assert (o[context, :CONTEXT_DIMS] == np.eye(CONTEXT_DIMS)).all() and not o[lay.private0:, :hd].any()
+    assert lay.writer == 0 and t("layers.1.q")[:hd].std() > 0.01         # only the first layer's head is laid out
+    down = np.asarray(m.expert(0, 3)["down"], np.float32)
+    ratio = down[lay.private(1)].std() / down[lay.end:].std()
+    assert abs(ratio / PRIVATE_GAIN - 1) < 0.1

@@ -4,8 +4,9 @@
     python -m workbench make-model --shape qwen3-next-80b-a3b --out next.gguf      # full size, real architecture
 
 The checkpoint is a Hugging Face directory (config.json, float16 safetensors shards, the demo's tokenizer) that
-every verb takes as --model, or a GGUF (engines/gguf_random.py). Its weights are random, so its own routing means
-nothing: drive it with a routing trace (`bench --routing-trace`, `simulate`). It is labelled random in its card
+every verb takes as --model, or a GGUF (engines/gguf_random.py). Its weights are random, but its routing is laid
+out to have a real model's statistics (workbench/made_routing.py); or drive it with a routing trace
+(`bench --routing-trace`, `simulate`). It is labelled random in its card
 (random_weights.json and MODEL_CARD.md, or the GGUF's `workbench.random_weights` key) and in every run record made
 from it.
 
@@ -71,10 +72,13 @@ def card(shape: str, layers: int, experts: int, gguf: str | None = None) -> dict
     architecture."""
     s = SHAPES[shape]
     notes = ([f"random quantized blocks ({gguf}: random quants, scales set for mean 0, std 0.02): text means "
-              f"nothing; routing is a random function of the token plus a per-expert bias (not learned), made to "
-              f"resemble the demo model's usage entropy and LRU hit rates"] if gguf else
-             ["random weights (seeded normal, std 0.02): routing and text mean nothing; drive runs with a routing "
-              "trace"])
+              f"nothing; routing is laid out, not learned (the token, its last few tokens through one attention "
+              f"head, a per-layer part the next layer cannot see, a per-expert skew), to have a real Qwen3-30B-A3B "
+              f"trace's reuse, LRU hits, hot and distinct experts and lookahead recall (results/routing_realism.md)"]
+             if gguf else
+             ["random weights (seeded normal, std 0.02): text means nothing; routing is laid out as in make-model's "
+              "GGUFs (workbench/made_routing.py), fitted there on the real architecture; or drive runs with a "
+              "routing trace"])
     notes += [f"{layers} of {s['num_hidden_layers']} layers"]
     if experts != s["num_experts"]:
         notes.append(f"{experts} of {s['num_experts']} experts per layer")
@@ -209,31 +213,59 @@ def free_bytes(path) -> int:
     return shutil.disk_usage(p).free
 
 
+# the GGUF name under which workbench.made_routing lays each tensor out, by its Hugging Face name's end
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate": "ffn_gate_inp", "down_proj": "ffn_down_exps"}
+
+
+def _gguf_name(name: str) -> str | None:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    parts = name.split(".")
+    if parts[:2] != ["model", "layers"]:
+        return None
+    for hf, g in _GGUF_NAMES.items():
+        if name.endswith(f".{hf}.weight"):
+            return f"blk.{parts[2]}.{g}.weight"
+    return None
+
+
 def _write(tmp: Path, cfg: dict, rng):
     from safetensors.numpy import save_file
+    from workbench.made_routing import Layout
+    from workbench.spec import from_hf_config
     d, ff, h, kv, hd, V, layers, experts = (cfg[k] for k in (
         "hidden_size", "moe_intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
         "num_hidden_layers", "num_experts"))
-    w = lambda *shape: (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
-    one = lambda n: np.ones(n, np.float16)
+    layout = Layout(from_hf_config(cfg))
+
+    def laid(name: str, a: np.ndarray) -> np.ndarray:      # the routing laid out (workbench.made_routing), float16
+        if g := _gguf_name(name):
+            a = layout.floats(rng, g, 0, a.reshape(1, -1) if a.ndim == 1 else a).reshape(a.shape)
+        return a.astype(np.float16)
+
+    w = lambda name, *shape: laid(name, rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
+    one = lambda name, n: laid(name, np.ones(n, np.float32))
     weight_map = {}
 
     def save(fname, tensors):            # one shard at a time: a layer of a real shape is about a gigabyte
         save_file(tensors, str(tmp / fname))
         weight_map.update({k: fname for k in tensors})
 
-    save("model-embed.safetensors", {"model.embed_tokens.weight": w(V, d), "model.norm.weight": one(d),
-                                     "lm_head.weight": w(V, d)})
+    e, n, o = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+    save("model-embed.safetensors", {e: w(e, V, d), n: one(n, d), o: w(o, V, d)})
     for i in range(layers):
         p = f"model.layers.{i}."
-        t = {p + "input_layernorm.weight": one(d), p + "post_attention_layernorm.weight": one(d),
-             p + "self_attn.q_proj.weight": w(h * hd, d), p + "self_attn.k_proj.weight": w(kv * hd, d),
-             p + "self_attn.v_proj.weight": w(kv * hd, d), p + "self_attn.o_proj.weight": w(d, h * hd),
-             p + "self_attn.q_norm.weight": one(hd), p + "self_attn.k_norm.weight": one(hd),
-             p + "mlp.gate.weight": w(experts, d)}
-        for e in range(experts):
-            q = f"{p}mlp.experts.{e}."
-            t.update({q + "gate_proj.weight": w(ff, d), q + "up_proj.weight": w(ff, d), q + "down_proj.weight": w(d, ff)})
+        norms = {"input_layernorm": d, "post_attention_layernorm": d, "self_attn.q_norm": hd, "self_attn.k_norm": hd}
+        t = {p + f"{k}.weight": one(p + f"{k}.weight", v) for k, v in norms.items()}
+        for k, shape in (("self_attn.q_proj", (h * hd, d)), ("self_attn.k_proj", (kv * hd, d)),
+                         ("self_attn.v_proj", (kv * hd, d)), ("self_attn.o_proj", (d, h * hd)),
+                         ("mlp.gate", (experts, d))):
+            t[p + f"{k}.weight"] = w(p + f"{k}.weight", *shape)
+        for x in range(experts):
+            for k, shape in (("gate_proj", (ff, d)), ("up_proj", (ff, d)), ("down_proj", (d, ff))):
+                t[f"{p}mlp.experts.{x}.{k}.weight"] = w(f"{p}mlp.experts.{x}.{k}.weight", *shape)
         save(f"model-layer{i:03d}.safetensors", t)
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
