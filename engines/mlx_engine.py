@@ -29,6 +29,7 @@ float32 rounding (the tests: within 2e-5), not bit for bit.
 """
 from __future__ import annotations
 
+import weakref
 import mlx.core as mx
 import numpy as np
 
@@ -109,7 +110,7 @@ class MlxExperts:
     and one gather_qmm per projection runs the layer's (token, expert) pairs from their slots."""
 
     def __init__(self, decoder: Decoder, pack: Pack, cache):
-        self.decoder, self.cache, spec = decoder, cache, decoder.spec
+        self.decoder, self.cache, spec = weakref.proxy(decoder), cache, decoder.spec   # the decoder holds these
         kinds = dict(pack.expert_kinds)
         shapes = {p: tuple(pack.expert_shapes[p]) for p in PARTS}
         self.stacks = {}        # MoE layer -> the SlotStack of its cache pool

@@ -5,6 +5,7 @@ dequantized) and sums the results in expert-id order, so the arrival order never
 """
 from __future__ import annotations
 
+import weakref
 import numpy as np
 from threadpoolctl import threadpool_limits
 
@@ -17,7 +18,7 @@ from workbench.telemetry import Telemetry
 
 class NumpyExperts:
     def __init__(self, decoder: Decoder):
-        self.decoder = decoder
+        self.decoder = weakref.proxy(decoder)      # the decoder holds these
 
     def begin(self, layer: int, x, idx, weights):
         """compute(experts, their f32 weights) for the streamer, called on each batch as it arrives."""

@@ -30,6 +30,7 @@ is one kernel call (K.decode_attention) where the family allows.
 """
 from __future__ import annotations
 
+import weakref
 import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -99,7 +100,7 @@ def packed_weights(pack) -> dict:
 
 class PackedExperts:
     def __init__(self, decoder: Decoder, pack: Pack, arena):
-        self.decoder, self.arena, s = decoder, arena, decoder.spec
+        self.decoder, self.arena, s = weakref.proxy(decoder), arena, decoder.spec   # the decoder holds these
         self.d, self.ff = s.hidden_size, s.moe_intermediate_size
         self.kernels = {L: layer_kernel(pack, L, arena.layouts[L][1]) for L in s.moe_layers}
         self.heads = {L: pack.expert_heads(L) for L in s.moe_layers}

@@ -430,8 +430,9 @@ class _Simulation:
 
     def result(self, steps: int, decode_s: float, at_decode: list) -> dict:
         n, layers = self.n, self.layers
-        hits, late, misses, named, used, routed = (sum(r[k] for r in layers.values()) for k in (
-            "hits", "late", "misses", "predicted", "predicted_used", "routed"))
+        hits, late, misses = (sum(r[k] for r in layers.values()) for k in ("hits", "late", "misses"))
+        served = [r for r in layers.values() if r["predicted"]]     # recall counts layers a predictor served, as bench's
+        named, used, routed = (sum(r[k] for r in served) for k in ("predicted", "predicted_used", "routed"))
         for r in layers.values():
             r.update(rates(r["hits"], r["late"], r["misses"]))
         return {"tok_s": steps / decode_s if decode_s > 0 else float("inf"), **rates(hits, late, misses),

@@ -208,14 +208,12 @@ class Session:
                 "random_weights": self.random_weights, "routing_trace": self.drive.source if self.drive else None}
 
     def close(self):
-        """Release what the session holds: the reader's threads and files, the expert cache and its slots, the
-        engine and its weights (the parts refer to each other, so they are let go here, not left to a full GC)."""
+        """Release what the session holds outside itself: the reader's threads and files and the slot arena's memory.
+        Its record (telemetry, summary, the cache's bookkeeping) stays readable; nothing in it refers back to the
+        session, so the rest goes when the session does, without waiting for a full garbage collection."""
         self.reader.close()
-        self.cache.drop_all()
         if self.arena is not None:
             self.arena.close()
-        self.streamer.schedule = None           # the schedule's clock is the streamer
-        self.engine = self.streamer = self.arena = self.drive = None
 
     def __enter__(self):
         return self

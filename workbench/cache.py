@@ -133,14 +133,6 @@ class ExpertCache:
             self.used.pop(key, None)
             self.slots_used -= 1
 
-    def drop_all(self):
-        """Hold nothing (a closed session's cache), pinned experts included."""
-        for pool in self._distinct:
-            pool.clear()
-        self.pinned.clear()
-        self.used.clear()
-        self.slots_used = 0
-
     def pin(self, key, value) -> bool:
         if self.reserve(key, value):
             self.pinned.add(key)

@@ -14,6 +14,7 @@ a layer's experts do not all fit at once.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -79,7 +80,9 @@ class Schedule:
         """counts: where the run's reads are counted (demand_reads, prefetch_named / issued / used / wasted)."""
         if order not in ("ready_first", "wait_all"):
             raise WorkbenchError(f"execution {order!r}: choose ready_first or wait_all")
-        self.cache, self.clock, self.counts, self.wait_all = cache, clock, counts, order == "wait_all"
+        # the clock (the streamer, a simulation) holds its schedule: the schedule refers back weakly, not in a cycle
+        self.cache, self.clock, self.counts = cache, weakref.proxy(clock), counts
+        self.wait_all = order == "wait_all"
         self.forget()
 
     def forget(self):

@@ -29,6 +29,7 @@ import select
 import sys
 import threading
 import time
+import weakref
 import zlib
 
 import numpy as np
@@ -261,7 +262,7 @@ class SlotReads:
 
     def __init__(self, reader):
         capacity = self.CAPACITY
-        self.reader = reader
+        self.reader = weakref.proxy(reader)        # the reader holds these
         self._jobs = np.zeros((capacity, 4), np.int64)              # offset, bytes, buffers, checked runs
         self._state = np.zeros(capacity, np.int64)
         self._stamps = np.zeros((capacity, 2), np.int64)            # read started, landed (ns)
@@ -453,3 +454,5 @@ class SlotReads:
     def close(self) -> None:
         for fd in (self.demand, self.prefetch, *self.writers, self.tickets, self.done_fd):
             os.close(fd)
+        self.members.clear()        # reads never settled (prefetches nobody asked for) refer back to these
+        self.groups.clear()
