@@ -626,7 +626,10 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     if compute is not None and engine is not None and engine != compute.engine:
         raise WorkbenchError(f"--engine {engine}: the compute profile given was measured on the {compute.engine} "
                              f"engine")
-    drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace)
+    if meta.get("imported") and compute is None and model is None:
+        raise WorkbenchError(f"{trace_path}: an imported trace names no model here to measure compute on: pass --model "
+                             f"(a checkpoint of its shape: make-model --shape {meta.get('shape')}) or --compute")
+    drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace, recall=p.prefetch.recall)
     own = model is None or model == meta.get("model")        # the traced model: measured on its own trace
     simulated = model or (meta.get("model") if compute is None else None)     # the model whose storage is read
     here = dev.name == "this-machine" if here is None else here

@@ -44,8 +44,8 @@ class Session:
         the pack's non-expert weights (a merged adapter); deltas: projection deltas added to the preset's (an
         unmerged adapter). Both for experiments on adapters (Edge0's ladder).
         device: a device profile (data/devices) whose flash the reads emulate. drive: routing and predictions
-        replayed from outside, drive(spec, predictor text) -> route, predictor(), usage, source (a routing trace:
-        experiments.routing_trace.TraceDrive).
+        replayed from outside, drive(spec, predictor text, recall=lookahead_recall) -> route, predictor(), usage,
+        source (a routing trace: experiments.routing_trace.TraceDrive).
         A .gguf model runs on its own blocks, in place (registry.storage_for), unless layout=, experts= or rest=
         say otherwise: the preset's q4 would quantize llama.cpp's blocks again, a different model from the file's.
         For the packed engine a checkpoint's experts are ggml's blocks at the preset's bits (registry.storage_for)."""
@@ -99,7 +99,7 @@ class Session:
             if p.routing.router is not Router.EXACT or p.execution.speculative:
                 raise WorkbenchError(f"--routing-trace: preset {p.name} changes routing or decodes speculatively; "
                                      "a trace replays exact routing one token at a time")
-            self.drive, self.lora = drive(s, str(p.prefetch) or None), None
+            self.drive, self.lora = drive(s, str(p.prefetch) or None, recall=p.prefetch.recall), None
             usage = self.drive.usage
             predictor, router_hook, hook_deltas = self.drive.predictor(), self.drive.route, {}
         else:

@@ -109,8 +109,13 @@ def test_a_run_driven_by_a_trace_routes_and_prefetches_exactly_as_recorded(demo_
 
 
 def test_a_predictor_the_trace_did_not_record_is_refused(demo_trace):
-    with pytest.raises(WorkbenchError, match="predictor 'shuffled' is not recorded"):
-        TraceDrive(DEMO_TRACE, _spec(demo_trace), "shuffled")
+    """A trace with router inputs records its lookaheads: one it did not record is not modelled in its place."""
+    with pytest.raises(WorkbenchError, match="predictor 'lookahead:3:k' is not recorded"):
+        TraceDrive(DEMO_TRACE, _spec(demo_trace), "lookahead:3:k")
+    d = TraceDrive(DEMO_TRACE, _spec(demo_trace), "shuffled")       # the control: drawn by each layer's usage
+    counts = np.bincount(d.preds["shuffled"][:, 2].reshape(-1), minlength=32)
+    usage = np.bincount(demo_trace["topk"][:, 2].reshape(-1), minlength=32)
+    assert np.corrcoef(counts, usage)[0, 1] > 0.8 and "prediction" in d.source
 
 
 def test_bench_with_a_missing_or_unmappable_trace_is_a_one_line_error(tmp_path, capsys):
