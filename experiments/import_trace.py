@@ -54,6 +54,8 @@ def import_trace(path, out, shape: str | None = None) -> dict:
     topk, weights, kept = _assemble(path, tokens, info)
     shape = shape or info.get("shape")
     spec = _spec(path, shape, info["n_layer"], topk.shape[2], info.get("n_expert"))
+    if len(spec.moe_layers) != info["n_layer"]:
+        raise WorkbenchError(f"{path}: {info['n_layer']} routed layers, but {shape} has dense layers among them")
     if topk.max() >= spec.num_experts:
         raise WorkbenchError(f"{path}: expert {topk.max()} is outside {shape}'s 0..{spec.num_experts - 1}")
     prompt = sum(t["phase"] == 0 for t in tokens.values())
