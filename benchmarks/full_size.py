@@ -10,6 +10,9 @@ Per arm: tok/s, peak RSS, bytes read and hit / late / miss per token; per budget
 own decode routing (the fewest experts any policy reads with that many slots) as a bound in tok/s (its reads at the
 run's disk bandwidth, or on_demand's compute, whichever is slower), and each design's floor. The model's weights
 are whatever the file holds (a make-model file is RANDOM, and labelled so). Writes results/full_size.{json,md}.
+--routing-trace T drives every design's routing (and its predictions: modelled where T holds no router inputs, at
+--set lookahead_recall=R) from a routing trace (a real model's: data/traces/qwen3-30b-a3b-bigmoeonedge.parquet);
+llama.cpp, which routes itself, stays on the file's own routing: a reference, not the same work.
 """
 from __future__ import annotations
 
@@ -62,13 +65,14 @@ def knobs_for(model: str, design: str) -> list[str]:
     return knobs
 
 
-def bench_arm(model: str, design: str, budget: str, tokens: int, threads: int | None) -> dict:
+def bench_arm(model: str, design: str, budget: str, tokens: int, threads: int | None, trace: str | None = None) -> dict:
     """One design in a fresh process, and what `info` said it would hold (run_bytes, for --tokens of context); a
     design that fails or is refused is recorded with its one-line reason, and the others go on."""
     preset, knobs = preset_of(design), knobs_for(model, design)
     try:
         res = verb("bench", "--model", model, "--preset", preset, "--budget", budget, "--tokens", tokens, "--prompt",
-                   PROMPT, *(["--threads", threads] if threads else []), *(a for k in knobs for a in ("--set", k)))
+                   PROMPT, *(["--threads", threads] if threads else []), *(a for k in knobs for a in ("--set", k)),
+                   *(["--routing-trace", trace] if trace else []))
         res["info_run_bytes"] = verb("info", "--model", model, "--preset", preset, "--budget", budget)["memory"]["run_bytes"]
     except SystemExit as e:
         return {"error": str(e), "tok_s": None}
@@ -114,6 +118,17 @@ def routes_otherwise(design: str, knobs: list[str]) -> bool:
     return get_preset(preset_of(design)).with_(**knobs_of(knobs)).routing.router is not Router.EXACT
 
 
+def _trace_note(rows: list) -> str:
+    """What the routing trace's drive said of its mapping and predictions, from a design's run."""
+    src = next((r["median_run"].get("routing_trace") for r in rows[1:] if r["median_run"].get("routing_trace")), None)
+    if not src:
+        return "no design ran"
+    preds = sorted({r["median_run"]["routing_trace"]["prediction"] for r in rows[1:]
+                    if (r["median_run"].get("routing_trace") or {}).get("prediction")})
+    return "; ".join([src["mapping"].split("; tokens")[0], f"mixing weights: {src.get('mixing_weights', 'uniform')}",
+                      *preds])
+
+
 def label(row: dict) -> str:
     """The design, and the knobs its arms changed."""
     return preset_of(row["design"]) + "".join(f" ({k})" for k in row["median_run"].get("knobs", []))
@@ -130,6 +145,7 @@ def main(argv=None):
     ap.add_argument("--design-threads", type=int, default=None, help="the designs' (default: the engine's)")
     ap.add_argument("--llama", default="cold", choices=["cold", "warm"],
                     help="llama.cpp's start: cold, or warm (the whole file read into the page cache first)")
+    ap.add_argument("--routing-trace", default=None, metavar="T", help="drive every design's routing from this trace")
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--tag", default="", help="written to results/full_size_<file's stem>[-TAG].{json,md}")
     ap.add_argument("--tables-from", type=Path, default=None, metavar="JSON",
@@ -146,7 +162,7 @@ def main(argv=None):
         for (d, b), got in arms.items():
             t0 = time.time()
             got.append(bench_gguf(a.model, tokens=a.tokens, prompt=PROMPT, mode=a.llama, threads=a.threads, warmup=0)
-                       if d == "llama.cpp" else bench_arm(a.model, d, b, a.tokens, a.design_threads))
+                       if d == "llama.cpp" else bench_arm(a.model, d, b, a.tokens, a.design_threads, a.routing_trace))
             print(f"round {r + 1}: {d} @{b}: {got[-1].get('error') or format(got[-1]['tok_s'], '.3f') + ' tok/s'} "
                   f"({time.time() - t0:.0f} s)", flush=True)
     rows, failed = [], []
@@ -183,7 +199,8 @@ def main(argv=None):
         row["over_belady_best_start"] = row["tok_s"] / b["best_start_tok_s"]
     command = f"python benchmarks/full_size.py --model {a.model} --budgets {a.budgets} --designs {a.designs} " \
               f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads} --llama {a.llama}" + \
-              (f" --design-threads {a.design_threads}" if a.design_threads else "")
+              (f" --design-threads {a.design_threads}" if a.design_threads else "") + \
+              (f" --routing-trace {a.routing_trace}" if a.routing_trace else "")
     res = {"command": command, "model": a.model, "rows": rows,
            "file_size": old["file_size"] if a.tables_from else os.path.getsize(a.model),
            "arms": [[d, b, got] for (d, b), got in arms.items()], "failed": failed,
@@ -198,6 +215,8 @@ def main(argv=None):
           f"`{command}` ({res['date']}, {res['machine']['cores']} cores, load "
           f"{'?' if res['load'] is None else format(res['load'], '.1f')}). "
           f"{res['random_weights'] or ''}\n",
+          *([f"Every design routes as the trace `{a.routing_trace}` recorded ({_trace_note(rows)}); llama.cpp "
+             f"routes itself, on the file's own routing: a reference, not the same work.\n"] if a.routing_trace else []),
           "Each arm a fresh process, cold (file out of the page cache), alternating within a round; tok/s median "
           "(min-max). llama.cpp's memory is its anonymous RSS plus the file's pages in the page cache after the run "
           "(what its mmap holds of the machine's memory); a design's is its peak RSS.\n",

@@ -108,7 +108,7 @@ class PackedExperts:
     def begin(self, i: int, x, idx, weights):
         """compute(experts, slot offsets) for the streamer: one kernel call per batch, which picks the batch's
         (token, expert) pairs itself (no per-batch index arrays in Python)."""
-        k = idx.shape[1]
+        self.k = k = idx.shape[1]          # the routing's top-k: a routing trace's may be less than the model's
         flat = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
         w = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
         X = np.ascontiguousarray(x, dtype=np.float32)
@@ -126,7 +126,7 @@ class PackedExperts:
         return compute
 
     def combine(self, needed):
-        return self.Y.reshape(-1, self.decoder.spec.top_k, self.d).sum(1)
+        return self.Y.reshape(-1, self.k, self.d).sum(1)
 
 
 def layer_kernel(pack: Pack, layer: int, offsets: dict) -> tuple[bool, np.ndarray]:

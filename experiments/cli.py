@@ -1,5 +1,5 @@
-"""The experiments' verbs: bench, ladder, trace, replay, simulate, bench-peer, routing-stats (registered in
-workbench.commands).
+"""The experiments' verbs: bench, ladder, trace, import-trace, replay, simulate, bench-peer, routing-stats
+(registered in workbench.commands).
 
 `bench --engine llamacpp` measures stock llama.cpp from outside (engines/llamacpp_cli.py); every other engine
 is measured here, in process.
@@ -143,6 +143,24 @@ def cmd_trace(args):
     emit(args, obj, f"wrote {out}: {len(ids)} tokens x {len(tr['moe_layers'])} layers ({args.engine})")
 
 
+def _import_trace_flags(p):
+    p.add_argument("file", help="a route_trace v1 CSV, or the plain CSV / JSON Lines of (token, layer, experts, "
+                                "weights): docs/cli.md")
+    p.add_argument("--out", required=True, help="the workbench trace (.parquet) to write")
+    p.add_argument("--shape", default=None, help="the real model's shape (make-model's shapes) for the spec (default: "
+                                                 "the one a route_trace header matches; the plain format needs it)")
+
+
+@command("import-trace", "read a real model's routing trace (route_trace v1 or plain CSV/JSONL) into a workbench trace",
+         _import_trace_flags)
+def cmd_import_trace(args):
+    from experiments.import_trace import import_trace
+    res = import_trace(args.file, args.out, shape=args.shape)
+    emit(args, res, f"wrote {res['path']}: {res['tokens']} tokens x {res['moe_layers']} layers, top-{res['top_k']} of "
+                    f"{res['num_experts']} ({res['format']}, shape {res['shape']})"
+                    + (f"; left out {res['left_out']} prompt tokens lacking the last layer" if res["left_out"] else ""))
+
+
 def _replay_flags(p):
     from experiments.simulate import REPLAYED
     p.add_argument("trace")
@@ -176,6 +194,9 @@ def _simulate_flags(p):
     p.add_argument("--compute", default=None, help="a compute profile JSON instead of measuring one")
     p.add_argument("--predictor", default=None, help="prefetch with this recorded predictor instead of the preset's "
                                                     "(e.g. prerouter, where the trace recorded Edge0's heads)")
+    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                   help="change one of the preset's knobs (e.g. lookahead_recall=0.66 for an imported trace's "
+                        "modelled lookahead); repeatable")
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--here", action="store_true",
                    help="predict the run on this machine with the device emulated (as bench --device measures it), "
@@ -206,7 +227,8 @@ def cmd_simulate(args):
               engine=args.engine, here=args.here or None)
     emit(args, res, f"SIMULATED {res['preset']} on {res['device']['label']} ({res['shape_note']}): "
                     f"{res['tok_s']:.2f} tok/s, hit {res['hit_rate']:.3f}; Belady bound: hit {res['belady_hit_rate']:.3f}, "
-                    f"{res['belady_tok_s']:.2f} tok/s; {res['calibration']}")
+                    f"{res['belady_tok_s']:.2f} tok/s; {res['calibration']}"
+                    + (f"; {res['routing_trace']['prediction']}" if res["routing_trace"].get("prediction") else ""))
 
 
 def _calibrate(args):

@@ -16,11 +16,22 @@ a draft token is accepted while it equals the trace's next token (the traced tex
 and computes for real, but routes and prefetches as the traced model did. Mapping when shapes differ (stated in
 every result as `routing_trace.mapping`):
   layers   the model's i-th MoE layer replays the trace's MoE layer i mod (trace MoE layers)
-  experts  identity when experts and top-k agree; else, when the model's top-k is r times the trace's and it has
-           r times the experts, trace expert e becomes the r experts r*e .. r*e+r-1. Anything else is refused.
+  experts  identity when the experts agree and the model's top-k is the trace's or more (a top-8 model driven by
+           a top-6 trace computes 6 experts a token, as the traced run did); else, when the model's top-k is r
+           times the trace's and it has r times the experts, trace expert e becomes the r experts r*e .. r*e+r-1.
+           Anything else is refused.
   tokens   prefill token p replays trace token p; decode step n (engine.token_index) replays the token after
            the prompt's last, n - 1 positions on; the trace wraps around at its end.
-Mixing weights are uniform over the routed experts (the trace keeps which experts, not the model's weights).
+Mixing weights are the router's as the trace records them (an imported trace's), split evenly over an expert's r
+copies; uniform over the routed experts where the trace keeps none (a trace written by `trace`).
+
+A trace without router inputs (an imported one: a real model's routing recorded elsewhere) cannot compute les's
+lookahead (the next layer's router on this layer's state) nor Edge0's heads. There, a lookahead or prerouter
+predictor is a MODELLED prediction (`modelled`): for each (token, layer) it names each true expert with probability
+`recall` (the preset's lookahead_recall knob, default MODELLED_RECALL, inside the 0.66-0.88 published for early
+routers), and fills the rest of its width with other experts drawn by the layer's usage in the trace (seeded: the
+same trace and recall name the same experts). `shuffled` (a control) draws k experts from each layer's usage in the
+trace, for any trace. The drive's `source` (in every run record) says which prediction is modelled and at what recall.
 """
 from __future__ import annotations
 
@@ -88,12 +99,51 @@ def named_predictions(trace: dict, spec: MoESpec, weights: dict, heads=None) -> 
                 logits = logits + weights.get(f"layers.{layers[j]}.router_bias", 0.0)
             a[:, j] = topk_desc(logits, la.width)
         out[name] = a
-    hist = np.full((T, NL, k), -1, np.int32)
-    hist[1:] = topk[:-1]
-    out["history"] = hist
-    out["oracle"] = topk.astype(np.int32)
+    out.update(history_and_oracle(topk))
     if heads is not None:
         out["prerouter"] = prerouter_predictions(trace, spec, weights, heads)
+    return out
+
+
+def history_and_oracle(topk: np.ndarray) -> dict:
+    """The predictors a trace's routing alone gives: history (the previous token's experts) and the oracle."""
+    hist = np.full(topk.shape, -1, np.int32)
+    hist[1:] = topk[:-1]
+    return {"history": hist, "oracle": np.asarray(topk, np.int32)}
+
+
+MODELLED_RECALL = 0.77      # the middle of the 0.66-0.88 published for early routers' lookahead (issue 50)
+
+
+def modelled(topk: np.ndarray, width: int, recall: float, num_experts: int, seed: int) -> np.ndarray:
+    """(T, NL, width) int32: per (token, layer), each of the true experts named with probability `recall` (the
+    count drawn so that its mean is recall x top-k), the rest of the width other experts drawn by the layer's usage
+    in the trace (every expert a little, so that a layer's rare ones can be drawn too)."""
+    T, NL, k = topk.shape
+    rng = np.random.default_rng(seed)
+    out = np.full((T, NL, width), -1, np.int32)
+    for j in range(NL):
+        usage = np.bincount(topk[:, j].reshape(-1), minlength=num_experts) + 0.01
+        for t in range(T):
+            true = topk[t, j]
+            n = min(k, width, int(np.floor(recall * k + rng.random())))
+            named = list(rng.choice(true, n, replace=False)) if n else []
+            p = usage.copy()
+            p[true] = 0.0
+            named += list(rng.choice(num_experts, width - n, replace=False, p=p / p.sum()))
+            out[t, j] = named
+    return out
+
+
+def shuffled(topk: np.ndarray, num_experts: int, seed: int) -> np.ndarray:
+    """(T, NL, k) int32: k experts per (token, layer) drawn by the layer's usage in the trace (the shuffled control)."""
+    T, NL, k = topk.shape
+    rng = np.random.default_rng(seed)
+    out = np.empty((T, NL, k), np.int32)
+    for j in range(NL):
+        p = np.bincount(topk[:, j].reshape(-1), minlength=num_experts) + 0.01
+        for t in range(T):
+            out[t, j] = rng.choice(num_experts, k, replace=False, p=p / p.sum())
     return out
 
 
@@ -101,6 +151,8 @@ def replay_experts(path, trace_spec: dict, top_k: int) -> int:
     """The experts per layer a model of this top-k needs to replay the trace (r x the trace's, r = top_k / the
     trace's top-k: the rule expert_map applies), or a one-line refusal."""
     E, k = trace_spec["num_experts"], trace_spec["top_k"]
+    if top_k >= k and top_k % k:             # expert_map's identity with fewer experts a token than the model's
+        return E
     if top_k < k or top_k % k:
         raise WorkbenchError(f"{path}: a trace of {E} experts top-{k} maps onto a model only when the model's top-k "
                              f"is a multiple of {k}; this model's is top-{top_k}")
@@ -112,6 +164,9 @@ def expert_map(path, trace_spec: dict, spec: MoESpec) -> tuple[int, str]:
     E, k = trace_spec["num_experts"], trace_spec["top_k"]
     if (E, k) == (spec.num_experts, spec.top_k):
         return 1, "experts: identity"
+    if E == spec.num_experts and k < spec.top_k:
+        return 1, (f"experts: identity, the trace's top-{k} routed on the model's top-{spec.top_k} ({k} experts a "
+                   f"token computed, as the traced run)")
     r = spec.top_k // k
     if spec.top_k % k or spec.num_experts != r * E:
         raise WorkbenchError(
@@ -127,11 +182,15 @@ def drive(path):
 
 
 class TraceDrive:
-    def __init__(self, path, spec: MoESpec, predictor: str | None, trace: dict | None = None, skip: int = 0):
+    def __init__(self, path, spec: MoESpec, predictor: str | None, trace: dict | None = None, skip: int = 0,
+                 recall: float | None = None):
+        """skip: trace rows before the run's first; recall: a modelled prediction's (an imported trace's lookahead or
+        prerouter), None: MODELLED_RECALL."""
         from experiments.traces import read_trace
         tr = trace or read_trace(path)      # trace: the file already read
         self.path, self.spec = str(path), spec
-        self.topk, self.preds = tr["topk"], tr.get("predictions", {})
+        self.topk, self.preds = tr["topk"], dict(tr.get("predictions", {}))
+        self.weights = tr.get("weights")
         self.ids, self.drafts = tr["ids"], tr.get("drafts")
         meta = tr["meta"]
         self.T, tl = self.topk.shape[0], tr["moe_layers"]
@@ -139,19 +198,39 @@ class TraceDrive:
         self.row_layer = {L: i % len(tl) for i, L in enumerate(spec.moe_layers)}
         self.mapping = (f"layers: model MoE layer i replays trace MoE layer i mod {len(tl)} (trace layers {tl}); "
                         f"{rule}; tokens: prompt then decode replay trace rows in order, wrapping at {self.T}")
-        self.source = {"path": self.path, "engine": meta.get("engine"), "model": meta.get("gguf") or meta.get("model"),
-                       "tokens": self.T, "data": meta.get("data"), "mapping": self.mapping}
-        self.predictor_name, self.skip = predictor, skip       # skip: trace rows before the run's first
-        if predictor == "shuffled":                     # each layer's marginals in this trace (in-sample)
-            predictor = None
+        imported = meta.get("imported")
+        self.source = {"path": self.path, "engine": meta.get("engine"), "model": meta.get("gguf") or meta.get("model")
+                       or (imported or {}).get("model"), "tokens": self.T, "data": meta.get("data"),
+                       "mapping": self.mapping, "imported": bool(imported),
+                       "mixing_weights": "the trace's router weights" if self.weights is not None else "uniform"}
+        self.predictor_name, self.skip = predictor, skip
         if predictor and predictor.split(":")[0] == "prerouter":     # prerouter:SKIP names the layers from SKIP on
             predictor = "prerouter"
         if predictor and predictor not in self.preds:
-            have = ", ".join(self.preds) or "none (a trace written before predictions were recorded)"
-            raise WorkbenchError(f"{path}: predictor {predictor!r} is not recorded in this trace (it has: {have})")
+            self.preds[predictor] = self._computed(path, tr, predictor, recall)
         self.prompt_len = 0
         counts = {L: np.bincount(self.topk[:, j].reshape(-1), minlength=meta["num_experts"]) for L, j in self.row_layer.items()}
         self.usage = {L: np.repeat(c, self.r).tolist() for L, c in counts.items()}   # for warm sets (the pager)
+
+    def _computed(self, path, tr: dict, predictor: str, recall: float | None) -> np.ndarray:
+        """What a predictor the trace did not record names: shuffled (any trace) or a modelled lookahead or
+        prerouter (a trace without router inputs, stated in `source`); else a one-line refusal."""
+        import zlib
+        k, E = self.topk.shape[2], tr["meta"]["num_experts"]
+        seed = zlib.crc32(predictor.encode())
+        if predictor == "shuffled":
+            self.source["prediction"] = "shuffled: k experts drawn by each layer's usage in this trace (in-sample)"
+            return shuffled(self.topk, E, seed)
+        kind = predictor.split(":")[0]
+        if tr.get("router_input") is None and kind in ("lookahead", "prerouter"):
+            recall = MODELLED_RECALL if recall is None else float(recall)
+            width = k * (Prefetch.parse(predictor).width if kind == "lookahead" else 1)
+            self.source.update(prediction=f"modelled prediction: {predictor} names each true expert with recall "
+                                          f"{recall:g} (lookahead_recall), the rest of its {width} by the layer's usage "
+                                          f"in the trace; the trace holds no router inputs", modelled_recall=recall)
+            return modelled(self.topk, width, recall, E, seed)
+        have = ", ".join(self.preds) or "none (a trace written before predictions were recorded)"
+        raise WorkbenchError(f"{path}: predictor {predictor!r} is not recorded in this trace (it has: {have})")
 
     def experts(self, a: np.ndarray) -> np.ndarray:
         """Trace expert ids (any shape, -1 = none) -> model expert ids, last axis widened r times."""
@@ -168,14 +247,14 @@ class TraceDrive:
         return np.array([(self.skip + self.prompt_len - 1 + engine.token_index) % self.T])
 
     def route(self, layer: int, logits, ctx):
-        """The router hook: the trace's experts for these tokens, uniform mixing weights."""
-        idx = self.experts(self.topk[self.rows(ctx["engine"], len(logits)), self.row_layer[layer]]).astype(np.int64)
-        return idx, np.full(idx.shape, 1.0 / idx.shape[1], np.float32)
+        """The router hook: the trace's experts for these tokens, and its mixing weights (uniform where it has none)."""
+        rows, j = self.rows(ctx["engine"], len(logits)), self.row_layer[layer]
+        idx = self.experts(self.topk[rows, j]).astype(np.int64)
+        if self.weights is None:
+            return idx, np.full(idx.shape, 1.0 / idx.shape[1], np.float32)
+        return idx, np.repeat(self.weights[rows, j] / self.r, self.r, axis=-1).astype(np.float32)
 
     def predictor(self):
-        if self.predictor_name == "shuffled":
-            from workbench.predict import Shuffled
-            return Shuffled(self.spec, self.usage)
         return None if not self.predictor_name else _Recorded(self)
 
     def draft(self, token_index: int, n: int) -> tuple[list[int], int]:

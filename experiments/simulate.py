@@ -584,7 +584,11 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     if compute is not None and engine is not None and engine != compute.engine:
         raise WorkbenchError(f"--engine {engine}: the compute profile given was measured on the {compute.engine} "
                              f"engine")
-    drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace, skip=skip)
+    if meta.get("imported") and compute is None and model is None:
+        raise WorkbenchError(f"{trace_path}: an imported trace names no model here to measure compute on: pass --model "
+                             f"(a checkpoint of its shape: make-model --shape {meta.get('shape')}) or --compute")
+    drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace, skip=skip,
+                       recall=p.prefetch.recall)
     own = model is None or model == meta.get("model")        # the traced model: measured on its own trace
     simulated = model or (meta.get("model") if compute is None else None)     # the model whose storage is read
     here = dev.name == "this-machine" if here is None else here
@@ -683,7 +687,7 @@ def replay(path, presets=REPLAYED, budget: str | None = None, tokens: int | None
     for name in presets:
         p = simulable(get_preset(name).with_(**(knobs or {})))
         b = str(budget if budget is not None else p.cache.budget)
-        drive = TraceDrive(path, spec, str(p.prefetch) or None, trace=tr, skip=skip)
+        drive = TraceDrive(path, spec, str(p.prefetch) or None, trace=tr, skip=skip, recall=p.prefetch.recall)
         res = replay_run(drive, spec, p, b, tokens, prompt, engine)
         steps = max(1, res["decode_steps"])
         bound = belady(drive, spec, p, b, prompt, tokens, initial=res.pop("cache_at_decode"), engine=engine)
@@ -695,7 +699,8 @@ def replay(path, presets=REPLAYED, budget: str | None = None, tokens: int | None
     return {"trace": str(path), "engine": meta.get("engine"), "model": meta.get("gguf") or meta.get("model"),
             "trace_tokens": len(tr["ids"]), "tokens": tokens, "prompt": prompt, "skip": skip, "cache_engine": engine,
             "clock": "instant: every read lands at once (no timing)",
-            "routing_check": near_ties(tr["logits"], tr["topk"], spec.top_k) if "logits" in tr else None,
+            "routing_check": None if tr["logits"] is None else near_ties(tr["logits"], tr["topk"], spec.top_k),
+            "prediction": drive.source.get("prediction"),
             "presets": rows}
 
 

@@ -8,6 +8,9 @@ A trace has one row per (token, MoE layer): token (index in the traced text), to
 topk (the experts chosen, best first), logits (the router's logits over all experts) and router_input
 (the residual stream entering the MoE block: llama.cpp's `ffn_inp-N`, the numpy engine's `h`).
 The file's schema metadata (`workbench.trace`) holds the engine, the model, the spec and the data.
+An imported trace (`import-trace`: a real model's routing recorded elsewhere, experiments/import_trace.py) has no
+logits or router_input (read back as None) and carries `weights` (the router's mixing weights of the top-k, in its
+order); its metadata says `"imported": {...}` and where from.
 """
 from __future__ import annotations
 
@@ -29,14 +32,19 @@ META_KEY = b"workbench.trace"
 
 def write_trace(path, trace: dict, ids: list[int], meta: dict, predictions: dict | None = None,
                 drafts: np.ndarray | None = None) -> Path:
-    """trace: topk (T, L, k), logits (T, L, E), router_input (T, L, d), moe_layers. Written atomically.
+    """trace: topk (T, L, k), logits (T, L, E), router_input (T, L, d), moe_layers; optionally weights (T, L, k),
+    the router's mixing weights of topk. logits and router_input may be None (an imported trace: its metadata names
+    num_experts). Written atomically.
     predictions: {predictor: (T, L, width) expert ids, -1 = none} (experiments/routing_trace.py), one column each.
     drafts: (T, n) the speculative draft proposed after each token (-1 = none), in every row of that token."""
     import pyarrow as pa
-    topk, logits, h = (np.asarray(trace[k]) for k in ("topk", "logits", "router_input"))
+    topk = np.asarray(trace["topk"])
+    logits, h, weights = (None if trace.get(k) is None else np.asarray(trace[k])
+                          for k in ("logits", "router_input", "weights"))
     T, NL, k = topk.shape
     layers = np.asarray(trace["moe_layers"], np.int16)
-    E, d = logits.shape[2], h.shape[2]
+    E = logits.shape[2] if logits is not None else meta["num_experts"]
+    d = h.shape[2] if h is not None else None
 
     def fixed(a, n, typ):
         return pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(a).reshape(-1), typ), n)
@@ -46,8 +54,9 @@ def write_trace(path, trace: dict, ids: list[int], meta: dict, predictions: dict
         "token_id": pa.array(np.repeat(np.asarray(ids, np.int32), NL)),
         "layer": pa.array(np.tile(layers, T)),
         "topk": fixed(topk.astype(np.int32), k, pa.int32()),
-        "logits": fixed(logits.astype(np.float32), E, pa.float32()),
-        "router_input": fixed(h.astype(np.float32), d, pa.float32()),
+        **({"logits": fixed(logits.astype(np.float32), E, pa.float32())} if logits is not None else {}),
+        **({"router_input": fixed(h.astype(np.float32), d, pa.float32())} if h is not None else {}),
+        **({"weights": fixed(weights.astype(np.float32), k, pa.float32())} if weights is not None else {}),
         **{f"pred:{name}": fixed(np.asarray(a, np.int32), a.shape[2], pa.int32()) for name, a in (predictions or {}).items()},
         **({"draft": fixed(np.repeat(np.asarray(drafts, np.int32), NL, 0), drafts.shape[1], pa.int32())}
            if drafts is not None else {}),
@@ -79,9 +88,12 @@ def read_trace(path) -> dict:
         c = table.column(name).combine_chunks()
         return np.asarray(c.flatten()).reshape(T, NL, n)
 
+    have = lambda name: name in table.column_names
     return {"meta": meta, "moe_layers": layers, "ids": np.asarray(table.column("token_id"))[::NL].tolist(),
-            "topk": col("topk", meta["top_k"]), "logits": col("logits", meta["num_experts"]),
-            "router_input": col("router_input", meta["hidden_size"]),
+            "topk": col("topk", meta["top_k"]),
+            "logits": col("logits", meta["num_experts"]) if have("logits") else None,
+            "router_input": col("router_input", meta["hidden_size"]) if have("router_input") else None,
+            "weights": col("weights", meta["top_k"]) if have("weights") else None,
             "predictions": {n: col(f"pred:{n}", table.schema.field(f"pred:{n}").type.list_size)
                             for n in meta.get("predictions", [])},
             "drafts": col("draft", meta["draft"])[:, 0] if meta.get("draft") else None}

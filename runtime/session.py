@@ -43,8 +43,8 @@ class Session:
         weights: replacements for some of the pack's non-expert weights (a merged adapter); deltas: projection
         deltas added to the preset's (an unmerged adapter). Both for experiments on adapters (Edge0's ladder).
         device: a device profile (data/devices) whose flash the reads emulate. drive: routing and predictions
-        replayed from outside, drive(spec, predictor text) -> route, predictor(), usage, source (a routing trace:
-        experiments.routing_trace.TraceDrive)."""
+        replayed from outside, drive(spec, predictor text, recall=lookahead_recall) -> route, predictor(), usage,
+        source (a routing trace: experiments.routing_trace.TraceDrive)."""
         self.plan, self.preset, self.model, self.pack = plan, plan.preset, plan.model, plan.pack
         p = self.preset
         if p.prefetch.predictor is Predictor.ORACLE and trace is None and drive is None:
@@ -72,7 +72,7 @@ class Session:
             if p.routing.router is not Router.EXACT or p.execution.speculative:
                 raise WorkbenchError(f"--routing-trace: preset {p.name} changes routing or decodes speculatively; "
                                      "a trace replays exact routing one token at a time")
-            self.drive, self.lora = drive(s, str(p.prefetch) or None), None
+            self.drive, self.lora = drive(s, str(p.prefetch) or None, recall=p.prefetch.recall), None
             usage = self.drive.usage
             predictor, router_hook, hook_deltas = self.drive.predictor(), self.drive.route, {}
         else:

@@ -108,13 +108,14 @@ def test_a_run_driven_by_a_trace_routes_and_prefetches_exactly_as_recorded(demo_
             assert ev.predicted == [int(e) for e in la[row, ev.layer]]
 
 
-def test_a_predictor_the_trace_did_not_record_is_refused_and_shuffled_draws_from_its_marginals(demo_trace):
+def test_a_predictor_the_trace_did_not_record_is_refused(demo_trace):
+    """A trace with router inputs records its lookaheads: one it did not record is not modelled in its place."""
     with pytest.raises(WorkbenchError, match="predictor 'lookahead:3:k' is not recorded"):
         TraceDrive(DEMO_TRACE, _spec(demo_trace), "lookahead:3:k")
-    shuffled = TraceDrive(DEMO_TRACE, _spec(demo_trace), "shuffled").predictor()
-    used = {L: {e for e, n in enumerate(c) if n} for L, c in shuffled.p.items()}
-    named = shuffled.predict(0, {"phase": "decode"})
-    assert list(named) == [1] and set(named[1]) <= used[1]
+    d = TraceDrive(DEMO_TRACE, _spec(demo_trace), "shuffled")       # the control: drawn by each layer's usage
+    counts = np.bincount(d.preds["shuffled"][:, 2].reshape(-1), minlength=32)
+    usage = np.bincount(demo_trace["topk"][:, 2].reshape(-1), minlength=32)
+    assert np.corrcoef(counts, usage)[0, 1] > 0.8 and "prediction" in d.source
 
 
 def test_bench_with_a_missing_or_unmappable_trace_is_a_one_line_error(tmp_path, capsys):

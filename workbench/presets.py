@@ -70,6 +70,13 @@ def _enum(cls, text, knob):
         raise WorkbenchError(f"{knob} {text!r}: choose one of {', '.join(m.value for m in cls)}") from None
 
 
+def _number(text, knob) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise WorkbenchError(f"{knob} {text!r}: expected a number") from None
+
+
 @dataclass(frozen=True)
 class Budget:
     """The expert cache's size: a fraction of all experts ("0.25"), a size ("96MiB", "3GB", "123456") or "all"."""
@@ -135,6 +142,8 @@ class Prefetch:
     depth: int = 1                  # lookahead (predict.Lookahead): layers ahead
     width: int = 1                  # lookahead: experts named per layer, in multiples of top-k
     skip_layers: int | None = None  # prerouter (edge0.serve.make_prerouter): MoE layers routed exactly (None: the heads')
+    recall: float | None = None     # lookahead_recall: a MODELLED lookahead's or prerouter's recall, where a routing
+                                    # trace holds no router inputs (experiments.routing_trace; None: its default)
 
     @classmethod
     def parse(cls, text: str | None) -> "Prefetch":
@@ -208,6 +217,7 @@ KNOBS = {
     "warm": ("cache", "warm", bool),
     "execution": ("execution", "order", lambda v: _enum(Order, v, "execution")),
     "predictor": ("prefetch", None, Prefetch.parse),
+    "lookahead_recall": ("prefetch", "recall", lambda v: None if v is None else _number(v, "lookahead_recall")),
     "routing": ("routing", None, Routing.parse),
     "speculative": ("execution", "speculative", int),
 }
@@ -232,6 +242,8 @@ class Preset:
                                  f"speculative must be 0")
         if self.prefetch.predictor is Predictor.LOOKAHEAD and self.prefetch.depth < 1:
             raise WorkbenchError(f"preset {self.name!r}: predictor {self.prefetch}: lookahead depth must be >= 1")
+        if self.prefetch.recall is not None and not 0.0 <= self.prefetch.recall <= 1.0:
+            raise WorkbenchError(f"preset {self.name!r}: lookahead_recall {self.prefetch.recall} must be in 0..1")
         if self.execution.speculative < 0:
             raise WorkbenchError(f"preset {self.name!r}: speculative {self.execution.speculative} must be >= 0")
 
@@ -243,6 +255,8 @@ class Preset:
                 raise WorkbenchError(f"{knob!r}: not a preset knob (choose from {', '.join(KNOBS)})")
             concern, attr, parse = KNOBS[knob]
             value = parse(value)
+            if knob == "predictor":             # another predictor keeps the modelled recall set
+                value = replace(value, recall=parts["prefetch"].recall)
             parts[concern] = value if attr is None else replace(parts[concern], **{attr: value})
         parts.update({k: v for k, v in (("name", name), ("description", description)) if v is not None})
         return Preset(**parts)
