@@ -194,9 +194,6 @@ def _simulate_flags(p):
     p.add_argument("--compute", default=None, help="a compute profile JSON instead of measuring one")
     p.add_argument("--predictor", default=None, help="prefetch with this recorded predictor instead of the preset's "
                                                     "(e.g. prerouter, where the trace recorded Edge0's heads)")
-    p.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
-                   help="change one of the preset's knobs (e.g. lookahead_recall=0.66 for an imported trace's "
-                        "modelled lookahead); repeatable")
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--here", action="store_true",
                    help="predict the run on this machine with the device emulated (as bench --device measures it), "
