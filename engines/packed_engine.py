@@ -20,7 +20,9 @@ run in the same kernels (K.dense), up to 16 rows (a speculative batch); a longer
 copy in BLAS instead (the kernel passes over the bytes once per row: for many rows, dequantizing once costs less).
 A decode step reads each matrix once, so reading fewer bytes wins; alone, one small matrix whose f32 copy stays hot
 in cache is faster in BLAS, which a decode step never sees (results/kernels.md has the measurements).
-Embeddings (a lookup), the router, norms, biases and tensors the loader splits stay f32.
+Embeddings (a lookup), the router, norms, biases and tensors the loader splits stay f32, but for a full-size router
+(over ROUTER_Q8_BYTES in f32), which is re-encoded in Q8_0 at load: routing and the lookahead read a quarter of
+its bytes, and ggml rounds x to 8 bits for it as for every GGUF matrix.
 
 Numerics: the kernels compute scale * (codes . x) + bias * sum(x) per group of 64 in float32, where the
 numpy reference dequantizes first and multiplies in BLAS: the two agree to float32 rounding (the tests state
@@ -89,11 +91,27 @@ def stays_encoded(name: str, t: dict) -> bool:
     return kind in K.BITS and kind != "bf16" and name != "embed"
 
 
+# A router whose float32 rows pass this is kept in Q8_0 and computed in ggml's kernel: at full size (the 80B's 512
+# experts x 2048, 4 MiB a layer) reading it in f32 twice a token (routing, and the lookahead of the next layer)
+# cost 50 ms of 335; the demo's (32 KB) stays in cache in f32 and exact.
+ROUTER_Q8_BYTES = 1 << 20
+ROUTER_KIND = "gguf:Q8_0"
+
+
+def encodes_router(name: str, t: dict) -> bool:
+    rows, cols = t["shape"]
+    return name.endswith(".router") and 4 * rows * cols > ROUTER_Q8_BYTES and G.computes(ROUTER_KIND, cols)
+
+
 def packed_weights(pack) -> dict:
-    """dense_weights with the matrices that stay encoded as Encoded."""
+    """dense_weights with the matrices that stay encoded as Encoded (a full-size router re-encoded in Q8_0)."""
     def load(name):
         t = pack.tensors[name]
-        return Encoded(pack.tensor_bytes(name), t["shape"], t["kind"]) if stays_encoded(name, t) else pack.tensor(name)
+        if stays_encoded(name, t):
+            return Encoded(pack.tensor_bytes(name), t["shape"], t["kind"])
+        if len(t["shape"]) == 2 and encodes_router(name, t):
+            return Encoded(G.quantize(pack.tensor(name), ROUTER_KIND).reshape(-1), t["shape"], ROUTER_KIND)
+        return pack.tensor(name)
     return dense_weights(pack, load)
 
 
@@ -165,7 +183,13 @@ class PackedEngine(Decoder):
 
     @classmethod
     def resident_bytes(cls, pack) -> int:
-        return sum(t["nbytes"] if stays_encoded(n, t) else 4 * int(np.prod(t["shape"])) for n, t in pack.tensors.items())
+        def nbytes(n, t):
+            if stays_encoded(n, t):
+                return t["nbytes"]
+            if len(t["shape"]) == 2 and encodes_router(n, t):
+                return t["shape"][0] * G.part(ROUTER_KIND, t["shape"][1])[0]
+            return 4 * int(np.prod(t["shape"]))
+        return sum(nbytes(n, t) for n, t in pack.tensors.items())
 
     @staticmethod
     def computes(pack) -> bool:

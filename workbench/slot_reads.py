@@ -214,10 +214,12 @@ class SlotRead:
     """A key's read into its buffers: done once every job it is in is done; result() is its buffers, or raises
     the read's error or a ChecksumError. Settled (crc compared, a Python retry run) by the first thread that asks."""
 
-    __slots__ = ("reads", "key", "bufs", "check", "jobs", "runs", "t_start", "t_end", "settled", "error", "open")
+    __slots__ = ("reads", "key", "bufs", "check", "jobs", "runs", "t_submit", "t_queued", "t_start", "t_end", "priority",
+                 "settled", "error", "open")
 
-    def __init__(self, reads, key, bufs, check):
+    def __init__(self, reads, key, bufs, check, priority: int = 0, t_submit: int = 0):
         self.reads, self.key, self.bufs, self.check = reads, key, bufs, check
+        self.priority, self.t_submit, self.t_queued = priority, t_submit, 0     # ns: its submit began, its jobs queued
         self.open = False                   # a submit has not made all of its jobs yet: not done, whatever they are
         self.jobs: list[int] = []
         # (place in crc order, start in its buffer, job, row, bytes) of each checked run, or piece of one
@@ -319,6 +321,9 @@ class SlotReads:
                     if last[m[2]] == g:
                         futures[m[2]].open = False
         self._queue(ids, priority)
+        now = time.perf_counter_ns()
+        for fut in futures.values():
+            fut.t_queued = fut.t_queued or now
 
     def _queue(self, ids, priority):
         data = array.array("i", ids).tobytes()

@@ -233,7 +233,7 @@ class ExpertStreamer:
                 # a target is a layer (this token) or (layer, token index) for a later token (Edge0)
                 target = target if isinstance(target, tuple) else (target, token)
                 self.predicted_for[target] = experts = list(map(int, experts))
-                self.to_prefetch.append((target, experts))
+                self.to_prefetch.append((target, experts if certain else self.admission.admitted(experts)))
             ev.router_s += time.perf_counter() - t1
         ev.routed = needed
         return needed, ev
@@ -272,6 +272,7 @@ class ExpertStreamer:
         for key in [k for k, (_, t) in self.prefetched.items() if k[0] == layer and t <= ev.token]:
             self.tel.prefetch_wasted += 1                 # predicted for this layer and token, not used
             self.tel.wasted_bytes += self.prefetched.pop(key)[0]
+            self.cache.demote(key)
 
         def issue_backlog():
             t0 = time.perf_counter()
@@ -287,6 +288,7 @@ class ExpertStreamer:
                 for k in keys:
                     pending[k[1]] = self.cache.peek(k)
                 ev.issue_s += time.perf_counter() - t0
+                ev.submit_s += time.perf_counter() - t0
                 ev.issues += 1
                 ev.issued += len(keys)
 
@@ -316,8 +318,10 @@ class ExpertStreamer:
                 dq = sum(getattr(f, "dequant_s", 0.0) for f in done)
                 ev.dequant_s += min(waited, dq)
                 ev.wait_s += waited - min(waited, dq)
+                ev.split_wait(t0, t0 + waited - min(waited, dq), done, self.execution == "wait_all")
                 t0 = time.perf_counter()
                 for e in [e for e, f in pending.items() if f in done]:
+                    ev.took(pending[e], t0)
                     self.cache.set((layer, e), self._landed((layer, e), pending.pop(e)))
                     ready.append(e)
                     ev.taken += 1
