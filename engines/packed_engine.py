@@ -166,6 +166,45 @@ def layer_kernel(pack: Pack, layer: int, offsets: dict) -> tuple[bool, np.ndarra
                          f"another of those), or run it with --engine numpy")
 
 
+class ThreadChoice:
+    """The kernels' threads, by what a decode step's compute (kernels, routing) measures: every core, or one,
+    whichever computed its recent tokens faster. Most tokens run on that one; now and then one token runs on the
+    other, to keep its time current as other processes and the readers take and leave cores mid-run: after EXPLORE
+    tokens, and twice as many after each look that changes nothing (up to LONGEST), so that a count measured
+    slower costs a few tokens in a run, not a share of it (on a loaded machine two threads computed a token 5-10x
+    slower than one: results/full_size.md, "Threads"). The numbers do not depend on the thread count
+    (ggml_kernels.ROWS), so neither do the logits."""
+    EXPLORE, LONGEST = 16, 256
+    SMOOTH = 0.25       # weight of the latest token in the mean of the count in use
+
+    def __init__(self, cores: int):
+        self.counts = sorted({cores, 1}, reverse=True)     # every core first
+        self.mean: dict[int, float] = {}
+        self.best, self.every, self.next = self.counts[0], self.EXPLORE, self.EXPLORE
+
+    def pick(self) -> int:
+        untried = [n for n in self.counts if n not in self.mean]
+        if untried:
+            return untried[0]
+        self.next -= 1
+        if self.next > 0 or len(self.counts) == 1:
+            return self.best
+        return next(n for n in self.counts if n != self.best)
+
+    def took(self, threads: int, seconds: float) -> None:
+        """A decode step's compute at `threads`: into the running mean of the count in use; a look at the other
+        replaces its mean (tokens ago, under other load)."""
+        m = self.mean.get(threads)
+        self.mean[threads] = seconds if m is None or threads != self.best else m + self.SMOOTH * (seconds - m)
+        if len(self.mean) < len(self.counts):
+            return
+        best = min(self.counts, key=self.mean.__getitem__)
+        if self.next <= 0:                  # a look at the other count: the same best waits longer for the next
+            self.every = self.EXPLORE if best != self.best else min(self.LONGEST, 2 * self.every)
+            self.next = self.every
+        self.best = best
+
+
 class PackedEngine(Decoder):
     name = "packed"
     slot_arena = True       # the session gives the cache a slot arena; the streamer reads into it
@@ -204,17 +243,16 @@ class PackedEngine(Decoder):
 
     def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
                  weights: dict | None = None, max_context: int | None = None, threads: int | None = None):
-        """threads: the cores ggml's kernels share (GGUF blocks). By default every core where the cache holds every
-        expert, and every core but one where experts stream: the readers take that one, and a kernel's threads wait
-        at its end for the slowest, so a core they share with the readers costs more than it brings
-        (results/full_size.md, "Threads", measures both). The thread that constructs the engine is the one that
-        computes with it."""
+        """threads: the cores the kernels share. By default (None) every core, unless one thread computes a token
+        faster here and now (ThreadChoice): a kernel's threads wait at its end for the slowest, and a core shared
+        with the readers or with other processes can cost more than it brings (results/full_size.md, "Threads").
+        The thread that constructs the engine is the one that computes with it."""
         super().__init__(pack, streamer, telemetry, hooks)
         cores = numba.config.NUMBA_NUM_THREADS
         if threads is not None and not 1 <= threads <= cores:
             raise WorkbenchError(f"--threads {threads}: choose 1 to {cores} (this machine's cores)")
-        streams = streamer.cache.slots < pack.num_expert_total
-        self.threads = threads or (max(1, cores - 1) if streams else cores)
+        self.choice = None if threads else ThreadChoice(cores)
+        self.threads = threads or cores
         numba.set_num_threads(self.threads)
         for L in pack.spec.moe_layers:
             layer_kernel(pack, L, {p: 0 for p in PARTS})      # the reason, where the kernels cannot read it
@@ -226,6 +264,17 @@ class PackedEngine(Decoder):
                                 and not sp.attn_output_gate and not self.deltas)
         self.setup(packed_weights(pack) if weights is None else weights, max_context,
                    PackedExperts(self, pack, streamer.arena))
+
+    def decode(self, ids) -> np.ndarray:
+        if self.choice is None:
+            return super().decode(ids)
+        self.threads = self.choice.pick()
+        numba.set_num_threads(self.threads)
+        n_ev, dense0 = len(self.tel.events), self.dense_compute_s
+        out = super().decode(ids)
+        self.choice.took(self.threads, self.dense_compute_s - dense0 +
+                         sum(e.compute_s + e.router_s for e in self.tel.events[n_ev:]))
+        return out
 
     def linear(self, x, name: str):
         w = self.w[name]

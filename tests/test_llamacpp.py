@@ -534,16 +534,31 @@ def test_checkpoint_experts_in_ggml_blocks(kquant_model, tmp_path, experts, bloc
 
 
 @needs_llama
-def test_the_packed_engine_leaves_a_core_to_the_readers_only_where_experts_stream(tiny_models):
+def test_the_packed_engine_starts_on_every_core_and_keeps_the_thread_count_that_computes_faster(tiny_models):
     import numba
+    from engines.packed_engine import ThreadChoice
     from runtime.session import Session
     cores = numba.config.NUMBA_NUM_THREADS
-    with Session(str(tiny_models["qwen3_moe"]), "resident", budget="all") as s:
-        assert s.engine.threads == cores
     with Session(str(tiny_models["qwen3_moe"]), "les", budget="0.5") as s:
-        assert s.engine.threads == max(1, cores - 1)
+        assert s.engine.threads == cores and s.engine.choice is not None
     with Session(str(tiny_models["qwen3_moe"]), "les", budget="0.5", threads=1) as s:
-        assert s.engine.threads == 1
+        assert s.engine.threads == 1 and s.engine.choice is None
+    c = ThreadChoice(4)
+    picked = []
+    for _ in range(2 + 16 + 32 + 64):   # one thread computes a token in 1 s, four in 2 s: one from then on, but
+        n = c.pick()                    # for one look at four after 16 tokens, then 32, then 64
+        picked.append(n)
+        c.took(n, 1.0 if n == 1 else 2.0)
+    assert picked[:2] == [4, 1] and [i for i, n in enumerate(picked) if n == 4] == [0, 17, 49, 113]
+    for _ in range(20):                 # four become the faster: the next look moves there, and stays
+        n = c.pick()
+        c.took(n, 0.5 if n == 4 else 1.0)
+    assert c.best == 1
+    for _ in range(128):
+        n = c.pick()
+        c.took(n, 0.5 if n == 4 else 1.0)
+    assert c.best == 4 and c.pick() == 4
+    assert ThreadChoice(1).counts == [1] and [ThreadChoice(1).pick() for _ in range(20)] == [1] * 20
 
 
 def test_packed_engine_defaults_to_ggml_blocks_and_the_others_to_affine(tiny_models, tmp_path):

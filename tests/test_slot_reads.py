@@ -127,3 +127,31 @@ def test_more_experts_than_job_rows_land_checked_when_their_parts_interleave_in_
             for o, b in zip(offs[k], bufs[k]):
                 np.testing.assert_array_equal(b, data[o:o + ALIGN])
         assert sorted(r._slots.free) == list(range(8))
+
+
+def test_a_spinning_reader_that_takes_an_id_wakes_a_sleeping_one_for_the_rest(tmp_path, monkeypatch):
+    """A submit that a spinning reader catches writes no ticket: the reader that takes the first id wakes the
+    sleeping one (its wake-up paid on a reader thread, not the submitter), and the two read side by side."""
+    from workbench.devices import EmulatedReader, load
+    monkeypatch.setattr(SlotReads, "SPIN_US", 60_000_000)
+    monkeypatch.setattr(SlotReads, "SPINNERS", 1)
+    tickets = []
+    write = os.eventfd_write
+    monkeypatch.setattr(os, "eventfd_write", lambda fd, n: (tickets.append(n), write(fd, n))[1])
+    path, data = _file(tmp_path)
+    with EmulatedReader(path, load("ufs22-phone"), workers=2) as r:      # a read of 256 KiB takes about 0.6 ms
+        r.submit_into([("warm", [(0, aligned_empty(ALIGN))])])["warm"].result()
+        idle = r._slots.idle
+        deadline = time.monotonic() + 10
+        while (idle[slot_reads.SPINNING], idle[slot_reads.SLEEPING]) != (1, 1) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert (idle[slot_reads.SPINNING], idle[slot_reads.SLEEPING]) == (1, 1)
+        tickets.clear()
+        before = r._slots.stats[:, 1].copy()
+        bufs = [aligned_empty(64 * ALIGN) for _ in range(2)]
+        futs = r.submit_into([(i, [((1 + 2 * i) * 64 * ALIGN, b)]) for i, b in enumerate(bufs)])
+        assert len(r.wait(list(futs.values()), 10, every=True)) == 2
+        for i, b in enumerate(bufs):
+            np.testing.assert_array_equal(b, data[(1 + 2 * i) * 64 * ALIGN:(2 + 2 * i) * 64 * ALIGN])
+        assert tickets == []                                    # the submitter woke nobody
+        assert ((r._slots.stats[:, 1] - before) == 1).all()     # each reader read one

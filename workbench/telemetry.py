@@ -83,8 +83,8 @@ class LayerEvent:
 
     def took(self, fut, now: float) -> None:
         """A demand read (priority 0) taken in at `now`: its latency split into submit, queue, device, landed."""
-        if getattr(fut, "priority", 0) or not getattr(fut, "t_queued", 0):
-            return
+        if getattr(fut, "priority", 0) or not getattr(fut, "t_queued", 0) or not getattr(fut, "t_end", 0):
+            return                  # a prefetch, or a read that failed (not stamped)
         submit, queued, start, end = fut.t_submit / 1e9, fut.t_queued / 1e9, fut.t_start / 1e9, fut.t_end / 1e9
         self.reads_taken += 1
         self.read_submit_s += queued - submit
