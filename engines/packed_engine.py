@@ -175,27 +175,31 @@ def layer_kernel(pack: Pack, layer: int, offsets: dict) -> tuple[bool, np.ndarra
 
 
 class ThreadChoice:
-    """The kernels' threads, by what a decode step's compute (kernels, routing) measures: every core, or one,
-    whichever computed its recent tokens faster. Most tokens run on that one; now and then one token runs on the
-    other, to keep its time current as other processes and the readers take and leave cores mid-run: after EXPLORE
-    tokens, and twice as many after each look that changes nothing (up to LONGEST), so that a count measured
-    slower costs a few tokens in a run, not a share of it (on a loaded machine two threads computed a token 5-10x
-    slower than one: results/full_size.md, "Threads"). The numbers do not depend on the thread count
-    (ggml_kernels.ROWS), so neither do the logits."""
+    """The kernels' threads, by what a decode step's compute (kernels, routing) measures: one, or every core where
+    one thread's token is long enough for more to pay (WORTH) and every core computed recent tokens faster. Most
+    tokens run on the faster count; now and then one token runs on the other, to keep its time current as other
+    processes and the readers take and leave cores mid-run: after EXPLORE tokens, and twice as many after each look
+    that changes nothing (up to LONGEST). Where cores are shared a look at every core costs far more than a token
+    (its threads wait for each other at each kernel's end: results/full_size.md, "Threads"): a short token never
+    looks, and a count measured slower costs a few tokens in a run, not a share of it. The numbers do not depend on
+    the thread count (ggml_kernels.ROWS), so neither do the logits."""
     EXPLORE, LONGEST = 16, 256
+    WORTH = 0.02        # seconds of compute a token on one thread, under which every core is never tried
     SMOOTH = 0.25       # weight of the latest token in the mean of the count in use
 
     def __init__(self, cores: int):
-        self.counts = sorted({cores, 1}, reverse=True)     # every core first
+        self.counts = sorted({1, cores})
         self.mean: dict[int, float] = {}
-        self.best, self.every, self.next = self.counts[0], self.EXPLORE, self.EXPLORE
+        self.best, self.every, self.next = 1, self.EXPLORE, self.EXPLORE
 
     def pick(self) -> int:
+        if 1 not in self.mean or (self.best == 1 and self.mean[1] < self.WORTH):
+            return 1
         untried = [n for n in self.counts if n not in self.mean]
         if untried:
             return untried[0]
         self.next -= 1
-        if self.next > 0 or len(self.counts) == 1:
+        if self.next > 0:
             return self.best
         return next(n for n in self.counts if n != self.best)
 
@@ -251,16 +255,17 @@ class PackedEngine(Decoder):
 
     def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
                  weights: dict | None = None, max_context: int | None = None, threads: int | None = None):
-        """threads: the cores the kernels share. By default (None) every core, unless one thread computes a token
-        faster here and now (ThreadChoice): a kernel's threads wait at its end for the slowest, and a core shared
-        with the readers or with other processes can cost more than it brings (results/full_size.md, "Threads").
+        """threads: the cores the kernels share. By default (None) ThreadChoice's: every core where a token's compute
+        is long enough for more threads to pay and they compute it faster here and now, else one: a kernel's
+        threads wait at its end for the slowest, and a core shared with the readers or with other processes can
+        cost more than it brings (results/full_size.md, "Threads").
         The thread that constructs the engine is the one that computes with it."""
         super().__init__(pack, streamer, telemetry, hooks)
         cores = numba.config.NUMBA_NUM_THREADS
         if threads is not None and not 1 <= threads <= cores:
             raise WorkbenchError(f"--threads {threads}: choose 1 to {cores} (this machine's cores)")
         self.choice = None if threads else ThreadChoice(cores)
-        self.threads = threads or cores
+        self.threads = threads or 1
         numba.set_num_threads(self.threads)
         for L in pack.spec.moe_layers:
             layer_kernel(pack, L, {p: 0 for p in PARTS})      # the reason, where the kernels cannot read it
