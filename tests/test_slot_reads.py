@@ -138,8 +138,8 @@ def test_a_spinning_reader_that_takes_an_id_wakes_a_sleeping_one_for_the_rest(tm
     tickets = []
     write = os.eventfd_write
     monkeypatch.setattr(os, "eventfd_write", lambda fd, n: (tickets.append(n), write(fd, n))[1])
-    path, data = _file(tmp_path)
-    with EmulatedReader(path, load("ufs22-phone"), workers=2) as r:      # a read of 256 KiB takes about 0.6 ms
+    path, data = _file(tmp_path, blocks=4096)
+    with EmulatedReader(path, load("ufs22-phone"), workers=2) as r:      # a read of 4 MiB takes some ms: time to wake
         r.submit_into([("warm", [(0, aligned_empty(ALIGN))])])["warm"].result()
         idle = r._slots.idle
         deadline = time.monotonic() + 10
@@ -148,10 +148,11 @@ def test_a_spinning_reader_that_takes_an_id_wakes_a_sleeping_one_for_the_rest(tm
         assert (idle[slot_reads.SPINNING], idle[slot_reads.SLEEPING]) == (1, 1)
         tickets.clear()
         before = r._slots.stats[:, 1].copy()
-        bufs = [aligned_empty(64 * ALIGN) for _ in range(2)]
-        futs = r.submit_into([(i, [((1 + 2 * i) * 64 * ALIGN, b)]) for i, b in enumerate(bufs)])
+        n = 1024 * ALIGN
+        bufs = [aligned_empty(n) for _ in range(2)]
+        futs = r.submit_into([(i, [((1 + 2 * i) * n, b)]) for i, b in enumerate(bufs)])
         assert len(r.wait(list(futs.values()), 10, every=True)) == 2
         for i, b in enumerate(bufs):
-            np.testing.assert_array_equal(b, data[(1 + 2 * i) * 64 * ALIGN:(2 + 2 * i) * 64 * ALIGN])
+            np.testing.assert_array_equal(b, data[(1 + 2 * i) * n:(2 + 2 * i) * n])
         assert tickets == []                                    # the submitter woke nobody
-        assert ((r._slots.stats[:, 1] - before) == 1).all()     # each reader read one
+        assert ((r._slots.stats[:, 1] - before) >= 1).all()     # both readers read (4 MiB reads go in pieces)
