@@ -29,9 +29,12 @@ CHARTS_REFRESH_S = 1.0   # and the live charts this often
 RECENT = 40              # decode tokens shown in the per-token charts
 STOP_GRACE_S = 2.0       # a stopped design ends at its next token, or this long after Stop, whatever step it is in
 MiB = 2 ** 20
-PARTS = [("compute_s", "compute"), ("router_s", "router"), ("dequant_s", "dequant"),
-         ("flash_wait_s", "flash wait"), ("other_s", "other")]
-PART_COLORS = ["#4c78a8", "#72b7b2", "#eeca3b", "#e45756", "#bab0ac"]
+# a token's time, split as telemetry.TokenRecord adds it up: flash wait is queue + device + completion, other is
+# submit + hand-off + Python
+PARTS = [("compute_s", "compute"), ("router_s", "router"), ("dequant_s", "dequant"), ("submit_s", "submit"),
+         ("queue_s", "queue"), ("device_s", "device"), ("completion_s", "completion"), ("handoff_s", "hand-off"),
+         ("python_s", "Python")]
+PART_COLORS = ["#4c78a8", "#72b7b2", "#eeca3b", "#f58518", "#ff9da6", "#e45756", "#9d755d", "#b279a2", "#bab0ac"]
 BOOTH_PROMPTS = [
     "Once upon a time, there was a little girl named Lily.",
     "One day, a small dog found a big red ball in the park.",
@@ -343,7 +346,7 @@ def _breakdown_chart():
 
 
 def _breakdown_data(snap):
-    """One rect per (token, part), stacked here: compute, router, dequant, flash wait, other from the bottom."""
+    """One rect per (token, part), stacked here in PARTS' order from the bottom."""
     cols = {k: [] for k in ("token", "token_end", "ms", "ms_from", "ms_to")}
     parts = []
     for t in _decode(snap.tokens):

@@ -20,7 +20,9 @@ run in the same kernels (K.dense), up to 16 rows (a speculative batch); a longer
 copy in BLAS instead (the kernel passes over the bytes once per row: for many rows, dequantizing once costs less).
 A decode step reads each matrix once, so reading fewer bytes wins; alone, one small matrix whose f32 copy stays hot
 in cache is faster in BLAS, which a decode step never sees (results/kernels.md has the measurements).
-Embeddings (a lookup), the router, norms, biases and tensors the loader splits stay f32.
+Embeddings (a lookup), the router, norms, biases and tensors the loader splits stay f32, but for a full-size router
+(over ROUTER_Q8_BYTES in f32), which is re-encoded in Q8_0 at load: routing and the lookahead read a quarter of
+its bytes, and ggml rounds x to 8 bits for it as for every GGUF matrix.
 
 Numerics: the kernels compute scale * (codes . x) + bias * sum(x) per group of 64 in float32, where the
 numpy reference dequantizes first and multiplies in BLAS: the two agree to float32 rounding (the tests state
@@ -30,7 +32,15 @@ is one kernel call (K.decode_attention) where the family allows.
 """
 from __future__ import annotations
 
+import os
 import weakref
+
+# OpenMP (numba's threading layer here) keeps a kernel's threads spinning after each parallel region unless told
+# otherwise; where the cores are shared (the readers, other processes) a region then waits on a spinner that is
+# not running: a small GGUF matmul took 14.5 ms on two threads against 84 us on one on this loaded 2-core
+# machine, 274 us with passive waiting. Set before numba starts its threads (a user's own setting stands).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -90,11 +100,27 @@ def stays_encoded(name: str, t: dict) -> bool:
     return kind in K.BITS and kind != "bf16" and name != "embed"
 
 
+# A router whose float32 rows pass this is kept in Q8_0 and computed in ggml's kernel: at full size (the 80B's 512
+# experts x 2048, 4 MiB a layer) reading it in f32 twice a token (routing, and the lookahead of the next layer)
+# cost 50 ms of 335; the demo's (32 KB) stays in cache in f32 and exact.
+ROUTER_Q8_BYTES = 1 << 20
+ROUTER_KIND = "gguf:Q8_0"
+
+
+def encodes_router(name: str, t: dict) -> bool:
+    rows, cols = t["shape"]
+    return name.endswith(".router") and 4 * rows * cols > ROUTER_Q8_BYTES and G.computes(ROUTER_KIND, cols)
+
+
 def packed_weights(pack) -> dict:
-    """dense_weights with the matrices that stay encoded as Encoded."""
+    """dense_weights with the matrices that stay encoded as Encoded (a full-size router re-encoded in Q8_0)."""
     def load(name):
         t = pack.tensors[name]
-        return Encoded(pack.tensor_bytes(name), t["shape"], t["kind"]) if stays_encoded(name, t) else pack.tensor(name)
+        if stays_encoded(name, t):
+            return Encoded(pack.tensor_bytes(name), t["shape"], t["kind"])
+        if len(t["shape"]) == 2 and encodes_router(name, t):
+            return Encoded(G.quantize(pack.tensor(name), ROUTER_KIND).reshape(-1), t["shape"], ROUTER_KIND)
+        return pack.tensor(name)
     return dense_weights(pack, load)
 
 
@@ -149,6 +175,49 @@ def layer_kernel(pack: Pack, layer: int, offsets: dict) -> tuple[bool, np.ndarra
                          f"another of those), or run it with --engine numpy")
 
 
+class ThreadChoice:
+    """The kernels' threads, by what a decode step's compute (kernels, routing) measures: one, or every core where
+    one thread's token is long enough for more to pay (WORTH) and every core computed recent tokens faster. Most
+    tokens run on the faster count; now and then one token runs on the other, to keep its time current as other
+    processes and the readers take and leave cores mid-run: after EXPLORE tokens, and twice as many after each look
+    that changes nothing (up to LONGEST). Where cores are shared a look at every core costs far more than a token
+    (its threads wait for each other at each kernel's end: results/full_size.md, "Threads"): a short token never
+    looks, and a count measured slower costs a few tokens in a run, not a share of it. The numbers do not depend on
+    the thread count (ggml_kernels.ROWS), so neither do the logits."""
+    EXPLORE, LONGEST = 16, 256
+    WORTH = 0.02        # seconds of compute a token on one thread, under which every core is never tried
+    SMOOTH = 0.25       # weight of the latest token in the mean of the count in use
+
+    def __init__(self, cores: int):
+        self.counts = sorted({1, cores})
+        self.mean: dict[int, float] = {}
+        self.best, self.every, self.next = 1, self.EXPLORE, self.EXPLORE
+
+    def pick(self) -> int:
+        if 1 not in self.mean or (self.best == 1 and self.mean[1] < self.WORTH):
+            return 1
+        untried = [n for n in self.counts if n not in self.mean]
+        if untried:
+            return untried[0]
+        self.next -= 1
+        if self.next > 0:
+            return self.best
+        return next(n for n in self.counts if n != self.best)
+
+    def took(self, threads: int, seconds: float) -> None:
+        """A decode step's compute at `threads`: into the running mean of the count in use; a look at the other
+        replaces its mean (tokens ago, under other load)."""
+        m = self.mean.get(threads)
+        self.mean[threads] = seconds if m is None or threads != self.best else m + self.SMOOTH * (seconds - m)
+        if len(self.mean) < len(self.counts):
+            return
+        best = min(self.counts, key=self.mean.__getitem__)
+        if self.next <= 0:                  # a look at the other count: the same best waits longer for the next
+            self.every = self.EXPLORE if best != self.best else min(self.LONGEST, 2 * self.every)
+            self.next = self.every
+        self.best = best
+
+
 class PackedEngine(Decoder):
     name = "packed"
     slot_arena = True       # the session gives the cache a slot arena; the streamer reads into it
@@ -166,7 +235,13 @@ class PackedEngine(Decoder):
 
     @classmethod
     def resident_bytes(cls, pack) -> int:
-        return sum(t["nbytes"] if stays_encoded(n, t) else 4 * int(np.prod(t["shape"])) for n, t in pack.tensors.items())
+        def nbytes(n, t):
+            if stays_encoded(n, t):
+                return t["nbytes"]
+            if len(t["shape"]) == 2 and encodes_router(n, t):
+                return t["shape"][0] * G.part(ROUTER_KIND, t["shape"][1])[0]
+            return 4 * int(np.prod(t["shape"]))
+        return sum(nbytes(n, t) for n, t in pack.tensors.items())
 
     @staticmethod
     def computes(pack) -> bool:
@@ -181,17 +256,17 @@ class PackedEngine(Decoder):
 
     def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
                  weights: dict | None = None, max_context: int | None = None, threads: int | None = None):
-        """threads: the cores ggml's kernels share (GGUF blocks). By default every core where the cache holds every
-        expert, and every core but one where experts stream: the readers take that one, and a kernel's threads wait
-        at its end for the slowest, so a core they share with the readers costs more than it brings
-        (results/full_size.md, "Threads", measures both). The thread that constructs the engine is the one that
-        computes with it."""
+        """threads: the cores the kernels share. By default (None) ThreadChoice's: every core where a token's compute
+        is long enough for more threads to pay and they compute it faster here and now, else one: a kernel's
+        threads wait at its end for the slowest, and a core shared with the readers or with other processes can
+        cost more than it brings (results/full_size.md, "Threads").
+        The thread that constructs the engine is the one that computes with it."""
         super().__init__(pack, streamer, telemetry, hooks)
         cores = numba.config.NUMBA_NUM_THREADS
         if threads is not None and not 1 <= threads <= cores:
             raise WorkbenchError(f"--threads {threads}: choose 1 to {cores} (this machine's cores)")
-        streams = streamer.cache.slots < pack.num_expert_total
-        self.threads = threads or (max(1, cores - 1) if streams else cores)
+        self.choice = None if threads else ThreadChoice(cores)
+        self.threads = threads or 1
         numba.set_num_threads(self.threads)
         for L in pack.spec.moe_layers:
             layer_kernel(pack, L, {p: 0 for p in PARTS})      # the reason, where the kernels cannot read it
@@ -203,6 +278,17 @@ class PackedEngine(Decoder):
                                 and not sp.attn_output_gate and not self.deltas)
         self.setup(packed_weights(pack) if weights is None else weights, max_context,
                    PackedExperts(self, pack, streamer.arena))
+
+    def decode(self, ids) -> np.ndarray:
+        if self.choice is None:
+            return super().decode(ids)
+        self.threads = self.choice.pick()
+        numba.set_num_threads(self.threads)
+        n_ev, dense0 = len(self.tel.events), self.dense_compute_s
+        out = super().decode(ids)
+        self.choice.took(self.threads, self.dense_compute_s - dense0 +
+                         sum(e.compute_s + e.router_s for e in self.tel.events[n_ev:]))
+        return out
 
     def linear(self, x, name: str):
         w = self.w[name]

@@ -13,7 +13,9 @@ from workbench.errors import WorkbenchError
 SUMMARY_KEYS = ("tok_s", "prefill_tok_s", "hit_rate", "late_rate", "miss_rate", "hits", "late", "misses", "bytes_read",
                 "bytes_read_per_token", "flash_wait_s",
                 "flash_wait_per_token_s", "dequant_s", "compute_s", "router_s", "other_s", "decode_s",
-                "prefetch_recall", "prefetch_precision", "prefetch_issued", "prefetch_wasted", "wasted_bytes")
+                "prefetch_recall", "prefetch_precision", "prefetch_issued", "prefetch_wasted", "wasted_bytes",
+                "queue_s", "device_s", "completion_s", "submit_s", "handoff_s", "python_s", "demand_reads_taken",
+                "read_submit_s", "read_queue_s", "read_device_s", "read_landed_s")
 
 
 WARMUP_TEXT = "The lighthouse keeper counted ships"      # not a prompt any measurement uses

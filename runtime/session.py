@@ -142,15 +142,8 @@ class Session:
         wall = time.perf_counter() - t0
         evs = tel.events[n_ev:]
         compute = (e.dense_compute_s - dense0) + sum(v.compute_s for v in evs)
-        router = sum(v.router_s for v in evs)
-        dq = sum(v.dequant_s for v in evs)
-        wait = sum(v.wait_s for v in evs)
-        hits, late = sum(sum(v.hit) for v in evs), sum(v.late for v in evs)
-        misses = sum(len(v.hit) for v in evs) - hits - late
-        tel.add_token(TokenRecord(token=e.token_index, phase=phase, n_tokens=len(ids), wall_s=wall, compute_s=compute,
-                                  router_s=router, dequant_s=dq, flash_wait_s=wait,
-                                  other_s=max(0.0, wall - compute - router - dq - wait), hits=hits, late=late, misses=misses,
-                                  bytes_read=self.reader.bytes_read - bytes0, cache_bytes=self.cache.bytes))
+        tel.add_token(TokenRecord.of(evs, wall, compute, token=e.token_index, phase=phase, n_tokens=len(ids),
+                                     bytes_read=self.reader.bytes_read - bytes0, cache_bytes=self.cache.bytes))
         return logits
 
     def generate(self, prompt, tokens: int = 32, stop_at_eos: bool = False, on_token=None) -> dict:

@@ -97,3 +97,25 @@ def test_guesses_are_made_while_mostly_right_and_evict_recent_experts_while_righ
         thrash.asked_for(in_memory=False, guessed=False)
         thrash.asked_for(in_memory=True, guessed=True)      # a guess found: not the cache's own reuse
     assert thrash.admit() and thrash.spare() == 0
+
+
+def test_a_guess_is_made_only_at_the_places_of_a_prediction_that_are_right_often_enough_to_pay():
+    """A place in the order (best first) is admitted while its precision is over (1 + q) / (2 + q), q the rate at
+    which the cache's experts are asked for again: 1/2 while it thrashes, up to 2/3 while it keeps everything."""
+    from workbench.cache import GuessAdmission
+    for found, admitted in ((False, [10, 11, 12]), (True, [10, 11])):
+        g = GuessAdmission(window=8)
+        for _ in range(40):                     # places 0, 1 always right, place 2 right 3 times in 5, place 3 never
+            for t in range(5):
+                g.scored([10, 11, 12 if t < 3 else 99, 98], [10, 11, 12])
+                g.asked_for(in_memory=found, guessed=False)
+        assert g.admitted([10, 11, 12, 13]) == admitted     # 3/5 pays where the cache thrashes (q 0), not where it keeps (q 1)
+        assert g.admit()                                    # the predictor as a whole is right more often than not
+
+
+def test_a_prefetch_its_layer_did_not_ask_for_goes_first():
+    c = ExpertCache(slots=3, item_bytes=100, layers=[0])
+    for e in (1, 2, 3):
+        c.reserve((0, e), e)
+    c.demote((0, 3))                        # read ahead for this layer, not asked for: it goes, not the LRU (0, 1)
+    assert c.reserve((0, 4), 4) and set(c.keys()) == {(0, 1), (0, 2), (0, 4)}

@@ -630,3 +630,17 @@ def test_ladders_page_without_regimes_json_names_the_command(tmp_path, monkeypat
     (tmp_path / "regimes.json").write_text('{"les": {"rows": "not rows"}}')
     at = ok(app(LADDERS))
     assert len(at.error) == 1 and "regimes.json: not a regimes result with an LES ladder" in at.error[0].value
+
+
+def test_the_time_breakdown_stacks_a_misses_parts_to_each_tokens_wall_time():
+    """The live page's breakdown draws flash wait as queue, device and completion, and other as submit, hand-off
+    and Python: the stacked parts of a token end at its wall time."""
+    from types import SimpleNamespace
+    from workbench.telemetry import TokenRecord
+    ms = dict(compute_s=2, router_s=1, dequant_s=0, flash_wait_s=4, queue_s=1, device_s=2, completion_s=1, other_s=3,
+              submit_s=1, handoff_s=0.5, python_s=1.5)
+    rec = TokenRecord(token=1, phase="decode", n_tokens=1, wall_s=0.010, hits=0, misses=4, bytes_read=0, cache_bytes=0,
+                      **{k: v / 1e3 for k, v in ms.items()})
+    rows = C._breakdown_data(SimpleNamespace(tokens=[rec])).to_pydict()
+    assert set(rows["part"]) == {label for _, label in C.PARTS} and "flash wait" not in rows["part"]
+    assert max(rows["ms_to"]) == pytest.approx(10.0)

@@ -539,16 +539,34 @@ def test_checkpoint_experts_in_ggml_blocks(kquant_model, tmp_path, experts, bloc
 
 
 @needs_llama
-def test_the_packed_engine_leaves_a_core_to_the_readers_only_where_experts_stream(tiny_models):
+def test_the_packed_engine_takes_every_core_where_it_computes_a_long_token_faster(tiny_models):
     import numba
+    from engines.packed_engine import ThreadChoice
     from runtime.session import open_session
     cores = numba.config.NUMBA_NUM_THREADS
-    with open_session(str(tiny_models["qwen3_moe"]), "resident", budget="all") as s:
-        assert s.engine.threads == cores
     with open_session(str(tiny_models["qwen3_moe"]), "les", budget="0.5") as s:
-        assert s.engine.threads == max(1, cores - 1)
-    with open_session(str(tiny_models["qwen3_moe"]), "les", budget="0.5", threads=1) as s:
-        assert s.engine.threads == 1
+        assert s.engine.choice is not None
+        s.generate([1, 2, 3], tokens=4)
+        assert s.engine.threads == 1            # a tiny model's token is far too short for threads to pay
+    with open_session(str(tiny_models["qwen3_moe"]), "les", budget="0.5", threads=cores) as s:
+        assert s.engine.threads == cores and s.engine.choice is None
+    c = ThreadChoice(4)
+    picked = []
+    for _ in range(2 + 16 + 32 + 64):   # one thread computes a token in 1 s, four in 2 s: one, but for a look
+        n = c.pick()                    # at four after 16 tokens, then 32, then 64
+        picked.append(n)
+        c.took(n, 1.0 if n == 1 else 2.0)
+    assert picked[:2] == [1, 4] and [i for i, n in enumerate(picked) if n == 4] == [1, 17, 49, 113]
+    for _ in range(128 + 20):           # four become the faster: the next look moves there, and stays
+        n = c.pick()
+        c.took(n, 0.5 if n == 4 else 1.0)
+    assert c.best == 4 and c.pick() == 4
+    short = ThreadChoice(4)             # a token of 10 ms on one thread: every core is never tried
+    for _ in range(300):
+        n = short.pick()
+        assert n == 1
+        short.took(n, 0.010)
+    assert ThreadChoice(1).counts == [1] and [ThreadChoice(1).pick() for _ in range(20)] == [1] * 20
 
 
 def test_packed_engine_defaults_to_ggml_blocks_and_the_others_to_affine(tiny_models, tmp_path):

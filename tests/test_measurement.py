@@ -69,3 +69,29 @@ def test_two_packs_of_one_model_at_the_same_slots_agree_on_hit_plus_late():
             res = measure(s, [1, 2, 3, 4], 24)
             got[experts] = (min(s.cache.capacity.values()), res["hits"] + res["late"], res["misses"])
     assert got["q3"] == got["q8"]
+
+
+def test_a_misses_time_splits_into_parts_that_add_up():
+    """Flash wait is queue + device + completion of the read each wait ended on, other is submit + hand-off +
+    Python, and each demand read's latency is submit + queue + device + landed: the parts add up, in every token."""
+    with open_session("demo", "on_demand", budget="0.1", tokens=12, drive=drive(TRACE)) as s:
+        res = measure(s, [1, 2, 3, 4], 12)
+        dec = [t for t in s.tel.tokens if t.phase == "decode"]
+        for t in dec:
+            assert t.queue_s + t.device_s + t.completion_s == pytest.approx(t.flash_wait_s, abs=1e-9)
+            assert t.submit_s + t.handoff_s + t.python_s == pytest.approx(t.other_s, abs=1e-9)
+            assert min(t.queue_s, t.device_s, t.completion_s, t.submit_s, t.handoff_s, t.python_s) >= 0
+        assert res["device_s"] > 0 and res["submit_s"] > 0 and res["handoff_s"] > 0     # on_demand reads every miss
+        assert res["demand_reads_taken"] > 0 and res["read_device_s"] > 0 and res["read_submit_s"] > 0
+
+
+def test_a_wait_is_split_by_where_the_read_it_ended_on_was():
+    from types import SimpleNamespace as NS
+    from workbench.telemetry import LayerEvent
+    ev = LayerEvent(0, 0, "decode", [], [], [])
+    read = NS(t_start=int(1.2e9), t_end=int(1.5e9))                 # queued until 1.2 s, read until 1.5 s
+    ev.split_wait(1.0, 1.6, [read], every=False)
+    assert (ev.queue_s, ev.device_s, ev.completion_s) == pytest.approx((0.2, 0.3, 0.1))
+    early = NS(t_start=int(0.5e9), t_end=int(0.9e9))                # landed before the wait began: all completion
+    ev.split_wait(2.0, 2.1, [early, NS(t_start=int(2.0e9), t_end=int(2.05e9))], every=True)
+    assert (ev.queue_s, ev.device_s, ev.completion_s) == pytest.approx((0.2, 0.35, 0.15))

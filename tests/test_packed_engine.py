@@ -225,3 +225,26 @@ def test_measured_speed_never_beats_the_floor(tiny_models, preset):
     r = bench(str(tiny_models["qwen3_moe"]), preset, budget="0.25", tokens=16, engine="packed", record=False)
     assert r["bytes_read_per_token"] > 0 and r["floor_read_s_per_token"] > 0
     assert r["tok_s"] <= 1.2 * r["floor_tok_s"], r
+
+
+def test_a_full_size_router_is_kept_in_q8_and_routes_and_predicts_as_the_f32_one(monkeypatch):
+    """Above ROUTER_Q8_BYTES the router (and the lookahead that applies it) runs in ggml's Q8_0 kernel: here forced
+    on the demo, whose decode then routes the same experts, and whose lookahead names the same, on nearly every
+    layer of every token (ggml rounds x to 8 bits; the experts the two name are counted)."""
+    pytest.importorskip("llama_cpp")
+    import engines.packed_engine as P
+    from runtime.session import open_session
+    got = {}
+    for q8 in (False, True):
+        if q8:
+            monkeypatch.setattr(P, "ROUTER_Q8_BYTES", 0)
+        with open_session("demo", "les", budget="all", tokens=12) as s:
+            router = s.engine.w["layers.3.router"]
+            assert isinstance(router, P.Encoded) == q8
+            s.generate("Once upon a time", tokens=12)
+            ev = [e for e in s.tel.events if e.phase == "decode"]
+            got[q8] = ([e.routed for e in ev], [e.predicted for e in ev])
+    (routed, predicted), (routed8, predicted8) = got[False], got[True]
+    same = lambda a, b: sum(len(set(x) & set(y)) for x, y in zip(a, b)) / sum(len(x) for x in a)
+    assert same(routed, routed8) >= 0.95 and same(predicted, predicted8) >= 0.95
+    assert any(predicted8)

@@ -127,3 +127,32 @@ def test_more_experts_than_job_rows_land_checked_when_their_parts_interleave_in_
             for o, b in zip(offs[k], bufs[k]):
                 np.testing.assert_array_equal(b, data[o:o + ALIGN])
         assert sorted(r._slots.free) == list(range(8))
+
+
+def test_a_spinning_reader_that_takes_an_id_wakes_a_sleeping_one_for_the_rest(tmp_path, monkeypatch):
+    """A submit that a spinning reader catches writes no ticket: the reader that takes the first id wakes the
+    sleeping one (its wake-up paid on a reader thread, not the submitter), and the two read side by side."""
+    from workbench.devices import EmulatedReader, load
+    monkeypatch.setattr(SlotReads, "SPIN_US", 60_000_000)
+    monkeypatch.setattr(SlotReads, "SPINNERS", 1)
+    tickets = []
+    write = os.eventfd_write
+    monkeypatch.setattr(os, "eventfd_write", lambda fd, n: (tickets.append(n), write(fd, n))[1])
+    path, data = _file(tmp_path, blocks=4096)
+    with EmulatedReader(path, load("ufs22-phone"), workers=2) as r:      # a read of 4 MiB takes some ms: time to wake
+        r.submit_into([("warm", [(0, aligned_empty(ALIGN))])])["warm"].result()
+        idle = r._slots.idle
+        deadline = time.monotonic() + 10
+        while (idle[slot_reads.SPINNING], idle[slot_reads.SLEEPING]) != (1, 1) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert (idle[slot_reads.SPINNING], idle[slot_reads.SLEEPING]) == (1, 1)
+        tickets.clear()
+        before = r._slots.stats[:, 1].copy()
+        n = 1024 * ALIGN
+        bufs = [aligned_empty(n) for _ in range(2)]
+        futs = r.submit_into([(i, [((1 + 2 * i) * n, b)]) for i, b in enumerate(bufs)])
+        assert len(r.wait(list(futs.values()), 10, every=True)) == 2
+        for i, b in enumerate(bufs):
+            np.testing.assert_array_equal(b, data[(1 + 2 * i) * n:(2 + 2 * i) * n])
+        assert tickets == []                                    # the submitter woke nobody
+        assert ((r._slots.stats[:, 1] - before) >= 1).all()     # both readers read (4 MiB reads go in pieces)

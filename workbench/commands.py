@@ -59,8 +59,8 @@ FLAGS = {
     "tokens": dict(type=int, default=64, help="tokens to generate (default: %(default)s)"),
     "prompt": dict(default="Once upon a time", help="the prompt text (default: %(default)s)"),
     "routing_trace": dict(default=None, metavar="FILE", help="route and predict as recorded in this routing trace"),
-    "threads": dict(type=int, default=None, help="the cores the kernels share (default: every core but one; "
-                                                 "llama.cpp: every core)"),
+    "threads": dict(type=int, default=None, help="the cores the kernels share (default: every core, or one "
+                                                 "where one computes faster; llama.cpp: every core)"),
     "set": dict(action="append", default=[], metavar="KNOB=VALUE",
                 help="change one of the preset's knobs, by the name a run record's config gives it "
                      "(e.g. routing=prerouter:nolora); repeatable"),

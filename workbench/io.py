@@ -295,6 +295,7 @@ class Reader:
         A plain Reader reads them on GIL-free threads (workbench/slot_reads.py, where it runs: Linux on x86-64);
         a subclass that changes how a read is made (an emulated device, injected faults) on Python threads."""
         checks = checks or {}
+        t_submit = time.perf_counter_ns()
         slots = self._slots or (self._slot_reads() if self._reads_gil_free() else None)
         native = slots is not None
         room = (slots.CAPACITY // 2) if native else 0
@@ -313,10 +314,11 @@ class Reader:
         for key, parts in requests:
             bufs = [b for _, b in parts]
             if native:
-                fut = SlotRead(slots, key, bufs, checks.get(key))
+                fut = SlotRead(slots, key, bufs, checks.get(key), priority, t_submit)
             else:
                 fut = cf.Future()
                 fut.bufs, fut.left, fut.check = bufs, 0, checks.get(key)
+                fut.priority, fut.t_submit = priority, t_submit
             futures[key] = fut
             for i, (off, buf) in enumerate(parts):
                 ranges.append((off, off + buf.nbytes, (off, buf, key, i, 0)))
@@ -336,6 +338,9 @@ class Reader:
                     for m in members:
                         futures[m[2]].left += 1
                 self._queue([partial(self._read_group, g, futures) for g in groups], priority)
+                now = time.perf_counter_ns()
+                for fut in futures.values():
+                    fut.t_queued = now
         if native:
             slots.submit(groups, priority, futures)
         return futures

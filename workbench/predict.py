@@ -67,12 +67,15 @@ class Lookahead:
 
     def _weights(self, t: int):
         """(norm, router, bias) of layer t, made once: the router's bias (a sigmoid_group family's selection bias)
-        is zero elsewhere."""
+        is zero elsewhere. A router the engine keeps encoded (engines/packed_engine.py: a full-size one in Q8_0)
+        stays so, and is None here: predict() computes it in the engine's kernel."""
         if t not in self._w32:
             f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
-            router = f32(self.w[f"layers.{t}.router"])
+            router = self.w[f"layers.{t}.router"]
+            router = f32(router) if isinstance(router, np.ndarray) else None
             bias = self.w.get(f"layers.{t}.router_bias") if self.spec.router == "sigmoid_group" else None
-            bias = np.zeros(router.shape[0], np.float32) if bias is None else f32(bias).reshape(-1)
+            experts = self.w[f"layers.{t}.router"].shape[0]
+            bias = np.zeros(experts, np.float32) if bias is None else f32(bias).reshape(-1)
             self._w32[t] = (f32(self.w[f"layers.{t}.mlp_norm"]), router, bias)
         return self._w32[t]
 
@@ -80,6 +83,8 @@ class Lookahead:
         """Layer `target`'s router logits (without its selection bias) on `layer`'s residual h."""
         norm, router, _ = self._weights(target)
         h = np.ascontiguousarray(h, dtype=np.float32).reshape(-1, h.shape[-1])
+        if router is None:
+            router = np.ascontiguousarray(self.w[f"layers.{target}.router"], dtype=np.float32)
         out = np.empty((h.shape[0], router.shape[0]), np.float32)
         _norm_then_router(h, norm, self.eps, router, np.zeros(router.shape[0], np.float32), out)
         return out
@@ -91,7 +96,12 @@ class Lookahead:
         norm, router, bias = self._weights(t)
         h = ctx["h"]
         h = np.ascontiguousarray(h, dtype=np.float32).reshape(-1, h.shape[-1])
-        top = _lookahead(h, norm, self.eps, router, bias, self.width)
+        if router is None:          # encoded: the engine's kernel on the normed rows
+            logits = ctx["engine"].linear(_rms(h, norm, self.eps).astype(np.float32), f"layers.{t}.router") + bias
+            top = np.empty((h.shape[0], self.width), np.int64)
+            topk_rows(logits, self.width, top)
+        else:
+            top = _lookahead(h, norm, self.eps, router, bias, self.width)
         if top.shape[0] == 1:
             return {t: top[0].tolist()}
         return {t: list(dict.fromkeys(top.T.reshape(-1).tolist()))}     # a speculative batch: the rows' union

@@ -122,7 +122,7 @@ class Schedule:
         for target, experts in named.items():
             target = target if isinstance(target, tuple) else (target, token)
             self.predicted_for[target] = experts = list(map(int, experts))
-            self.to_prefetch.append((target, experts))
+            self.to_prefetch.append((target, experts if certain else self.admission.admitted(experts)))
 
     # ------------------------------------------------------------ a layer runs
 
@@ -178,6 +178,7 @@ class Schedule:
         for key in [k for k, (_, t) in prefetched.items() if k[0] == st.layer and t <= last]:
             self.counts.prefetch_wasted += 1
             self.counts.wasted_bytes += prefetched.pop(key)[0]
+            cache.demote(key)               # named for this layer and not used: the first to go
         ev.take_s += clock.now() - t0
 
     def issue_demand(self, st: LayerStep):
@@ -192,6 +193,7 @@ class Schedule:
             for k in keys:
                 st.pending[k[1]] = self.cache.peek(k)
             st.ev.issue_s += self.clock.now() - t0
+            st.ev.submit_s += self.clock.now() - t0     # of issue_s, the demand reads' (in the token's other)
             st.ev.issues += 1
             st.ev.issued += len(keys)
 

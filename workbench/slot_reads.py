@@ -7,7 +7,8 @@ nogil) that never returns to Python until the reader closes:
 
     take a job id from a pipe (the demand pipe before the prefetch pipe; the kernel hands each id to one thread);
     when both are empty, poll them for a while (a ticket's wake-up of a sleeping reader is the costly part of a
-    submit on a VM), then sleep until a ticket comes (an eventfd counting the ids no polling reader will take)
+    submit on a VM), then sleep until a ticket comes (an eventfd a submit writes when no reader polls)
+    having taken an id, wake a sleeping reader while ids are left (the wake-up paid on a reader, not the submitter)
     preadv the job's range into its buffers (the slots' memory), crc32 each checked run (libz), stamp the times
     (an emulated device: sleep until the profile's time for the read's size and the reads in flight has passed)
     mark the job done in an array, and count it on an eventfd that a waiting thread sleeps on once it has looked
@@ -72,7 +73,8 @@ if AVAILABLE:
     crc32_combine.argtypes, crc32_combine.restype = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_long], ctypes.c_ulong
 CLOCK_MONOTONIC, TIMER_ABSTIME = 1, 1      # time.perf_counter_ns's clock on Linux
 POLLIN = 1
-SPINNING, SPINNERS, SPIN_NS = range(3)      # the readers' idle row: readers polling the pipes now, at most, for how long
+# the readers' idle row: readers polling the pipes now, at most, for how long; readers asleep on the tickets now
+SPINNING, SPINNERS, SPIN_NS, SLEEPING = range(4)
 PR_SET_TIMERSLACK = 29
 MUTEX_BYTES = 64                    # >= glibc's pthread_mutex_t (40 B on x86-64), whose all-zero bytes are unlocked
 NO_DEVICE = np.array([-1.0, 0.0, 0.0])
@@ -103,12 +105,22 @@ def _take(demand, prefetch, jid) -> bool:
 
 
 @njit(cache=True, nogil=True)
+def _pass_on(tickets, pipes, pfd, idle, one) -> None:
+    """A reader that took an id wakes a sleeping one while ids are left in the pipes and no ticket is (a submit
+    that a spinning reader catches writes none, so the wake-up of a second reader is paid here, off the submitting
+    compute thread). The woken reader passes on in turn."""
+    if idle[SLEEPING] > 0 and _poll(pipes.ctypes.data, 2, 0) > 0 and _poll(pfd.ctypes.data, 1, 0) == 0:
+        _write(tickets, one.ctypes.data, 8)
+
+
+@njit(cache=True, nogil=True)
 def _next_job(tickets, demand, prefetch, jid, ticket, pfd, ts, idle, mutex) -> None:
     """Wait for a job id (into jid[0]): poll the pipes for idle[SPIN_NS] while fewer than idle[SPINNERS] other
-    readers do, then sleep on the tickets. A submit writes tickets only for the ids no spinning reader will take:
-    a ticket's wake-up of a sleeping thread costs the submitting thread far more (an interrupt to an idle virtual
-    CPU) than a pipe poll. A reader stops spinning under the mutex, then looks at the pipes once more (the submit
-    writes its ids, then reads the count: one of the two sees the other)."""
+    readers do, then sleep on the tickets. A submit writes tickets only where no reader spins: a ticket's wake-up
+    of a sleeping thread costs the submitting thread far more (an interrupt to an idle virtual CPU) than a pipe
+    poll, and a spinning reader wakes the next itself (_pass_on). A reader stops spinning under the mutex, then
+    looks at the pipes once more (the submit writes its ids, then reads the count: one of the two sees the other);
+    ids left while it reads are its own next ones whoever else wakes."""
     while True:
         if _take(demand, prefetch, jid):
             _read(tickets, ticket.ctypes.data, 8)       # the ticket of this id, if it was written (non-blocking)
@@ -129,7 +141,13 @@ def _next_job(tickets, demand, prefetch, jid, ticket, pfd, ts, idle, mutex) -> N
             if got or _take(demand, prefetch, jid):
                 _read(tickets, ticket.ctypes.data, 8)
                 return
+        _lock(mutex.ctypes.data)
+        idle[SLEEPING] += 1
+        _unlock(mutex.ctypes.data)
         _poll(pfd.ctypes.data, 1, -1)               # sleeps until a ticket is there
+        _lock(mutex.ctypes.data)
+        idle[SLEEPING] -= 1
+        _unlock(mutex.ctypes.data)
         if _read(tickets, ticket.ctypes.data, 8) == 8 and _take(demand, prefetch, jid):
             return
         # another reader took the ticket, or its id (a spinning one), or queued reads were dropped by close()
@@ -145,6 +163,8 @@ def _serve(fd, tickets, demand, prefetch, done, jobs, state, stamps, depths, iov
     ticket = np.zeros(1, np.uint64)
     pfd = np.zeros(2, np.int32)                 # struct pollfd {int fd; short events, revents}
     pfd[0], pfd[1] = tickets, POLLIN
+    pipes = np.zeros(4, np.int32)               # the two pipes' pollfds
+    pipes[0], pipes[1], pipes[2], pipes[3] = demand, POLLIN, prefetch, POLLIN
     ts = np.zeros(2, np.int64)
     wake = np.zeros(2, np.int64)
     late = 100_000              # ns a sleep wakes after its time (learned)
@@ -154,6 +174,7 @@ def _serve(fd, tickets, demand, prefetch, done, jobs, state, stamps, depths, iov
         j = jid[0]
         if j < 0:
             return
+        _pass_on(tickets, pipes, pfd, idle, one)
         depth = 1
         if emulated:
             _lock(mutex.ctypes.data)
@@ -215,10 +236,12 @@ class SlotRead:
     """A key's read into its buffers: done once every job it is in is done; result() is its buffers, or raises
     the read's error or a ChecksumError. Settled (crc compared, a Python retry run) by the first thread that asks."""
 
-    __slots__ = ("reads", "key", "bufs", "check", "jobs", "runs", "t_start", "t_end", "settled", "error", "open")
+    __slots__ = ("reads", "key", "bufs", "check", "jobs", "runs", "t_submit", "t_queued", "t_start", "t_end", "priority",
+                 "settled", "error", "open")
 
-    def __init__(self, reads, key, bufs, check):
+    def __init__(self, reads, key, bufs, check, priority: int = 0, t_submit: int = 0):
         self.reads, self.key, self.bufs, self.check = reads, key, bufs, check
+        self.priority, self.t_submit, self.t_queued = priority, t_submit, 0     # ns: its submit began, its jobs queued
         self.open = False                   # a submit has not made all of its jobs yet: not done, whatever they are
         self.jobs: list[int] = []
         # (place in crc order, start in its buffer, job, row, bytes) of each checked run, or piece of one
@@ -289,7 +312,7 @@ class SlotReads:
         self.stats = np.zeros((reader.workers, 4), np.int64)    # per thread: bytes, reads, ns in preadv, ns waited
         self.device = reader.emulation()            # an emulated device's profile for the loop, or NO_DEVICE
         self.mutex, self.flight = np.zeros(MUTEX_BYTES, np.uint8), np.zeros(1, np.int64)
-        self.idle = np.array([0, self.SPINNERS, self.SPIN_US * 1000], np.int64)     # SPINNING, SPINNERS, SPIN_NS
+        self.idle = np.array([0, self.SPINNERS, self.SPIN_US * 1000, 0], np.int64)   # SPINNING, SPINNERS, SPIN_NS, SLEEPING
         self.log = None         # [(bytes, depth, start s, end s)] of each read settled, when a test asks
 
     def serve(self, i: int) -> None:
@@ -320,12 +343,15 @@ class SlotReads:
                     if last[m[2]] == g:
                         futures[m[2]].open = False
         self._queue(ids, priority)
+        now = time.perf_counter_ns()
+        for fut in futures.values():
+            fut.t_queued = fut.t_queued or now
 
     def _queue(self, ids, priority):
         data = array.array("i", ids).tobytes()
         for at in range(0, len(data), 4096):            # a pipe write of at most PIPE_BUF is atomic
             os.write(self.writers[priority > 0], data[at:at + 4096])
-        wake = len(ids) - min(len(ids), int(self.idle[SPINNING]))   # after the write: see _next_job
+        wake = 0 if self.idle[SPINNING] else len(ids)     # after the write: see _next_job
         if wake:
             os.eventfd_write(self.tickets, wake)
 

@@ -210,6 +210,7 @@ class ExpertStreamer:
     def take(self, key, ent, st: LayerStep) -> bool:
         if not isinstance(ent, IN_FLIGHT):
             return False
+        st.ev.took(ent, time.perf_counter())
         self.cache.set(key, self._landed(key, ent))
         return True
 
@@ -220,6 +221,7 @@ class ExpertStreamer:
         dq = min(waited, sum(getattr(f, "dequant_s", 0.0) for f in done))
         st.ev.dequant_s += dq
         st.ev.wait_s += waited - dq
+        st.ev.split_wait(t0, t0 + waited - dq, done, every)
         return [e for e, f in st.pending.items() if f in done]
 
     def wait_for_slot(self, st: LayerStep, flying: list):

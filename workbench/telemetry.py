@@ -1,7 +1,16 @@
 """Telemetry: one event per (token, layer), one record per token, and their aggregates.
 
 The per-token time split adds up to wall time by construction:
-compute + router + dequant + flash_wait + other == wall, where `other` is what is left.
+compute + router + dequant + flash_wait + other == wall, where `other` is what is left. The two parts reading
+costs the compute thread split further, into what a miss's time goes to (the run record's tokens, the live
+page's wait breakdown):
+  flash_wait = queue + device + completion    the read the wait ended on: still queued for a reader thread,
+                                              reading (preadv and its crc; an emulated device's time), and
+                                              landed but not yet seen by the waiting thread (its wake-up)
+  other = submit + handoff + python           issuing demand reads, taking landed reads in (crc combined, the
+                                              cache entry made the slot), and the engine's Python around them
+Each read's own latency (issue to taken in) splits the same way: submit, queue, device, landed (landing to taken
+in: completion and hand-off together), summed over a layer's demand reads in its event (read_*_s).
 Live views read `ring` (a bounded deque the engine appends to) and `tokens`.
 
 Every expert a token's routing demands is exactly one of (the three rates add up to 1):
@@ -44,8 +53,44 @@ class LayerEvent:
     issued: int = 0
     take_s: float = 0.0         # taking landed reads in (settled, crc compared, the cache entry made the slot)
     taken: int = 0
+    submit_s: float = 0.0       # of issue_s, the demand reads' (in other)
+    # the flash wait split by where the read it ended on was (split_wait): queued, reading, landed not yet seen
+    queue_s: float = 0.0
+    device_s: float = 0.0
+    completion_s: float = 0.0
+    # each demand read's latency, from its issue to taken in, summed over the reads (took): what it spent being
+    # submitted, queued, read, and landed before the compute thread took it in
+    reads_taken: int = 0
+    read_submit_s: float = 0.0
+    read_queue_s: float = 0.0
+    read_device_s: float = 0.0
+    read_landed_s: float = 0.0
     t_start: float = 0.0
     t_end: float = 0.0
+
+    def split_wait(self, t0: float, t1: float, done: list, every: bool) -> None:
+        """Add the wait [t0, t1] (perf_counter seconds) on reads, which ended when one of `done` landed (every:
+        the last of them), to queue / device / completion by where that read was: the three add up to t1 - t0."""
+        stamped = [f for f in done if getattr(f, "t_end", 0)]
+        if not stamped:                     # no stamps (a decode on the pool thread): all of it is completion
+            self.completion_s += t1 - t0
+            return
+        f = (max if every else min)(stamped, key=lambda f: f.t_end)
+        start, end = min(max(f.t_start / 1e9, t0), t1), min(max(f.t_end / 1e9, t0), t1)
+        self.queue_s += start - t0
+        self.device_s += end - start
+        self.completion_s += t1 - end
+
+    def took(self, fut, now: float) -> None:
+        """A demand read (priority 0) taken in at `now`: its latency split into submit, queue, device, landed."""
+        if getattr(fut, "priority", 0) or not getattr(fut, "t_queued", 0) or not getattr(fut, "t_end", 0):
+            return                  # a prefetch, or a read that failed (not stamped)
+        submit, queued, start, end = fut.t_submit / 1e9, fut.t_queued / 1e9, fut.t_start / 1e9, fut.t_end / 1e9
+        self.reads_taken += 1
+        self.read_submit_s += queued - submit
+        self.read_queue_s += max(0.0, start - queued)
+        self.read_device_s += end - max(start, queued)
+        self.read_landed_s += now - end
 
 
 @dataclass
@@ -66,6 +111,26 @@ class TokenRecord:
     text: str = ""
     late: int = 0
     produced: int = 1           # decode: tokens this step added to the output (speculative steps add more)
+    # flash_wait_s split (LayerEvent.split_wait), and other_s: demand submits, hand-off (take_s), the rest
+    queue_s: float = 0.0
+    device_s: float = 0.0
+    completion_s: float = 0.0
+    submit_s: float = 0.0
+    handoff_s: float = 0.0
+    python_s: float = 0.0
+
+    @classmethod
+    def of(cls, events, wall_s: float, compute_s: float, **kw) -> "TokenRecord":
+        """A step's record from its layer events: the split adds up to wall_s (other_s and python_s what is left)."""
+        router, dq, wait = (sum(getattr(v, k) for v in events) for k in ("router_s", "dequant_s", "wait_s"))
+        queue, device, completion = (sum(getattr(v, k) for v in events) for k in ("queue_s", "device_s", "completion_s"))
+        submit, handoff = sum(v.submit_s for v in events), sum(v.take_s for v in events)
+        other = max(0.0, wall_s - compute_s - router - dq - wait)
+        hits, late = sum(sum(v.hit) for v in events), sum(v.late for v in events)
+        return cls(wall_s=wall_s, compute_s=compute_s, router_s=router, dequant_s=dq, flash_wait_s=wait,
+                   other_s=other, hits=hits, late=late, misses=sum(len(v.hit) for v in events) - hits - late,
+                   queue_s=queue, device_s=device, completion_s=completion, submit_s=min(submit, other),
+                   handoff_s=min(handoff, other - min(submit, other)), python_s=max(0.0, other - submit - handoff), **kw)
 
 
 @dataclass
@@ -165,6 +230,13 @@ class Telemetry:
             prefetch_issued=self.prefetch_issued, prefetch_used=self.prefetch_used,
             prefetch_wasted=self.prefetch_wasted, wasted_bytes=self.wasted_bytes,
         )
+        for k in ("queue_s", "device_s", "completion_s", "submit_s", "handoff_s", "python_s"):
+            s[k] = sum(getattr(t, k) for t in dec)
+        taken = [e for e in self.events if e.phase == "decode" and e.reads_taken]
+        n = sum(e.reads_taken for e in taken)
+        s["demand_reads_taken"] = n
+        for k in ("submit", "queue", "device", "landed"):       # a demand read's latency, mean seconds a read
+            s[f"read_{k}_s"] = sum(getattr(e, f"read_{k}_s") for e in taken) / n if n else 0.0
         produced = max(1, sum(t.produced for t in dec))
         s["flash_wait_per_token_s"] = s["flash_wait_s"] / produced
         s["bytes_read_per_token"] = s["bytes_read"] / produced
