@@ -61,14 +61,19 @@ def test_hit_late_and_miss_rates_add_up(preset):
 
 
 def test_two_packs_of_one_model_at_the_same_slots_agree_on_hit_plus_late():
-    """An expert's size moves how many prefetches are still in flight when asked for (late), not which experts are
-    in memory or on their way: hit + late is the same on a q3 and a q8 pack at the same slots and routing."""
+    """An expert's size moves how many prefetches are still in flight when asked for (late), and barely which experts
+    are in memory or on their way: hit + late is the same on a q3 and a q8 pack at the same slots and routing, but
+    for an expert or two in a hundred. (Not exactly: a wasted prefetch is demoted to be the first to go, and while
+    its read is still in flight the cache evicts the next one instead, so which one goes depends on the read's
+    timing.)"""
     got = {}
     for experts in ("q3", "q8"):
         with open_session("demo", "les", budget="0.25", tokens=24, drive=drive(TRACE), experts=experts) as s:
             res = measure(s, [1, 2, 3, 4], 24)
             got[experts] = (min(s.cache.capacity.values()), res["hits"] + res["late"], res["misses"])
-    assert got["q3"] == got["q8"]
+    (slots3, served3, missed3), (slots8, served8, missed8) = got["q3"], got["q8"]
+    assert slots3 == slots8 and served3 + missed3 == served8 + missed8
+    assert abs(served3 - served8) <= 0.01 * (served3 + missed3), got
 
 
 def test_a_misses_time_splits_into_parts_that_add_up():
