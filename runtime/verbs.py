@@ -1,6 +1,7 @@
 """The runtime's verbs: info, convert, probe-disk, make-model, generate (registered in workbench.commands).
 
-`info` and `convert` dispatch on the model's kind: a pack, a Hugging Face directory or a GGUF file.
+`info` and `convert` dispatch on the model's kind: a pack, a Hugging Face directory, a directory in MLX's layout or
+a GGUF file.
 """
 from __future__ import annotations
 
@@ -21,14 +22,13 @@ def cmd_info(args):
     from engines import default_engine, engine_class, expert_bytes
     from workbench.presets import Budget, get_preset
     from workbench.edge0.artifacts import edge0_dir, edge0_dir_of, served_bytes
-    from workbench.registry import is_pack, model_dir
+    from workbench.models.mlx_layout import is_mlx_layout
+    from workbench.registry import is_pack, model_dir, resolve_pack, storage_for
     preset = get_preset(args.preset)
     gguf = _info_gguf(args) if str(args.model).endswith(".gguf") else None
-    if gguf:                 # a run streams it through its index: sized as that pack (made once, in seconds)
-        from workbench.registry import resolve_pack, storage_for
+    p = model_dir(args.model)
+    if gguf or is_mlx_layout(p):    # a run streams it through its index: sized as that pack (made once, in seconds)
         p = resolve_pack(args.model, *storage_for(args.model, preset.storage))
-    else:
-        p = model_dir(args.model)
     if is_pack(p):
         from workbench.store.pack import Pack
         pack = Pack(p)
@@ -84,20 +84,22 @@ def _convert_flags(p):
     p.add_argument("--layout", default="contiguous", choices=["contiguous", "native"])
     p.add_argument("--experts", default=None, choices=["q4", "q3", "q2", "q8", "bf16", "raw", "g4", "g3", "g2", "g8"],
                    help="default g4 (ggml's Q4_K/Q4_0 blocks; q4, MLX's affine layout, without llama-cpp-python); "
-                        "raw, the GGUF's own blocks, for a .gguf source")
+                        "raw, the source's own blocks, for a .gguf or MLX source (their default)")
     p.add_argument("--rest", default=None, choices=["q4", "q8", "bf16", "raw"],
-                   help="default q4; raw, the GGUF's own blocks, for a .gguf source")
+                   help="default q4; raw, the source's own blocks, for a .gguf or MLX source (their default)")
 
 
-@command("convert", "write an expert pack from a Hugging Face checkpoint or a GGUF", _convert_flags)
+@command("convert", "write an expert pack from a Hugging Face checkpoint, an MLX checkpoint or a GGUF", _convert_flags)
 def cmd_convert(args):
+    from workbench.models.mlx_layout import is_mlx_layout
     from workbench.registry import block_experts, model_dir
     from workbench.store.pack import Pack, convert
-    gguf = str(args.src).endswith(".gguf")      # a GGUF keeps its own blocks (raw) unless asked otherwise
-    experts = args.experts or ("raw" if gguf else block_experts("q4"))
-    rest = args.rest or ("raw" if gguf else "q4")
-    if not gguf and "raw" in (experts, rest):
-        raise WorkbenchError("--experts/--rest raw keep a GGUF's own blocks: the source must be a .gguf file")
+    own = str(args.src).endswith(".gguf") or is_mlx_layout(model_dir(args.src))   # keeps its own blocks (raw)
+    experts = args.experts or ("raw" if own else block_experts("q4"))
+    rest = args.rest or ("raw" if own else "q4")
+    if not own and "raw" in (experts, rest):
+        raise WorkbenchError("--experts/--rest raw keep a GGUF's or an MLX checkpoint's own blocks: the source must "
+                             "be a .gguf file or a directory in MLX's layout")
     dst = convert(model_dir(args.src), args.dst, layout=args.layout, experts=experts, rest=rest, progress=not args.json)
     pack = Pack(dst)
     emit(args, {"path": str(dst), "layout": pack.layout, "quant": pack.quant, "file_size": pack.header["file_size"],

@@ -10,6 +10,9 @@ GGUF takes its own storage whatever its preset says, but for the knobs the run n
 experts=, rest=); any other storage (requantized, mixed, laid out contiguous) is a converted pack, as for a model
 directory.
 
+A directory in MLX's layout (mlx-lm's convert: workbench/models/mlx_layout.py) is the same: its own storage is
+its affine codes where they lie, and the cache holds only its index (workbench/store/mlx_index.py).
+
 The preset's precision (q2, q3, q4, q8) names the bits; what an HF directory's experts are written as depends on
 the engine (storage_for): for the packed engine (the default) they are ggml's blocks at those bits (g2, g3, g4, g8,
 workbench/store/ggml_blocks.py: ggml's kernels compute them, results/kernels.md), where llama-cpp-python is
@@ -20,15 +23,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
+from workbench.models.mlx_layout import is_mlx_layout
 from workbench.store import ggml_blocks
-from workbench.store.pack import FORMAT, MAGIC, Pack, convert
+from workbench.store.pack import FORMAT, MAGIC, Pack, convert, open_model, planned_size
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"demo": REPO / "data" / "models" / "demo-moe"}
-GGUF_STORAGE = ("native", "raw", "raw")     # a GGUF's own blocks where they lie: its index, no pack
+ANNOUNCE_BYTES = 2**30       # a pack this large is said (size, place) before it is written: minutes, not seconds
+GGUF_STORAGE = ("native", "raw", "raw")     # a GGUF's (or MLX layout's) own blocks where they lie: its index, no pack
 
 
 def cache_dir() -> Path:
@@ -69,26 +75,37 @@ def resolve_pack(model: str, layout: str, experts: str, rest: str, progress: boo
         return p
     if p.is_file() and p.suffix != ".gguf":       # a GGUF converts like a model directory
         raise WorkbenchError(f"{p}: not an expert pack (bad magic) and not a model directory")
-    if p.suffix == ".gguf" and (layout, experts, rest) == GGUF_STORAGE:
+    if (layout, experts, rest) == GGUF_STORAGE and (p.suffix == ".gguf" or is_mlx_layout(p)):
         dst = cache_dir() / "packs" / f"{p.name}-{fingerprint(p)}-f{FORMAT}.index"
         if not dst.exists():
-            from workbench.store.gguf_index import build_index
+            if p.suffix == ".gguf":
+                from workbench.store.gguf_index import build_index
+            else:
+                from workbench.store.mlx_index import build_index
             build_index(p, dst, progress=progress)
         return dst
     name = f"{p.name}-{fingerprint(p)}-{layout}-{experts}-{rest}-f{FORMAT}.pack"   # a new format converts afresh
     dst = cache_dir() / "packs" / name
     if not dst.exists():
-        convert(p, dst, layout=layout, experts=experts, rest=rest, progress=progress)
+        model = open_model(p)
+        size = planned_size(model, layout, experts, rest)
+        what = f"a pack of {p} at layout {layout}, experts {experts}, rest {rest} ({size / 2**30:.2f} GiB) in {dst.parent}"
+        if os.environ.get("WORKBENCH_NO_CONVERT"):
+            raise WorkbenchError(f"--no-convert: this run needs {what}; run without --no-convert to write it, or at "
+                                 f"the checkpoint's own storage (a GGUF's or MLX checkpoint's: nothing written)")
+        if size >= ANNOUNCE_BYTES:
+            print(f"writing {what} (once)", file=sys.stderr)
+        convert(model, dst, layout=layout, experts=experts, rest=rest, progress=progress)
     return dst
 
 
 def storage_for(model: str, storage, named=(), engine: str | None = None) -> tuple[str, str, str]:
     """(layout, experts, rest) a run on `model` with `engine` (None: the default, packed) takes: its preset's
-    (storage, a Storage), but a .gguf's own (GGUF_STORAGE) for each of the three knobs the run does not name itself
+    (storage, a Storage), but a .gguf's or an MLX-layout directory's own (GGUF_STORAGE) for each of the three knobs the run does not name itself
     (`named`); elsewhere, for the packed engine, an affine precision the run does not name becomes ggml's blocks at
     its bits (block_experts)."""
     knobs = dict(zip(("layout", "experts", "rest"), (storage.layout.value, storage.experts, storage.rest)))
-    if str(model).endswith(".gguf"):
+    if str(model).endswith(".gguf") or is_mlx_layout(MODELS.get(model, Path(model))):
         return tuple(knobs[k] if k in named else own for k, own in zip(knobs, GGUF_STORAGE))
     if "experts" not in named and not is_pack(MODELS.get(model, Path(model))):     # a pack is what it is
         knobs["experts"] = experts_for(knobs["experts"], engine)

@@ -26,7 +26,7 @@ from workbench.errors import WorkbenchError
 from workbench.spec import MoESpec, from_hf_config
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
-           "I64": np.int64, "I32": np.int32}
+           "I64": np.int64, "I32": np.int32, "U32": np.uint32}      # U32: MLX's packed codes
 
 _LM = r"model\.(?:language_model\.)?"      # a multimodal checkpoint's language model: the rest is skipped
 _LAYER = _LM + r"layers\.(\d+)\."

@@ -1,0 +1,105 @@
+"""The index of a checkpoint in MLX's layout: a pack header (workbench/store/pack.py) naming the safetensors file
+as its data file, so the checkpoint streams as it lies (no pack copy).
+
+Every tensor and each expert's gate, up and down are "runs" into that file (an affine matrix: its codes, scales
+and biases, each where it lies; a float one: its one range), with the crc32 the reader checks, read once here in
+pieces of at most `chunk` bytes (workbench/store/gguf_index.py's _crcs). Nothing is stored in the index but its
+header: a few hundred KB for a model of thousands of experts. The tokenizer stays beside the checkpoint
+(registry.tokenizer_for reads it from the source directory).
+
+Streaming reads one file: a checkpoint of several shards converts to a pack instead (the error says so).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import time
+import zlib
+from pathlib import Path
+
+from workbench.atomic import atomic_path
+from workbench.chat import find_template
+from workbench.errors import WorkbenchError
+from workbench.store.gguf_index import CHUNK, _crcs
+from workbench.store.pack import ALIGN, FORMAT, MAGIC, PARTS, PREFIX, _align, _header_bytes, _nbytes, expert_shapes
+
+
+def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
+    """Index the MLX-layout checkpoint directory at src into dst, atomically."""
+    from workbench.models.mlx_layout import MLXModel
+
+    model = MLXModel(src)
+    if len(model.shards) != 1:
+        raise WorkbenchError(f"{model.path}: {len(model.shards)} safetensors shards; streaming in place reads one "
+                             f"file, so this checkpoint runs from a pack: python -m workbench convert {model.path} OUT "
+                             f"(or run it with a preset that names its storage)")
+    shard = model.shards[0]
+    s, st = model.spec, shard.path.stat()
+    with open(shard.path, "rb") as f:
+        head = f.read(shard.base)
+    data = {"path": str(shard.path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "head_bytes": shard.base, "head_sha256": hashlib.sha256(head).hexdigest()}
+    header = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "source": model.source_info(), "spec": s.to_dict(), "layout": "native",
+              "quant": {"experts": "raw", "rest": "raw"}, "data": data}
+    if template := find_template(model.path):
+        header["chat_template"] = template
+
+    tensors = {}
+    for name in model.names():
+        shape, kind = model.tensor_shape(name), model.tensor_kind(name)
+        runs = [[off, n] for _, off, n in model.tensor_runs(name)]
+        tensors[name] = {"offset": runs[0][0], "nbytes": _nbytes(tuple(shape), kind), "shape": shape, "kind": kind,
+                         "crc32": "0" * 8, "in": "data", "runs": runs}
+    shapes = expert_shapes(s.hidden_size, s.moe_intermediate_size)
+    layer_kinds, layers = {}, {}
+    for L in s.moe_layers:
+        layer_kinds[str(L)] = model.expert_kinds(L)
+        layers[str(L)] = [{"runs": {p: [[off, n] for _, off, n in rs] for p, rs in model.expert_runs(L, e).items()},
+                           "crc32": "0" * 8} for e in range(s.num_experts)]
+    lsize = {L: sum(_nbytes(shapes[p], k[p]) for p in PARTS) for L, k in layer_kinds.items()}
+    header["tensors"] = tensors
+    header["experts"] = {"shapes": {p: list(shapes[p]) for p in PARTS}, "kinds": layer_kinds[str(s.moe_layers[-1])],
+                         "layer_kinds": layer_kinds, "nbytes": max(lsize.values()),
+                         "total_nbytes": s.num_experts * sum(lsize.values()), "layers": layers}
+
+    buf = memoryview(bytearray(chunk))
+    fd = os.open(shard.path, os.O_RDONLY)
+    try:
+        for name, t in tensors.items():     # a tensor's crc32 runs over its codes, scales, biases in turn
+            crc = [0]
+            for run in t["runs"]:
+                _crcs(fd, buf, [tuple(run)], crc)
+            t["crc32"] = f"{crc[0] & 0xFFFFFFFF:08x}"
+        bar = s.moe_layers
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(bar, desc="indexing experts", unit="layer")
+        for L in bar:
+            ents = layers[str(L)]
+            crcs = [0] * len(ents)
+            for p in PARTS:
+                for j in range(len(ents[0]["runs"][p])):
+                    _crcs(fd, buf, [tuple(ent["runs"][p][j]) for ent in ents], crcs)
+            for ent, c in zip(ents, crcs):
+                ent["crc32"] = f"{c & 0xFFFFFFFF:08x}"
+    except EOFError as e:
+        raise WorkbenchError(f"{shard.path}: truncated ({e})") from None
+    finally:
+        os.close(fd)
+
+    data_start = ALIGN
+    while True:         # the header's length depends on the offsets it records: iterate to a fixed point
+        header["file_size"] = data_start
+        need = _align(PREFIX + len(_header_bytes(header)))
+        if need == data_start:
+            break
+        data_start = need
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(dst) as tmp, open(tmp, "wb") as f:
+        f.truncate(header["file_size"])
+        hb = _header_bytes(header)
+        f.write(MAGIC + struct.pack("<IQI", FORMAT, len(hb), zlib.crc32(hb)) + hb)
+    return dst
