@@ -27,9 +27,19 @@ def cmd_info(args):
     preset = get_preset(args.preset)
     gguf = _info_gguf(args) if str(args.model).endswith(".gguf") else None
     p = model_dir(args.model)
-    if gguf or is_mlx_layout(p):    # a run streams it through its index: sized as that pack (made once, in seconds)
+    config = config_only(p)
+    if not config and (gguf or is_mlx_layout(p)):  # a run streams it through its index: sized as that pack
         p = resolve_pack(args.model, *storage_for(args.model, preset.storage))
-    if is_pack(p):
+    if config:                      # before the download: the shapes from config.json alone
+        from workbench.memory import tensor_shapes
+        from workbench.models.hf import read_config
+        from workbench.spec import from_hf_config
+        spec = from_hf_config(read_config(config), str(config))
+        shapes = tensor_shapes(spec)
+        obj = {"path": str(config), "kind": "config", "spec": spec.to_dict(), "engine": args.engine or default_engine()}
+        item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
+        adapters = 0
+    elif is_pack(p):
         from workbench.store.pack import Pack
         pack = Pack(p)
         obj = {"path": str(p), "kind": "pack", "spec": pack.spec.to_dict(), "layout": pack.layout, "quant": pack.quant,
@@ -53,7 +63,7 @@ def cmd_info(args):
     engine_class(obj["engine"])         # its module imported: this process's memory is a run's runtime
     obj["memory"] = memory_needs(spec, shapes, budget, item, resident_bytes, obj["engine"],
                                  runtime_bytes=peak_rss_bytes(), speculative=preset.execution.speculative,
-                                 adapter_bytes=adapters)
+                                 adapter_bytes=adapters, scope=preset.cache.scope.value)
     s = obj["spec"]
     head = f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, " \
            f"d={s['hidden_size']}"
@@ -61,6 +71,18 @@ def cmd_info(args):
         obj = {**gguf[0], "index": str(p), "engine": obj["engine"], "memory": obj["memory"]}
         head = gguf[1]
     emit(args, obj, f"{head}\n{describe(obj['memory'])}")
+
+
+def config_only(p):
+    """The config.json to size a model by when `p` is one, or a directory holding it and no weights; else None."""
+    from pathlib import Path
+    p = Path(p)
+    if p.is_file() and p.suffix == ".json":
+        return p
+    if p.is_dir() and (p / "config.json").is_file() and not any(p.glob("*.safetensors")) \
+            and not (p / "model.safetensors.index.json").exists():
+        return p / "config.json"
+    return None
 
 
 def _info_gguf(args) -> tuple[dict, str]:

@@ -137,20 +137,26 @@ def _check_sizes(cfg: dict, n_weights: int, where):
             raise WorkbenchError(f"{where}: {k} = {v!r} is not a size this checkpoint ({n_weights} weights) can have")
 
 
+def read_config(cfg_path: Path) -> dict:
+    """config.json as a dict, or a one-line error naming it."""
+    if not cfg_path.exists():
+        raise WorkbenchError(f"{cfg_path}: missing (not a Hugging Face model directory)")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WorkbenchError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise WorkbenchError(f"{cfg_path}: not a JSON object")
+    return config
+
+
 class HFModel:
     """A Hugging Face checkpoint directory, read lazily tensor by tensor."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         cfg_path = self.path / "config.json"
-        if not cfg_path.exists():
-            raise WorkbenchError(f"{cfg_path}: missing (not a Hugging Face model directory)")
-        try:
-            self.config = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise WorkbenchError(f"{cfg_path}: invalid JSON ({e})") from None
-        if not isinstance(self.config, dict):
-            raise WorkbenchError(f"{cfg_path}: not a JSON object")
+        self.config = read_config(cfg_path)
         self.shards = self._open_shards()
         _check_sizes(self.config, sum(math.prod(h["shape"]) for sh in self.shards for h in sh.header.values()), cfg_path)
         self.spec: MoESpec = from_hf_config(self.config, str(cfg_path))
