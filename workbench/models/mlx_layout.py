@@ -13,11 +13,10 @@ and per-module overrides ("model.layers.0.mlp.gate": {"group_size": 64, "bits": 
 bits) or false (left in float). Its kind is quant.mlx_kind(bits, group, scale dtype): the pack's affine format
 (codes, then scales, then biases) at the file's own width, group and scale dtype, which the numpy engine decodes
 and the packed and MLX engines compute from as it lies. Each tensor is one to three byte runs (codes, scales,
-biases: `runs`), so an index of them (workbench/store/mlx_index.py) streams the experts from the file.
+biases: `runs`), so an index of them (workbench/store/safetensors_index.py) streams the experts from the file.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -25,12 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from workbench.errors import WorkbenchError
-from workbench.models.hf import _LAYER, _RULES, HFModel, Shard
+from workbench.models.hf import _KINDS, _LAYER, _RULES, HFModel, Shard
 from workbench.store import quant
 
 PARTS = ("gate", "up", "down")
 _SWITCH = re.compile(_LAYER + r"(?:mlp|block_sparse_moe)\.switch_mlp\.(gate|up|down)_proj")
-_FLOATS = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
 
 
 def is_mlx_layout(path) -> bool:
@@ -94,9 +92,9 @@ class MLXModel(HFModel):
         shard, name = parts["weight"]
         dtype = shard.dtype(name)
         if "scales" not in parts:
-            if dtype not in _FLOATS:
+            if dtype not in _KINDS:
                 raise WorkbenchError(f"{where}.weight is {dtype} without .scales: neither float nor MLX-quantized")
-            return _FLOATS[dtype]
+            return _KINDS[dtype]
         if "biases" not in parts:
             raise WorkbenchError(f"{where}: has .scales but no .biases (affine mode keeps both)")
         q = self.config.get("quantization")
@@ -107,12 +105,12 @@ class MLXModel(HFModel):
         sdt = parts["scales"][0].dtype(parts["scales"][1])
         w, sc = (p[0].header[p[1]]["shape"] for p in (parts["weight"], parts["scales"]))
         cols = w[-1] * 32 // bits if bits in range(1, 9) else 0
-        if dtype != "U32" or sdt not in _FLOATS or not cols or sc[-1] * group != cols or sc[:-1] != w[:-1] \
+        if dtype != "U32" or sdt not in _KINDS or not cols or sc[-1] * group != cols or sc[:-1] != w[:-1] \
                 or parts["biases"][0].header[parts["biases"][1]]["shape"] != sc \
                 or parts["biases"][0].dtype(parts["biases"][1]) != sdt:
             raise WorkbenchError(f"{where}: .weight {dtype} {w}, .scales {sdt} {sc} are not {bits}-bit codes with "
                                  f"scales per {group} (config.json's quantization)")
-        return quant.mlx_kind(bits, group, _FLOATS[sdt])
+        return quant.mlx_kind(bits, group, _KINDS[sdt])
 
     def _check_experts(self):
         for (layer, e, p), (_, module, _) in self.experts.items():
@@ -194,6 +192,4 @@ class MLXModel(HFModel):
         return list(self.where)
 
     def source_info(self) -> dict:
-        return {"path": str(self.path.resolve()), "format": "mlx",
-                "config_sha256": hashlib.sha256((self.path / "config.json").read_bytes()).hexdigest(),
-                "quantization": self.config.get("quantization")}
+        return {**super().source_info(), "format": "mlx", "quantization": self.config.get("quantization")}

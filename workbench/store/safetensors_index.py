@@ -1,13 +1,14 @@
-"""The index of a checkpoint in MLX's layout: a pack header (workbench/store/pack.py) naming the safetensors file
-as its data file, so the checkpoint streams as it lies (no pack copy).
+"""The index of a safetensors checkpoint, in MLX's layout or a Hugging Face directory's bf16/f16/f32: a pack header
+(workbench/store/pack.py) naming the safetensors file as its data file, so the checkpoint streams as it lies (no
+pack copy).
 
 Every tensor and each expert's gate, up and down are "runs" into that file (an affine matrix: its codes, scales
 and biases, each where it lies; a float one: its one range), with the crc32 the reader checks, read once here in
-pieces of at most `chunk` bytes (workbench/store/gguf_index.py's _crcs). Nothing is stored in the index but its
-header: a few hundred KB for a model of thousands of experts. The tokenizer stays beside the checkpoint
-(registry.tokenizer_for reads it from the source directory).
+pieces of at most `chunk` bytes (workbench/store/gguf_index.py's _crcs). The few tensors the model changes on read
+(the hybrid family's zero-centred norms) are stored in the index, f32; nothing else is: a few hundred KB for a model
+of thousands of experts. The tokenizer stays beside the checkpoint (registry.tokenizer_for reads it from there).
 
-Streaming reads one file: a checkpoint of several shards converts to a pack instead (the error says so).
+Streaming reads one file: a checkpoint of several shards runs from a pack instead (`in_place` says which).
 """
 from __future__ import annotations
 
@@ -22,18 +23,29 @@ from workbench.atomic import atomic_path
 from workbench.chat import find_template
 from workbench.errors import WorkbenchError
 from workbench.store.gguf_index import CHUNK, _crcs
-from workbench.store.pack import ALIGN, FORMAT, MAGIC, PARTS, PREFIX, _align, _header_bytes, _nbytes, expert_shapes
+from workbench.store.pack import (ALIGN, FORMAT, MAGIC, PARTS, PREFIX, _align, _crc, _encode, _header_bytes, _nbytes,
+                                  expert_shapes)
+
+
+def in_place(model) -> bool:
+    """Whether the checkpoint (an HFModel or MLXModel) streams as it lies: one shard, experts in a kind the engines
+    read (MLX's affine codes, bf16, f16, f32)."""
+    return len(model.shards) == 1 and all(k is not None for L in model.spec.moe_layers[:1]
+                                          for k in model.expert_kinds(L).values())
 
 
 def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
-    """Index the MLX-layout checkpoint directory at src into dst, atomically."""
-    from workbench.models.mlx_layout import MLXModel
+    """Index the safetensors checkpoint directory at src (MLX's layout or a Hugging Face directory) into dst,
+    atomically."""
+    from workbench.store.pack import open_model
 
-    model = MLXModel(src)
+    model = open_model(src)
+    if not in_place(model) and len(model.shards) == 1:
+        raise WorkbenchError(f"{model.path}: its experts are {model.expert_kinds(model.spec.moe_layers[0])}: not "
+                             f"streamed as they lie; convert it (python -m workbench convert {model.path} OUT)")
     if len(model.shards) != 1:
         raise WorkbenchError(f"{model.path}: {len(model.shards)} safetensors shards; streaming in place reads one "
-                             f"file, so this checkpoint runs from a pack: python -m workbench convert {model.path} OUT "
-                             f"(or run it with a preset that names its storage)")
+                             f"file, so this checkpoint runs from a pack: python -m workbench convert {model.path} OUT")
     shard = model.shards[0]
     s, st = model.spec, shard.path.stat()
     with open(shard.path, "rb") as f:
@@ -46,12 +58,16 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
     if template := find_template(model.path):
         header["chat_template"] = template
 
-    tensors = {}
+    tensors, here = {}, []             # here: the tensors stored in the index (changed on read), f32
     for name in model.names():
-        shape, kind = model.tensor_shape(name), model.tensor_kind(name)
-        runs = [[off, n] for _, off, n in model.tensor_runs(name)]
-        tensors[name] = {"offset": runs[0][0], "nbytes": _nbytes(tuple(shape), kind), "shape": shape, "kind": kind,
-                         "crc32": "0" * 8, "in": "data", "runs": runs}
+        shape, runs = list(model.tensor_shape(name)), model.tensor_runs(name)
+        kind = model.tensor_kind(name) if runs else "f32"
+        tensors[name] = {"offset": 0, "nbytes": _nbytes(tuple(shape), kind), "shape": shape, "kind": kind,
+                         "crc32": "0" * 8}
+        if runs:
+            tensors[name].update(offset=runs[0][1], **{"in": "data", "runs": [[off, n] for _, off, n in runs]})
+        else:
+            here.append(name)
     shapes = expert_shapes(s.hidden_size, s.moe_intermediate_size)
     layer_kinds, layers = {}, {}
     for L in s.moe_layers:
@@ -68,6 +84,8 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
     fd = os.open(shard.path, os.O_RDONLY)
     try:
         for name, t in tensors.items():     # a tensor's crc32 runs over its codes, scales, biases in turn
+            if name in here:
+                continue
             crc = [0]
             for run in t["runs"]:
                 _crcs(fd, buf, [tuple(run)], crc)
@@ -91,7 +109,11 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
 
     data_start = ALIGN
     while True:         # the header's length depends on the offsets it records: iterate to a fixed point
-        header["file_size"] = data_start
+        off = data_start
+        for name in here:
+            tensors[name]["offset"] = off
+            off = _align(off + tensors[name]["nbytes"])
+        header["file_size"] = off
         need = _align(PREFIX + len(_header_bytes(header)))
         if need == data_start:
             break
@@ -100,6 +122,11 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(dst) as tmp, open(tmp, "wb") as f:
         f.truncate(header["file_size"])
+        for name in here:
+            b = _encode(model.tensor(name), "f32")
+            tensors[name]["crc32"] = _crc(b)
+            f.seek(tensors[name]["offset"])
+            f.write(b)
         hb = _header_bytes(header)
         f.write(MAGIC + struct.pack("<IQI", FORMAT, len(hb), zlib.crc32(hb)) + hb)
     return dst
