@@ -162,9 +162,10 @@ def layer_kernel(pack: Pack, layer: int, offsets: dict) -> tuple[bool, np.ndarra
             why += " (a GGUF float type: the numpy engine computes it exactly)"
         except WorkbenchError as e:
             why += f" ({e})"
-    raise WorkbenchError(f"{pack.path}: --engine packed computes experts stored as {', '.join(K.BITS)} or in "
-                         f"quantized GGUF blocks that ggml's CPU kernels take; {why}: convert with --experts q4 (or "
-                         f"another of those), or run it with --engine numpy")
+    raise WorkbenchError(f"{pack.path}: --engine packed computes experts stored as {', '.join(K.BITS)} (affine at "
+                         f"group 64, a pack's or an MLX checkpoint's) or in quantized GGUF blocks that ggml's CPU "
+                         f"kernels take; {why}: convert with --experts q4 (or another of those), or run it with "
+                         f"--engine numpy{' or --engine mlx' if any(str(k).startswith('mlx:') for k in kinds.values()) else ''}")
 
 
 class PackedEngine(Decoder):

@@ -95,3 +95,17 @@ def test_several_shards_are_refused_in_one_line(bf16_tiny, tmp_path):
     from runtime.session import Session
     with pytest.raises(WorkbenchError, match="2 safetensors shards; streaming in place reads one file"):
         Session(str(d), "on_demand", experts="raw")
+
+
+def test_a_teacher_bigger_than_memory_streams_from_its_file_with_the_same_numbers(tmp_path, monkeypatch):
+    """eval teacher runs the teacher first and alone (its log-probs kept per window), at --teacher-budget: streamed
+    from the bf16 safetensors through its index, its log-probs are the resident teacher's bit for bit, and so is
+    the comparison."""
+    from evals.teacher import run
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    kw = dict(data="tinystories", n_ctx=64, chunks=2, progress=False, record=False)
+    resident = run("demo", "les", "0.25", **kw)
+    streamed = run("demo", "les", "0.25", teacher_budget="0.1", **kw)
+    for k in ("kl", "top1", "ppl", "ppl_teacher", "routing_agreement"):
+        assert streamed[k] == resident[k], k
+    assert list((tmp_path / "cache").rglob("demo-moe*.index"))                # the teacher's: an index, no pack

@@ -152,6 +152,27 @@ def test_a_precision_the_file_lacks_says_its_pack_first(converted, tmp_path, mon
     assert "writing a pack of" in said and str(s.pack_path.parent) in said and list(cache.rglob("*.pack"))
 
 
+@pytest.mark.parametrize("bits,group", [(6, 64), (4, 32), (3, 128)])
+def test_other_widths_and_groups_run_on_numpy_and_mlx(bits, group, tmp_path, monkeypatch):
+    """mlx-lm's conversions at 6 bits, group 32 and group 128: mlx-lm's greedy tokens on the numpy reference and the
+    MLX engine (any width, any group); the packed engine's kernels take group 64 at 2/3/4/8 bits and say so."""
+    from mlx_lm import convert
+    from runtime.session import Session
+    out = tmp_path / f"demo-{bits}-{group}"
+    convert(str(MODELS["demo"]), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=group)
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    ids, logits, want = mlx_lm_reference(out, PROMPTS[2])
+    assert MLXModel(out).expert_kinds(0)["down"] == f"mlx:q{bits}g{group}:bf16"
+    for engine in ("numpy", "mlx"):
+        with Session(str(out), "les", budget="0.25", engine=engine) as s:
+            assert np.abs(np.asarray(s.step(ids, "prefill")) - logits).max() < 1e-4, engine
+            assert s.generate(ids, 8)["tokens"] == want, engine
+    with pytest.raises(WorkbenchError, match="run it with --engine numpy or --engine mlx"):
+        Session(str(out), "les", budget="0.25", engine="packed")
+    with Session(str(out), "les", budget="0.25") as s:          # the default engine: one that computes it
+        assert s.engine.name in ("numpy", "mlx")
+
+
 @pytest.fixture()
 def broken(converted, tmp_path) -> Path:
     return Path(shutil.copytree(converted, tmp_path / "broken"))
