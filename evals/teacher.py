@@ -101,7 +101,8 @@ def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: in
     from evals.common import record as write_record
     from runtime.session import open_session
     from workbench.presets import get_preset
-    get_preset(preset)                      # an unknown preset is refused before the teacher runs
+    if isinstance(preset, str):
+        get_preset(preset)                  # an unknown preset is refused before the teacher runs
     if trace is None:
         with open_session(model, "teacher", teacher_budget, prompt=None, engine=engine, direct=direct) as t:
             need = tokens_needed(n_ctx, chunks, stride)
