@@ -38,6 +38,16 @@ def cmd_info(args):
         shapes = tensor_shapes(spec)
         obj = {"path": str(config), "kind": "config", "spec": spec.to_dict(), "engine": args.engine or default_engine()}
         item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
+        if "quantization" in read_config(config):       # MLX's layout: it runs at its own bits, in place
+            from types import SimpleNamespace
+            from engines.packed_kernels import affine_of
+            from workbench.models.mlx_layout import planned
+            tensors, slot, kinds = planned(read_config(config), spec)
+            if not args.engine and obj["engine"] == "packed" and not all(map(affine_of, kinds)):
+                obj["engine"] = "numpy"                 # as default_engine picks for its index
+            cls = engine_class(obj["engine"])
+            resident_bytes = cls.resident_bytes(SimpleNamespace(spec=spec, tensors=tensors))
+            item = slot if cls.slot_arena else cls.expert_bytes(spec)
         adapters = 0
     elif is_pack(p):
         from workbench.store.pack import Pack

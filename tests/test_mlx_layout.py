@@ -177,6 +177,21 @@ def test_other_widths_and_groups_run_on_numpy_and_mlx(bits, group, tmp_path, mon
         assert s.engine.name in ("numpy", "mlx")
 
 
+def test_info_on_its_config_alone_sizes_it_as_it_runs_in_place(converted, tmp_path):
+    """The config.json of mlx-lm's conversion, alone, is sized at the file's own bits as the in-place run holds them
+    (mlx-lm's quantization, the 8-bit routers, each expert run in whole pages): the directory's numbers."""
+    alone = tmp_path / "config-only"
+    alone.mkdir()
+    shutil.copy(converted / "config.json", alone / "config.json")
+    env = {"WORKBENCH_CACHE": str(tmp_path / "cache")}
+    whole, config = (json.loads(cli("info", "--model", str(m), "--preset", "les", "--json", env=env).stdout)
+                     for m in (converted, alone))
+    assert config["kind"] == "config" and config["engine"] == whole["engine"]
+    for k in ("resident_bytes", "cache_expert_bytes", "needed_bytes", "expected_read_bytes_per_token",
+              "smallest_budget_bytes"):
+        assert abs(config["memory"][k] - whole["memory"][k]) <= 0.05 * whole["memory"][k], k
+
+
 @pytest.fixture()
 def broken(converted, tmp_path) -> Path:
     return Path(shutil.copytree(converted, tmp_path / "broken"))
