@@ -41,8 +41,8 @@ def cmd_info(args):
         if "quantization" in read_config(config):       # MLX's layout: it runs at its own bits, in place
             from types import SimpleNamespace
             from engines.packed_kernels import affine_of
-            from workbench.models.mlx_layout import planned
-            tensors, slot, kinds = planned(read_config(config), spec)
+            from workbench.memory import planned_mlx
+            tensors, slot, kinds = planned_mlx(read_config(config), spec)
             if not args.engine and obj["engine"] == "packed" and not all(map(affine_of, kinds)):
                 obj["engine"] = "numpy"                 # as default_engine picks for its index
             cls = engine_class(obj["engine"])

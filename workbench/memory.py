@@ -21,6 +21,7 @@ before the checkpoint is downloaded (`info --model config.json`).
 from __future__ import annotations
 
 import math
+import re
 
 from workbench.errors import WorkbenchError
 from workbench.host import available_memory_bytes as available_bytes
@@ -194,3 +195,50 @@ def describe(m: dict) -> str:
             f"{gib(m['expected_read_bytes_per_token'])} read a decoded token (from {SOURCE}); the smallest budget "
             f"that runs: {m['smallest_budget']} ({m['smallest_budget_slots']} slots, {gib(m['smallest_budget_bytes'])})\n"
             f"{verdict(m)}")
+
+
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+def planned_mlx(cfg: dict, spec) -> tuple[dict, int, set]:
+    """({canonical name: {"shape", "kind", "nbytes"}}, one expert's slot bytes, the experts' kinds) of a checkpoint in MLX's layout of this
+    config.json, before it is downloaded (`info` on a config alone): as mlx-lm quantizes, every matrix whose columns
+    split into the group, at the config's bits or its module's override; the rest in the model's dtype. An expert's
+    runs (codes, scales, biases of each part) each take whole pages in its slot, from the page their bytes start in."""
+    from workbench.models.hf import _RULES
+    from workbench.models.mlx_layout import _SWITCH
+    from workbench.store.pack import ALIGN, PARTS, _nbytes, expert_shapes
+    q = cfg.get("quantization") or {}
+    dtype = _DTYPE_NAMES.get(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16", "bf16")
+    own, experts = {}, {}          # canonical name / (layer, part) -> the module's override
+    for key, v in q.items():
+        if not isinstance(v, dict):
+            continue
+        if m := _SWITCH.fullmatch(key):
+            experts[(int(m[1]), m[2])] = v
+        for pattern, t in _RULES:
+            if mm := re.fullmatch(pattern, f"{key}.weight"):
+                own[t.format(*mm.groups())] = v
+
+    def kind(shape, over) -> str:
+        if len(shape) != 2 or over is False:
+            return dtype
+        a = over if isinstance(over, dict) else q
+        ok = q and shape[-1] % a["group_size"] == 0 and (shape[-1] * a["bits"]) % 32 == 0
+        return quant.mlx_kind(a["bits"], a["group_size"], dtype) if ok else dtype
+    tensors = {}
+    for name, shape in tensor_shapes(spec).items():
+        k = kind(shape, q.get(name, own.get(name)))
+        tensors[name] = {"shape": list(shape), "kind": k, "nbytes": _nbytes(tuple(shape), k)}
+    shapes, slot, kinds = expert_shapes(spec.hidden_size, spec.moe_intermediate_size), 0, set()
+    for L in spec.moe_layers:
+        total = 0
+        for p in PARTS:
+            k = kind(shapes[p], experts.get((L, p)))
+            kinds.add(k)
+            a, numel = quant.affine(k), shapes[p][0] * shapes[p][1]
+            runs = [numel * a[0] // 8] + [_nbytes(shapes[p], k) - numel * a[0] // 8 >> 1] * 2 if a \
+                else [_nbytes(shapes[p], k)]
+            total += sum(-(-(n + ALIGN - 1) // ALIGN) * ALIGN for n in runs)
+        slot = max(slot, total)
+    return tensors, slot, kinds
