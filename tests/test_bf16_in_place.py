@@ -46,32 +46,32 @@ def files(root: Path) -> dict:
 def test_on_demand_at_its_own_bf16_writes_nothing_but_an_index(which, bf16_tiny, tmp_path, monkeypatch):
     """The experts stream from the safetensors file (O_DIRECT, from the 4 KiB boundary before each part) and give
     the logits of the bf16 pack convert would write, bit for bit, on the packed and numpy engines."""
-    from runtime.session import Session
+    from runtime.session import open_session
     model = str(MODELS["demo"] if which == "demo" else bf16_tiny)
     assert set(HFModel(model).expert_kinds(0).values()) == {"bf16"}
     ids = IDS if which == "tiny" else [3, 40, 900, 7, 1000, 22]
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
     got = {}
     for engine in ("packed", "numpy"):
-        with Session(model, "on_demand", budget="0.25", engine=engine, experts="raw") as s:
+        with open_session(model, "on_demand", budget="0.25", engine=engine, experts="raw") as s:
             assert s.pack.data_path == (Path(model) / "model.safetensors").resolve() and s.reader.mode == "o_direct"
             got[engine] = np.asarray(s.step(ids, "prefill"))
     made = files(tmp_path / "cache")
     assert [f for f in made if f.startswith("packs")] == [f for f in made if f.endswith(".index")] != [], made
     assert sum(made.values()) < 2**20, made
     for engine in ("packed", "numpy"):
-        with Session(model, "on_demand", budget="0.25", engine=engine, experts="bf16", rest="bf16") as s:
+        with open_session(model, "on_demand", budget="0.25", engine=engine, experts="bf16", rest="bf16") as s:
             assert s.pack.data_path == s.pack.path                    # the pack: a copy, for comparison
             assert np.array_equal(np.asarray(s.step(ids, "prefill")), got[engine]), engine
 
 
 def test_the_teacher_keeps_a_bf16_checkpoint_in_place_and_an_f32_one_in_a_pack(bf16_tiny, tiny_models, tmp_path,
                                                                                monkeypatch):
-    from runtime.session import Session
+    from runtime.session import open_session
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
-    with Session(str(bf16_tiny), "teacher") as s:
+    with open_session(str(bf16_tiny), "teacher") as s:
         assert s.pack.path.suffix == ".index" and s.preset.storage.experts == "raw"
-    with Session(str(tiny_models["qwen3_moe"]), "teacher") as s:        # saved f32: bf16 is another precision
+    with open_session(str(tiny_models["qwen3_moe"]), "teacher") as s:        # saved f32: bf16 is another precision
         assert s.pack.path.suffix == ".pack" and s.preset.storage.experts == "bf16"
 
 
@@ -92,9 +92,9 @@ def test_several_shards_are_refused_in_one_line(bf16_tiny, tmp_path):
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
                              [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])})
     assert res.returncode == 0, res.stderr                  # the teacher falls back to its pack: sized, not refused
-    from runtime.session import Session
+    from runtime.session import open_session
     with pytest.raises(WorkbenchError, match="2 safetensors shards; streaming in place reads one file"):
-        Session(str(d), "on_demand", experts="raw")
+        open_session(str(d), "on_demand", experts="raw")
 
 
 def test_a_teacher_bigger_than_memory_streams_from_its_file_with_the_same_numbers(tmp_path, monkeypatch):

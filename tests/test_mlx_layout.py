@@ -85,12 +85,12 @@ def test_reads_mlx_lms_layout_as_mlx_decodes_it(converted):
 def test_greedy_tokens_equal_mlx_lms_on_every_engine(converted, tmp_path, monkeypatch):
     """Streaming (a quarter of the experts, LES and on_demand) on the packed and MLX engines and resident on the
     numpy reference: mlx-lm's first 8 greedy tokens on each prompt, logits within 1e-4 of its own."""
-    from runtime.session import Session
+    from runtime.session import open_session
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
     for prompt in PROMPTS:
         ids, logits, want = mlx_lm_reference(converted, prompt)
         for engine, preset, budget in RUNS:
-            with Session(str(converted), preset, budget=budget, engine=engine) as s:
+            with open_session(str(converted), preset, budget=budget, engine=engine) as s:
                 assert s.tokenizer.encode(prompt).ids == ids
                 assert s.preset.storage.experts == "raw"            # the file's own bits, whatever the preset's
                 got = np.asarray(s.step(ids, "prefill"))
@@ -101,14 +101,14 @@ def test_greedy_tokens_equal_mlx_lms_on_every_engine(converted, tmp_path, monkey
 def test_every_exact_streaming_path_gives_resident_logits_bit_for_bit(converted):
     """On the packed engine, in-place reads (each run from the 4 KiB boundary before it, scales and biases apart
     from their codes) give the all-resident logits exactly, and the numpy reference's within 2e-5."""
-    from runtime.session import Session
+    from runtime.session import open_session
     ids = list(range(3, 40, 3))
-    with Session(str(converted), "on_demand", budget="all", engine="packed") as s:
+    with open_session(str(converted), "on_demand", budget="all", engine="packed") as s:
         resident = np.asarray(s.step(ids, "prefill"))
-    with Session(str(converted), "on_demand", budget="all", engine="numpy") as s:
+    with open_session(str(converted), "on_demand", budget="all", engine="numpy") as s:
         assert np.abs(np.asarray(s.step(ids, "prefill")) - resident).max() < 2e-5
     for preset, budget in [("on_demand", "0.25"), ("les", "0.25"), ("smol", "0.5")]:
-        with Session(str(converted), preset, budget=budget, engine="packed") as s:
+        with open_session(str(converted), preset, budget=budget, engine="packed") as s:
             assert s.reader.mode == "o_direct"
             assert np.array_equal(np.asarray(s.step(ids, "prefill")), resident), (preset, budget)
 
@@ -140,7 +140,7 @@ def test_a_precision_the_file_lacks_says_its_pack_first(converted, tmp_path, mon
     """Another storage than the file's is a converted pack: --no-convert refuses it in one line that says its size
     and place, and a pack of ANNOUNCE_BYTES or more is said before it is written (here every one)."""
     import workbench.registry as registry
-    from runtime.session import Session
+    from runtime.session import open_session
     cache = tmp_path / "cache"
     res = cli("bench", "--model", str(converted), "--preset", "les", "--budget", "0.25", "--tokens", "2", "--set",
               "experts=q3", "--no-convert", "--json", env={"WORKBENCH_CACHE": str(cache)})
@@ -149,7 +149,7 @@ def test_a_precision_the_file_lacks_says_its_pack_first(converted, tmp_path, mon
     assert not list(cache.rglob("*.pack"))
     monkeypatch.setenv("WORKBENCH_CACHE", str(cache))
     monkeypatch.setattr(registry, "ANNOUNCE_BYTES", 0)
-    with Session(str(converted), "les", budget="0.25", experts="q3") as s:
+    with open_session(str(converted), "les", budget="0.25", experts="q3") as s:
         assert s.pack.quant == {"experts": "q3", "rest": "raw"}     # the rest kept as the file holds it
         assert s.generate("Once upon a time", 2)["tokens"]
     said = capsys.readouterr().err
@@ -161,19 +161,19 @@ def test_other_widths_and_groups_run_on_numpy_and_mlx(bits, group, tmp_path, mon
     """mlx-lm's conversions at 6 bits, group 32 and group 128: mlx-lm's greedy tokens on the numpy reference and the
     MLX engine (any width, any group); the packed engine's kernels take group 64 at 2/3/4/8 bits and say so."""
     from mlx_lm import convert
-    from runtime.session import Session
+    from runtime.session import open_session
     out = tmp_path / f"demo-{bits}-{group}"
     convert(str(MODELS["demo"]), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=group)
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
     ids, logits, want = mlx_lm_reference(out, PROMPTS[2])
     assert MLXModel(out).expert_kinds(0)["down"] == f"mlx:q{bits}g{group}:bf16"
     for engine in ("numpy", "mlx"):
-        with Session(str(out), "les", budget="0.25", engine=engine) as s:
+        with open_session(str(out), "les", budget="0.25", engine=engine) as s:
             assert np.abs(np.asarray(s.step(ids, "prefill")) - logits).max() < 1e-4, engine
             assert s.generate(ids, 8)["tokens"] == want, engine
     with pytest.raises(WorkbenchError, match="run it with --engine numpy or --engine mlx"):
-        Session(str(out), "les", budget="0.25", engine="packed")
-    with Session(str(out), "les", budget="0.25") as s:          # the default engine: one that computes it
+        open_session(str(out), "les", budget="0.25", engine="packed")
+    with open_session(str(out), "les", budget="0.25") as s:          # the default engine: one that computes it
         assert s.engine.name in ("numpy", "mlx")
 
 
