@@ -9,6 +9,8 @@ Pack.decode_expert(raw=True)), and affine q2/q3/q4/q8 parts are the codes, scale
 `mx.quantize(w, 64, bits)` byte for byte (workbench/store/quant.py), so `mx.gather_qmm` computes from
 them as they are (the float16 scales and biases are upcast, exactly, to float32 when staged). bf16 parts
 stay bf16 and go through `mx.gather_mm` (an fp32 product of exact upcasts of the routed slots).
+A checkpoint in MLX's own layout (an mlx: kind: any width and group, scales in the model's dtype) is computed
+the same way, from its codes, scales and biases as they lie in its file (workbench/models/mlx_layout.py).
 Packs whose experts are in other formats (raw GGUF blocks) are refused with a WorkbenchError.
 
 Staged slots (Edge0's incremental stacking): every cache pool has one fixed-size stacked weight array per
@@ -41,7 +43,13 @@ from workbench.store.pack import PARTS, Pack
 from workbench.streamer import ExpertStreamer
 from workbench.telemetry import Telemetry
 
-MLX_KINDS = ("q2", "q3", "q4", "q8", "bf16")     # expert kinds computed from their bytes as they are
+MLX_KINDS = ("q2", "q3", "q4", "q8", "bf16")     # expert kinds computed from their bytes as they are (and mlx: ones)
+MLX_BITS = (2, 3, 4, 5, 6, 8)                     # the widths mx.gather_qmm computes
+
+
+def _computed(kind: str) -> bool:
+    a = quant.affine(kind)
+    return kind in MLX_KINDS or (a is not None and a[0] in MLX_BITS)
 
 
 class Slot:
@@ -68,12 +76,12 @@ class SlotStack:
             if kinds[p] == "bf16":
                 self.arrays[p] = [mx.zeros((n, out, inp), dtype=mx.bfloat16)]
             else:
-                bits = int(kinds[p][1:])
+                bits, group, _ = quant.affine(kinds[p])
                 # scales and biases upcast (exactly) from the pack's float16 to x's float32 once, at staging:
                 # the kernels take one dtype for x, scales and biases, and a per-call cast would copy the stack
                 self.arrays[p] = [mx.zeros((n, out, inp * bits // 32), dtype=mx.uint32),
-                                  mx.zeros((n, out, inp // quant.GROUP), dtype=mx.float32),
-                                  mx.zeros((n, out, inp // quant.GROUP), dtype=mx.float32)]
+                                  mx.zeros((n, out, inp // group), dtype=mx.float32),
+                                  mx.zeros((n, out, inp // group), dtype=mx.float32)]
         mx.eval([a for arrs in self.arrays.values() for a in arrs])
 
     def write(self, i: int, key, parts: dict):
@@ -86,10 +94,10 @@ class SlotStack:
             if kind == "bf16":
                 arrs[0][i] = mx.array(np.frombuffer(buf, dtype="<u2").reshape(shape)).view(mx.bfloat16)
             else:
-                wq, scales, biases = quant.from_bytes(buf, shape, int(kind[1:]))
+                wq, scales, biases = quant.affine_split(buf, shape, kind)     # scales, biases: float32, exact
                 arrs[0][i] = mx.array(wq)
-                arrs[1][i] = mx.array(scales).astype(mx.float32)
-                arrs[2][i] = mx.array(biases).astype(mx.float32)
+                arrs[1][i] = mx.array(scales)
+                arrs[2][i] = mx.array(biases)
         self.keys[i], self.where[key] = key, i
         mx.async_eval([a for arrs in self.arrays.values() for a in arrs])   # the copy runs while reads go on
 
@@ -101,8 +109,9 @@ class SlotStack:
             w = arrs[0][mx.array(used)].astype(mx.float32)
             return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=mx.array(inv.astype(np.uint32)), sorted_indices=True)
         slots = mx.array(slots)
-        return mx.gather_qmm(x, *arrs, rhs_indices=slots, transpose=True, group_size=quant.GROUP,
-                             bits=int(kind[1:]), sorted_indices=True)
+        bits, group, _ = quant.affine(kind)
+        return mx.gather_qmm(x, *arrs, rhs_indices=slots, transpose=True, group_size=group, bits=bits,
+                             sorted_indices=True)
 
 
 class MlxExperts:
@@ -198,13 +207,13 @@ class MlxEngine(Decoder):
         """Whether its kernels take this pack's experts: one of MLX_KINDS per part, the same in every layer."""
         kinds = dict(pack.expert_kinds)
         layer_kinds = getattr(pack, "expert_layer_kinds", {}) or {}
-        return bool(kinds) and _kinds(pack) <= set(MLX_KINDS) and all(ks == kinds for ks in layer_kinds.values())
+        return bool(kinds) and all(map(_computed, _kinds(pack))) and all(ks == kinds for ks in layer_kinds.values())
 
     def __init__(self, pack: Pack, streamer: ExpertStreamer, telemetry: Telemetry, hooks: Hooks = Hooks(),
                  weights: dict | None = None, max_context: int | None = None):
         super().__init__(pack, streamer, telemetry, hooks)
         if not self.computes(pack):
-            odd = sorted(_kinds(pack) - set(MLX_KINDS))
+            odd = sorted(k for k in _kinds(pack) if not _computed(k))
             raise WorkbenchError(f"{pack.path}: --engine mlx computes experts stored as {', '.join(MLX_KINDS)} "
                                  f"(affine group-64 or bf16); this pack's experts are {', '.join(odd) or 'mixed per layer'}: "
                                  f"convert with --experts q4 (or another of those)")

@@ -67,12 +67,14 @@ class Encoded:
     array (np.asarray, .T) it is dequantized: a copy, for the few readers outside the decode step."""
 
     def __init__(self, buf: np.ndarray, shape, kind: str):
-        self.buf, self.shape, self.kind, self.bits = buf, tuple(shape), kind, K.BITS.get(kind)
+        self.buf, self.shape, self.kind = buf, tuple(shape), kind
+        self.bits, sdt = K.affine_of(kind) or (None, "")
+        self.scales = K.SCALES.get(sdt, K.F16)
         self.ggml = G.part_row(kind, shape[1]) if self.bits is None else None
         self.nbytes = buf.nbytes
 
     def __array__(self, dtype=None, copy=None):
-        a = (quant.decode(self.buf, self.shape, self.kind) if self.bits
+        a = (quant.decode(self.buf, self.shape, self.kind) if self.bits is not None
              else G.dequantize(self.buf, self.shape, self.kind))
         return a if dtype is None else a.astype(dtype)
 
@@ -97,7 +99,7 @@ def stays_encoded(name: str, t: dict) -> bool:
         return False
     if kind.startswith("gguf:"):
         return G.computes(kind, shape[1])
-    return kind in K.BITS and kind != "bf16" and name != "embed"
+    return kind != "bf16" and K.affine_of(kind) is not None and name != "embed"
 
 
 # A router whose float32 rows pass this is kept in Q8_0 and computed in ggml's kernel: at full size (the 80B's 512
@@ -129,7 +131,9 @@ class PackedExperts:
         self.decoder, self.arena, s = weakref.proxy(decoder), arena, decoder.spec   # the decoder holds these
         self.d, self.ff = s.hidden_size, s.moe_intermediate_size
         self.kernels = {L: layer_kernel(pack, L, arena.layouts[L][1]) for L in s.moe_layers}
-        self.heads = {L: pack.expert_heads(L) for L in s.moe_layers}
+        self.heads = {L: pack.expert_heads(L) if self.kernels[L][0] else kernel_heads(pack, L) for L in s.moe_layers}
+        self.scales = {L: K.SCALES.get(K.affine_of(pack.kinds_of(L)["gate"])[1], K.F16) if not self.kernels[L][0]
+                       else None for L in s.moe_layers}
 
     def begin(self, i: int, x, idx, weights):
         """compute(experts, slot offsets) for the streamer: one kernel call per batch, which picks the batch's
@@ -141,25 +145,40 @@ class PackedExperts:
         self.Y = Y = np.empty((flat.shape[0], self.d), np.float32)
         block = self.arena.blocks[i]
         ggml, parts = self.kernels[i]
-        heads = self.heads[i]
+        heads, scales = self.heads[i], self.scales[i]
 
         def compute(es, offsets):
             es, offsets = np.array(es, np.int64), np.array(offsets, np.int64)
             if ggml:
                 G.moe_ready(block, es, offsets, flat, k, w, X, Y, parts, heads, self.d, self.ff)
             else:
-                K.moe_ready(block, es, offsets, flat, k, w, X, Y, parts, self.d, self.ff, K.F16)
+                K.moe_ready(block, es, offsets, flat, k, w, X, Y, parts, heads, self.d, self.ff, scales)
         return compute
 
     def combine(self, needed):
         return self.Y.reshape(-1, self.k, self.d).sum(1)
 
 
+def kernel_heads(pack: Pack, layer: int) -> np.ndarray:
+    """(experts, 9): where each expert's codes, scales, biases of gate, up, down start past their slot regions
+    (K.moe_pairs): an MLX index's reads start at the 4 KiB boundary before each; zero in a pack."""
+    h, ent = pack.expert_heads(layer), pack.expert_layers[layer][0]
+    out = np.zeros((h.shape[0], 9), np.int64)
+    if "runs" in ent:
+        col = 0
+        for i, p in enumerate(PARTS):
+            n = len(ent["runs"][p])
+            out[:, 3 * i:3 * i + n] = h[:, col:col + n]
+            col += n
+    return out
+
+
 def layer_kernel(pack: Pack, layer: int, offsets: dict) -> tuple[bool, np.ndarray]:
-    """(whether ggml computes it, its parts table) for one layer's experts: affine group-64 or bf16 in this
-    module's kernels, GGUF blocks (a raw GGUF pack) in ggml's (engines/ggml_kernels.py). WorkbenchError if neither."""
+    """(whether ggml computes it, its parts table) for one layer's experts: affine group-64 (2/3/4/8 bits, 2-byte
+    scales: the pack's and MLX's) or bf16 in this module's kernels, GGUF blocks (a raw GGUF pack) in ggml's
+    (engines/ggml_kernels.py). WorkbenchError if neither."""
     kinds = pack.kinds_of(layer)
-    if all(kinds.get(p) in K.BITS for p in PARTS):
+    if all(K.affine_of(kinds.get(p, "")) for p in PARTS) and len({K.affine_of(kinds[p])[1] for p in PARTS} - {""}) <= 1:
         return False, K.expert_parts(pack.expert_shapes, kinds, offsets)[0]
     why = f"layer {layer}'s are {', '.join(sorted(set(map(str, kinds.values()))))}"
     if all(str(kinds.get(p)).startswith("gguf:") for p in PARTS):
@@ -170,9 +189,10 @@ def layer_kernel(pack: Pack, layer: int, offsets: dict) -> tuple[bool, np.ndarra
             why += " (a GGUF float type: the numpy engine computes it exactly)"
         except WorkbenchError as e:
             why += f" ({e})"
-    raise WorkbenchError(f"{pack.path}: --engine packed computes experts stored as {', '.join(K.BITS)} or in "
-                         f"quantized GGUF blocks that ggml's CPU kernels take; {why}: convert with --experts q4 (or "
-                         f"another of those), or run it with --engine numpy")
+    raise WorkbenchError(f"{pack.path}: --engine packed computes experts stored as {', '.join(K.BITS)} (affine at "
+                         f"group 64, a pack's or an MLX checkpoint's) or in quantized GGUF blocks that ggml's CPU "
+                         f"kernels take; {why}: convert with --experts q4 (or another of those), or run it with "
+                         f"--engine numpy{' or --engine mlx' if any(str(k).startswith('mlx:') for k in kinds.values()) else ''}")
 
 
 class ThreadChoice:
@@ -301,7 +321,7 @@ class PackedEngine(Decoder):
         if w.ggml is not None:
             G.dense(w.buf, w.shape[0], w.shape[1], w.ggml, x, y)
         else:
-            K.dense(w.buf, w.shape[0], w.shape[1], w.bits, x, y, K.F16)
+            K.dense(w.buf, w.shape[0], w.shape[1], w.bits, x, y, w.scales)
         return y
 
     def rms_norm(self, x, w):

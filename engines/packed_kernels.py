@@ -1,5 +1,7 @@
 """Compiled kernels (numba) that compute straight from the pack's encoded bytes: MLX's affine group-64
-q2/q3/q4/q8 (codes, then float16 scales, then float16 biases; workbench/store/quant.py) and bf16.
+q2/q3/q4/q8 (codes, then float16 scales, then float16 biases; workbench/store/quant.py) and bf16; and the same
+codes as a checkpoint in MLX's layout keeps them (group 64, scales and biases in bfloat16 or float16, each where it
+lies in its slot: the parts table's offsets, a bf16 table in place of the float16 one: BF16).
 
 No kernel library computes this layout exactly on the CPU: ggml's q4_1 takes the q4 bytes rearranged, but
 quantizes the activations to q8_1 (about 1e-2 off the exact result); MLX's own CPU gather_qmm is the exact format
@@ -29,6 +31,8 @@ from workbench.store import quant
 
 GROUP = quant.GROUP
 F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+BF16 = (np.arange(65536, dtype=np.uint32) << np.uint32(16)).view(np.float32)      # a scale's 2 bytes -> float32
+SCALES = {"f16": F16, "bf16": BF16}
 BITS = {"q2": 2, "q3": 3, "q4": 4, "q8": 8, "bf16": 16}
 
 
@@ -97,10 +101,9 @@ def _affine_kernel(bits: int):
     width = WIDTH[bits]                         # its coefficients in xp (_phases)
 
     @njit(cache=True, fastmath=True, nogil=True)
-    def kernel(buf, off, rows, cols, xp, xs, y, f16):
+    def kernel(buf, off, sc, bi, rows, cols, xp, xs, y, f16):
+        """Codes at buf[off:], 2-byte scales at buf[sc:] and biases at buf[bi:], (rows, groups) each."""
         groups = cols // GROUP
-        sc = off + rows * groups * gb           # float16 scales, then biases, (rows, groups) each
-        bi = sc + 2 * rows * groups
         for o in range(rows):
             acc = np.float32(0.0)
             for g in range(groups):
@@ -153,14 +156,21 @@ def qmv(buf, off, rows, cols, bits, xp, xs, y, f16, words):
     """y[:rows] = W x for the matrix encoded at buf[off:] (affine group-64 at `bits`, or bf16 when bits == 16);
     xp, xs: x in phase order and its group sums (_phases). words: uint32 scratch of `cols` (bf16 rows widened
     to float32 bit patterns, then read as float32)."""
+    sc = off + rows * cols * bits // 8          # the pack's layout: codes, then scales, then biases
+    qmv_at(buf, off, sc, sc + 2 * rows * (cols // GROUP), rows, cols, bits, xp, xs, y, f16, words)
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def qmv_at(buf, off, sc, bi, rows, cols, bits, xp, xs, y, f16, words):
+    """qmv with the scales at buf[sc:] and the biases at buf[bi:] wherever they lie."""
     if bits == 4:
-        _q4(buf, off, rows, cols, xp, xs, y, f16)
+        _q4(buf, off, sc, bi, rows, cols, xp, xs, y, f16)
     elif bits == 8:
-        _q8(buf, off, rows, cols, xp, xs, y, f16)
+        _q8(buf, off, sc, bi, rows, cols, xp, xs, y, f16)
     elif bits == 3:
-        _q3(buf, off, rows, cols, xp, xs, y, f16)
+        _q3(buf, off, sc, bi, rows, cols, xp, xs, y, f16)
     elif bits == 2:
-        _q2(buf, off, rows, cols, xp, xs, y, f16)
+        _q2(buf, off, sc, bi, rows, cols, xp, xs, y, f16)
     if bits != 16:
         return
     wf = words.view(np.float32)
@@ -188,7 +198,15 @@ def dense(buf, rows, cols, bits, X, Y, f16):
 @njit(cache=True, fastmath=True, nogil=True)
 def moe_layer(arena, slot_off, tok, dst, weight, X, Y, parts, d, ff, f16):
     """For each pair p: Y[dst[p]] = weight[p] * down(silu(gate x) * up x), x = X[tok[p]], the expert's bytes at
-    arena[slot_off[p]:]. parts: (3, 2) int64 of (byte offset in the slot, bits) for gate, up, down."""
+    arena[slot_off[p]:]. parts: (3, 4) int64 of (byte offset in the slot of the codes, bits, of the scales, of the
+    biases) for gate, up, down (expert_parts)."""
+    moe_pairs(arena, slot_off, np.zeros((slot_off.shape[0], 9), np.int64), tok, dst, weight, X, Y, parts, d, ff, f16)
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def moe_pairs(arena, slot_off, heads, tok, dst, weight, X, Y, parts, d, ff, f16):
+    """moe_layer, with pair p's codes, scales and biases of part i at heads[p, 3 i + j] bytes past their offsets
+    (j = 0, 1, 2): a checkpoint's bytes read into the slot from the 4 KiB boundary before where they lie."""
     g = np.empty(ff, np.float32)
     u = np.empty(ff, np.float32)
     y = np.empty(d, np.float32)
@@ -200,18 +218,21 @@ def moe_layer(arena, slot_off, tok, dst, weight, X, Y, parts, d, ff, f16):
     same = parts[1, 1] == parts[0, 1]
     last = -1                                   # the token whose x is in xp (a token's top-k pairs share it)
     for p in range(slot_off.shape[0]):
-        base = slot_off[p]
+        base, h = slot_off[p], heads[p]
         if tok[p] != last or not same:
             _phases(X[tok[p]], parts[0, 1], xp, xs)
             last = tok[p]
-        qmv(arena, base + parts[0, 0], ff, d, parts[0, 1], xp, xs, g, f16, words)
+        qmv_at(arena, base + parts[0, 0] + h[0], base + parts[0, 2] + h[1], base + parts[0, 3] + h[2], ff, d,
+               parts[0, 1], xp, xs, g, f16, words)
         if not same:
             _phases(X[tok[p]], parts[1, 1], xp, xs)
-        qmv(arena, base + parts[1, 0], ff, d, parts[1, 1], xp, xs, u, f16, words)
+        qmv_at(arena, base + parts[1, 0] + h[3], base + parts[1, 2] + h[4], base + parts[1, 3] + h[5], ff, d,
+               parts[1, 1], xp, xs, u, f16, words)
         for j in range(ff):
             g[j] = g[j] / (np.float32(1.0) + np.exp(-g[j])) * u[j]
         _phases(g, parts[2, 1], hp, hs)
-        qmv(arena, base + parts[2, 0], d, ff, parts[2, 1], hp, hs, y, f16, words)
+        qmv_at(arena, base + parts[2, 0] + h[6], base + parts[2, 2] + h[7], base + parts[2, 3] + h[8], d, ff,
+               parts[2, 1], hp, hs, y, f16, words)
         w = weight[p]
         r = dst[p]
         for j in range(d):
@@ -233,9 +254,10 @@ def slots_of(flat, experts, offsets):
 
 
 @njit(cache=True, fastmath=True, nogil=True)
-def moe_ready(arena, experts, offsets, flat, k, weight, X, Y, parts, d, ff, f16):
-    """moe_layer on the pairs of a layer whose expert is in a batch that is in memory (experts[i], its slot at byte
-    offsets[i]): pair p of the flat top-k is token p // k, and its result goes to row p of Y."""
+def moe_ready(arena, experts, offsets, flat, k, weight, X, Y, parts, heads, d, ff, f16):
+    """moe_pairs on the pairs of a layer whose expert is in a batch that is in memory (experts[i], its slot at byte
+    offsets[i]): pair p of the flat top-k is token p // k, and its result goes to row p of Y. heads: (experts, 9),
+    where each expert's codes, scales, biases lie past their offsets (zeros for a pack; moe_pairs)."""
     slot_of = slots_of(flat, experts, offsets)
     pairs = np.empty(flat.shape[0], np.int64)
     m = 0
@@ -244,14 +266,34 @@ def moe_ready(arena, experts, offsets, flat, k, weight, X, Y, parts, d, ff, f16)
             pairs[m] = p
             m += 1
     pairs = pairs[:m]
-    moe_layer(arena, slot_of[flat[pairs]], pairs // k, pairs, weight[pairs], X, Y, parts, d, ff, f16)
+    moe_pairs(arena, slot_of[flat[pairs]], heads[flat[pairs]], pairs // k, pairs, weight[pairs], X, Y, parts, d, ff,
+              f16)
+
+
+def affine_of(kind: str) -> tuple[int, str] | None:
+    """(bits, scale dtype) of a kind these kernels compute (group 64, 2-byte scales; bf16: (16, "")), else None."""
+    if kind == "bf16":
+        return 16, ""
+    a = quant.affine(kind)
+    if a is None or a[0] not in (2, 3, 4, 8) or a[1] != GROUP or a[2] not in SCALES:
+        return None
+    return a[0], a[2]
 
 
 def expert_parts(shapes: dict, kinds: dict, offsets: dict | None = None) -> tuple[np.ndarray, int]:
-    """(3, 2) (byte offset, bits) of gate, up, down: at `offsets`, else laid end to end; and the expert's bytes."""
-    parts, off = np.zeros((3, 2), np.int64), 0
+    """(3, 4) (byte offset of the codes, bits, of the scales, of the biases) of gate, up, down: at `offsets` ({part:
+    offset}, the codes then the scales then the biases from there, or {part: (codes, scales, biases) offsets}),
+    else laid end to end; and the expert's bytes."""
+    parts, off = np.zeros((3, 4), np.int64), 0
     for i, p in enumerate(("gate", "up", "down")):
-        parts[i] = (offsets[p] if offsets else off), BITS[kinds[p]]
+        (rows, cols), bits = shapes[p], affine_of(kinds[p])[0]
+        at = offsets[p] if offsets else off
+        codes, sb = rows * cols * bits // 8, 2 * rows * (cols // GROUP)
+        if isinstance(at, tuple):           # where each of its reads landed: codes (then scales, biases)
+            at = at if len(at) == 3 else (at[0], at[0] + codes, at[0] + codes + sb)
+            parts[i] = (at[0], bits, at[1], at[2])
+        else:
+            parts[i] = (at, bits, at + codes, at + codes + sb)
         off += part_nbytes(shapes[p], kinds[p])
     return parts, off
 
@@ -261,9 +303,10 @@ def matvec(buf: np.ndarray, shape, kind: str, x: np.ndarray) -> np.ndarray:
     rows, cols = shape
     x = np.ascontiguousarray(x, dtype=np.float32)
     xp, xs = np.empty(xp_len(cols), np.float32), np.empty(max(cols // GROUP, 1), np.float32)
-    _phases(x, BITS[kind], xp, xs)
+    _phases(x, affine_of(kind)[0], xp, xs)
     y = np.empty(rows, np.float32)
-    qmv(np.ascontiguousarray(buf).view(np.uint8).reshape(-1), 0, rows, cols, BITS[kind], xp, xs, y, F16,
+    bits, sdt = affine_of(kind)
+    qmv(np.ascontiguousarray(buf).view(np.uint8).reshape(-1), 0, rows, cols, bits, xp, xs, y, SCALES.get(sdt, F16),
         np.empty(cols, np.uint32))
     return y
 

@@ -40,14 +40,20 @@ def cmd_ppl(args):
                   f"({r['tokens']} tokens, {r['chunks']} chunks of {r['ctx']}, {r['method']})")
 
 
+def _teacher_flags(p):
+    p.add_argument("--teacher-budget", default=None, help="the teacher's expert cache (default: every expert); a "
+                                                         "teacher bigger than memory streams at a smaller one, with "
+                                                         "the same logits (it routes exactly)")
+
+
 @command("eval teacher", "KL, top-1, ppl and routing agreement against the teacher preset", running, flash,
-         _text_flags(4), _record_flags)
+         _text_flags(4), _record_flags, _teacher_flags)
 def cmd_teacher(args):
     from evals.common import emulated
     from evals.teacher import run
     r = run(args.model, args.preset, args.budget, args.data, args.ctx, args.chunks, args.stride,
             progress=not args.quiet, record=not args.no_record, engine=args.engine, direct=not args.page_cache,
-            device=args.device)
+            device=args.device, teacher_budget=args.teacher_budget)
     ra = " ".join(f"{a:.3f}" for a in r["routing_agreement"])
     emit(args, r, f"{emulated(r)}{r['preset']} vs teacher on {r['data']} ({r['tokens']} tokens):\n"
                   f"  KL {r['kl']:.6f} +/- {r['kl_stderr']:.6f}  top-1 {r['top1']:.4f}\n"

@@ -92,17 +92,24 @@ def compare(student, trace: TeacherTrace, progress: bool = True) -> dict:
 
 def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: int = 512, chunks: int | None = 4,
         stride: int | None = None, progress: bool = True, record: bool = True, engine: str | None = None,
-        direct: bool = True, trace: TeacherTrace | None = None, device: str | None = None) -> dict:
-    """device: the preset's reads emulate that device's flash (the teacher, the reference, reads this machine's)."""
+        direct: bool = True, trace: TeacherTrace | None = None, device: str | None = None,
+        teacher_budget=None) -> dict:
+    """device: the preset's reads emulate that device's flash (the teacher, the reference, reads this machine's).
+    The teacher runs first and alone, its log-probs kept per window, then the student: the two are never in memory
+    together. teacher_budget (default: the teacher's own, every expert): a teacher bigger than memory streams too;
+    it routes exactly, so its logits are the all-resident teacher's at any budget."""
     from evals.common import record as write_record
     from runtime.session import open_session
-    with open_session(model, preset, budget, prompt=None, engine=engine, direct=direct, device=device) as s:
-        if trace is None:
+    from workbench.presets import get_preset
+    if isinstance(preset, str):
+        get_preset(preset)                  # an unknown preset is refused before the teacher runs
+    if trace is None:
+        with open_session(model, "teacher", teacher_budget, prompt=None, engine=engine, direct=direct) as t:
             need = tokens_needed(n_ctx, chunks, stride)
-            ids = text_ids(s.tokenizer, data, need)
+            ids = text_ids(t.tokenizer, data, need)
             ids = ids[:need] if need else ids
-            with open_session(model, "teacher", prompt=None, engine=engine, direct=direct) as t:
-                trace = TeacherTrace(t, ids, n_ctx, chunks, stride, progress, data)
+            trace = TeacherTrace(t, ids, n_ctx, chunks, stride, progress, data)
+    with open_session(model, preset, budget, prompt=None, engine=engine, direct=direct, device=device) as s:
         res = compare(s, trace, progress)
         res.update(model=model, preset=s.preset.name, budget=s.budget_text, data=trace.data, teacher_pack=trace.pack_id,
                    **s.labels())

@@ -300,7 +300,7 @@ def trained_heads(meta: dict, spec: MoESpec):
     from workbench.edge0.serve import Heads
     from workbench.store.pack import Pack
     ref = meta.get("pack") or meta.get("gguf")
-    if not ref or not str(ref).endswith(".pack"):
+    if not ref or not str(ref).endswith((".pack", ".index")):     # a pack, or an index of the checkpoint's own file
         return None
     pack = Pack(ref)
     return Heads.load(spec, pack) if artifact_path(pack, "prerouter").is_file() else None

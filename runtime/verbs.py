@@ -1,6 +1,7 @@
 """The runtime's verbs: info, convert, probe-disk, make-model, generate (registered in workbench.commands).
 
-`info` and `convert` dispatch on the model's kind: a pack, a Hugging Face directory or a GGUF file.
+`info` and `convert` dispatch on the model's kind: a pack, a Hugging Face directory, a directory in MLX's layout or
+a GGUF file.
 """
 from __future__ import annotations
 
@@ -21,15 +22,34 @@ def cmd_info(args):
     from engines import default_engine, engine_class, expert_bytes
     from workbench.presets import Budget, get_preset
     from workbench.edge0.artifacts import edge0_dir, edge0_dir_of, served_bytes
-    from workbench.registry import is_pack, model_dir
+    from workbench.models.mlx_layout import is_mlx_layout
+    from workbench.registry import is_pack, model_dir, resolve_pack, storage_for
     preset = get_preset(args.preset)
     gguf = _info_gguf(args) if str(args.model).endswith(".gguf") else None
-    if gguf:                 # a run streams it through its index: sized as that pack (made once, in seconds)
-        from workbench.registry import resolve_pack, storage_for
+    p = model_dir(args.model)
+    config = config_only(p)
+    if not config and (gguf or is_mlx_layout(p)):  # a run streams it through its index: sized as that pack
         p = resolve_pack(args.model, *storage_for(args.model, preset.storage))
-    else:
-        p = model_dir(args.model)
-    if is_pack(p):
+    if config:                      # before the download: the shapes from config.json alone
+        from workbench.memory import tensor_shapes
+        from workbench.models.hf import read_config
+        from workbench.spec import from_hf_config
+        spec = from_hf_config(read_config(config), str(config))
+        shapes = tensor_shapes(spec)
+        obj = {"path": str(config), "kind": "config", "spec": spec.to_dict(), "engine": args.engine or default_engine()}
+        item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
+        if "quantization" in read_config(config):       # MLX's layout: it runs at its own bits, in place
+            from types import SimpleNamespace
+            from engines.packed_kernels import affine_of
+            from workbench.memory import planned_mlx
+            tensors, slot, kinds = planned_mlx(read_config(config), spec)
+            if not args.engine and obj["engine"] == "packed" and not all(map(affine_of, kinds)):
+                obj["engine"] = "numpy"                 # as default_engine picks for its index
+            cls = engine_class(obj["engine"])
+            resident_bytes = cls.resident_bytes(SimpleNamespace(spec=spec, tensors=tensors))
+            item = slot if cls.slot_arena else cls.expert_bytes(spec)
+        adapters = 0
+    elif is_pack(p):
         from workbench.store.pack import Pack
         pack = Pack(p)
         obj = {"path": str(p), "kind": "pack", "spec": pack.spec.to_dict(), "layout": pack.layout, "quant": pack.quant,
@@ -53,7 +73,7 @@ def cmd_info(args):
     engine_class(obj["engine"])         # its module imported: this process's memory is a run's runtime
     obj["memory"] = memory_needs(spec, shapes, budget, item, resident_bytes, obj["engine"],
                                  runtime_bytes=peak_rss_bytes(), speculative=preset.execution.speculative,
-                                 adapter_bytes=adapters)
+                                 adapter_bytes=adapters, scope=preset.cache.scope.value)
     s = obj["spec"]
     head = f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, " \
            f"d={s['hidden_size']}"
@@ -61,6 +81,18 @@ def cmd_info(args):
         obj = {**gguf[0], "index": str(p), "engine": obj["engine"], "memory": obj["memory"]}
         head = gguf[1]
     emit(args, obj, f"{head}\n{describe(obj['memory'])}")
+
+
+def config_only(p):
+    """The config.json to size a model by when `p` is one, or a directory holding it and no weights; else None."""
+    from pathlib import Path
+    p = Path(p)
+    if p.is_file() and p.suffix == ".json":
+        return p
+    if p.is_dir() and (p / "config.json").is_file() and not any(p.glob("*.safetensors")) \
+            and not (p / "model.safetensors.index.json").exists():
+        return p / "config.json"
+    return None
 
 
 def _info_gguf(args) -> tuple[dict, str]:
@@ -84,20 +116,22 @@ def _convert_flags(p):
     p.add_argument("--layout", default="contiguous", choices=["contiguous", "native"])
     p.add_argument("--experts", default=None, choices=["q4", "q3", "q2", "q8", "bf16", "raw", "g4", "g3", "g2", "g8"],
                    help="default g4 (ggml's Q4_K/Q4_0 blocks; q4, MLX's affine layout, without llama-cpp-python); "
-                        "raw, the GGUF's own blocks, for a .gguf source")
+                        "raw, the source's own blocks, for a .gguf or MLX source (their default)")
     p.add_argument("--rest", default=None, choices=["q4", "q8", "bf16", "raw"],
-                   help="default q4; raw, the GGUF's own blocks, for a .gguf source")
+                   help="default q4; raw, the source's own blocks, for a .gguf or MLX source (their default)")
 
 
-@command("convert", "write an expert pack from a Hugging Face checkpoint or a GGUF", _convert_flags)
+@command("convert", "write an expert pack from a Hugging Face checkpoint, an MLX checkpoint or a GGUF", _convert_flags)
 def cmd_convert(args):
+    from workbench.models.mlx_layout import is_mlx_layout
     from workbench.registry import block_experts, model_dir
     from workbench.store.pack import Pack, convert
-    gguf = str(args.src).endswith(".gguf")      # a GGUF keeps its own blocks (raw) unless asked otherwise
-    experts = args.experts or ("raw" if gguf else block_experts("q4"))
-    rest = args.rest or ("raw" if gguf else "q4")
-    if not gguf and "raw" in (experts, rest):
-        raise WorkbenchError("--experts/--rest raw keep a GGUF's own blocks: the source must be a .gguf file")
+    own = str(args.src).endswith(".gguf") or is_mlx_layout(model_dir(args.src))   # keeps its own blocks (raw)
+    experts = args.experts or ("raw" if own else block_experts("q4"))
+    rest = args.rest or ("raw" if own else "q4")
+    if not own and "raw" in (experts, rest):
+        raise WorkbenchError("--experts/--rest raw keep a GGUF's or an MLX checkpoint's own blocks: the source must "
+                             "be a .gguf file or a directory in MLX's layout")
     dst = convert(model_dir(args.src), args.dst, layout=args.layout, experts=experts, rest=rest, progress=not args.json)
     pack = Pack(dst)
     emit(args, {"path": str(dst), "layout": pack.layout, "quant": pack.quant, "file_size": pack.header["file_size"],

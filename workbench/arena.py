@@ -26,7 +26,7 @@ def _aligned(n: int) -> int:
 
 def slot_layout(pack, layer: int) -> tuple[list[tuple[int, int]], dict[str, int]]:
     """Where one expert of `layer` has its reads and parts in a slot: ([(region offset, region bytes)] per read,
-    {part: byte offset of its encoded bytes}). The same for every expert of a layer (a raw GGUF pack's layers
+    {part: byte offset of its encoded bytes}, or of an MLX index's (codes, scales, biases) regions). The same for every expert of a layer (a raw GGUF pack's layers
     may keep different block types, so their layouts differ), but that a GGUF index's parts start past their
     region's start by pack.expert_heads (each read starts at the 4 KiB boundary before its part: a region holds
     the largest such read of the layer)."""
@@ -41,6 +41,9 @@ def slot_layout(pack, layer: int) -> tuple[list[tuple[int, int]], dict[str, int]
         off += n
     if "span" in ent:
         parts = {p: ent["parts"][p][0] - ent["span"][0] for p in PARTS}
+    elif "runs" in ent:                 # an MLX index: a part's codes, scales, biases each in a region of their own
+        it = iter(regions)
+        parts = {p: tuple(next(it)[0] for _ in ent["runs"][p]) for p in PARTS}
     else:
         parts = {p: regions[i][0] for i, p in enumerate(PARTS)}
     return regions, parts

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -114,6 +115,8 @@ def parser() -> argparse.ArgumentParser:
             groups[head] = sub.add_parser(head, help=GROUPS[head]).add_subparsers(dest=f"{head}_verb", required=True)
         p = (groups[head] if verb else sub).add_parser(verb or head, help=c.help)
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+        p.add_argument("--no-convert", action="store_true",
+                       help="refuse, instead of writing, a pack the run needs (its size and place are said either way)")
         for flags in c.flags:
             flags(p)
         p.set_defaults(fn=c.run)
@@ -122,6 +125,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.no_convert:         # registry.resolve_pack reads it, in this process and the workers it starts
+        os.environ["WORKBENCH_NO_CONVERT"] = "1"
     try:
         args.fn(args)
     except WorkbenchError as e:

@@ -10,6 +10,13 @@ GGUF takes its own storage whatever its preset says, but for the knobs the run n
 experts=, rest=); any other storage (requantized, mixed, laid out contiguous) is a converted pack, as for a model
 directory.
 
+A directory in MLX's layout (mlx-lm's convert: workbench/models/mlx_layout.py) is the same: its own storage is
+its affine codes where they lie, and the cache holds only its index (workbench/store/safetensors_index.py). A
+Hugging Face directory of one safetensors file streams as it lies too, at its own precision (bf16, f16, f32), where
+the run keeps it: a preset whose experts and rest are the file's own precision (the teacher's bf16 on a bf16
+checkpoint), or a run that names experts=raw (`--set experts=raw`: the checkpoint's own bytes); any other precision
+is a converted pack.
+
 The preset's precision (q2, q3, q4, q8) names the bits; what an HF directory's experts are written as depends on
 the engine (storage_for): for the packed engine (the default) they are ggml's blocks at those bits (g2, g3, g4, g8,
 workbench/store/ggml_blocks.py: ggml's kernels compute them, results/kernels.md), where llama-cpp-python is
@@ -20,15 +27,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
+from workbench.models.mlx_layout import is_mlx_layout
 from workbench.store import ggml_blocks
-from workbench.store.pack import FORMAT, MAGIC, Pack, convert
+from workbench.store.pack import FORMAT, MAGIC, Pack, convert, open_model, planned_size
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"demo": REPO / "data" / "models" / "demo-moe"}
-GGUF_STORAGE = ("native", "raw", "raw")     # a GGUF's own blocks where they lie: its index, no pack
+ANNOUNCE_BYTES = 2**30       # a pack this large is said (size, place) before it is written: minutes, not seconds
+GGUF_STORAGE = ("native", "raw", "raw")     # a GGUF's (or MLX layout's) own blocks where they lie: its index, no pack
 
 
 def cache_dir() -> Path:
@@ -69,30 +79,56 @@ def resolve_pack(model: str, layout: str, experts: str, rest: str, progress: boo
         return p
     if p.is_file() and p.suffix != ".gguf":       # a GGUF converts like a model directory
         raise WorkbenchError(f"{p}: not an expert pack (bad magic) and not a model directory")
-    if p.suffix == ".gguf" and (layout, experts, rest) == GGUF_STORAGE:
+    if (layout, experts, rest) == GGUF_STORAGE:     # the checkpoint's own bytes where they lie: an index
         dst = cache_dir() / "packs" / f"{p.name}-{fingerprint(p)}-f{FORMAT}.index"
         if not dst.exists():
-            from workbench.store.gguf_index import build_index
+            if p.suffix == ".gguf":
+                from workbench.store.gguf_index import build_index
+            else:
+                from workbench.store.safetensors_index import build_index
             build_index(p, dst, progress=progress)
         return dst
     name = f"{p.name}-{fingerprint(p)}-{layout}-{experts}-{rest}-f{FORMAT}.pack"   # a new format converts afresh
     dst = cache_dir() / "packs" / name
     if not dst.exists():
-        convert(p, dst, layout=layout, experts=experts, rest=rest, progress=progress)
+        model = open_model(p)
+        size = planned_size(model, layout, experts, rest)
+        what = f"a pack of {p} at layout {layout}, experts {experts}, rest {rest} ({size / 2**30:.2f} GiB) in {dst.parent}"
+        if os.environ.get("WORKBENCH_NO_CONVERT"):
+            raise WorkbenchError(f"--no-convert: this run needs {what}; run without --no-convert to write it, or at "
+                                 f"the checkpoint's own storage (--set experts=raw: nothing written but an index)")
+        if size >= ANNOUNCE_BYTES:
+            print(f"writing {what} (once)", file=sys.stderr)
+        convert(model, dst, layout=layout, experts=experts, rest=rest, progress=progress)
     return dst
 
 
 def storage_for(model: str, storage, named=(), engine: str | None = None) -> tuple[str, str, str]:
     """(layout, experts, rest) a run on `model` with `engine` (None: the default, packed) takes: its preset's
-    (storage, a Storage), but a .gguf's own (GGUF_STORAGE) for each of the three knobs the run does not name itself
-    (`named`); elsewhere, for the packed engine, an affine precision the run does not name becomes ggml's blocks at
-    its bits (block_experts)."""
+    (storage, a Storage), but the checkpoint's own (GGUF_STORAGE) for each of the three knobs the run does not name
+    itself (`named`) on a .gguf, an MLX-layout directory, a directory at experts=raw, or a preset that keeps a bf16
+    directory's precision (keeps_precision); elsewhere, for the packed engine, an affine precision the run does not
+    name becomes ggml's blocks at its bits (block_experts)."""
     knobs = dict(zip(("layout", "experts", "rest"), (storage.layout.value, storage.experts, storage.rest)))
-    if str(model).endswith(".gguf"):
+    p = MODELS.get(model, Path(model))
+    if str(model).endswith(".gguf") or is_mlx_layout(p) or (knobs["experts"] == "raw" and p.is_dir()) \
+            or ("experts" not in named and keeps_precision(p, knobs)):
         return tuple(knobs[k] if k in named else own for k, own in zip(knobs, GGUF_STORAGE))
     if "experts" not in named and not is_pack(MODELS.get(model, Path(model))):     # a pack is what it is
         knobs["experts"] = experts_for(knobs["experts"], engine)
     return tuple(knobs.values())
+
+
+def keeps_precision(p: Path, knobs: dict) -> bool:
+    """Whether a run at these storage knobs on the Hugging Face directory p keeps its own precision, so it streams
+    from the file as it lies: experts and rest at the one precision the checkpoint holds (bf16), in one file."""
+    if not (knobs["experts"] == knobs["rest"] == "bf16" and p.is_dir() and (p / "config.json").is_file()):
+        return False
+    from workbench.models.hf import HFModel
+    from workbench.store.safetensors_index import in_place
+    model = HFModel(p)
+    return in_place(model) and {model.tensor_kind(n) for n in model.names() if len(model.tensor_shape(n)) == 2} \
+        | set(model.expert_kinds(model.spec.moe_layers[0]).values()) == {"bf16"}
 
 
 def experts_for(experts: str, engine: str | None) -> str:

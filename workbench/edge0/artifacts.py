@@ -46,7 +46,11 @@ def artifact_path(pack, kind: str) -> Path:
 
 
 def model_identity(pack) -> dict:
-    f32 = sorted((n, t["crc32"]) for n, t in pack.tensors.items() if t["kind"] == "f32")
+    """The tensors every pack stores in f32 (routers, norms) by their f32 bytes' crc32s; an index that keeps them
+    as its checkpoint holds them (bf16 in place) gives the crc32 of their f32 decoding, so both agree."""
+    from workbench.store.pack import _crc, _encode, tensor_kind
+    f32 = sorted((n, t["crc32"] if t["kind"] == "f32" else _crc(_encode(pack.tensor(n), "f32")))
+                 for n, t in pack.tensors.items() if tensor_kind(n, tuple(t["shape"]), "q4") == "f32")
     wid = hashlib.sha256("\n".join(f"{n}:{c}" for n, c in f32).encode()).hexdigest()[:16]
     return {"model_config_sha256": pack.header["source"].get("config_sha256", ""), "model_weights_id": wid}
 

@@ -26,7 +26,9 @@ from workbench.errors import WorkbenchError
 from workbench.spec import MoESpec, from_hf_config
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
-           "I64": np.int64, "I32": np.int32}
+           "I64": np.int64, "I32": np.int32, "U32": np.uint32}      # U32: MLX's packed codes
+
+_KINDS = {"BF16": "bf16", "F16": "f16", "F32": "f32"}     # a float tensor's kind (workbench/store/pack.py) as it lies
 
 _LM = r"model\.(?:language_model\.)?"      # a multimodal checkpoint's language model: the rest is skipped
 _LAYER = _LM + r"layers\.(\d+)\."
@@ -137,20 +139,26 @@ def _check_sizes(cfg: dict, n_weights: int, where):
             raise WorkbenchError(f"{where}: {k} = {v!r} is not a size this checkpoint ({n_weights} weights) can have")
 
 
+def read_config(cfg_path: Path) -> dict:
+    """config.json as a dict, or a one-line error naming it."""
+    if not cfg_path.exists():
+        raise WorkbenchError(f"{cfg_path}: missing (not a Hugging Face model directory)")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WorkbenchError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise WorkbenchError(f"{cfg_path}: not a JSON object")
+    return config
+
+
 class HFModel:
     """A Hugging Face checkpoint directory, read lazily tensor by tensor."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         cfg_path = self.path / "config.json"
-        if not cfg_path.exists():
-            raise WorkbenchError(f"{cfg_path}: missing (not a Hugging Face model directory)")
-        try:
-            self.config = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise WorkbenchError(f"{cfg_path}: invalid JSON ({e})") from None
-        if not isinstance(self.config, dict):
-            raise WorkbenchError(f"{cfg_path}: not a JSON object")
+        self.config = read_config(cfg_path)
         self.shards = self._open_shards()
         _check_sizes(self.config, sum(math.prod(h["shape"]) for sh in self.shards for h in sh.header.values()), cfg_path)
         self.spec: MoESpec = from_hf_config(self.config, str(cfg_path))
@@ -232,4 +240,46 @@ class HFModel:
                 # transformers v5 fuses experts: gate_up_proj (E, 2ff, d) with gate first; down_proj (E, d, ff)
                 full = shard.array(hf, index=fused[0])
                 out[p] = full[fused[1] * ff:(fused[1] + 1) * ff] if p != "down" else full
+        return out
+
+    def source_info(self) -> dict:
+        """What a pack or index header records about its source."""
+        import hashlib
+        return {"path": str(self.path.resolve()),
+                "config_sha256": hashlib.sha256((self.path / "config.json").read_bytes()).hexdigest()}
+
+    # ------------------------------------------------------------ where the bytes lie (an index of the directory)
+
+    def tensor_kind(self, name: str) -> str | None:
+        """A float tensor's kind as it lies (bf16, f16, f32); None for another dtype."""
+        return _KINDS.get(self.source_dtype(name))
+
+    def tensor_runs(self, name: str) -> list[tuple[Shard, int, int]] | None:
+        """[(shard, file offset, bytes)] of the tensor as it lies, or None where the model changes it on read (the
+        hybrid family's zero-centred norms) or keeps it in another dtype."""
+        shard, hf = self.where[name]
+        if self.tensor_kind(name) is None or (self.spec.layer_types and _ZERO_CENTRED.fullmatch(name)):
+            return None
+        start, end = shard.header[hf]["data_offsets"]
+        return [(shard, shard.base + start, end - start)]
+
+    def expert_kinds(self, layer: int) -> dict[str, str | None]:
+        return {p: _KINDS.get(self.experts[(layer, 0, p)][0].dtype(self.experts[(layer, 0, p)][1]))
+                for p in ("gate", "up", "down")}
+
+    def expert_runs(self, layer: int, e: int) -> dict[str, list[tuple[Shard, int, int]]]:
+        """{part: [(shard, file offset, bytes)]}: one expert's gate, up, down where they lie (a row range of a fused
+        tensor: transformers v5's gate_up_proj holds gate's rows, then up's)."""
+        out = {}
+        for p in ("gate", "up", "down"):
+            shard, hf, fused = self.experts[(layer, e, p)]
+            start, end = shard.header[hf]["data_offsets"]
+            off, n = shard.base + start, end - start
+            if fused is not None:
+                n //= self.spec.num_experts
+                off += fused[0] * n
+                if p != "down":
+                    n //= 2
+                    off += fused[1] * n
+            out[p] = [(shard, off, n)]
         return out

@@ -19,7 +19,9 @@ A GGUF index (workbench/store/gguf_index.py) is a pack whose header names a data
 ("data": path, size, mtime, a hash of its header): its experts and most tensors are read where they lie in
 the GGUF (tensors marked "in": "data"), at the GGUF's 32-byte alignment, not 4 KiB; the few tensors the GGUF
 does not hold as one range (derived, joined, rows permuted) are stored in the index. It is refused once the
-GGUF changes.
+GGUF changes. An index of a checkpoint in MLX's layout (workbench/store/mlx_index.py) is the same with the
+safetensors file as its data file, and every tensor and expert part there one to three runs ("runs": codes,
+scales, biases, where they lie; nothing stored in the index itself): an expert is up to nine reads.
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ def expert_kinds(shapes: dict, experts: str) -> dict[str, str]:
 
 # f32 (norms, biases, the router) is stored raw and may be any rank; the rest goes through the codecs.
 def _encode(a: np.ndarray, kind: str) -> np.ndarray:
-    if kind.startswith("gguf:") and a.dtype == np.uint8:    # raw GGUF blocks: already encoded, passed through
+    if kind.startswith(("gguf:", "mlx:")) and a.dtype == np.uint8:   # a GGUF's or MLX's own bytes: passed through
         return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     if kind.startswith("gguf:"):                    # float weights into ggml's blocks (--experts g2..g8)
         return ggml_blocks.quantize(a, kind).reshape(-1)
@@ -164,29 +166,38 @@ def _plan(model, layout: str, experts: str, rest: str, data_start: int):
     return tensors, expert_info, off
 
 
+def planned_size(model, layout: str, experts: str, rest: str) -> int:
+    """The bytes convert would write for `model` (its header's few KB aside): said before a pack is written."""
+    return _plan(model, layout, experts, rest, ALIGN)[2]
+
+
 def _header_bytes(header: dict) -> bytes:
     return json.dumps(header, separators=(",", ":")).encode()
 
 
+def open_model(src):
+    """The reader of a checkpoint: a GGUF (workbench/models/gguf_model.py), a directory in MLX's layout
+    (workbench/models/mlx_layout.py) or a Hugging Face directory (workbench/models/hf.py)."""
+    if str(src).endswith(".gguf"):
+        from workbench.models.gguf_model import GGUFModel
+        return GGUFModel(src)
+    from workbench.models.hf import HFModel
+    from workbench.models.mlx_layout import MLXModel, is_mlx_layout
+    return MLXModel(src) if is_mlx_layout(src) else HFModel(src)
+
+
 def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str = "q4", progress: bool = False) -> Path:
     """Stream a checkpoint into a pack at dst, atomically (temp name, fsync, rename)."""
-    from workbench.models.hf import HFModel
-
     if layout not in ("contiguous", "native"):
         raise WorkbenchError(f"--layout {layout!r}: choose contiguous or native")
     if experts not in EXPERT_KINDS:
         raise WorkbenchError(f"--experts {experts!r}: choose one of {', '.join(EXPERT_KINDS)}")
     if rest not in REST_KINDS:
         raise WorkbenchError(f"--rest {rest!r}: choose one of {', '.join(REST_KINDS)}")
-    if hasattr(src, "spec"):
-        model = src
-    elif str(src).endswith(".gguf"):                # a llama.cpp checkpoint (workbench/models/gguf_model.py)
-        from workbench.models.gguf_model import GGUFModel
-        model = GGUFModel(src)
-    else:
-        model = HFModel(src)
+    model = src if hasattr(src, "spec") else open_model(src)
     if "raw" in (experts, rest) and not hasattr(model, "expert_raw"):
-        raise WorkbenchError(f"{model.path}: --experts/--rest raw keep a GGUF's own blocks; this source is not a GGUF")
+        raise WorkbenchError(f"{model.path}: --experts/--rest raw keep a GGUF's or an MLX checkpoint's own blocks; "
+                             f"this source is neither")
     if experts in ggml_blocks.BLOCKS and not ggml_blocks.available():
         raise WorkbenchError(f"--experts {experts}: ggml's block formats need llama-cpp-python and gguf: "
                              f"pip install 'moe-workbench[llamacpp]' (or convert with --experts q{experts[1:]})")
@@ -216,7 +227,8 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
     with atomic_path(dst) as tmp, open(tmp, "wb") as f:
         f.truncate(end)
         for name, t in tensors.items():
-            buf = _encode(model.tensor_raw(name) if t["kind"].startswith("gguf:") else model.tensor(name), t["kind"])
+            buf = _encode(model.tensor_raw(name) if t["kind"].startswith(("gguf:", "mlx:")) else model.tensor(name),
+                          t["kind"])
             t["crc32"] = _crc(buf)
             f.seek(t["offset"])
             f.write(buf)
@@ -248,6 +260,13 @@ def _progress(items, on: bool, what: str):
 
 
 # ---------------------------------------------------------------- reading
+
+def _part_runs(ent: dict) -> dict[str, list[tuple[int, int]]]:
+    """{part: [(offset, bytes)]} of one expert entry: one run a part, or an MLX index's codes, scales, biases."""
+    if "runs" in ent:
+        return {p: [tuple(r) for r in ent["runs"][p]] for p in PARTS}
+    return {p: [tuple(ent["parts"][p])] for p in PARTS}
+
 
 class Pack:
     """An expert pack opened for reading: header parsed and checked against the file."""
@@ -347,18 +366,21 @@ class Pack:
             yield "its expert shapes"
         for name, t in self.tensors.items():
             where = data_size if t.get("in") == "data" else size
-            if not _inside(t["offset"], t["nbytes"], where) or t["nbytes"] != _nbytes(tuple(t["shape"]), t["kind"]) \
-                    or not isinstance(t["crc32"], str):
+            runs = t.get("runs", [(t["offset"], t["nbytes"])])
+            if not all(_inside(o, n, where) for o, n in runs) or sum(n for _, n in runs) != t["nbytes"] \
+                    or t["nbytes"] != _nbytes(tuple(t["shape"]), t["kind"]) or not isinstance(t["crc32"], str):
                 yield f"tensor {name}"
         size = data_size                    # the experts lie in the data file
         for L, ents in self.expert_layers.items():
             kinds = self.kinds_of(L)
             want = {p: _nbytes(self.expert_shapes[p], kinds[p]) for p in PARTS}
             for e, ent in enumerate(ents):
-                parts = [(ent["parts"][p], want[p]) for p in PARTS]
+                runs = _part_runs(ent)
                 span = ent.get("span", [0, size])
-                if any(n != w or not _inside(o, n, size) or not span[0] <= o <= o + n <= span[0] + span[1]
-                       for (o, n), w in parts) or not _inside(*span, size) or not isinstance(ent["crc32"], str):
+                if any(sum(n for _, n in runs[p]) != want[p] for p in PARTS) \
+                        or any(not _inside(o, n, size) or not span[0] <= o <= o + n <= span[0] + span[1]
+                               for p in PARTS for o, n in runs[p]) \
+                        or not _inside(*span, size) or not isinstance(ent["crc32"], str):
                     yield f"expert {e} of layer {L}"
 
     def kinds_of(self, layer: int) -> dict[str, str]:
@@ -380,8 +402,11 @@ class Pack:
         """Tensor `name` as the pack stores it (its kind's encoding), checked."""
         t = self.tensors[name]
         with open(self.data_path if t.get("in") == "data" else self.path, "rb") as f:
-            f.seek(t["offset"])
-            buf = np.frombuffer(f.read(t["nbytes"]), dtype=np.uint8)
+            chunks = []
+            for off, n in t.get("runs", [(t["offset"], t["nbytes"])]):
+                f.seek(off)
+                chunks.append(f.read(n))
+            buf = np.frombuffer(b"".join(chunks), dtype=np.uint8)
         if _crc(buf) != t["crc32"]:
             raise WorkbenchError(f"{self.path}: checksum mismatch in tensor {name} (corrupt pack)")
         return buf
@@ -391,7 +416,7 @@ class Pack:
         ent = self.expert_layers[layer][e]
         if "span" in ent:
             return [tuple(ent["span"])]
-        return [tuple(ent["parts"][p]) for p in PARTS]
+        return [r for p in PARTS for r in _part_runs(ent)[p]]
 
     def expert_heads(self, layer: int) -> np.ndarray:
         """(experts, 3) int64: where each part of each expert of `layer` starts past the 4 KiB boundary at or before
@@ -399,9 +424,10 @@ class Pack:
         them to 32 bytes only."""
         heads = self._heads.get(layer)
         if heads is None:
+            ents = self.expert_layers[layer]
             heads = self._heads[layer] = np.array(
-                [[0 if "span" in ent else ent["parts"][p][0] % ALIGN for p in PARTS]
-                 for ent in self.expert_layers[layer]], np.int64).reshape(-1, 3)
+                [[0] * 3 if "span" in ent else [o % ALIGN for o, _ in self.expert_reads(layer, e)]
+                 for e, ent in enumerate(ents)], np.int64).reshape(len(ents), -1)
         return heads
 
     def expert_check(self, layer: int, e: int) -> tuple[list, int]:
@@ -419,7 +445,7 @@ class Pack:
                     else:
                         runs.append([0, o - base, o - base + n])
             else:
-                runs = [[i, 0, ent["parts"][p][1]] for i, p in enumerate(PARTS)]
+                runs = [[i, 0, n] for i, (_, n) in enumerate(self.expert_reads(layer, e))]
             check = self._checks[(layer, e)] = ([tuple(r) for r in runs], int(ent["crc32"], 16))
         return check
 
@@ -441,6 +467,9 @@ class Pack:
         if "span" in ent:
             base = ent["span"][0]
             parts = {p: chunks[0][o - base:o - base + n] for p, (o, n) in ent["parts"].items()}
+        elif "runs" in ent:             # codes, scales, biases of each part, read apart: joined as the pack lays them
+            it = iter(chunks)
+            parts = {p: np.concatenate([np.asarray(next(it))[:n] for _, n in ent["runs"][p]]) for p in PARTS}
         else:
             parts = dict(zip(PARTS, chunks))
         if raw:

@@ -18,6 +18,12 @@ bit stream, so ``_pack`` handles all widths alike.
 
 Buffer layout of one quantized matrix (``to_bytes``): packed codes, then
 float16 scales, then float16 biases, all little-endian, row-major.
+
+A checkpoint in MLX's own layout (mlx-lm's ``convert``; workbench/models/mlx_layout.py) holds the same
+format at any width from 2 to 8 bits, any group size and scales in the model's dtype: kind
+``mlx:q{bits}g{group}:{bf16|f16|f32}`` (``mlx_kind``), the same buffer layout with scales and biases in
+that dtype. ``affine`` reads (bits, group, scale dtype) off any affine kind; the codes of every width are
+one LSB-first bit stream, so a width without a lookup table unpacks bit by bit (``_unpack_bits``).
 """
 
 from __future__ import annotations
@@ -224,8 +230,71 @@ def _bits_of(kind: str) -> int | None:
     return int(kind[1:]) if kind.startswith("q") else None
 
 
+SCALE_DTYPES = {"f16": "<f2", "bf16": "<u2", "f32": "<f4"}
+
+
+def mlx_kind(bits: int, group: int, scales: str) -> str:
+    return f"mlx:q{bits}g{group}:{scales}"
+
+
+def affine(kind: str) -> tuple[int, int, str] | None:
+    """(bits, group size, scale dtype) of an affine kind (q2..q8: group 64, float16), None for any other."""
+    if kind in ("q2", "q3", "q4", "q8"):
+        return int(kind[1:]), GROUP, "f16"
+    if kind.startswith("mlx:q"):
+        q, sdt = kind[5:].split(":")
+        bits, group = q.split("g")
+        return int(bits), int(group), sdt
+    return None
+
+
+def affine_nbytes(shape: tuple, kind: str) -> int:
+    """Bytes of one affine matrix of `shape` at `kind` (codes, then scales, then biases)."""
+    bits, group, sdt = affine(kind)
+    numel = int(np.prod(shape))
+    return numel * bits // 8 + 2 * (numel // group) * np.dtype(SCALE_DTYPES[sdt]).itemsize
+
+
+def affine_split(buf, shape: tuple, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes uint32 (..., in*bits/32), scales, biases float32 (..., in/group)) of one affine buffer of any kind."""
+    bits, group, sdt = affine(kind)
+    buf, shape = _as_bytes(buf), tuple(shape)
+    if shape[-1] % group or (shape[-1] * bits) % 32 or buf.size != affine_nbytes(shape, kind):
+        raise ValueError(f"buffer has {buf.size} bytes, not a {kind} matrix of shape {shape}")
+    lead, n = shape[:-1], shape[-1]
+    n_wq = int(np.prod(shape)) * bits // 8
+    n_sb = (buf.size - n_wq) // 2
+    wq = buf[:n_wq].view("<u4").reshape(*lead, n * bits // 32)
+    sb = [buf[n_wq + i * n_sb:n_wq + (i + 1) * n_sb].view(SCALE_DTYPES[sdt]) for i in (0, 1)]
+    sb = [from_bf16(a) if sdt == "bf16" else a.astype(np.float32) for a in sb]
+    return wq, *(a.reshape(*lead, n // group) for a in sb)
+
+
+def _unpack_bits(wq: np.ndarray, bits: int) -> np.ndarray:
+    """Codes of any width from their LSB-first bit stream: uint32 (..., m) -> float32 (..., m * 32 // bits)."""
+    raw = np.ascontiguousarray(wq, dtype="<u4").view(np.uint8)
+    b = np.unpackbits(raw, axis=-1, bitorder="little")
+    b = b.reshape(*raw.shape[:-1], -1, bits).astype(np.float32)
+    return b @ (np.float32(2) ** np.arange(bits, dtype=np.float32))
+
+
+def affine_decode(buf, shape: tuple, kind: str) -> np.ndarray:
+    """float32 (shape) = scale * code + bias per group, for any affine kind."""
+    bits, group, _ = affine(kind)
+    wq, s, b = affine_split(buf, shape, kind)
+    codes = _unpack(wq, bits) if bits in BITS else _unpack_bits(wq, bits)
+    g = codes.reshape(*codes.shape[:-1], -1, group)
+    g *= s[..., None]
+    g += b[..., None]
+    return g.reshape(shape)
+
+
 def encoded_nbytes(shape: tuple, kind: str) -> int:
     """Size in bytes of encode(w, kind) for w of this shape."""
+    if kind.startswith("mlx:"):
+        return affine_nbytes(tuple(shape), kind)
+    if kind == "f16":
+        return 2 * int(np.prod(shape))
     bits = _bits_of(kind)
     shape = tuple(shape)
     if bits is not None:
@@ -236,18 +305,22 @@ def encoded_nbytes(shape: tuple, kind: str) -> int:
 
 def encode(w: np.ndarray, kind: str) -> np.ndarray:
     """Encode a float32 array as a flat uint8 buffer of the given kind."""
-    bits = _bits_of(kind)
+    bits = None if kind == "f16" else _bits_of(kind)
     w = np.asarray(w, dtype=np.float32)
     if bits is not None:
         _check_affine_shape(w.shape, kind)
         return to_bytes(*quantize(w, bits))
     if kind == "bf16":
         return to_bf16(w).astype("<u2").reshape(-1).view(np.uint8)
-    return np.ascontiguousarray(w, dtype="<f4").reshape(-1).view(np.uint8)
+    return np.ascontiguousarray(w, dtype="<f2" if kind == "f16" else "<f4").reshape(-1).view(np.uint8)
 
 
 def decode(buf, shape: tuple, kind: str) -> np.ndarray:
-    """Decode an encode() buffer back to float32 of the given shape."""
+    """Decode an encode() buffer (or a checkpoint's own: an mlx: kind, f16) back to float32 of the given shape."""
+    if kind.startswith("mlx:"):
+        return affine_decode(buf, shape, kind)
+    if kind == "f16":
+        return _as_bytes(buf).view("<f2").astype(np.float32).reshape(shape)
     bits = _bits_of(kind)
     shape = tuple(shape)
     buf = _as_bytes(buf)

@@ -1,0 +1,132 @@
+"""The index of a safetensors checkpoint, in MLX's layout or a Hugging Face directory's bf16/f16/f32: a pack header
+(workbench/store/pack.py) naming the safetensors file as its data file, so the checkpoint streams as it lies (no
+pack copy).
+
+Every tensor and each expert's gate, up and down are "runs" into that file (an affine matrix: its codes, scales
+and biases, each where it lies; a float one: its one range), with the crc32 the reader checks, read once here in
+pieces of at most `chunk` bytes (workbench/store/gguf_index.py's _crcs). The few tensors the model changes on read
+(the hybrid family's zero-centred norms) are stored in the index, f32; nothing else is: a few hundred KB for a model
+of thousands of experts. The tokenizer stays beside the checkpoint (registry.tokenizer_for reads it from there).
+
+Streaming reads one file: a checkpoint of several shards runs from a pack instead (`in_place` says which).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import time
+import zlib
+from pathlib import Path
+
+from workbench.atomic import atomic_path
+from workbench.chat import find_template
+from workbench.errors import WorkbenchError
+from workbench.store.gguf_index import CHUNK, _crcs
+from workbench.store.pack import (ALIGN, FORMAT, MAGIC, PARTS, PREFIX, _align, _crc, _encode, _header_bytes, _nbytes,
+                                  expert_shapes)
+
+
+def in_place(model) -> bool:
+    """Whether the checkpoint (an HFModel or MLXModel) streams as it lies: one shard, experts in a kind the engines
+    read (MLX's affine codes, bf16, f16, f32)."""
+    return len(model.shards) == 1 and all(k is not None for L in model.spec.moe_layers[:1]
+                                          for k in model.expert_kinds(L).values())
+
+
+def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
+    """Index the safetensors checkpoint directory at src (MLX's layout or a Hugging Face directory) into dst,
+    atomically."""
+    from workbench.store.pack import open_model
+
+    model = open_model(src)
+    if not in_place(model) and len(model.shards) == 1:
+        raise WorkbenchError(f"{model.path}: its experts are {model.expert_kinds(model.spec.moe_layers[0])}: not "
+                             f"streamed as they lie; convert it (python -m workbench convert {model.path} OUT)")
+    if len(model.shards) != 1:
+        raise WorkbenchError(f"{model.path}: {len(model.shards)} safetensors shards; streaming in place reads one "
+                             f"file, so this checkpoint runs from a pack: python -m workbench convert {model.path} OUT")
+    shard = model.shards[0]
+    s, st = model.spec, shard.path.stat()
+    with open(shard.path, "rb") as f:
+        head = f.read(shard.base)
+    data = {"path": str(shard.path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "head_bytes": shard.base, "head_sha256": hashlib.sha256(head).hexdigest()}
+    header = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "source": model.source_info(), "spec": s.to_dict(), "layout": "native",
+              "quant": {"experts": "raw", "rest": "raw"}, "data": data}
+    if template := find_template(model.path):
+        header["chat_template"] = template
+
+    tensors, here = {}, []             # here: the tensors stored in the index (changed on read), f32
+    for name in model.names():
+        shape, runs = list(model.tensor_shape(name)), model.tensor_runs(name)
+        kind = model.tensor_kind(name) if runs else "f32"
+        tensors[name] = {"offset": 0, "nbytes": _nbytes(tuple(shape), kind), "shape": shape, "kind": kind,
+                         "crc32": "0" * 8}
+        if runs:
+            tensors[name].update(offset=runs[0][1], **{"in": "data", "runs": [[off, n] for _, off, n in runs]})
+        else:
+            here.append(name)
+    shapes = expert_shapes(s.hidden_size, s.moe_intermediate_size)
+    layer_kinds, layers = {}, {}
+    for L in s.moe_layers:
+        layer_kinds[str(L)] = model.expert_kinds(L)
+        layers[str(L)] = [{"runs": {p: [[off, n] for _, off, n in rs] for p, rs in model.expert_runs(L, e).items()},
+                           "crc32": "0" * 8} for e in range(s.num_experts)]
+    lsize = {L: sum(_nbytes(shapes[p], k[p]) for p in PARTS) for L, k in layer_kinds.items()}
+    header["tensors"] = tensors
+    header["experts"] = {"shapes": {p: list(shapes[p]) for p in PARTS}, "kinds": layer_kinds[str(s.moe_layers[-1])],
+                         "layer_kinds": layer_kinds, "nbytes": max(lsize.values()),
+                         "total_nbytes": s.num_experts * sum(lsize.values()), "layers": layers}
+
+    buf = memoryview(bytearray(chunk))
+    fd = os.open(shard.path, os.O_RDONLY)
+    try:
+        for name, t in tensors.items():     # a tensor's crc32 runs over its codes, scales, biases in turn
+            if name in here:
+                continue
+            crc = [0]
+            for run in t["runs"]:
+                _crcs(fd, buf, [tuple(run)], crc)
+            t["crc32"] = f"{crc[0] & 0xFFFFFFFF:08x}"
+        bar = s.moe_layers
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(bar, desc="indexing experts", unit="layer")
+        for L in bar:
+            ents = layers[str(L)]
+            crcs = [0] * len(ents)
+            for p in PARTS:
+                for j in range(len(ents[0]["runs"][p])):
+                    _crcs(fd, buf, [tuple(ent["runs"][p][j]) for ent in ents], crcs)
+            for ent, c in zip(ents, crcs):
+                ent["crc32"] = f"{c & 0xFFFFFFFF:08x}"
+    except EOFError as e:
+        raise WorkbenchError(f"{shard.path}: truncated ({e})") from None
+    finally:
+        os.close(fd)
+
+    data_start = ALIGN
+    while True:         # the header's length depends on the offsets it records: iterate to a fixed point
+        off = data_start
+        for name in here:
+            tensors[name]["offset"] = off
+            off = _align(off + tensors[name]["nbytes"])
+        header["file_size"] = off
+        need = _align(PREFIX + len(_header_bytes(header)))
+        if need == data_start:
+            break
+        data_start = need
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(dst) as tmp, open(tmp, "wb") as f:
+        f.truncate(header["file_size"])
+        for name in here:
+            b = _encode(model.tensor(name), "f32")
+            tensors[name]["crc32"] = _crc(b)
+            f.seek(tensors[name]["offset"])
+            f.write(b)
+        hb = _header_bytes(header)
+        f.write(MAGIC + struct.pack("<IQI", FORMAT, len(hb), zlib.crc32(hb)) + hb)
+    return dst
