@@ -159,6 +159,7 @@ class Reader:
         self._seq = itertools.count()
         self._landed = threading.Condition(threading.Lock())   # notified each time a job's futures are set
         self._threads: list[threading.Thread] = []
+        self._slot_threads: list[threading.Thread] = []     # the GIL-free readers (slot_reads), once started
         self._bytes = self._reads = 0           # the Python path's; stats() adds the GIL-free readers'
         self.merged = 0
         self._read_s = 0.0
@@ -361,7 +362,9 @@ class Reader:
             if self._slots is None:
                 self._slots = SlotReads(self)
                 for i in range(self.workers):
-                    threading.Thread(target=self._serve_slots, args=(i,), name="io-slot-reader", daemon=True).start()
+                    t = threading.Thread(target=self._serve_slots, args=(i,), name="io-slot-reader", daemon=True)
+                    t.start()
+                    self._slot_threads.append(t)
                     self._busy += 1
         return self._slots
 
@@ -484,19 +487,23 @@ class Reader:
         drop_page_cache(self.path)
 
     def close(self) -> None:
-        """Queued reads are cancelled; a read stuck in the kernel does not hold up the caller (the file is closed
-        when it returns)."""
+        """Queued reads are cancelled and the reader threads end; a read stuck in the kernel holds up the caller a
+        second at most (the file is closed when it returns)."""
         with self._lock:
             self._heap.clear()
             for _ in self._threads:
                 heapq.heappush(self._heap, (float("inf"), next(self._seq), None))
             self._ready.notify_all()
-            self._threads = []
+            threads, self._threads = self._threads + self._slot_threads, []
+            self._slot_threads = []
             self._closed = True
             if self._slots is not None:
                 self._slots.stop()
             if not self._busy:
                 self._close_fd()
+        deadline = time.monotonic() + 1.0
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _close_fd(self):
         if self.fd >= 0:
