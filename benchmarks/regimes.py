@@ -30,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines import expert_bytes as engine_expert_bytes  # noqa: E402
+from engines import slot_bytes  # noqa: E402
 from experiments.bench import bench  # noqa: E402
-from experiments.ladder import expert_bytes, les_rungs, smol_rungs  # noqa: E402
+from experiments.ladder import top_k_and_slot_bytes, les_rungs, smol_rungs  # noqa: E402
 from experiments.compute_profile import compute_from_run, measure_compute  # noqa: E402
 from experiments.simulate import run as simulate  # noqa: E402
 from experiments.traces import read_trace  # noqa: E402
@@ -272,7 +272,7 @@ def smol_misses(tokens):
     rows = []
     for pool, why in ((4, "the paper's fraction of experts (10.9%), at least top-k"), (22, "the paper's 5.6 x top-k")):
         for rung in smol_rungs()[:2]:
-            item = engine_expert_bytes(cp.engine, spec, rung.storage)       # an expert in the cache (the budget's unit)
+            item = slot_bytes(cp.engine, spec, rung.storage)       # an expert in the cache (the budget's unit)
             s = simulate(TRACE, rung, str(pool * len(spec.moe_layers) * item), "ufs22-phone", tokens=tokens, compute=cp,
                          record=False)
             rows.append({"rung": rung.name, "miss_rate": 1 - s["hit_rate"], "belady_miss_rate": 1 - s["belady_hit_rate"],
@@ -305,7 +305,7 @@ def ufs35b(rounds, tokens, model_dir, log=print):
     spec = HFModel(model_dir).spec
     from workbench import devices
     ufs = devices.load("ufs22-phone")
-    k, item = expert_bytes(model_dir, "on_demand")
+    k, item = top_k_and_slot_bytes(model_dir, "on_demand")
     # (preset, budget) of each arm; on_demand c=0 is DESIGN.md's on-demand control: no cache, one layer's top-k slots
     runs = {"on_demand": ("on_demand", "0.25"), "les": ("les", "0.25"), "on_demand c=0": ("on_demand", str(k * item))}
     arms = {d: {"measured": [], "simulated": [], "simulated_run_compute": [], "buckets": []} for d in runs}
@@ -387,7 +387,7 @@ def ufs35b_gguf(rounds, tokens, model_dir, log=print):
     for t, path in packs.items():
         p = Pack(path)
         reads = [n for L in p.spec.moe_layers for e in range(p.spec.num_experts) for _, n in p.expert_reads(L, e)]
-        facts[t] = (p, engine_expert_bytes(None, p), sum(reads) / len(reads),
+        facts[t] = (p, slot_bytes(None, p), sum(reads) / len(reads),
                     ", ".join(sorted({k.removeprefix("gguf:") for L in p.spec.moe_layers for k in p.kinds_of(L).values()})))
     rows = []
     for (i, b), ms in runs.items():

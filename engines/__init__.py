@@ -1,5 +1,5 @@
 """Engines by name behind one interface (engines/base.py): `engine_class(name)`, and what one expert costs in an
-engine's cache (`expert_bytes`).
+engine's cache, the slot a budget buys (`slot_bytes`).
 
 packed is the default (experts computed from their packed bytes, results/targets.md), mlx on Apple silicon where
 MLX is installed (default_engine); numpy is the reference engine, the correctness oracle. Backends that need
@@ -42,7 +42,7 @@ def default_engine(pack=None) -> str:
     return DEFAULT if pack is None or engine_class(DEFAULT).computes(pack) else "numpy"
 
 
-def expert_bytes(engine: str | None, model, storage=None) -> int:
+def slot_bytes(engine: str | None, model, storage=None) -> int:
     """What one expert costs in `engine`'s expert cache, the budget's unit (Budget.slots turns a budget into slots
     of it): of `model`, a Pack, or a MoESpec with the presets.Storage its pack would be written at (the simulator,
     the trace replay, `info` on a checkpoint). engine None: the default engine (default_engine)."""
@@ -51,7 +51,7 @@ def expert_bytes(engine: str | None, model, storage=None) -> int:
         from dataclasses import replace
         from workbench.registry import experts_for
         storage = replace(storage, experts=experts_for(storage.experts, engine))
-    return int(engine_class(engine).expert_bytes(model, storage))
+    return int(engine_class(engine).slot_bytes(model, storage))
 
 
 def available() -> list[str]:

@@ -114,8 +114,8 @@ class Engine(ABC):
         return None
 
     @classmethod
-    def expert_bytes(cls, pack, storage=None) -> int:
-        """What one expert costs in this engine's expert cache (the budget's unit; engines.expert_bytes): of `pack`,
+    def slot_bytes(cls, pack, storage=None) -> int:
+        """What one expert costs in this engine's expert cache (the budget's unit; engines.slot_bytes): of `pack`,
         or of a spec whose pack would be written at `storage` (a presets.Storage). Here: gate, up and down in f32."""
         spec = getattr(pack, "spec", pack)
         return 4 * 3 * spec.hidden_size * spec.moe_intermediate_size

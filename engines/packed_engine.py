@@ -243,7 +243,7 @@ class PackedEngine(Decoder):
     slot_arena = True       # the session gives the cache a slot arena; the streamer reads into it
 
     @classmethod
-    def expert_bytes(cls, pack, storage=None) -> int:
+    def slot_bytes(cls, pack, storage=None) -> int:
         """An expert's slot: the pack's 4 KiB-aligned bytes for it (of a spec: those of the pack at `storage`)."""
         if isinstance(pack, Pack):
             return slot_bytes(pack)

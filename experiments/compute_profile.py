@@ -48,7 +48,7 @@ class ComputeProfile:
     read_floor: dict | None = None  # this machine's reads as its readers served them in the streaming run
                                     # (devices.ServedReads: an idle reader's wake-up, a read's latency and bandwidth
                                     # alone and beside another): what reads take here at the least (_read_floor)
-    engine: str = "numpy"     # the engine measured: what an expert costs in its cache (engines.expert_bytes), so what
+    engine: str = "numpy"     # the engine measured: what an expert costs in its cache (engines.slot_bytes), so what
                               # a byte budget buys (the packed engine's slots of packed bytes, numpy's f32 experts)
     source: str = ""
 
@@ -180,7 +180,7 @@ def _budgets(model: str, preset, engine: str | None, tokens: int, stream: str) -
     hold every expert here (the memory guard's rule, workbench.memory.check_fits); else the largest budget that
     leaves room for what a run of `tokens` holds besides its cache (KV, linear-attention checkpoints, this
     process), a fraction of the experts, and `stream` or, where that holds as much, half of it."""
-    from engines import default_engine, engine_class, expert_bytes
+    from engines import default_engine, engine_class, slot_bytes
     from workbench import memory
     from workbench.host import peak_rss_bytes
     from workbench.presets import Budget
@@ -191,7 +191,7 @@ def _budgets(model: str, preset, engine: str | None, tokens: int, stream: str) -
     resident = engine_class(engine).resident_bytes(pack)
     if resident is None:                # an engine that holds its weights itself: the Session does not guard it
         return "all", stream
-    item = expert_bytes(engine, pack)
+    item = slot_bytes(engine, pack)
     m = memory.memory_needs(pack.spec, {n: t["shape"] for n, t in pack.tensors.items()}, Budget("all"), item,
                             resident, engine, context=tokens + 16, runtime_bytes=peak_rss_bytes())
     if m["available_bytes"] is None or m["needed_bytes"] <= m["available_bytes"]:

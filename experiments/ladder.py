@@ -42,20 +42,20 @@ def smol_rungs():
     return [exact, pre] + [pre.with_(name=f"+bias {b}", routing=f"cache_bias:{b}") for b in BIAS_SWEEP]
 
 
-def expert_bytes(model: str, preset: str) -> tuple[int, int]:
+def top_k_and_slot_bytes(model: str, preset: str) -> tuple[int, int]:
     """(top-k, bytes a Session of the preset counts per expert) of the model's pack: the pack's numbers only, no
     session, no experts loaded."""
     st = get_preset(preset).storage
     pack = Pack(resolve_pack(model, *storage_for(model, st)))
-    return pack.spec.top_k, engines.expert_bytes(None, pack)
+    return pack.spec.top_k, engines.slot_bytes(None, pack)
 
 
-def cache_rungs(spec_top_k: int, item_bytes: int, preset: str = "les"):
+def cache_rungs(spec_top_k: int, slot_bytes: int, preset: str = "les"):
     """Window sweep: c extra slots beyond one layer's top-k (c=0 releases after use), up to all-resident."""
     p = get_preset(preset)
     out = []
     for c in (0, spec_top_k, 4 * spec_top_k, 16 * spec_top_k):
-        out.append((p.with_(name=f"window c={c}"), str((spec_top_k + c) * item_bytes)))
+        out.append((p.with_(name=f"window c={c}"), str((spec_top_k + c) * slot_bytes)))
     for frac in ("0.25", "0.5", "all"):
         out.append((p.with_(name=f"budget {frac}"), frac))
     return out
@@ -85,10 +85,10 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
                                                      "oracle")]
         rungs.append((get_preset("resident"), "all"))
         # DESIGN.md's on-demand control keeps no cache: one layer's top-k slots, each released after use (c=0)
-        k, item = expert_bytes(model, "on_demand")
+        k, item = top_k_and_slot_bytes(model, "on_demand")
         rungs.append((get_preset("on_demand").with_(name="on_demand c=0"), str(k * item)))
     elif name == "cache":
-        rungs = cache_rungs(*expert_bytes(model, "les"))
+        rungs = cache_rungs(*top_k_and_slot_bytes(model, "les"))
     elif name == "budgets":             # does prediction pay at every budget? each design against on_demand
         st = get_preset("smol").storage
         spec = Pack(resolve_pack(model, st.layout.value, st.experts, st.rest)).spec

@@ -35,7 +35,7 @@ def smallest_budget(model: str, preset: str) -> str:
     """One layer's top-k expert slots, in bytes: the least a Session of this design runs with."""
     from runtime.session import open_session
     with open_session(model, preset, budget="all") as s:
-        return str(s.spec.top_k * s.item_bytes)
+        return str(s.spec.top_k * s.slot_bytes)
 
 
 def growth(model: str = "demo", preset: str = "les", budget: str = "0.25", tokens: int = 32, repeats: int = 3) -> dict:

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines import expert_bytes
+from engines import slot_bytes
 from experiments.compute_profile import ComputeProfile, measure_compute
 from workbench.cache import ExpertCache, warm_set
 from workbench.devices import DeviceProfile
@@ -79,10 +79,10 @@ class ReadPlan:
     part_bytes: tuple         # encoded bytes of gate, up, down
     layers: dict | None = None    # MoE layer -> its part bytes, where layers differ (a GGUF's own mix of blocks)
     item: int = 0             # what one expert costs in the engine's cache, where a pack says (0: sized from the
-                              # preset's storage, engines.expert_bytes)
+                              # preset's storage, engines.slot_bytes)
 
     @property
-    def expert_bytes(self):
+    def slot_bytes(self):
         """An expert's encoded bytes (the mean over the layers, where they differ)."""
         if not self.layers:
             return sum(self.part_bytes)
@@ -118,7 +118,7 @@ def pack_plan(pack, engine: str) -> ReadPlan:
     sizes = {L: tuple(_nbytes(pack.expert_shapes[p], pack.kinds_of(L)[p]) for p in PARTS) for L in pack.spec.moe_layers}
     counts = list(sizes.values())
     common = max(set(counts), key=counts.count)
-    return ReadPlan(pack.layout, common, sizes if len(set(counts)) > 1 else None, expert_bytes(engine, pack))
+    return ReadPlan(pack.layout, common, sizes if len(set(counts)) > 1 else None, slot_bytes(engine, pack))
 
 
 class _Read:
@@ -243,7 +243,7 @@ class _Simulation:
                  readers=None):
         self.drive, self.spec, self.preset, self.profile = drive, spec, preset, compute
         self.plan = plan or read_plan(spec, preset.storage.layout.value, experts_for(preset.storage.experts, compute.engine))
-        item = self.plan.item or expert_bytes(compute.engine, spec, preset.storage)
+        item = self.plan.item or slot_bytes(compute.engine, spec, preset.storage)
         n_experts = spec.num_experts * len(spec.moe_layers)
         self.budget_bytes = Budget(budget).nbytes(item, n_experts)
         self.cache = ExpertCache(Budget(budget).slots(item, n_experts), item, spec.moe_layers,
@@ -494,9 +494,9 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
     hit rate (a prefetch is a read that lands in time), never fewer reads. initial: the experts in memory when
     decoding starts (the prompt's, a warm set), as the design had them; None: the best start any policy could have
     (the first experts decoding asks for, as many as fit), so that the bound holds whatever the prompt left.
-    engine: whose cache the budget buys slots in (engines.expert_bytes), for a budget in bytes; item: what one
+    engine: whose cache the budget buys slots in (engines.slot_bytes), for a budget in bytes; item: what one
     expert costs there, where a pack says (ReadPlan.item)."""
-    slots = Budget(budget).slots(item or expert_bytes(engine, spec, preset.storage),
+    slots = Budget(budget).slots(item or slot_bytes(engine, spec, preset.storage),
                                  spec.num_experts * len(spec.moe_layers))
     per_layer = preset.cache.scope is CacheScope.PER_LAYER
 
@@ -620,12 +620,12 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
                    item=plan.item)
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)
-    miss_bytes = bound["belady_misses"] * plan.expert_bytes
+    miss_bytes = bound["belady_misses"] * plan.disk_bytes
     bound["belady_tok_s"] = res["decode_steps"] / max(compute_s, miss_bytes / dev.peak_bw)
     res.update(bound, simulated=True, emulated=False, device=dev.describe(), preset=p.name, budget=budget,
                shape=shape, shape_note=note, spec=spec.to_dict(), reader_workers=workers,
                compute_profile=dataclasses.asdict(compute), routing_trace=drive.source, tokens=tokens, prompt=prompt, skip=skip,
-               expert_disk_bytes=plan.expert_bytes)
+               expert_disk_bytes=plan.disk_bytes)
     res["device"]["emulated"] = False
     res["device"]["simulated"] = True
     from experiments.calibration import UNCALIBRATED, label

@@ -4,7 +4,7 @@
     p.slots, p.slot_bytes, p.memory["needed_bytes"]
 
 The pack (a checkpoint is converted on first use; a GGUF's own blocks are indexed where they lie), the engine, what
-one expert costs in that engine's cache (the budget's unit: engines.expert_bytes), the slots the budget buys and
+one expert costs in that engine's cache (the budget's unit: engines.slot_bytes), the slots the budget buys and
 the memory the run will hold, refused up front when it cannot fit. `info` prints a plan, a Session
 (runtime.session.open_session) wires one up.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines import default_engine, engine_class, expert_bytes
+from engines import default_engine, engine_class, slot_bytes
 from workbench.edge0.artifacts import edge0_dir, served_bytes
 from workbench.memory import check_fits, memory_needs
 from workbench.presets import Budget, Preset, get_preset
@@ -54,14 +54,14 @@ def plan(model: str, preset: str | Preset = "on_demand", budget: str | None = No
     pack = Pack(resolve_pack(model, layout, experts, rest, progress=progress))
     engine = engine or default_engine(pack)
     cls = engine_class(engine)
-    slot_bytes = expert_bytes(engine, pack)
+    cost = slot_bytes(engine, pack)
     text = str(budget if budget is not None else p.cache.budget)
     b = Budget(text)
     memory = None
     if (resident := cls.resident_bytes(pack)) is not None:
-        memory = memory_needs(pack.spec, {n: t["shape"] for n, t in pack.tensors.items()}, b, slot_bytes, resident,
+        memory = memory_needs(pack.spec, {n: t["shape"] for n, t in pack.tensors.items()}, b, cost, resident,
                               engine, speculative=p.execution.speculative,
                               adapter_bytes=served_bytes(edge0_dir(pack), p))
         check_fits(memory, f"{pack.path} at --budget {text}")
-    return Plan(model, p, pack, engine, slot_bytes, text, b.nbytes(slot_bytes, pack.num_expert_total),
-                b.slots(slot_bytes, pack.num_expert_total), memory)
+    return Plan(model, p, pack, engine, cost, text, b.nbytes(cost, pack.num_expert_total),
+                b.slots(cost, pack.num_expert_total), memory)

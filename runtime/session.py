@@ -90,7 +90,7 @@ class Session:
 
     # what records and callers read of the plan
     pack_path = property(lambda self: self.pack.path)
-    item_bytes = property(lambda self: self.plan.slot_bytes)
+    slot_bytes = property(lambda self: self.plan.slot_bytes)
     budget_text = property(lambda self: self.plan.budget)
     budget_bytes = property(lambda self: self.plan.budget_bytes)
     all_expert_bytes = property(lambda self: self.plan.slot_bytes * self.plan.experts)
@@ -185,7 +185,7 @@ class Session:
                  peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode,
                  reader_workers=self.reader.workers, read_retries=self.reader.retries, threads=self.engine.threads,
                  per_layer=tel.per_layer("decode"),
-                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.item_bytes, **self.labels())
+                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.slot_bytes, **self.labels())
         return s
 
     def config(self) -> dict:

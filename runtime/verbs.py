@@ -19,7 +19,7 @@ def _info_flags(p):
 
 @command("info", "describe a model, pack or GGUF", _info_flags)
 def cmd_info(args):
-    from engines import default_engine, engine_class, expert_bytes
+    from engines import default_engine, engine_class, slot_bytes
     from workbench.presets import Budget, get_preset
     from workbench.edge0.artifacts import edge0_dir, edge0_dir_of, served_bytes
     from workbench.models.mlx_layout import is_mlx_layout
@@ -37,7 +37,7 @@ def cmd_info(args):
         spec = from_hf_config(read_config(config), str(config))
         shapes = tensor_shapes(spec)
         obj = {"path": str(config), "kind": "config", "spec": spec.to_dict(), "engine": args.engine or default_engine()}
-        item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
+        item, resident_bytes = slot_bytes(obj["engine"], spec, preset.storage), None
         if "quantization" in read_config(config):       # MLX's layout: it runs at its own bits, in place
             from types import SimpleNamespace
             from engines.packed_kernels import affine_of
@@ -47,7 +47,7 @@ def cmd_info(args):
                 obj["engine"] = "numpy"                 # as default_engine picks for its index
             cls = engine_class(obj["engine"])
             resident_bytes = cls.resident_bytes(SimpleNamespace(spec=spec, tensors=tensors))
-            item = slot if cls.slot_arena else cls.expert_bytes(spec)
+            item = slot if cls.slot_arena else cls.slot_bytes(spec)
         adapters = 0
     elif is_pack(p):
         from workbench.store.pack import Pack
@@ -56,7 +56,7 @@ def cmd_info(args):
                "expert_nbytes": pack.expert_nbytes, "experts": pack.num_expert_total, "file_size": pack.header["file_size"]}
         spec, shapes = pack.spec, {n: t["shape"] for n, t in pack.tensors.items()}
         obj["engine"] = args.engine or default_engine(pack)
-        item, resident_bytes = expert_bytes(obj["engine"], pack), engine_class(obj["engine"]).resident_bytes(pack)
+        item, resident_bytes = slot_bytes(obj["engine"], pack), engine_class(obj["engine"]).resident_bytes(pack)
         adapters = served_bytes(edge0_dir(pack), preset)
     else:
         from workbench.models.hf import HFModel
@@ -65,7 +65,7 @@ def cmd_info(args):
                "expert_tensors": len(m.experts), "engine": args.engine or default_engine()}
         spec, shapes = m.spec, {n: m.tensor_shape(n) for n in m.where}
         # not converted yet: an expert costs what it will in the pack the preset's Session converts it to
-        item, resident_bytes = expert_bytes(obj["engine"], spec, preset.storage), None
+        item, resident_bytes = slot_bytes(obj["engine"], spec, preset.storage), None
         adapters = served_bytes(edge0_dir_of(p), preset)
     from workbench.memory import describe, memory_needs
     from workbench.host import peak_rss_bytes

@@ -1,5 +1,5 @@
 """A budget buys the same expert slots wherever it is sized: bench's Session, `info`, the trace replay and the
-simulator all count an expert as the engine's cache holds it (engines.expert_bytes) and turn the budget into
+simulator all count an expert as the engine's cache holds it (engines.slot_bytes) and turn the budget into
 slots in one place (Budget.slots). Byte budgets are where they would drift apart: the packed engine's slot of
 a q4 or q3 expert is a fraction of the f32 expert numpy holds.
 
@@ -37,7 +37,7 @@ def engine_or_skip(engine):
 
 def session_slots(preset, budget, engine):
     with open_session("demo", preset, budget, engine=engine) as s:
-        return s.cache.slots, s.item_bytes
+        return s.cache.slots, s.slot_bytes
 
 
 def info_slots(preset, budget, engine, capsys):

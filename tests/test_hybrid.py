@@ -196,7 +196,7 @@ def test_warm_sets_and_cache_bias_with_512_experts_top10_and_the_shared_expert_o
             s.step(TOKENS[:6], "prefill")
             for t in TOKENS[6:]:
                 s.step([t], "decode")
-            assert s.budget_bytes <= 0.1 * s.pack.num_expert_total * s.item_bytes + s.item_bytes
+            assert s.budget_bytes <= 0.1 * s.pack.num_expert_total * s.slot_bytes + s.slot_bytes
             assert all(0 <= e < 512 for _, e in s.cache.keys())      # the cache holds routed experts only
             assert "layers.0.shared.gate" in s.engine.w                  # the shared expert is resident, always
             runs[preset] = s.summary()
@@ -215,7 +215,7 @@ def test_info_prints_what_the_model_needs_in_memory(hybrid_models, capsys):
     with safe_open(str(path / "model.safetensors"), "np") as f:
         dense = sum(f.get_tensor(k).size for k in f.keys() if ".experts." not in k)
     assert mem["resident_f32_bytes"] == 4 * dense
-    assert mem["experts"] == 64 and mem["expert_bytes"]["bf16"] == 64 * 3 * 64 * 32 * 2
+    assert mem["experts"] == 64 and mem["experts_bytes_by_precision"]["bf16"] == 64 * 3 * 64 * 32 * 2
     assert mem["cache_bytes"] == 16 * 3 * 64 * 32 * 4                 # a quarter of the experts, in numpy's f32
     with open_session(str(path), "teacher") as s:
         s.engine.reset()

@@ -8,7 +8,7 @@ import re
 import pytest
 
 import workbench.memory as memory
-from engines import expert_bytes
+from engines import slot_bytes
 from cli import main
 from workbench.memory import largest_budget, memory_needs
 from workbench.presets import Budget
@@ -25,7 +25,7 @@ def pack(tiny_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sizes(pack):
     p = Pack(pack)
-    m = memory_needs(p.spec, {n: t["shape"] for n, t in p.tensors.items()}, Budget("all"), expert_bytes("numpy", p))
+    m = memory_needs(p.spec, {n: t["shape"] for n, t in p.tensors.items()}, Budget("all"), slot_bytes("numpy", p))
     return m["resident_f32_bytes"], m["all_experts_cache_bytes"]
 
 

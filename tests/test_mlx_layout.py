@@ -187,7 +187,7 @@ def test_info_on_its_config_alone_sizes_it_as_it_runs_in_place(converted, tmp_pa
     whole, config = (json.loads(cli("info", "--model", str(m), "--preset", "les", "--json", env=env).stdout)
                      for m in (converted, alone))
     assert config["kind"] == "config" and config["engine"] == whole["engine"]
-    for k in ("resident_bytes", "cache_expert_bytes", "needed_bytes", "expected_read_bytes_per_token",
+    for k in ("resident_bytes", "cache_slot_bytes", "needed_bytes", "expected_read_bytes_per_token",
               "smallest_budget_bytes"):
         assert abs(config["memory"][k] - whole["memory"][k]) <= 0.05 * whole["memory"][k], k
 

@@ -143,9 +143,9 @@ def test_budget_counts_packed_bytes(tiny_models):
     three parts take an aligned region each.)"""
     with open_session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.25", engine="packed", layout="contiguous") as s:
         n = s.pack.num_expert_total
-        assert s.item_bytes == slot_bytes(s.pack) < s.pack.expert_nbytes + ALIGN
+        assert s.slot_bytes == slot_bytes(s.pack) < s.pack.expert_nbytes + ALIGN
         assert sum(s.cache.capacity[L] for L in s.spec.moe_layers[:1]) == n // 4
-        assert s.arena.nbytes == n // 4 * s.item_bytes <= s.budget_bytes
+        assert s.arena.nbytes == n // 4 * s.slot_bytes <= s.budget_bytes
         s.generate(TOKENS, tokens=4)
         assert s.summary()["cache_bytes"] <= s.arena.nbytes
     slots = {}                  # the demo's experts: 14 pages at q4, 11 at q3

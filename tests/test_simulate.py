@@ -385,7 +385,7 @@ def test_the_streamers_timers_see_every_read_it_issues_and_takes_in(preset):
 def test_a_byte_budget_holds_the_experts_the_packed_engines_cache_holds(preset):
     """The packed engine's cache counts an expert as its slot (the aligned bytes of its reads), so the simulator
     counts a budget in bytes the same way: 6 slots' bytes hold 6 experts, as a Session of the demo holds."""
-    from engines import expert_bytes
+    from engines import slot_bytes
     from engines.packed_engine import PackedEngine
     from experiments.simulate import read_plan
     from workbench.registry import resolve_pack
@@ -394,9 +394,9 @@ def test_a_byte_budget_holds_the_experts_the_packed_engines_cache_holds(preset):
     st = get_preset(preset).storage
     experts = experts_for(st.experts, "packed")          # the packed engine's pack of the preset's precision
     pack = Pack(resolve_pack("demo", st.layout.value, experts, st.rest))
-    slot = PackedEngine.expert_bytes(pack)
+    slot = PackedEngine.slot_bytes(pack)
     plan = read_plan(pack.spec, st.layout.value, experts)
-    assert expert_bytes("packed", pack.spec, st) == slot
+    assert slot_bytes("packed", pack.spec, st) == slot
     p = get_preset(preset).with_(predictor=None, cache_scope="global", warm=False)
     drive = Drive([{L: [0, 1, 2, 3] for L in pack.spec.moe_layers}] * 3)
     res = simulate_run(drive, pack.spec, p, str(6 * slot), DEV, dataclasses.replace(CPU, engine="packed"), tokens=2,
@@ -500,11 +500,11 @@ def test_a_full_size_trace_simulates_every_access_once():
 
 def _packed_sizes(model: str, preset):
     """(resident bytes, every expert's slot bytes) of `model` as the packed engine holds it at `preset`."""
-    from engines import engine_class, expert_bytes
+    from engines import engine_class, slot_bytes
     from workbench.registry import resolve_pack, storage_for
     from workbench.store.pack import Pack
     pack = Pack(resolve_pack(model, *storage_for(model, get_preset(preset).storage, (), "packed")))
-    return engine_class("packed").resident_bytes(pack), expert_bytes("packed", pack) * pack.num_expert_total
+    return engine_class("packed").resident_bytes(pack), slot_bytes("packed", pack) * pack.num_expert_total
 
 
 def test_a_model_bigger_than_memory_is_profiled_at_the_largest_budget_that_fits(monkeypatch, capsys):

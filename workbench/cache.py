@@ -1,5 +1,5 @@
 """The expert cache: a number of slots of one expert each that is never exceeded (what a budget buys:
-workbench.presets.Budget.slots, at what one expert costs in the engine's cache: engines.expert_bytes).
+workbench.presets.Budget.slots, at what one expert costs in the engine's cache: engines.slot_bytes).
 
 A slot is taken when a read is issued (in-flight reads count: their buffers exist), and
 freed on eviction. Policies: LRU or LFU; scope: one global pool, or one pool per MoE layer

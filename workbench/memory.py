@@ -6,7 +6,7 @@ mid-run. `python -m workbench info --model DIR --budget B` prints the same numbe
   memory: as the engine holds them (the packed engine: its encoded matrices), in f32 and in bf16;
 - experts: every routed expert, on disk, in each precision a pack can store them in;
 - cache: the expert cache at the budget: the slots it buys (Budget.slots) of what one expert costs in the engine's
-  cache (engines.expert_bytes: the packed engine's slot of packed bytes, numpy's f32 expert), as the Session sizes it;
+  cache (engines.slot_bytes: the packed engine's slot of packed bytes, numpy's f32 expert), as the Session sizes it;
 - context: KV cache bytes per token (full-attention layers), and the fixed recurrent state of the
   linear-attention layers (Gated DeltaNet: conv and delta-rule state, whatever the context length);
 - needed: resident (as held) + the cache, at most every expert; available: what the system says this process can
@@ -97,10 +97,10 @@ def largest_budget(resident: int, all_experts: int, available: int | None) -> st
     return f"{math.floor(100 * room / all_experts) / 100:.2f}"
 
 
-def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_bytes: int | None = None,
+def memory_needs(spec, tensor_shapes: dict, budget, slot_bytes: int, resident_bytes: int | None = None,
                  engine: str = "", context: int = 4096, runtime_bytes: int = 0, speculative: int = 0,
                  adapter_bytes: int = 0, scope: str = "global") -> dict:
-    """expert_bytes: what one expert costs in the engine's cache (engines.expert_bytes, the Session's item_bytes);
+    """slot_bytes: what one expert costs in the engine's cache (engines.slot_bytes, a Session's slot_bytes);
     resident_bytes: what the non-expert weights take as the engine holds them (Engine.resident_bytes; f32 by
     default); engine: its name, for the description. run_bytes: what a run of `context` tokens holds at its peak:
     needed_bytes, the linear-attention checkpoints, the KV cache and `runtime_bytes` (the interpreter and its
@@ -112,7 +112,7 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_
     n_experts = len(spec.moe_layers) * spec.num_experts
     per_expert = {k: sum(quant.encoded_nbytes(shape, expert_kind(shape, k)) for shape in ((ff, d), (ff, d), (d, ff)))
                   for k in PRECISIONS}
-    item = expert_bytes
+    item = slot_bytes
     full = [i for i in range(spec.num_layers) if not spec.is_linear(i)]
     kv_heads, kv_dim = (1, spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.attention == "mla" else \
         (spec.num_kv_heads, 2 * spec.head_dim)
@@ -132,9 +132,9 @@ def memory_needs(spec, tensor_shapes: dict, budget, expert_bytes: int, resident_
     return {
         "resident_bytes": resident, "adapter_bytes": adapter_bytes, "resident_f32_bytes": 4 * elements, "resident_bf16_bytes": 2 * elements,
         "shared_expert_bytes_f32": 4 * 3 * d * spec.shared_expert_size * len(spec.moe_layers),
-        "experts": n_experts, "expert_bytes": {k: v * n_experts for k, v in per_expert.items()},
+        "experts": n_experts, "experts_bytes_by_precision": {k: v * n_experts for k, v in per_expert.items()},
         "cache_bytes": cache, "cache_budget": budget.text, "cache_slots": budget.slots(item, n_experts),
-        "cache_expert_bytes": item, "cache_engine": engine, "all_experts_cache_bytes": all_experts,
+        "cache_slot_bytes": item, "cache_engine": engine, "all_experts_cache_bytes": all_experts,
         "kv_bytes_per_token": kv_per_token,
         "linear_state_bytes": linear_state, "linear_checkpoint_bytes": states, "context": context,
         "needed_bytes": resident + min(cache, all_experts), "available_bytes": available,
@@ -178,12 +178,12 @@ def verdict(m: dict) -> str:
 def describe(m: dict) -> str:
     def gib(n):
         return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-    ex = ", ".join(f"{k} {gib(v)}" for k, v in m["expert_bytes"].items())
+    ex = ", ".join(f"{k} {gib(v)}" for k, v in m["experts_bytes_by_precision"].items())
     avail = "unknown" if m["available_bytes"] is None else gib(m["available_bytes"])
     adapters = f", Edge0's heads and LoRA {gib(m['adapter_bytes'])} included" if m.get("adapter_bytes") else ""
     return (f"memory: resident non-expert weights {gib(m['resident_bytes'])} as the engine holds them{adapters} "
             f"({gib(m['resident_f32_bytes'])} f32, {gib(m['resident_bf16_bytes'])} bf16, shared experts included); {m['experts']} experts on disk: {ex}; expert cache at budget "
-            f"{m['cache_budget']}: {gib(m['cache_bytes'])} ({m['cache_slots']} slots of {m['cache_expert_bytes']} bytes, "
+            f"{m['cache_budget']}: {gib(m['cache_bytes'])} ({m['cache_slots']} slots of {m['cache_slot_bytes']} bytes, "
             f"one expert in the {m['cache_engine'] or 'engine'} engine's cache); KV cache {m['kv_bytes_per_token']} bytes per token "
             f"of context; linear-attention state {gib(m['linear_state_bytes'])} a position "
             f"({gib(m['linear_checkpoint_bytes'])} with the checkpoints kept)\n"

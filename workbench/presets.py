@@ -96,17 +96,17 @@ class Budget:
         x = float(m[1])
         return (x, 0) if not m[2] and x < 1.0 else (0.0, int(x * _UNITS[m[2].upper()]))
 
-    def nbytes(self, expert_bytes: int, n_experts: int) -> int:
-        """Bytes the cache may hold, given what one expert costs in the engine's cache (engines.expert_bytes) and
+    def nbytes(self, slot_bytes: int, n_experts: int) -> int:
+        """Bytes the cache may hold, given what one expert costs in the engine's cache (engines.slot_bytes) and
         the number of experts."""
         frac, n = self.parse()
-        total = expert_bytes * n_experts
+        total = slot_bytes * n_experts
         return total if frac == 1.0 else int(frac * total) if frac else n
 
-    def slots(self, expert_bytes: int, n_experts: int) -> int:
-        """What the budget buys: the expert slots (of expert_bytes each) its bytes hold. The one budget converter:
+    def slots(self, slot_bytes: int, n_experts: int) -> int:
+        """What the budget buys: the expert slots (of slot_bytes each) its bytes hold. The one budget converter:
         the Session's cache, `info`, the simulator and the trace replay all size their cache with it."""
-        return self.nbytes(expert_bytes, n_experts) // expert_bytes
+        return self.nbytes(slot_bytes, n_experts) // slot_bytes
 
     @property
     def all(self) -> bool:
