@@ -1,6 +1,6 @@
 """`info` before the download: a config.json alone (a directory holding only it, or the file) says what `info` says of
 the whole checkpoint, from the shapes: memory by kind, the cache at a budget, the expected reads a token (from a
-real model's LRU hit curve, workbench/routing_stats.py), the smallest budget that runs, and the verdict."""
+real model's LRU hit curve, workbench/real_routing.py), the smallest budget that runs, and the verdict."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import pytest
 from workbench.memory import memory_needs, tensor_shapes, verdict
 from workbench.models.hf import HFModel
 from workbench.presets import Budget
-from workbench.routing_stats import LRU_HITS, lru_hit_rate
+from workbench.real_routing import LRU_HITS, lru_hit_rate
 
 REPO = Path(__file__).resolve().parents[1]
 COMPARED = ["resident_bytes", "cache_bytes", "needed_bytes", "run_bytes", "all_experts_cache_bytes",

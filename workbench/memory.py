@@ -12,7 +12,7 @@ mid-run. `python -m workbench info --model DIR --budget B` prints the same numbe
 - needed: resident (as held) + the cache, at most every expert; available: what the system says this process can
   still take (workbench/host.py: Linux's MemAvailable capped by the cgroup, macOS's free and inactive pages);
 - expected, before any run (labelled so): the bytes a decoded token reads at the budget, from a real model's LRU
-  hit curve (workbench/routing_stats.py), the smallest budget that runs (a layer's top-k slots in each pool) and
+  hit curve (workbench/real_routing.py), the smallest budget that runs (a layer's top-k slots in each pool) and
   the verdict in one line.
 
 `tensor_shapes` gives the non-expert tensors' shapes from the spec alone, so a config.json sizes all of this
@@ -25,7 +25,7 @@ import re
 
 from workbench.errors import WorkbenchError
 from workbench.host import available_memory_bytes as available_bytes
-from workbench.routing_stats import SOURCE, lru_hit_rate
+from workbench.real_routing import SOURCE, lru_hit_rate
 from workbench.spec_hybrid import linear_state_bytes
 from workbench.store import quant
 from workbench.store.pack import expert_kind

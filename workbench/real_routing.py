@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 LRU_HITS = ((0.0, 0.0), (0.10, 0.52), (0.15, 0.66), (0.25, 0.81), (0.50, 0.91), (1.0, 1.0))
-SOURCE = "Qwen3-30B-A3B's per-layer LRU hit curve (BigMoeOnEdge's routing trace; workbench/routing_stats.py)"
+SOURCE = "Qwen3-30B-A3B's per-layer LRU hit curve (BigMoeOnEdge's routing trace; workbench/real_routing.py)"
 
 
 def lru_hit_rate(fraction: float) -> float:
