@@ -92,7 +92,8 @@ def caption(model: str, trace: str | None) -> str | None:
     metadata), else None."""
     if str(model).endswith(".gguf"):        # make-model's GGUF: its label is in its metadata
         label = random_label(model)
-        return None if label is None else f"Model: {label}; its routing follows the tokens, its text means nothing."
+        return None if label is None else (f"Model: {label}; routing with a real model's statistics (reuse, hot "
+                                           f"experts, lookahead recall), its text means nothing.")
     card = Path(model) / "random_weights.json"
     if not card.is_file():
         return None
@@ -103,4 +104,5 @@ def caption(model: str, trace: str | None) -> str | None:
         what = shown(model)
     if trace:
         return f"Model size {what}: RANDOM weights, routing replayed from {shown(trace)} (the text is not the model's)."
-    return f"Model size {what}: RANDOM weights and no routing trace: its routing and text mean nothing."
+    return (f"Model size {what}: RANDOM weights, routing with a real model's statistics (reuse, hot experts, "
+            f"lookahead recall); its text means nothing.")
