@@ -82,7 +82,7 @@ class ReadPlan:
                               # preset's storage, engines.slot_bytes)
 
     @property
-    def slot_bytes(self):
+    def disk_bytes(self):
         """An expert's encoded bytes (the mean over the layers, where they differ)."""
         if not self.layers:
             return sum(self.part_bytes)

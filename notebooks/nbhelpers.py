@@ -90,7 +90,7 @@ def bench_arm(model: str, preset, budget, tokens: int, warmup: int = 4, note: di
     with open_session(model, preset, budget, prompt=prompt, tokens=tokens) as s:
         res = measure(s, prompt, tokens, warmup=warmup)
         res.update(preset=s.preset.name, budget=s.budget_text, slots_per_layer=min(s.cache.capacity.values()),
-                   item_bytes=s.item_bytes, token_rows=s.tel.token_rows())
+                   item_bytes=s.slot_bytes, token_rows=s.tel.token_rows())
         cfg = {**s.config(), "notebook": (note or {}).get("notebook"), "study": (note or {}).get("study"),
                "arm": (note or {}).get("arm"), "tokens": tokens, "prompt": prompt, "warmup": warmup}
         res["run"] = str(write_run(s.preset.name, cfg, {k: v for k, v in res.items() if k != "token_rows"},

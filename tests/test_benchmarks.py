@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py"))
-TESTED = {"full_size", "kernels", "ladders", "pack_formats", "peer", "regimes", "server_limits", "server_load",
+TESTED = {"before_after", "full_size", "kernels", "ladders", "pack_formats", "peer", "regimes", "server_limits", "server_load",
           "targets"}
 
 
@@ -230,3 +230,20 @@ def test_server_limits(tmp_path):
         assert p["next_request"] == 200 and p["server_running"], name
         assert rows_of(md, name), f"{name}: not in the table"
     assert "All phases clean (every answer 200 or 4xx, the next request answered): True." in md
+
+
+@pytest.mark.slow
+def test_before_after(tmp_path):
+    """This tree against a revision (here its own HEAD), alternating: a row per tree, design and budget, and the
+    checks computed from those rows."""
+    out = tmp_path / "before_after.md"
+    run("before_after", "--rev", "HEAD", "--model", "demo", "--budgets", "0.25", "--designs", "on_demand,les",
+        "--tokens", 2, "--rounds", 1, "--out", out)
+    md = out.read_text()
+    assert command_line(md).startswith("python benchmarks/before_after.py --rev HEAD --model demo --budgets 0.25")
+    rows = {(r[1], r[2]): r for r in (rows_of(md, "0.25"))}
+    assert set(rows) == {(d, t) for d in ("on_demand", "les") for t in ("before (HEAD)", "after")}
+    for t in ("before (HEAD)", "after"):
+        od, les = rows[("on_demand", t)], rows[("les", t)]
+        assert od[6] == "1.00" and float(les[6]) == pytest.approx(float(les[5]) / float(od[5]), abs=0.02)
+        assert f"- {t}: lowest of floor" in md
