@@ -62,7 +62,7 @@ def plan(shape: str, trace=None) -> Plan:
     trace = str(trace or DEMO_TRACE)
     meta = read_trace(trace)["meta"]
     try:
-        experts = replay_experts(shown(trace), meta, SHAPES[shape]["num_experts_per_tok"])
+        experts = replay_experts(shown(trace), meta, SHAPES[shape]["num_experts_per_tok"], SHAPES[shape]["num_experts"])
     except WorkbenchError as e:
         raise WorkbenchError(f"model size {shape}: {e}") from None
     return Plan(shape, trace, LAYERS, experts, checkpoint_path(shape, LAYERS, experts))

@@ -147,11 +147,12 @@ def shuffled(topk: np.ndarray, num_experts: int, seed: int) -> np.ndarray:
     return out
 
 
-def replay_experts(path, trace_spec: dict, top_k: int) -> int:
+def replay_experts(path, trace_spec: dict, top_k: int, num_experts: int | None = None) -> int:
     """The experts per layer a model of this top-k needs to replay the trace (r x the trace's, r = top_k / the
-    trace's top-k: the rule expert_map applies), or a one-line refusal."""
+    trace's top-k: the rule expert_map applies; or the trace's own where they are the model's `num_experts` and its
+    top-k is at least the trace's), or a one-line refusal."""
     E, k = trace_spec["num_experts"], trace_spec["top_k"]
-    if top_k >= k and top_k % k:             # expert_map's identity with fewer experts a token than the model's
+    if num_experts == E and top_k >= k:      # expert_map's identity with fewer experts a token than the model's
         return E
     if top_k < k or top_k % k:
         raise WorkbenchError(f"{path}: a trace of {E} experts top-{k} maps onto a model only when the model's top-k "
