@@ -100,10 +100,11 @@ class DesignRun:
     _init_locks: dict = {}          # one per stored form of a model: its conversion and usage profile are made once
 
     def __init__(self, model: str, design: str, budget: str, prompt: str, tokens: int, device: str | None = None,
-                 routing_trace: str | None = None):
+                 routing_trace: str | None = None, knobs: dict | None = None):
         self.id = secrets.token_hex(4)
         self.device = device            # an emulated device's profile name (data/devices), or None: this machine
         self.routing_trace = routing_trace   # routing replayed from a trace (a make-model checkpoint's real shape)
+        self.knobs = dict(knobs or {})      # preset knobs set on the design (bench's --set)
         self.model, self.design, self.prompt, self.tokens = model, design, prompt, int(tokens)
         # a design whose preset keeps every expert resident ("all") is the ceiling: the budget does not apply
         self.budget = budget_for(PRESETS[design], budget)
@@ -117,7 +118,7 @@ class DesignRun:
         self._stop = ctx.Event()
         self.process = ctx.Process(target=worker.run_design, name=f"workbench-{design}-{self.id}", daemon=True,
                                    args=(child, self._stop, model, design, self.budget, prompt, self.tokens, device,
-                                         routing_trace))
+                                         routing_trace, self.knobs))
         self._child = child
         self.thread = threading.Thread(target=self._listen, name=f"workbench-{design}-{self.id}", daemon=True)
 
@@ -202,14 +203,17 @@ MAX_RUNS = 8        # design processes at once on this server: every page, sessi
 
 
 def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens: int, device: str | None = None,
-               routing_trace: str | None = None) -> list[str]:
-    """Start one process per design; refused, in one line, when that would run more than MAX_RUNS at once."""
+               routing_trace: str | None = None, knobs: dict | None = None) -> list[str]:
+    """Start one process per design (knobs: preset knobs set on each, checked here); refused, in one line, when that
+    would run more than MAX_RUNS at once."""
+    for d in designs if knobs else ():
+        PRESETS[d].with_(**knobs)           # a knob no preset has, or a value it refuses: one line, before any start
     with _RUNS_LOCK:
         busy = sum(r.active and not r.stopping for r in _RUNS.values())
         if busy + len(designs) > MAX_RUNS:
             raise WorkbenchError(f"busy: {busy} designs are running on this machine and at most {MAX_RUNS} run at "
                                  f"once; stop some or wait for them to finish")
-        runs = [DesignRun(model, d, budget, prompt, tokens, device, routing_trace) for d in designs]
+        runs = [DesignRun(model, d, budget, prompt, tokens, device, routing_trace, knobs) for d in designs]
         _RUNS.update((r.id, r) for r in runs)
         old = [k for k, r in _RUNS.items() if not r.active]
         for k in old[: max(0, len(_RUNS) - KEEP)]:

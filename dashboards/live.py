@@ -129,7 +129,7 @@ def shape_model(shape: str, trace: str | None) -> tuple[str, str]:
     return str(p.path), p.trace
 
 
-def start(model, designs, budget, prompt, tokens, device=None, routing_trace=None, shape=None):
+def start(model, designs, budget, prompt, tokens, device=None, routing_trace=None, shape=None, knobs=""):
     C.stop_runs(state.run_ids)
     state.run_ids, state.numbers, state.records = [], {}, {}
     try:
@@ -141,7 +141,9 @@ def start(model, designs, budget, prompt, tokens, device=None, routing_trace=Non
         if shape:
             model, routing_trace = shape_model(shape, routing_trace)
         C.check_inputs(model, designs, budget, prompt, tokens)
-        state.run_ids = C.start_runs(model, designs, budget, prompt, tokens, device, routing_trace)
+        from experiments.cli import knobs_of
+        sets = knobs_of([k.strip() for k in knobs.split(",") if k.strip()])
+        state.run_ids = C.start_runs(model, designs, budget, prompt, tokens, device, routing_trace, sets)
     except WorkbenchError as e:
         st.error(str(e))
 
@@ -165,6 +167,9 @@ def sidebar():
                                  help="presets from workbench/presets.py")
         budget = st.text_input("expert budget", "0.25", key="budget",
                                help="a fraction of all experts (0.25), a size (96MiB), or all")
+        knobs = st.text_input("preset knobs", "", key="knobs", placeholder="KNOB=VALUE, ...",
+                              help="set on every design, as bench's --set: e.g. lookahead_recall=0.66, "
+                                   "cache_policy=lfu (the names a run record's config gives them)")
         prompt = st.text_area("prompt", "Once upon a time", key="prompt", height=80)
         tokens = st.number_input("tokens", min_value=1, max_value=2048, value=64, step=8, key="tokens")
         from workbench.devices import names
@@ -179,8 +184,8 @@ def sidebar():
             C.stop_runs(state.run_ids)
         st.caption("Designs whose preset keeps every expert resident (resident, teacher) ignore the budget.")
     device, shape = None if flash == THIS_MACHINE else flash, None if size == M.DEMO else size
-    return ((model.strip(), designs, budget.strip(), prompt, int(tokens), device, trace.strip() or None, shape)
-            if pressed else None)
+    return ((model.strip(), designs, budget.strip(), prompt, int(tokens), device, trace.strip() or None, shape,
+             knobs) if pressed else None)
 
 
 @st.fragment(run_every=1.0)

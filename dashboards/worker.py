@@ -39,7 +39,8 @@ def telemetry(s) -> tuple:
     return tokens, ring, s.summary(copy)
 
 
-def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens: int, device, routing_trace):
+def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens: int, device, routing_trace,
+               knobs: dict | None = None):
     """The process's body: a Session, generate, write the run record; every outcome is a message."""
     from workbench.host import lower_priority
     lower_priority(WORKER_NICE)         # every thread (some start while the process imports); later ones inherit it
@@ -51,7 +52,7 @@ def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens:
         from runtime.session import open_session
         conn.send(("status", "starting"))
         s = open_session(model, design, budget, prompt=prompt, tokens=tokens, drive=drive(routing_trace),
-                         device=device)
+                         device=device, **(knobs or {}))
         conn.send(("status", "running"))
         last = [0.0]
 

@@ -574,6 +574,22 @@ def test_a_shape_without_room_on_disk_is_refused_in_one_line(tmp_path, monkeypat
     assert not (tmp_path / "cache" / "models").exists()
 
 
+def test_preset_knobs_are_set_on_every_design_and_a_bad_one_is_one_line(runs_root):
+    """The page takes bench's --set: KNOB=VALUE pairs set on every design it starts, checked before any starts."""
+    at = app(LIVE)
+    at.text_input(key="knobs").set_value("predictr=oracle")
+    at = start(at, ["on_demand", "les"])
+    assert "'predictr': not a preset knob" in errors(at) and not at.session_state["run_ids"]
+    at.text_input(key="knobs").set_value("cache_policy=lfu, lookahead_recall=0.66")
+    at = start(at, ["on_demand", "les"], tokens=2)
+    runs = C.get_runs(at.session_state["run_ids"])
+    assert [r.knobs for r in runs] == [{"cache_policy": "lfu", "lookahead_recall": "0.66"}] * 2
+    poll(at, lambda a: not any(r.active for r in C.get_runs(a.session_state["run_ids"])))
+    assert {r.status for r in runs} == {"done"}, [(r.status, r.error) for r in runs]
+    from workbench.runs import read_run
+    assert {read_run(r.record)["config"]["preset"]["cache_policy"] for r in runs} == {"lfu"}
+
+
 def test_a_shape_whose_top_k_cannot_replay_the_trace_is_refused_in_one_line():
     at = app(LIVE)
     at.selectbox(key="shape").set_value("qwen3-next-80b-a3b")
