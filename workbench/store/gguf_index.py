@@ -119,6 +119,14 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
         os.close(fd)
     del buf
 
+    return write_index(dst, header, tensors, here, lambda name: _encode(
+        model.tensor_raw(name) if tensors[name]["kind"].startswith("gguf:") else model.tensor(name),
+        tensors[name]["kind"]))
+
+
+def write_index(dst, header: dict, tensors: dict, here: list, payload) -> Path:
+    """An index pack, atomically: its header, then the tensors it holds itself (`here`; payload(name): their
+    encoded bytes, made one at a time: llama's permuted Q/K can be large) at 4 KiB-aligned offsets after it."""
     data_start = ALIGN
     while True:         # the header's length depends on the offsets it records: iterate to a fixed point
         off = data_start
@@ -134,11 +142,10 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(dst) as tmp, open(tmp, "wb") as f:
         f.truncate(header["file_size"])
-        for name in here:           # one at a time: llama's permuted Q/K can be large
-            t = tensors[name]
-            b = _encode(model.tensor_raw(name) if t["kind"].startswith("gguf:") else model.tensor(name), t["kind"])
-            t["crc32"] = _crc(b)
-            f.seek(t["offset"])
+        for name in here:
+            b = payload(name)
+            tensors[name]["crc32"] = _crc(b)
+            f.seek(tensors[name]["offset"])
             f.write(b)
         hb = _header_bytes(header)
         f.seek(0)

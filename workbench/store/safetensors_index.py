@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import struct
 import time
-import zlib
 from pathlib import Path
 
-from workbench.atomic import atomic_path
 from workbench.chat import find_template
 from workbench.errors import WorkbenchError
-from workbench.store.gguf_index import CHUNK, _crcs
-from workbench.store.pack import (ALIGN, FORMAT, MAGIC, PARTS, PREFIX, _align, _crc, _encode, _header_bytes, _nbytes,
-                                  expert_shapes)
+from workbench.store.gguf_index import CHUNK, _crcs, write_index
+from workbench.store.pack import FORMAT, PARTS, _encode, _nbytes, expert_shapes
 
 
 def in_place(model) -> bool:
@@ -107,26 +103,4 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
     finally:
         os.close(fd)
 
-    data_start = ALIGN
-    while True:         # the header's length depends on the offsets it records: iterate to a fixed point
-        off = data_start
-        for name in here:
-            tensors[name]["offset"] = off
-            off = _align(off + tensors[name]["nbytes"])
-        header["file_size"] = off
-        need = _align(PREFIX + len(_header_bytes(header)))
-        if need == data_start:
-            break
-        data_start = need
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(dst) as tmp, open(tmp, "wb") as f:
-        f.truncate(header["file_size"])
-        for name in here:
-            b = _encode(model.tensor(name), "f32")
-            tensors[name]["crc32"] = _crc(b)
-            f.seek(tensors[name]["offset"])
-            f.write(b)
-        hb = _header_bytes(header)
-        f.write(MAGIC + struct.pack("<IQI", FORMAT, len(hb), zlib.crc32(hb)) + hb)
-    return dst
+    return write_index(dst, header, tensors, here, lambda name: _encode(model.tensor(name), "f32"))
