@@ -90,11 +90,8 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
         layer_kinds[str(L)] = model.expert_kinds(L)
         layers[str(L)] = [{"parts": {p: list(o) for p, o in model.expert_location(L, e).items()}, "crc32": "0" * 8}
                           for e in range(s.num_experts)]
-    lsize = {L: sum(_nbytes(shapes[p], k[p]) for p in PARTS) for L, k in layer_kinds.items()}
     header["tensors"] = tensors
-    header["experts"] = {"shapes": {p: list(shapes[p]) for p in PARTS}, "kinds": layer_kinds[str(s.moe_layers[-1])],
-                         "layer_kinds": layer_kinds, "nbytes": max(lsize.values()),
-                         "total_nbytes": s.num_experts * sum(lsize.values()), "layers": layers}
+    header["experts"] = experts_header(s, shapes, layer_kinds, layers)
 
     buf = memoryview(bytearray(chunk))
     fd = os.open(gguf, os.O_RDONLY)
@@ -122,6 +119,14 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
     return write_index(dst, header, tensors, here, lambda name: _encode(
         model.tensor_raw(name) if tensors[name]["kind"].startswith("gguf:") else model.tensor(name),
         tensors[name]["kind"]))
+
+
+def experts_header(s, shapes: dict, layer_kinds: dict, layers: dict) -> dict:
+    """An index's "experts" entry: their shapes, each layer's kinds and where each expert's parts lie."""
+    lsize = {L: sum(_nbytes(shapes[p], k[p]) for p in PARTS) for L, k in layer_kinds.items()}
+    return {"shapes": {p: list(shapes[p]) for p in PARTS}, "kinds": layer_kinds[str(s.moe_layers[-1])],
+            "layer_kinds": layer_kinds, "nbytes": max(lsize.values()), "total_nbytes": s.num_experts * sum(lsize.values()),
+            "layers": layers}
 
 
 def write_index(dst, header: dict, tensors: dict, here: list, payload) -> Path:

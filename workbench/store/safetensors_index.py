@@ -19,7 +19,7 @@ from pathlib import Path
 
 from workbench.chat import find_template
 from workbench.errors import WorkbenchError
-from workbench.store.gguf_index import CHUNK, _crcs, write_index
+from workbench.store.gguf_index import CHUNK, _crcs, experts_header, write_index
 from workbench.store.pack import FORMAT, PARTS, _encode, _nbytes, expert_shapes
 
 
@@ -70,11 +70,8 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
         layer_kinds[str(L)] = model.expert_kinds(L)
         layers[str(L)] = [{"runs": {p: [[off, n] for _, off, n in rs] for p, rs in model.expert_runs(L, e).items()},
                            "crc32": "0" * 8} for e in range(s.num_experts)]
-    lsize = {L: sum(_nbytes(shapes[p], k[p]) for p in PARTS) for L, k in layer_kinds.items()}
     header["tensors"] = tensors
-    header["experts"] = {"shapes": {p: list(shapes[p]) for p in PARTS}, "kinds": layer_kinds[str(s.moe_layers[-1])],
-                         "layer_kinds": layer_kinds, "nbytes": max(lsize.values()),
-                         "total_nbytes": s.num_experts * sum(lsize.values()), "layers": layers}
+    header["experts"] = experts_header(s, shapes, layer_kinds, layers)
 
     buf = memoryview(bytearray(chunk))
     fd = os.open(shard.path, os.O_RDONLY)
