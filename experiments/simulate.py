@@ -69,7 +69,7 @@ from workbench.spec import MoESpec
 from workbench.registry import experts_for
 from workbench.store.pack import PARTS, _align, _nbytes, expert_kinds, expert_shapes   # the pack's own read plan
 from workbench.schedule import LayerStep, Schedule
-from workbench.telemetry import LayerEvent, Telemetry, rates
+from workbench.telemetry import LayerEvent, Telemetry, prediction_rates, rates
 
 
 @dataclass(frozen=True)
@@ -265,8 +265,6 @@ class _Simulation:
         self.predictor = drive.predictor()
         self.counts = Telemetry(len(spec.moe_layers))
         self.schedule = Schedule(self.cache, self, self.counts, preset.execution.order.value)
-        self.layers = {L: dict(layer=L, hits=0, late=0, misses=0, bytes_read=0, wait_s=0.0, compute_s=0.0,
-                               predicted=0, predicted_used=0, routed=0) for L in spec.moe_layers}
         self.n = dict(bytes=0, wait=0.0, spec_steps=0, spec_accepted=0)
 
     def fill(self, total: int):
@@ -375,16 +373,7 @@ class _Simulation:
         for b in batch if self.predictor is not None else ():
             self.schedule.name(b, self.predictor.predict(L, self.pos.step(b)), getattr(self.predictor, "certain", False))
         self.schedule.run_layer(st)
-        r = self.layers[L]
-        r["predicted"] += len(ev.predicted)
-        r["predicted_used"] += len(set(ev.predicted) & set(ev.routed))
-        r["routed"] += len(ev.routed)
-        r["hits"] += sum(ev.hit)
-        r["late"] += ev.late
-        r["misses"] += st.misses
-        r["bytes_read"] += ev.bytes_read
-        r["wait_s"] += ev.wait_s
-        r["compute_s"] += ev.compute_s
+        self.counts.add_event(ev)
 
     # ------------------------------------------------------------ the virtual clock (workbench.schedule.Clock)
 
@@ -429,24 +418,20 @@ class _Simulation:
         pass
 
     def result(self, steps: int, decode_s: float, at_decode: list) -> dict:
-        n, layers = self.n, self.layers
-        hits, late, misses = (sum(r[k] for r in layers.values()) for k in ("hits", "late", "misses"))
-        served = [r for r in layers.values() if r["predicted"]]     # recall counts layers a predictor served, as bench's
-        named, used, routed = (sum(r[k] for r in served) for k in ("predicted", "predicted_used", "routed"))
-        for r in layers.values():
-            r.update(rates(r["hits"], r["late"], r["misses"]))
+        n, layers = self.n, self.counts.per_layer("decode")
+        hits, late, misses = (sum(r[k] for r in layers) for k in ("hits", "late", "misses"))
+        recall, precision = prediction_rates(layers)
         return {"tok_s": steps / decode_s if decode_s > 0 else float("inf"), **rates(hits, late, misses),
                 "hits": hits, "late": late, "misses": misses, "bytes_read": n["bytes"],
                 "bytes_read_per_token": n["bytes"] / max(1, steps),
                 "flash_wait_s": n["wait"], "flash_wait_per_token_s": n["wait"] / max(1, steps), "decode_s": decode_s,
                 "decode_steps": steps, "prefetch_issued": self.counts.prefetch_issued,
                 "prefetch_used": self.counts.prefetch_used,
-                "prefetch_wasted": self.counts.prefetch_wasted, "recall": used / routed if named else None,
-                "precision": used / named if named else None,
+                "prefetch_wasted": self.counts.prefetch_wasted, "recall": recall, "precision": precision,
                 "experts_read": self.counts.demand_reads + self.counts.prefetch_issued, "spec_steps": n["spec_steps"],
                 "spec_accepted": n["spec_accepted"], "budget_bytes": self.budget_bytes,
                 "cache_slots": self.cache.capacity[self.spec.moe_layers[0]], "cache_at_decode": at_decode,
-                "per_layer": [layers[L] for L in self.spec.moe_layers]}
+                "per_layer": layers}
 
 
 def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,

@@ -33,6 +33,14 @@ def rates(hits: int, late: int, misses: int) -> dict:
     return {"hit_rate": hits / n, "late_rate": late / n, "miss_rate": misses / n}
 
 
+def prediction_rates(layers: list[dict]) -> tuple:
+    """(recall, precision) of a predictor over per-layer rows (Telemetry.per_layer), counting the layers it served;
+    (None, None) where it named nothing."""
+    served = [r for r in layers if r["predicted"]]
+    routed, named, used = (sum(r[k] for r in served) for k in ("routed", "predicted", "predicted_used"))
+    return (used / routed, used / named) if named else (None, None)
+
+
 @dataclass
 class LayerEvent:
     token: int                  # index of the generated token (prefill: -1)
@@ -206,10 +214,7 @@ class Telemetry:
         pre = [t for t in self.tokens if t.phase == "prefill"]
         layers = self.per_layer("decode")
         hits, late, misses = (sum(r[k] for r in layers) for k in ("hits", "late", "misses"))
-        predicted_layers = [r for r in layers if r["predicted"]]     # recall counts layers a predictor served
-        routed = sum(r["routed"] for r in predicted_layers)
-        predicted = sum(r["predicted"] for r in predicted_layers)
-        used = sum(r["predicted_used"] for r in predicted_layers)
+        recall, precision = prediction_rates(layers)
         wall = sum(t.wall_s for t in dec)
         s = dict(
             decode_steps=len(dec),
@@ -225,8 +230,7 @@ class Telemetry:
             compute_s=sum(t.compute_s for t in dec),
             router_s=sum(t.router_s for t in dec),
             other_s=sum(t.other_s for t in dec),
-            prefetch_recall=used / routed if predicted else None,
-            prefetch_precision=used / predicted if predicted else None,
+            prefetch_recall=recall, prefetch_precision=precision,
             prefetch_issued=self.prefetch_issued, prefetch_used=self.prefetch_used,
             prefetch_wasted=self.prefetch_wasted, wasted_bytes=self.wasted_bytes,
         )
