@@ -162,19 +162,6 @@ def warm_set(cache: ExpertCache, usage: dict) -> list[tuple[int, int]]:
     return [(L, int(e)) for L in layers for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per]]
 
 
-def reserve_ahead(cache: ExpertCache, keys, value, protect=(), spare: int = 0) -> list:
-    """Reserve the keys not yet in the cache, in order, until one finds no slot (a prefetch never evicts what
-    `protect` holds, nor, with spare, what was used within the last `spare` steps); returns those reserved."""
-    out = []
-    for k in keys:
-        if k in cache:
-            continue
-        if not cache.reserve(k, value, protect, spare):
-            break
-        out.append(k)
-    return out
-
-
 class GuessAdmission:
     """What a predictor's guesses may do, from what they and the cache have shown so far (counts Laplace-smoothed):
     - `admit()`: guess at all only while more of the experts it names are used than not (its precision at least
