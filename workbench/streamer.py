@@ -42,8 +42,8 @@ class ExpertStreamer:
     def _reserve(self, key, pin=False) -> bool:
         """A cache slot for key (evicting as the cache decides); the arena frees the slots of what was evicted."""
         ok = self.cache.pin(key, None) if pin else self.cache.reserve(key, None)
-        if self.arena is not None and self.cache.last_evicted:
-            self.arena.release(self.cache.last_evicted)
+        if self.cache.last_evicted:
+            self.evicted(self.cache.last_evicted)
         return ok
 
     def _issue(self, keys: list[tuple], priority: int = 0) -> int:
