@@ -21,6 +21,7 @@ from engines import DEFAULT
 from workbench.presets import get_preset
 from workbench.registry import resolve_pack, storage_for
 from workbench.store.pack import Pack
+from runtime.session import trace_cannot_drive
 from workbench.errors import WorkbenchError
 
 BIAS_SWEEP = (0.005, 0.02, 0.05, 0.1, 0.25)
@@ -98,6 +99,8 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     else:
         raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache, designs or budgets (edge0 has its own verb)")
     rungs = [(p.with_(**knobs), b) for p, b in rungs] if knobs else rungs
+    not_run = [{"rung": p.name, "why": why} for p, _ in rungs if routing_trace and (why := trace_cannot_drive(p))]
+    rungs = [(p, b) for p, b in rungs if not (routing_trace and trace_cannot_drive(p))]
     base = {"les": "on_demand", "smol": "smol", "cache": "les"}.get(name)
     variant_of = {"on_demand c=0": "on_demand"}         # a designs rung that is not a preset of its own
     rungs = [(p, b, engine) for p, b in rungs] + [(p, b, e) for e, names in (also_on or {}).items()
@@ -125,7 +128,7 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     for row in rows:
         row["speedup"] = row["tok_s"] / base if base else None
     return {"ladder": name, "model": model, "budget": budget, "rounds": rounds, "rungs": rows, "device": device,
-            "emulated": bool(device), "routing_trace": routing_trace}
+            "emulated": bool(device), "routing_trace": routing_trace, "not_run": not_run}
 
 
 def table(res: dict) -> str:
@@ -139,4 +142,5 @@ def table(res: dict) -> str:
                      f"{r['speedup']:5.2f} {r['hit_rate']:5.2f} {rec:>6} {1e3 * r['flash_wait_per_token_s']:11.2f} "
                      f"{r['bytes_read_per_token'] / 1e3:11.1f} {r['achieved_over_floor']:6.2f}"
                      + (f"  ppl {r['heldout_ppl']:.3f}" if r.get("heldout_ppl") else ""))
+    lines += [f"{r['rung'][:34]:34} not run: the routing trace {r['why']}" for r in res.get("not_run", [])]
     return "\n".join(lines)

@@ -34,6 +34,13 @@ from workbench.store.pack import Pack
 from workbench.telemetry import Telemetry, TokenRecord
 
 
+def trace_cannot_drive(p: Preset) -> str | None:
+    """Why a routing trace cannot drive preset p (None when it can): a trace replays exact routing, a token at a time."""
+    if p.routing.router is not Router.EXACT or p.execution.speculative:
+        return "changes routing or decodes speculatively; a trace replays exact routing one token at a time"
+    return None
+
+
 class Session:
     def __init__(self, plan: Plan, *, direct: bool = True, workers: int | None = None, usage: dict | None = None,
                  trace: dict | None = None, weights: dict | None = None, deltas: dict | None = None,
@@ -69,9 +76,8 @@ class Session:
         w = {**cls.needed_weights(self.pack), **(weights or {})}
         self.drive = None
         if drive:
-            if p.routing.router is not Router.EXACT or p.execution.speculative:
-                raise WorkbenchError(f"--routing-trace: preset {p.name} changes routing or decodes speculatively; "
-                                     "a trace replays exact routing one token at a time")
+            if why := trace_cannot_drive(p):
+                raise WorkbenchError(f"--routing-trace: preset {p.name} {why}")
             self.drive, self.lora = drive(s, str(p.prefetch) or None, recall=p.prefetch.recall), None
             usage = self.drive.usage
             predictor, router_hook, hook_deltas = self.drive.predictor(), self.drive.route, {}

@@ -301,3 +301,14 @@ def test_a_made_top8_checkpoint_runs_the_top6_trace_as_traced_on_every_engine(tm
         for ev in decode:
             assert ev.routed == sorted(set(tr["topk"][2 + ev.token, ev.layer].tolist()))
     np.testing.assert_allclose(logits["packed"], logits["numpy"], rtol=2e-3, atol=2e-3)
+
+
+def test_the_les_ladder_on_a_trace_runs_the_rungs_a_trace_can_drive_and_names_the_one_it_cannot():
+    """Speculative verification decodes several tokens at once, which a recorded trace cannot: that rung is listed as
+    not run, with why, and every other rung runs on the trace's routing."""
+    from experiments.ladder import run_ladder, table
+    res = run_ladder("les", "demo", tokens=4, rounds=1, routing_trace=str(REPO / "data/traces/demo-tinystories-256.parquet"))
+    assert [r["rung"] for r in res["rungs"]] == ["on_demand", "+lookahead", "+ready_first & contiguous",
+                                                 "+mixed precision (q3/q4)"]
+    assert [r["rung"] for r in res["not_run"]] == ["+speculative verification"]
+    assert "+speculative verification" in table(res) and "not run: the routing trace" in table(res)
