@@ -91,8 +91,7 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     elif name == "cache":
         rungs = cache_rungs(*top_k_and_slot_bytes(model, "les"))
     elif name == "budgets":             # does prediction pay at every budget? each design against on_demand
-        st = get_preset("smol").storage
-        spec = Pack(resolve_pack(model, st.layout.value, st.experts, st.rest)).spec
+        spec = Pack(resolve_pack(model, *storage_for(model, get_preset("smol").storage))).spec
         pager_fits = lambda b: int(float(b) * spec.num_experts) >= spec.top_k      # a layer's pool holds its top-k
         rungs = [(get_preset(n).with_(name=f"{n} @{b}"), b) for b in BUDGETS for n in ("on_demand", "les", "smol")
                  if n != "smol" or pager_fits(b)]

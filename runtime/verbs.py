@@ -19,80 +19,33 @@ def _info_flags(p):
 
 @command("info", "describe a model, pack or GGUF", _info_flags)
 def cmd_info(args):
-    from engines import default_engine, engine_class, slot_bytes
-    from workbench.presets import Budget, get_preset
-    from workbench.edge0.artifacts import edge0_dir, edge0_dir_of, served_bytes
+    """The plan of a run (runtime.plan), nothing converted: a checkpoint not yet converted, or its config.json alone,
+    is sized at the pack the preset would write."""
+    from runtime.plan import config_only, plan
+    from workbench.memory import describe
     from workbench.models.mlx_layout import is_mlx_layout
-    from workbench.registry import is_pack, model_dir, resolve_pack, storage_for
-    preset = get_preset(args.preset)
-    gguf = _info_gguf(args) if str(args.model).endswith(".gguf") else None
-    p = model_dir(args.model)
-    config = config_only(p)
-    if not config and (gguf or is_mlx_layout(p)):  # a run streams it through its index: sized as that pack
-        p = resolve_pack(args.model, *storage_for(args.model, preset.storage))
-    if config:                      # before the download: the shapes from config.json alone
-        from workbench.memory import tensor_shapes
-        from workbench.models.hf import read_config
-        from workbench.spec import from_hf_config
-        spec = from_hf_config(read_config(config), str(config))
-        shapes = tensor_shapes(spec)
-        obj = {"path": str(config), "kind": "config", "spec": spec.to_dict(), "engine": args.engine or default_engine()}
-        item, resident_bytes = slot_bytes(obj["engine"], spec, preset.storage), None
-        if "quantization" in read_config(config):       # MLX's layout: it runs at its own bits, in place
-            from types import SimpleNamespace
-            from engines.packed_kernels import affine_of
-            from workbench.memory import planned_mlx
-            tensors, slot, kinds = planned_mlx(read_config(config), spec)
-            if not args.engine and obj["engine"] == "packed" and not all(map(affine_of, kinds)):
-                obj["engine"] = "numpy"                 # as default_engine picks for its index
-            cls = engine_class(obj["engine"])
-            resident_bytes = cls.resident_bytes(SimpleNamespace(spec=spec, tensors=tensors))
-            item = slot if cls.slot_arena else cls.slot_bytes(spec)
-        adapters = 0
-    elif is_pack(p):
-        from workbench.store.pack import Pack
-        pack = Pack(p)
-        obj = {"path": str(p), "kind": "pack", "spec": pack.spec.to_dict(), "layout": pack.layout, "quant": pack.quant,
-               "expert_nbytes": pack.expert_nbytes, "experts": pack.num_expert_total, "file_size": pack.header["file_size"]}
-        spec, shapes = pack.spec, {n: t["shape"] for n, t in pack.tensors.items()}
-        obj["engine"] = args.engine or default_engine(pack)
-        item, resident_bytes = slot_bytes(obj["engine"], pack), engine_class(obj["engine"]).resident_bytes(pack)
-        adapters = served_bytes(edge0_dir(pack), preset)
+    from workbench.registry import is_pack, model_dir
+    pl = plan(args.model, args.preset, args.budget, args.engine, convert=False, check=False)
+    src = model_dir(pl.model)
+    if config := config_only(src):
+        obj = {"path": str(config), "kind": "config"}
+    elif is_pack(src) or is_mlx_layout(src):     # a pack, or an index of the checkpoint where it lies
+        pk = pl.pack
+        obj = {"path": str(pk.path), "kind": "pack", "layout": pk.layout, "quant": pk.quant,
+               "expert_nbytes": pk.expert_nbytes, "experts": pk.num_expert_total, "file_size": pk.header["file_size"]}
     else:
         from workbench.models.hf import HFModel
-        m = HFModel(p)
-        obj = {"path": str(p), "kind": "huggingface", "spec": m.spec.to_dict(), "tensors": len(m.where),
-               "expert_tensors": len(m.experts), "engine": args.engine or default_engine()}
-        spec, shapes = m.spec, {n: m.tensor_shape(n) for n in m.where}
-        # not converted yet: an expert costs what it will in the pack the preset's Session converts it to
-        item, resident_bytes = slot_bytes(obj["engine"], spec, preset.storage), None
-        adapters = served_bytes(edge0_dir_of(p), preset)
-    from workbench.memory import describe, memory_needs
-    from workbench.host import peak_rss_bytes
-    budget = Budget(str(args.budget if args.budget is not None else preset.cache.budget))
-    engine_class(obj["engine"])         # its module imported: this process's memory is a run's runtime
-    obj["memory"] = memory_needs(spec, shapes, budget, item, resident_bytes, obj["engine"],
-                                 runtime_bytes=peak_rss_bytes(), speculative=preset.execution.speculative,
-                                 adapter_bytes=adapters, scope=preset.cache.scope.value)
+        m = HFModel(src)
+        obj = {"path": str(src), "kind": "huggingface", "tensors": len(m.where), "expert_tensors": len(m.experts),
+               "pack": str(pl.pack.path) if pl.pack else None}
+    obj.update(spec=pl.spec.to_dict(), engine=pl.engine, memory=pl.memory)
     s = obj["spec"]
-    head = f"{p}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, " \
+    head = f"{obj['path']}: {s['family']}, {s['num_layers']} layers, {s['num_experts']} experts, top-{s['top_k']}, " \
            f"d={s['hidden_size']}"
-    if gguf:
-        obj = {**gguf[0], "index": str(p), "engine": obj["engine"], "memory": obj["memory"]}
-        head = gguf[1]
-    emit(args, obj, f"{head}\n{describe(obj['memory'])}")
-
-
-def config_only(p):
-    """The config.json to size a model by when `p` is one, or a directory holding it and no weights; else None."""
-    from pathlib import Path
-    p = Path(p)
-    if p.is_file() and p.suffix == ".json":
-        return p
-    if p.is_dir() and (p / "config.json").is_file() and not any(p.glob("*.safetensors")) \
-            and not (p / "model.safetensors.index.json").exists():
-        return p / "config.json"
-    return None
+    if str(args.model).endswith(".gguf"):
+        gguf, head = _info_gguf(args)
+        obj = {**gguf, "index": obj["path"], "engine": pl.engine, "memory": pl.memory}
+    emit(args, obj, f"{head}\n{describe(pl.memory)}")
 
 
 def _info_gguf(args) -> tuple[dict, str]:

@@ -88,8 +88,7 @@ def resolve_pack(model: str, layout: str, experts: str, rest: str, progress: boo
                 from workbench.store.safetensors_index import build_index
             build_index(p, dst, progress=progress)
         return dst
-    name = f"{p.name}-{fingerprint(p)}-{layout}-{experts}-{rest}-f{FORMAT}.pack"   # a new format converts afresh
-    dst = cache_dir() / "packs" / name
+    dst = pack_path(p, layout, experts, rest)
     if not dst.exists():
         model = open_model(p)
         size = planned_size(model, layout, experts, rest)
@@ -101,6 +100,17 @@ def resolve_pack(model: str, layout: str, experts: str, rest: str, progress: boo
             print(f"writing {what} (once)", file=sys.stderr)
         convert(model, dst, layout=layout, experts=experts, rest=rest, progress=progress)
     return dst
+
+
+def pack_path(p: Path, layout: str, experts: str, rest: str) -> Path:
+    """Where the pack of model directory (or GGUF) p at this storage lies, written or not."""
+    return cache_dir() / "packs" / f"{p.name}-{fingerprint(p)}-{layout}-{experts}-{rest}-f{FORMAT}.pack"  # a new format converts afresh
+
+
+def needs_writing(model: str, layout: str, experts: str, rest: str) -> bool:
+    """Whether resolve_pack would write a pack (a conversion, minutes), not find one or index the file in place."""
+    p = model_dir(model)
+    return not (is_pack(p) or (layout, experts, rest) == GGUF_STORAGE or pack_path(p, layout, experts, rest).exists())
 
 
 def storage_for(model: str, storage, named=(), engine: str | None = None) -> tuple[str, str, str]:

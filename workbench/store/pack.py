@@ -166,6 +166,13 @@ def _plan(model, layout: str, experts: str, rest: str, data_start: int):
     return tensors, expert_info, off
 
 
+def planned_tensors(shapes: dict, rest: str) -> dict:
+    """{name: {"shape", "kind", "nbytes"}} of the non-expert tensors a pack at precision `rest` holds, from their
+    shapes alone (a checkpoint not yet converted, or its config.json: runtime.plan)."""
+    return {n: {"shape": list(sh), "kind": (k := tensor_kind(n, tuple(sh), rest)), "nbytes": _nbytes(tuple(sh), k)}
+            for n, sh in shapes.items()}
+
+
 def planned_size(model, layout: str, experts: str, rest: str) -> int:
     """The bytes convert would write for `model` (its header's few KB aside): said before a pack is written."""
     return _plan(model, layout, experts, rest, ALIGN)[2]
