@@ -38,16 +38,29 @@ def figures_dir(small: bool) -> Path:
 
 
 def shown(path) -> str:
-    """A path as a notebook prints it: relative to the repository inside it, from ~ under the home folder, so that
-    stored outputs name no one's machine."""
+    """A path as a notebook prints it, naming no one's machine: under the runs root, the cache, the figures folder
+    or the temporary folder as $WORKBENCH_RUNS/..., $WORKBENCH_CACHE/..., $WB_NB_FIGURES/..., $TMPDIR/... (the
+    deepest that holds it), else relative to the repository, else from ~ under the home folder."""
     if not path:
         return path
     p = Path(path)
     if not p.is_absolute():
         return str(p)
-    if p.is_relative_to(REPO):
-        return str(p.relative_to(REPO))
-    return f"~/{p.relative_to(Path.home())}" if p.is_relative_to(Path.home()) else str(p)
+    from workbench.registry import cache_dir
+    roots = {"$WORKBENCH_CACHE": cache_dir(), "$TMPDIR": Path(tempfile.gettempdir()), "": REPO, "~": Path.home()}
+    roots |= {f"${v}": Path(os.environ[v]) for v in ("WORKBENCH_RUNS", "WB_NB_FIGURES") if os.environ.get(v)}
+    holding = [(len(root.resolve().parts), name, root.resolve()) for name, root in roots.items()
+               if p.resolve().is_relative_to(root.resolve())]
+    if not holding:
+        return str(p)
+    _, name, root = max(holding)
+    rel = p.resolve().relative_to(root)
+    return str(rel) if not name else f"{name}/{rel}" if rel.parts else name
+
+
+def run_id(path) -> str | None:
+    """A run record's id, as tables show it: its directory's name under the runs root (runs/ or $WORKBENCH_RUNS)."""
+    return Path(path).name if path else None
 
 
 # ---------------------------------------------------------------- labels: whose number, on what device
@@ -142,7 +155,7 @@ def split_adds_up(row: dict, rel: float = 1e-6) -> bool:
 def frame(rows: list[dict], columns: dict):
     """A DataFrame of `rows` with `columns` {source key: header}, in that order."""
     import pandas as pd
-    return pd.DataFrame([{h: shown(r.get(k)) if k == "run" else r.get(k) for k, h in columns.items()} for r in rows])
+    return pd.DataFrame([{h: run_id(r.get(k)) if k == "run" else r.get(k) for k, h in columns.items()} for r in rows])
 
 
 def ladder_vs_paper(res: dict, pub: dict | None, ours: str):

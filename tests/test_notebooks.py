@@ -42,6 +42,26 @@ SHARES = {"les_ablation": ["results/ladders.md"], "smol_pager": ["results/ladder
 MAX_NOTEBOOK_BYTES = 2_000_000      # reviewable: tables and charts, not megabytes of per-token data
 
 
+# what no output may show: a warning (tqdm's "IProgress not found" when ipywidgets is missing, any other), or an
+# absolute path of this machine (nbhelpers.shown prints paths relative to the repo or as $WORKBENCH_RUNS/...)
+NOISE = ("Warning", "IProgress", "Missing packages")
+MACHINE = (str(REPO), "/root/", "/home/", "/tmp/", "/work/")
+
+
+def leaks(cells) -> list[str]:
+    """Each warning or machine path the code cells' outputs show, with its cell and a little context."""
+    found = []
+    for i, c in enumerate(c for c in cells if c.cell_type == "code"):
+        for o in c.get("outputs", []):
+            data = {k: v for k, v in o.get("data", {}).items() if k != "image/png"}    # base64: no text to read
+            text = o.get("text", "") + json.dumps(data) + "\n".join(o.get("traceback", []))
+            for s in NOISE + MACHINE:
+                if s in text:
+                    at = text.index(s)
+                    found.append(f"code cell {i}: {s!r} in ...{text[max(0, at - 60):at + 60]}...")
+    return found
+
+
 def stored_with_outputs(nb) -> bool:
     return any(c.outputs or c.execution_count for c in nb.cells if c.cell_type == "code")
 
@@ -81,6 +101,12 @@ def _nbhelpers():
 
 
 @pytest.mark.parametrize("name", sorted(FIGURES))
+def test_stored_outputs_show_no_warning_and_no_machine_path(name):
+    """What a reader sees on GitHub: no warnings, nobody's absolute paths (`make notebook-outputs` regenerates them)."""
+    found = leaks(read(name).cells)
+    assert not found, f"{name}: " + "\n".join(found)
+
+
 def _committed_at(path: str) -> int | None:
     import subprocess
     out = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%ct", "--", path], capture_output=True,
@@ -187,10 +213,8 @@ def test_notebook_runs_at_the_small_setting(name, venv_kernel, tmp_path, monkeyp
     NotebookClient(nb, timeout=900, kernel_name=KERNEL, resources={"metadata": {"path": str(NB_DIR)}}).execute()
 
     assert nb.cells[-1].outputs[0]["text"].strip() == sys.executable, "the kernel is not this interpreter"
-    printed = "".join(o.get("text", "") + json.dumps(o.get("data", {}))
-                      for c in nb.cells[:-1] for o in c.get("outputs", []))        # the notebook's own cells
-    for noise in ("IProgress not found", "TqdmWarning", "Missing packages: ['ipywidgets']", str(REPO)):
-        assert noise not in printed, f"{name}: an output shows {noise!r} (ipywidgets missing, or a machine path)"
+    found = leaks(nb.cells[:-1])            # the notebook's own cells, as `make notebook-outputs` would store them
+    assert not found, f"{name}: " + "\n".join(found)
     conclusion = [o for o in nb.cells[-2].outputs if "text/markdown" in o.get("data", {})]
     assert conclusion and "Conclusion" in conclusion[0]["data"]["text/markdown"], f"{name}: no conclusion shown"
     assert {p.stem for p in figures.glob("*.png")} == FIGURES[name]
