@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -178,6 +179,55 @@ def test_a_stamp_says_what_made_a_figure_and_travels_in_its_png(tmp_path):
     bundle = shown._repr_mimebundle_()         # the cell's output: the PNG for repository browsers, the chart for Lab
     assert bundle["image/png"] and bundle["application/vnd.vegalite.v5+json"]["title"]["subtitle"] == nbh.stamp_lines(st)
     assert nbh.read_stamp(tmp_path / "f.png") != nbh.stamp(rows)          # unlabelled: no SIMULATED
+
+
+def test_a_path_is_shown_relative_to_the_repo_or_a_named_root(tmp_path, monkeypatch):
+    nbh = _nbhelpers()
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("WB_NB_FIGURES", str(tmp_path / "figures"))
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    assert nbh.shown(REPO / "notebooks" / "figures") == "notebooks/figures"
+    assert nbh.shown(tmp_path / "runs" / "sweeps" / "t.parquet") == "$WORKBENCH_RUNS/sweeps/t.parquet"
+    assert nbh.shown(tmp_path / "figures") == "$WB_NB_FIGURES"
+    assert nbh.shown(tmp_path / "cache" / "models" / "m") == "$WORKBENCH_CACHE/models/m"
+    assert nbh.shown(Path.home() / "elsewhere") == "~/elsewhere"
+    assert nbh.run_id(tmp_path / "runs" / "20261203T115843Z-les-ce0b19") == "20261203T115843Z-les-ce0b19"
+
+
+def test_the_full_size_sections_read_the_realistic_routing_files_and_pool_their_rounds(tmp_path, monkeypatch):
+    """Every results/full_size_* file on realistic routing (made with real statistics, or the real trace), none on
+    the earlier made routing; a file added later on realistic routing appears; rounds pool across files."""
+    nbh = _nbhelpers()
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("full_size_qwen3-next-80b-a3b-realistic-4GiB.json", "full_size_qwen3-next-80b-a3b-realistic-2-8GiB.json",
+                 "full_size_qwen3-next-80b-a3b-realistic-2-8GiB-round2.json",
+                 "full_size_qwen3-30b-a3b-q2_k_s-real-trace.json", "full_size_qwen3-next-80b-a3b-designs-4GiB.json",
+                 "full_size_qwen3.6-35b-a3b.json"):
+        (results / name).write_bytes((REPO / "results" / name).read_bytes())
+    later = json.loads((REPO / "results" / "full_size_qwen3.6-35b-a3b.json").read_text())     # as a later file will be
+    (results / "full_size_qwen3.6-35b-a3b-realistic-3GiB.json").write_text(json.dumps(later))
+    monkeypatch.setattr(nbh, "REPO", tmp_path)
+    files = nbh.full_size_files()
+    assert files == {"full_size_qwen3-next-80b-a3b-realistic-2-8GiB-round2.json": "made, with real statistics",
+                     "full_size_qwen3-next-80b-a3b-realistic-2-8GiB.json": "made, with real statistics",
+                     "full_size_qwen3-next-80b-a3b-realistic-4GiB.json": "made, with real statistics",
+                     "full_size_qwen3.6-35b-a3b-realistic-3GiB.json": "made, with real statistics",
+                     "full_size_qwen3-30b-a3b-q2_k_s-real-trace.json": "the real Qwen3-30B-A3B trace"}
+    full = nbh.full_size().set_index(["model", "budget", "design"])
+    assert set(full.routing) == set(files.values())
+    for model, budget, design, names in (("qwen3-next-80b-a3b", "2GiB", "les", ["realistic-2-8GiB", "realistic-2-8GiB-round2"]),
+                                         ("qwen3-next-80b-a3b", "4GiB", "oracle", ["realistic-4GiB"]),
+                                         ("qwen3-30b-a3b-q2_k_s", "8GiB", "smol", ["real-trace"]),
+                                         ("qwen3.6-35b-a3b", "3GiB", "les", ["realistic-3GiB"])):
+        fs = [json.loads(next(results.glob(f"full_size_*-{n}.json")).read_text()) for n in names]
+        runs = [x for f in fs for d, b, rs in f["arms"] if (d, b) == (design, budget) for x in rs]
+        llama = [x["tok_s"] for f in fs for d, _, rs in f["arms"] if d == "llama.cpp" for x in rs]
+        row = full.loc[(model, budget, design)]
+        assert row["rounds"] == len(runs) and row["tok/s"] == statistics.median(x["tok_s"] for x in runs)
+        assert row["llama.cpp tok/s"] == statistics.median(llama)
+        assert row["llama.cpp same work"] == (names != ["real-trace"])     # on the trace llama.cpp routes itself
+    assert "llama.cpp" not in set(full.index.get_level_values("design"))
 
 
 @pytest.fixture(scope="module")
