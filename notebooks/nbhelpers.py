@@ -228,8 +228,8 @@ def full_size(files: dict[str, str] | None = None):
 
 
 def gib(budget: str) -> float:
-    """A budget's GiB, for sorting: "2GiB" -> 2.0."""
-    return float(budget.removesuffix("GiB"))
+    """A budget's GiB, for sorting: "2GiB" -> 2.0; any other budget ("all") after them."""
+    return float(budget.removesuffix("GiB")) if budget.endswith("GiB") else float("inf")
 
 
 def llama_reference(same_work: bool) -> str:
