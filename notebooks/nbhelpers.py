@@ -38,16 +38,29 @@ def figures_dir(small: bool) -> Path:
 
 
 def shown(path) -> str:
-    """A path as a notebook prints it: relative to the repository inside it, from ~ under the home folder, so that
-    stored outputs name no one's machine."""
+    """A path as a notebook prints it, naming no one's machine: under the runs root, the cache, the figures folder
+    or the temporary folder as $WORKBENCH_RUNS/..., $WORKBENCH_CACHE/..., $WB_NB_FIGURES/..., $TMPDIR/... (the
+    deepest that holds it), else relative to the repository, else from ~ under the home folder."""
     if not path:
         return path
     p = Path(path)
     if not p.is_absolute():
         return str(p)
-    if p.is_relative_to(REPO):
-        return str(p.relative_to(REPO))
-    return f"~/{p.relative_to(Path.home())}" if p.is_relative_to(Path.home()) else str(p)
+    from workbench.registry import cache_dir
+    roots = {"$WORKBENCH_CACHE": cache_dir(), "$TMPDIR": Path(tempfile.gettempdir()), "": REPO, "~": Path.home()}
+    roots |= {f"${v}": Path(os.environ[v]) for v in ("WORKBENCH_RUNS", "WB_NB_FIGURES") if os.environ.get(v)}
+    holding = [(len(root.resolve().parts), name, root.resolve()) for name, root in roots.items()
+               if p.resolve().is_relative_to(root.resolve())]
+    if not holding:
+        return str(p)
+    _, name, root = max(holding)
+    rel = p.resolve().relative_to(root)
+    return str(rel) if not name else f"{name}/{rel}" if rel.parts else name
+
+
+def run_id(path) -> str | None:
+    """A run record's id, as tables show it: its directory's name under the runs root (runs/ or $WORKBENCH_RUNS)."""
+    return Path(path).name if path else None
 
 
 # ---------------------------------------------------------------- labels: whose number, on what device
@@ -142,7 +155,7 @@ def split_adds_up(row: dict, rel: float = 1e-6) -> bool:
 def frame(rows: list[dict], columns: dict):
     """A DataFrame of `rows` with `columns` {source key: header}, in that order."""
     import pandas as pd
-    return pd.DataFrame([{h: shown(r.get(k)) if k == "run" else r.get(k) for k, h in columns.items()} for r in rows])
+    return pd.DataFrame([{h: run_id(r.get(k)) if k == "run" else r.get(k) for k, h in columns.items()} for r in rows])
 
 
 def ladder_vs_paper(res: dict, pub: dict | None, ours: str):
@@ -157,6 +170,81 @@ def ladder_vs_paper(res: dict, pub: dict | None, ours: str):
                      f"tok/s ({paper_label(pub)})": p[1],
                      "x first rung (paper)": (p[1] / pr[0][1]) if p[1] is not None else None})
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------- full size: results/full_size_*.json on realistic routing
+
+# The full-size files (benchmarks/full_size.py) on routing a real model has, by the routing they ran on. The earlier
+# files on made routing no real model has (`-designs-`, the first 35B's) stay out: results/full_size.md's "before".
+FULL_SIZE_ROUTING = {"full_size_*-realistic*.json": "made, with real statistics",
+                     "full_size_*-real-trace*.json": "the real Qwen3-30B-A3B trace"}
+FULL_SIZE_PARTS = ("compute", "router", "dequant", "flash_wait", "other")
+
+
+def full_size_files() -> dict[str, str]:
+    """{results/ file name: the routing it ran on} for every full-size file on realistic routing present now."""
+    return {p.name: routing for pattern, routing in FULL_SIZE_ROUTING.items()
+            for p in sorted((REPO / "results").glob(pattern))}
+
+
+def full_size(files: dict[str, str] | None = None):
+    """One row per model, routing, budget and design of the full-size files, pooling every round of every file that
+    ran it: tok/s the median (min, max), the time split the mean (ms per decode step), peak RSS the largest; stock
+    llama.cpp's tok/s and whole step the same over those files' llama.cpp rounds (None where none ran one), and
+    whether it did the same work (not where the designs followed a routing trace: llama.cpp routes itself); Belady's
+    bound the mean of those files' bounds."""
+    import json
+    import pandas as pd
+    step_ms = lambda run, key: 1e3 * run.get(key, 0.0) / max(1, run["decode_steps"])
+    arms = []
+    for name, routing in (files or full_size_files()).items():
+        fs = json.loads((REPO / "results" / name).read_text())
+        llama = [runs for d, _, runs in fs["arms"] if d == "llama.cpp"]
+        for r in fs["rows"]:
+            if r["design"] == "llama.cpp":
+                continue
+            runs = next(runs for d, b, runs in fs["arms"] if (d, b) == (r["design"], r["budget"]))
+            bound = r.get("own_bound") or fs["bounds"].get(r["budget"], {})    # a design routing otherwise: its own
+            arms.append({"model": Path(fs["model"]).stem, "routing": routing, "budget": r["budget"],
+                         "design": r["design"], "file": name, "measured": fs["date"], "runs": runs,
+                         "llama runs": llama[0] if llama else [], "Belady tok/s": bound.get("belady_tok_s"),
+                         "llama same work": "--routing-trace" not in fs["command"]})
+    rows = []
+    for key, g in pd.DataFrame(arms).groupby(["model", "routing", "budget", "design"], sort=False):
+        runs, llama = [x for rs in g["runs"] for x in rs], [x for rs in g["llama runs"] for x in rs]
+        tps = [x["tok_s"] for x in runs]
+        rows.append({**dict(zip(("model", "routing", "budget", "design"), key)),
+                     "tok/s": statistics.median(tps), "min": min(tps), "max": max(tps), "rounds": len(runs),
+                     "llama.cpp tok/s": statistics.median(x["tok_s"] for x in llama) if llama else None,
+                     "Belady tok/s": g["Belady tok/s"].mean(),
+                     "peak RSS GiB": max(x["peak_rss_bytes"] for x in runs) / 2**30,
+                     **{f"{p} ms": statistics.mean(step_ms(x, f"{p}_s") for x in runs) for p in FULL_SIZE_PARTS},
+                     "llama.cpp step ms": statistics.mean(step_ms(x, "decode_s") for x in llama) if llama else None,
+                     "llama.cpp same work": bool(g["llama same work"].all()),
+                     "files": ", ".join(g["file"]), "measured": ", ".join(g["measured"])})
+    out = pd.DataFrame(rows)
+    out["of Belady"] = out["tok/s"] / out["Belady tok/s"]
+    return out
+
+
+def gib(budget: str) -> float:
+    """A budget's GiB, for sorting: "2GiB" -> 2.0; any other budget ("all") after them."""
+    return float(budget.removesuffix("GiB")) if budget.endswith("GiB") else float("inf")
+
+
+def llama_reference(same_work: bool) -> str:
+    """What stock llama.cpp's reference line in a full-size panel is (full_size's "llama.cpp same work")."""
+    return "stock llama.cpp" if same_work else "stock llama.cpp, on the file's own routing"
+
+
+def panels_per_budget(df, panel, title: str):
+    """The full-size figure: a row of panels for each model and routing, one panel for each budget it ran (no empty
+    panels); `panel(rows)` is the layered chart of one row's data."""
+    import altair as alt
+    rows = [panel(g).facet(column=alt.Column("budget:N", sort=sorted(set(g.budget), key=gib), title=None))
+            .properties(title=f"{model}, RANDOM weights; routing: {routing}").resolve_scale(x="independent")
+            for (model, routing), g in df.groupby(["model", "routing"], sort=False)]
+    return alt.vconcat(*rows).properties(title=title)
 
 
 # ---------------------------------------------------------------- stamps: what made a figure
@@ -214,7 +302,7 @@ def stamp_lines(st: dict) -> list[str]:
     if st["labels"]:
         lines.append(" · ".join(st["labels"]))
     if st.get("source"):                # numbers read from results/ files, not from this notebook's runs
-        lines.append("from " + ", ".join(st["source"]))
+        lines += [f"from {src}" for src in st["source"]]
     return lines
 
 

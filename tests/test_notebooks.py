@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -40,6 +41,26 @@ def read(name: str):
 SHARES = {"les_ablation": ["results/ladders.md"], "smol_pager": ["results/ladders.md"],
           "regimes": ["results/regimes.md"], "edge0_prerouter": [], "sweep_grid": [], "where_time_goes": []}
 MAX_NOTEBOOK_BYTES = 2_000_000      # reviewable: tables and charts, not megabytes of per-token data
+
+
+# what no output may show: a warning (tqdm's "IProgress not found" when ipywidgets is missing, any other), or an
+# absolute path of this machine (nbhelpers.shown prints paths relative to the repo or as $WORKBENCH_RUNS/...)
+NOISE = ("Warning", "IProgress", "Missing packages")
+MACHINE = (str(REPO), "/root/", "/home/", "/tmp/", "/work/")
+
+
+def leaks(cells) -> list[str]:
+    """Each warning or machine path the code cells' outputs show, with its cell and a little context."""
+    found = []
+    for i, c in enumerate(c for c in cells if c.cell_type == "code"):
+        for o in c.get("outputs", []):
+            data = {k: v for k, v in o.get("data", {}).items() if k != "image/png"}    # base64: no text to read
+            text = o.get("text", "") + json.dumps(data) + "\n".join(o.get("traceback", []))
+            for s in NOISE + MACHINE:
+                if s in text:
+                    at = text.index(s)
+                    found.append(f"code cell {i}: {s!r} in ...{text[max(0, at - 60):at + 60]}...")
+    return found
 
 
 def stored_with_outputs(nb) -> bool:
@@ -81,6 +102,12 @@ def _nbhelpers():
 
 
 @pytest.mark.parametrize("name", sorted(FIGURES))
+def test_stored_outputs_show_no_warning_and_no_machine_path(name):
+    """What a reader sees on GitHub: no warnings, nobody's absolute paths (`make notebook-outputs` regenerates them)."""
+    found = leaks(read(name).cells)
+    assert not found, f"{name}: " + "\n".join(found)
+
+
 def _committed_at(path: str) -> int | None:
     import subprocess
     out = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%ct", "--", path], capture_output=True,
@@ -154,6 +181,55 @@ def test_a_stamp_says_what_made_a_figure_and_travels_in_its_png(tmp_path):
     assert nbh.read_stamp(tmp_path / "f.png") != nbh.stamp(rows)          # unlabelled: no SIMULATED
 
 
+def test_a_path_is_shown_relative_to_the_repo_or_a_named_root(tmp_path, monkeypatch):
+    nbh = _nbhelpers()
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("WB_NB_FIGURES", str(tmp_path / "figures"))
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    assert nbh.shown(REPO / "notebooks" / "figures") == "notebooks/figures"
+    assert nbh.shown(tmp_path / "runs" / "sweeps" / "t.parquet") == "$WORKBENCH_RUNS/sweeps/t.parquet"
+    assert nbh.shown(tmp_path / "figures") == "$WB_NB_FIGURES"
+    assert nbh.shown(tmp_path / "cache" / "models" / "m") == "$WORKBENCH_CACHE/models/m"
+    assert nbh.shown(Path.home() / "elsewhere") == "~/elsewhere"
+    assert nbh.run_id(tmp_path / "runs" / "20261203T115843Z-les-ce0b19") == "20261203T115843Z-les-ce0b19"
+
+
+def test_the_full_size_sections_read_the_realistic_routing_files_and_pool_their_rounds(tmp_path, monkeypatch):
+    """Every results/full_size_* file on realistic routing (made with real statistics, or the real trace), none on
+    the earlier made routing; a file added later on realistic routing appears; rounds pool across files."""
+    nbh = _nbhelpers()
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("full_size_qwen3-next-80b-a3b-realistic-4GiB.json", "full_size_qwen3-next-80b-a3b-realistic-2-8GiB.json",
+                 "full_size_qwen3-next-80b-a3b-realistic-2-8GiB-round2.json",
+                 "full_size_qwen3-30b-a3b-q2_k_s-real-trace.json", "full_size_qwen3-next-80b-a3b-designs-4GiB.json",
+                 "full_size_qwen3.6-35b-a3b.json"):
+        (results / name).write_bytes((REPO / "results" / name).read_bytes())
+    later = json.loads((REPO / "results" / "full_size_qwen3.6-35b-a3b.json").read_text())     # as a later file will be
+    (results / "full_size_qwen3.6-35b-a3b-realistic-3GiB.json").write_text(json.dumps(later))
+    monkeypatch.setattr(nbh, "REPO", tmp_path)
+    files = nbh.full_size_files()
+    assert files == {"full_size_qwen3-next-80b-a3b-realistic-2-8GiB-round2.json": "made, with real statistics",
+                     "full_size_qwen3-next-80b-a3b-realistic-2-8GiB.json": "made, with real statistics",
+                     "full_size_qwen3-next-80b-a3b-realistic-4GiB.json": "made, with real statistics",
+                     "full_size_qwen3.6-35b-a3b-realistic-3GiB.json": "made, with real statistics",
+                     "full_size_qwen3-30b-a3b-q2_k_s-real-trace.json": "the real Qwen3-30B-A3B trace"}
+    full = nbh.full_size().set_index(["model", "budget", "design"])
+    assert set(full.routing) == set(files.values())
+    for model, budget, design, names in (("qwen3-next-80b-a3b", "2GiB", "les", ["realistic-2-8GiB", "realistic-2-8GiB-round2"]),
+                                         ("qwen3-next-80b-a3b", "4GiB", "oracle", ["realistic-4GiB"]),
+                                         ("qwen3-30b-a3b-q2_k_s", "8GiB", "smol", ["real-trace"]),
+                                         ("qwen3.6-35b-a3b", "3GiB", "les", ["realistic-3GiB"])):
+        fs = [json.loads(next(results.glob(f"full_size_*-{n}.json")).read_text()) for n in names]
+        runs = [x for f in fs for d, b, rs in f["arms"] if (d, b) == (design, budget) for x in rs]
+        llama = [x["tok_s"] for f in fs for d, _, rs in f["arms"] if d == "llama.cpp" for x in rs]
+        row = full.loc[(model, budget, design)]
+        assert row["rounds"] == len(runs) and row["tok/s"] == statistics.median(x["tok_s"] for x in runs)
+        assert row["llama.cpp tok/s"] == statistics.median(llama)
+        assert row["llama.cpp same work"] == (names != ["real-trace"])     # on the trace llama.cpp routes itself
+    assert "llama.cpp" not in set(full.index.get_level_values("design"))
+
+
 @pytest.fixture(scope="module")
 def venv_kernel(tmp_path_factory):
     """A kernelspec for this interpreter, in a JUPYTER_PATH of its own."""
@@ -187,10 +263,8 @@ def test_notebook_runs_at_the_small_setting(name, venv_kernel, tmp_path, monkeyp
     NotebookClient(nb, timeout=900, kernel_name=KERNEL, resources={"metadata": {"path": str(NB_DIR)}}).execute()
 
     assert nb.cells[-1].outputs[0]["text"].strip() == sys.executable, "the kernel is not this interpreter"
-    printed = "".join(o.get("text", "") + json.dumps(o.get("data", {}))
-                      for c in nb.cells[:-1] for o in c.get("outputs", []))        # the notebook's own cells
-    for noise in ("IProgress not found", "TqdmWarning", "Missing packages: ['ipywidgets']", str(REPO)):
-        assert noise not in printed, f"{name}: an output shows {noise!r} (ipywidgets missing, or a machine path)"
+    found = leaks(nb.cells[:-1])            # the notebook's own cells, as `make notebook-outputs` would store them
+    assert not found, f"{name}: " + "\n".join(found)
     conclusion = [o for o in nb.cells[-2].outputs if "text/markdown" in o.get("data", {})]
     assert conclusion and "Conclusion" in conclusion[0]["data"]["text/markdown"], f"{name}: no conclusion shown"
     assert {p.stem for p in figures.glob("*.png")} == FIGURES[name]
