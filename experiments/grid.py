@@ -109,6 +109,15 @@ class Cell:
     def preset_obj(self) -> Preset:
         return get_preset(self.preset).with_(name=self.name, **dict(self.overrides))
 
+    @property
+    def named_storage(self) -> dict:
+        """The storage knobs the cell changes from its base preset: named, so a checkpoint read in place (a GGUF, MLX's
+        layout) is converted to them (registry.storage_for), as bench's --set would, not run at its own bits;
+        experts in the format the engine computes them in (registry.experts_for), as the preset's own precision is."""
+        from workbench.registry import experts_for
+        return {k: experts_for(v, self.engine) if k == "experts" else v for k, v in self.overrides
+                if k in ("layout", "experts", "rest")}
+
     def row(self) -> dict:
         """The cell's columns in the sweep table."""
         p = self.preset_obj()
@@ -304,7 +313,7 @@ def run_bench(cell: Cell) -> dict:
     from experiments.bench import bench
     return bench(cell.model, cell.preset_obj(), budget=cell.budget, tokens=cell.get("tokens"), prompt=cell.get("prompt"),
                  engine=cell.engine, direct=not cell.get("page_cache"), device=cell.device,
-                 routing_trace=cell.get("routing_trace") or None)
+                 routing_trace=cell.get("routing_trace") or None, **cell.named_storage)
 
 
 def run_simulate(cell: Cell) -> dict:
@@ -388,7 +397,8 @@ def heldout(cell: Cell) -> dict:
     from runtime.session import open_session
     from workbench.textdata import heldout_ids
     with open_session(cell.model, cell.preset_obj(), cell.budget, prompt=cell.get("prompt"),
-                      tokens=cell.get("tokens"), engine=cell.engine, direct=not cell.get("page_cache")) as s:
+                      tokens=cell.get("tokens"), engine=cell.engine, direct=not cell.get("page_cache"),
+                      **cell.named_storage) as s:
         ids = heldout_ids(s.tokenizer, "tinystories", cell.get("heldout_tokens"))
         s.reset_telemetry()
         nll = decode_nll(s, ids)

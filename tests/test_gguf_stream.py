@@ -356,3 +356,22 @@ def test_a_streaming_run_holds_its_budget_and_never_the_model(tmp_path):
     assert cache > 200 * 2**20
     assert abs(grown - cache) < 0.1 * cache + 32 * 2**20, (grown / 2**20, cache / 2**20, small, big)
     assert big["peak_rss_bytes"] < size / 2, big["peak_rss_bytes"] / 2**20
+
+
+def test_a_ladder_rung_that_changes_storage_runs_at_it_on_a_gguf_not_at_the_files_bits(gguf_file, tmp_path, monkeypatch):
+    """LES's mixed-precision rung on a GGUF is converted to its precision and layout (a pack, said before it is
+    written), as `bench --set experts=q3` would be; the rungs that keep the preset's storage stream in place."""
+    from experiments.grid import Cell, run_bench
+    from experiments.ladder import les_rungs
+    from workbench.registry import experts_for
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    base, look, _, mixed, _ = les_rungs()
+    runs = {}
+    for rung in (look, mixed):
+        cell = Cell.of("bench", str(gguf_file), rung, "on_demand", budget="0.5", tokens=3, rounds=1, prompt="Once")
+        runs[rung.name] = (cell.named_storage, run_bench(cell))
+    assert runs[look.name][0] == {}
+    assert runs[mixed.name][0] == {"layout": "contiguous", "experts": experts_for("q3", "packed")}
+    assert sorted(f.suffix for f in cache_files(tmp_path / "cache") if f.parts[0] == "packs") == [".index", ".pack"]
+    look_read, mixed_read = (runs[n][1]["bytes_read_per_token"] for n in (look.name, mixed.name))
+    assert mixed_read < look_read                   # q3 experts, not the file's q8_0
