@@ -23,13 +23,13 @@ def cmd_info(args):
     from workbench.presets import Budget, get_preset
     from workbench.edge0.artifacts import edge0_dir, edge0_dir_of, served_bytes
     from workbench.models.mlx_layout import is_mlx_layout
-    from workbench.registry import is_pack, model_dir, resolve_pack, storage_for
+    from workbench.registry import GGUF_STORAGE, is_pack, model_dir, resolve_pack, storage_for
     preset = get_preset(args.preset)
     gguf = _info_gguf(args) if str(args.model).endswith(".gguf") else None
     p = model_dir(args.model)
     config = config_only(p)
-    if not config and (gguf or is_mlx_layout(p)):  # a run streams it through its index: sized as that pack
-        p = resolve_pack(args.model, *storage_for(args.model, preset.storage))
+    if not config and (gguf or is_mlx_layout(p) or storage_for(args.model, preset.storage) == GGUF_STORAGE):
+        p = resolve_pack(args.model, *GGUF_STORAGE)     # a run streams it through its index: sized as that pack
     if config:                      # before the download: the shapes from config.json alone
         from workbench.memory import tensor_shapes
         from workbench.models.hf import read_config

@@ -98,10 +98,10 @@ def test_bench_on_shards_grows_the_cache_by_the_index_alone(demo_sharded, tmp_pa
     assert sum(made.values()) < 2**20, made
 
 
-def test_f16_shards_keep_their_precision_for_the_teacher(tmp_path, monkeypatch):
+def test_f16_shards_keep_their_precision_for_the_teacher(tmp_path, monkeypatch, capsys):
     """A checkpoint of f16 shards (make-model writes them) is its own teacher in place, not a bf16 copy: the index,
     the numpy engine (the packed kernels compute bf16, not f16), transformers' fp32 logits within 1e-4, and
-    streaming at a quarter of the experts the resident logits bit for bit."""
+    streaming at a quarter of the experts the resident logits bit for bit; `info --preset teacher` sizes that run."""
     import torch
     from runtime.session import open_session
     from test_reference import hf_logits
@@ -114,6 +114,11 @@ def test_f16_shards_keep_their_precision_for_the_teacher(tmp_path, monkeypatch):
     with open_session(str(d), "on_demand", budget="0.25", experts="raw") as s:
         assert np.array_equal(np.asarray(s.step(IDS, "prefill")), resident)
     assert not [f for f in files(tmp_path / "cache") if f.endswith(".pack")]
+    from cli import main                     # info sizes the teacher as it runs: its index, the numpy engine
+    assert main(["info", "--model", str(d), "--preset", "teacher", "--budget", "0.25", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "pack" and info["path"].endswith(".index") and info["engine"] == "numpy"
+    assert info["memory"]["cache_slot_bytes"] == 4 * 3 * 256 * 128         # an expert as f32: d 256, ff 128
 
 
 def test_an_index_is_refused_once_a_shard_changes(demo_sharded, tmp_path, monkeypatch):
