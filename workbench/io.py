@@ -2,11 +2,13 @@
 
 `Reader` reads uncached by default: O_DIRECT on Linux, fcntl(F_NOCACHE) with read-ahead off on macOS, so expert
 reads do not go through (or fill) the page cache; `mode` says which path was actually taken ("o_direct",
-"f_nocache" or "page-cache", "+pread" where the platform has no preadv). A Reader of several files (a checkpoint's
-safetensors shards) holds one fd a file and reads file i's byte o at offset i << SHARD_BITS | o (the offsets of an
-index, workbench/store/pack.py): no read spans two files, and each keeps its place in its own file's pages.  Reads are `preadv` calls (one `pread`
+"f_nocache" or "page-cache", "+pread" where the platform has no preadv).  Reads are `preadv` calls (one `pread`
 per buffer without it, workbench/host.py) into 4096-aligned numpy buffers; they release the GIL, so reads
 submitted to the thread pool overlap compute in other threads.
+
+A Reader of several files (a checkpoint's safetensors shards) holds one fd a file and reads file i's byte o at
+offset i << SHARD_BITS | o (the offsets of an index, workbench/store/pack.py): no read spans two files, and each
+keeps its place in its own file's pages.
 
 The disk probes are workbench/disk_probe.py.
 """
@@ -153,7 +155,7 @@ class Reader:
         self._direct = False                    # O_DIRECT: a short read off a block boundary is the end of the file
         self.cache = "page-cache"
         self.fds = self._open_all(direct)
-        self.sizes = [os.fstat(fd).st_size for fd in self.fds]   # a read into buffers may end past one (short, not an error)
+        self.sizes = [os.fstat(fd).st_size for fd in self.fds]   # a read into buffers may end past one (short)
         self.mode = self.cache if host.has_preadv() else f"{self.cache}+pread"
         self._lock = threading.Lock()
         self._heap: list = []                   # the reader threads' queue: (priority, seq, job), demand reads first
