@@ -50,12 +50,7 @@ class PackModel:
         return self.pack.tensor(name)
 
     def expert(self, layer, e):
-        with open(self.pack.data_path, "rb") as f:
-            chunks = []
-            for off, n in self.pack.expert_reads(layer, e):
-                f.seek(off)
-                chunks.append(np.frombuffer(f.read(n), np.uint8))
-        return self.pack.decode_expert(layer, e, chunks)
+        return self.pack.decode_expert(layer, e, self.pack.expert_bytes(layer, e))
 
 
 def tokenizer_text(model) -> str | None:

@@ -44,6 +44,8 @@ def _teacher_flags(p):
     p.add_argument("--teacher-budget", default=None, help="the teacher's expert cache (default: every expert); a "
                                                          "teacher bigger than memory streams at a smaller one, with "
                                                          "the same logits (it routes exactly)")
+    p.add_argument("--teacher-model", default=None, help="the teacher's checkpoint (default: --model), e.g. the bf16 "
+                                                        "directory a GGUF --model was made from")
 
 
 @command("eval teacher", "KL, top-1, ppl and routing agreement against the teacher preset", running, flash,
@@ -53,7 +55,7 @@ def cmd_teacher(args):
     from evals.teacher import run
     r = run(args.model, args.preset, args.budget, args.data, args.ctx, args.chunks, args.stride,
             progress=not args.quiet, record=not args.no_record, engine=args.engine, direct=not args.page_cache,
-            device=args.device, teacher_budget=args.teacher_budget)
+            device=args.device, teacher_budget=args.teacher_budget, teacher_model=args.teacher_model)
     ra = " ".join(f"{a:.3f}" for a in r["routing_agreement"])
     emit(args, r, f"{emulated(r)}{r['preset']} vs teacher on {r['data']} ({r['tokens']} tokens):\n"
                   f"  KL {r['kl']:.6f} +/- {r['kl_stderr']:.6f}  top-1 {r['top1']:.4f}\n"

@@ -30,6 +30,7 @@ class TeacherTrace:
         self.ids, self.n_ctx, self.chunks, self.stride, self.data = list(ids), n_ctx, chunks, stride, data
         self.wins = windows(len(ids), n_ctx, chunks, stride)
         self.pack_id = teacher.pack.content_id()
+        self.where, self.vocab = str(teacher.pack_path), teacher.spec.vocab_size
         self.layers = list(teacher.spec.moe_layers)
         self.items = []
         cap = RoutingCapture(teacher)
@@ -43,6 +44,10 @@ class TeacherTrace:
 
 def compare(student, trace: TeacherTrace, progress: bool = True) -> dict:
     from tqdm import tqdm
+    s = student.spec
+    if (s.vocab_size, list(s.moe_layers)) != (trace.vocab, trace.layers):
+        raise WorkbenchError(f"{student.pack_path}: {s.vocab_size} tokens and MoE layers {list(s.moe_layers)}, its "
+                             f"teacher {trace.where} {trace.vocab} and {trace.layers}: not the same model's")
     ids = trace.ids
     kl, agree, nll_s, nll_t = [], [], [], []
     overlap = {L: [] for L in trace.layers}
@@ -93,25 +98,32 @@ def compare(student, trace: TeacherTrace, progress: bool = True) -> dict:
 def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: int = 512, chunks: int | None = 4,
         stride: int | None = None, progress: bool = True, record: bool = True, engine: str | None = None,
         direct: bool = True, trace: TeacherTrace | None = None, device: str | None = None,
-        teacher_budget=None) -> dict:
+        teacher_budget=None, teacher_model: str | None = None) -> dict:
     """device: the preset's reads emulate that device's flash (the teacher, the reference, reads this machine's).
     The teacher runs first and alone, its log-probs kept per window, then the student: the two are never in memory
     together. teacher_budget (default: the teacher's own, every expert): a teacher bigger than memory streams too;
-    it routes exactly, so its logits are the all-resident teacher's at any budget."""
+    it routes exactly, so its logits are the all-resident teacher's at any budget. teacher_model (default: model):
+    the teacher's checkpoint, where the student's is another (a GGUF made from a bf16 directory, whose own teacher
+    would be its quantized self)."""
     from evals.common import record as write_record
     from runtime.session import open_session
+    from workbench.host import peak_rss_bytes
     from workbench.presets import get_preset
     if isinstance(preset, str):
         get_preset(preset)                  # an unknown preset is refused before the teacher runs
     if trace is None:
-        with open_session(model, "teacher", teacher_budget, prompt=None, engine=engine, direct=direct) as t:
+        with open_session(teacher_model or model, "teacher", teacher_budget, prompt=None, engine=engine,
+                          direct=direct) as t:
             need = tokens_needed(n_ctx, chunks, stride)
             ids = text_ids(t.tokenizer, data, need)
             ids = ids[:need] if need else ids
             trace = TeacherTrace(t, ids, n_ctx, chunks, stride, progress, data)
+        trace.peak_rss_bytes = peak_rss_bytes()         # the high-water mark of the process through the teacher
     with open_session(model, preset, budget, prompt=None, engine=engine, direct=direct, device=device) as s:
         res = compare(s, trace, progress)
         res.update(model=model, preset=s.preset.name, budget=s.budget_text, data=trace.data, teacher_pack=trace.pack_id,
+                   teacher_model=teacher_model or model, teacher_budget=teacher_budget,
+                   teacher_peak_rss_bytes=getattr(trace, "peak_rss_bytes", None), peak_rss_bytes=peak_rss_bytes(),
                    **s.labels())
         params = {"data": trace.data, "ctx": trace.n_ctx, "chunks": trace.chunks, "stride": trace.stride}
         layers = [{"layer": L, "routing_agreement": a, "routing_exact": x}

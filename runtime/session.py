@@ -62,7 +62,7 @@ class Session:
         cls = engine_class(plan.engine)
         self.cache = ExpertCache(plan.slots, plan.slot_bytes, s.moe_layers, policy=p.cache.policy.value,
                                  scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
-        self.reader = open_reader(self.pack.data_path, device, direct=direct, # device: emulated flash
+        self.reader = open_reader(self.pack.data_paths, device, direct=direct, # device: emulated flash
                                   workers=workers or (slot_readers() if cls.slot_arena and not device else None))
         self.device = getattr(self.reader, "profile", None)
         src = self.pack.header.get("source", {}).get("path")
@@ -127,7 +127,7 @@ class Session:
         if self.warm_usage is not None and self.budget_bytes < self.all_expert_bytes:
             self.warm_start(self.warm_usage)
         self.reader_bytes0 = self.reader.bytes_read
-        return drop_page_cache(self.pack.data_path)
+        return [drop_page_cache(p) for p in self.pack.data_paths][0]
 
     # ------------------------------------------------------------ running
 

@@ -40,6 +40,7 @@ def test_budget_parsing():
     assert Budget("0.25").nbytes(100, 10) == 250
     assert Budget("96MiB").nbytes(1, 1) == 96 * 2**20
     assert Budget("all").nbytes(617, 2) == 1234
+    assert Budget("1.000000").nbytes(617, 2) == 1234 and Budget("1.000000").all     # a fraction, not one byte
     with pytest.raises(WorkbenchError, match="--budget"):
         Budget("lots")
 

@@ -47,7 +47,7 @@ def test_a_gguf_streams_through_a_small_index_made_once(gguf_file, tmp_path, mon
     from runtime.session import open_session
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
     with open_session(str(gguf_file), "les", budget="0.5") as s:
-        assert s.pack.data_path == gguf_file.resolve() and s.reader.path == str(gguf_file.resolve())
+        assert s.pack.data_paths == [gguf_file.resolve()] and s.reader.path == str(gguf_file.resolve())
         assert s.preset.storage.experts == "raw" and s.preset.storage.layout.value == "native"
         s.generate(IDS, 4)
     files = cache_files(tmp_path / "cache")
@@ -62,7 +62,7 @@ def test_a_gguf_streams_through_a_small_index_made_once(gguf_file, tmp_path, mon
     # a storage knob the run names itself is taken, the others stay the GGUF's: a converted pack
     with open_session(str(gguf_file), "on_demand", experts="q4") as s:
         assert (s.pack.layout, s.pack.quant) == ("native", {"experts": "q4", "rest": "raw"})
-        assert s.pack.data_path == s.pack.path
+        assert s.pack.data_paths == [s.pack.path]
     with open_session(str(gguf_file), "les", layout="contiguous") as s:
         assert (s.pack.layout, s.pack.quant) == ("contiguous", {"experts": "raw", "rest": "raw"})
 
@@ -87,7 +87,7 @@ def test_streamed_experts_are_the_ggufs_bytes(gguf_file, surface):
     item = slot_bytes(pack)
     cache = ExpertCache(len(keys), item, s.moe_layers)
     arena = SlotArena(pack, cache)
-    reader = Reader(pack.data_path, workers=slot_readers())
+    reader = Reader(pack.data_paths, workers=slot_readers())
     try:
         assert reader.mode == ("f_nocache+pread" if surface == "macos" else "o_direct")
         ExpertStreamer(pack, cache, reader, Telemetry(s.num_layers), arena=arena).load_resident(keys)

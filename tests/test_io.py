@@ -341,3 +341,41 @@ def test_adjacent_experts_merged_into_one_read_are_cut_across_keys_and_each_land
             assert futs[k].exception(timeout=30) is None
             np.testing.assert_array_equal(bufs[k], data[off:off + n])
         assert r.stats()["reads"] == 4 and r.stats()["merged"] == 1
+
+
+@pytest.mark.parametrize("python_path", [False, True])
+def test_a_reader_of_several_files_reads_each_range_from_its_own(where, python_path):
+    """A Reader of shards reads file i's byte o at at_shard(i, o): reads into 4 KiB-aligned buffers, checked by
+    crc32, land each from its own file (on the GIL-free readers, and on the Python path a subclass takes), ranges
+    at the same offset in two files never merge, and a read past one file's end names that file."""
+    import zlib
+
+    from workbench.store.pack import at_shard
+    rng = np.random.default_rng(1)
+    sizes = [SIZE, 5 * 4096 + 17, 300_000]
+    data = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    paths = [where / f"shard-{i}.safetensors" for i in range(3)]
+    for p, d in zip(paths, data):
+        p.write_bytes(d.tobytes())
+
+    class PythonReads(wio.Reader):
+        def _preadv(self, views, pos):
+            return super()._preadv(views, pos)
+
+    ranges = [(0, 0, 8192), (1, 0, 8192), (2, 0, 8192), (1, 4096, 4 * 4096), (0, SIZE // 4096 * 4096, 4096),
+              (2, 290_816, 12_288), (0, 65536, 300 * 4096)]
+    with (PythonReads if python_path else wio.Reader)(paths, workers=2) as r:
+        assert r._reads_gil_free() != python_path and len(r.fds) == 3
+        np.testing.assert_array_equal(r.read(at_shard(2, 5), 7000), data[2][5:7005])
+        reqs, checks, want = [], {}, {}
+        for k, (i, off, n) in enumerate(ranges):
+            buf = wio.aligned_empty(n)
+            reqs.append((k, [(at_shard(i, off), buf)]))
+            want[k] = data[i][off:off + n]                  # past a file's end a buffer keeps what it held
+            checks[k] = ([(0, 0, len(want[k]))], zlib.crc32(want[k]))
+        futs = r.submit_into(reqs, checks=checks)
+        for k, (_, [(_, buf)]) in enumerate(reqs):
+            futs[k].result(timeout=10)
+            np.testing.assert_array_equal(buf[:len(want[k])], want[k])
+        with pytest.raises(EOFError, match=str(paths[1])):
+            r.read(at_shard(1, sizes[1] - 10), 100)

@@ -113,6 +113,39 @@ def test_every_exact_streaming_path_gives_resident_logits_bit_for_bit(converted)
             assert np.array_equal(np.asarray(s.step(ids, "prefill")), resident), (preset, budget)
 
 
+def test_mlx_lms_shards_give_the_one_files_logits_bit_for_bit(converted, tmp_path, monkeypatch):
+    """mlx-lm's own save_model writes its shards (model-0000i-of-0000n.safetensors and an index; here its
+    make_shards at 2 MiB a shard instead of 5 GB): streamed from the nine files where they lie (an expert's gate, up
+    and down each from its own), the one-file conversion's logits bit for bit, the cache an index."""
+    import mlx_lm.utils
+    from mlx_lm import convert
+    from runtime.session import open_session
+    bits = json.loads((converted / "config.json").read_text())["quantization"]["bits"]
+    make_shards = mlx_lm.utils.make_shards
+
+    class MiB(int):                             # make_shards sizes a shard as max_file_size_gb << 30
+        def __lshift__(self, _):
+            return int(self) << 20
+    monkeypatch.setattr(mlx_lm.utils, "make_shards", lambda weights, *_: make_shards(weights, MiB(2)))
+    out = tmp_path / "sharded"
+    convert(str(MODELS["demo"]), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=64)
+    m = MLXModel(out)
+    assert len(m.shards) > 2 and any(len({sh.path for rs in m.expert_runs(L, 0).values() for sh, _, _ in rs}) > 1
+                                     for L in m.spec.moe_layers)
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    ids = list(range(3, 40, 3))
+    for engine, preset, budget in [("packed", "les", "0.25"), ("packed", "on_demand", "0.25"),
+                                   ("numpy", "on_demand", "all")]:
+        got = []
+        for model in (converted, out):
+            with open_session(str(model), preset, budget=budget, engine=engine) as s:
+                assert s.pack.path.suffix == ".index" and s.reader.mode == "o_direct"
+                got.append(np.asarray(s.step(ids, "prefill")))
+                assert len(s.pack.data_paths) == (1 if model == converted else len(m.shards))
+        assert np.array_equal(*got), (engine, preset)
+    assert all(p.suffix == ".index" for p in (tmp_path / "cache" / "packs").iterdir())
+
+
 def cli(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "workbench", *args], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(

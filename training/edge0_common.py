@@ -35,7 +35,7 @@ from workbench.host import available_memory_bytes, cores
 from workbench.spec_hybrid import split_fused_projections
 from workbench.errors import WorkbenchError
 from workbench.registry import GGUF_STORAGE, resolve_pack
-from workbench.store.pack import PARTS, Pack
+from workbench.store.pack import PARTS, SHARD_BITS, SHARD_MASK, Pack
 
 PROJ = ("q", "k", "v", "o")
 
@@ -230,7 +230,7 @@ class Weights:
                               + s.num_experts * len(s.moe_layers) * 3 * s.hidden_size * s.moe_intermediate_size)
         self.streams = self.f32_bytes > hold
         self.held: dict = {}
-        self.fd = os.open(pack.data_path, os.O_RDONLY)
+        self.fds = [os.open(p, os.O_RDONLY) for p in pack.data_paths]
         self.workers = cores()
         self.pool = ThreadPoolExecutor(self.workers)
         top = {n: self._tensor(n) for n in ("embed", "norm", "lm_head") if n in pack.tensors}
@@ -239,7 +239,8 @@ class Weights:
 
     def __del__(self):
         self.pool.shutdown(wait=False)
-        os.close(self.fd)
+        for fd in self.fds:
+            os.close(fd)
 
     def _tensor(self, name: str) -> np.ndarray:
         t = self.pack.tensors[name]
@@ -280,7 +281,8 @@ class Weights:
     def expert(self, L: int, e: int) -> tuple:
         def make():
             p = self.pack
-            chunks = [np.frombuffer(os.pread(self.fd, n, off), np.uint8) for off, n in p.expert_reads(L, e)]
+            chunks = [np.frombuffer(os.pread(self.fds[off >> SHARD_BITS], n, off & SHARD_MASK), np.uint8)
+                      for off, n in p.expert_reads(L, e)]
             kinds = p.kinds_of(L)
             if all(k.startswith("gguf:") for k in kinds.values()):
                 raw = p.decode_expert(L, e, chunks, raw=True)

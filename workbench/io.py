@@ -6,6 +6,10 @@ reads do not go through (or fill) the page cache; `mode` says which path was act
 per buffer without it, workbench/host.py) into 4096-aligned numpy buffers; they release the GIL, so reads
 submitted to the thread pool overlap compute in other threads.
 
+A Reader of several files (a checkpoint's safetensors shards) holds one fd a file and reads file i's byte o at
+offset i << SHARD_BITS | o (the offsets of an index, workbench/store/pack.py): no read spans two files, and each
+keeps its place in its own file's pages.
+
 The disk probes are workbench/disk_probe.py.
 """
 
@@ -24,7 +28,7 @@ from functools import partial
 import numpy as np
 
 from workbench import host, slot_reads
-from workbench.slot_reads import IOV, ChecksumError, SlotRead, SlotReads, wait_for
+from workbench.slot_reads import IOV, SHARD_BITS, SHARD_MASK, ChecksumError, SlotRead, SlotReads, wait_for
 
 ALIGN = 4096
 KiB, MiB = 1024, 1024 * 1024
@@ -141,17 +145,17 @@ def crc_of_runs(bufs, runs) -> int:
 
 
 class Reader:
-    """Positional reader of one file; safe to use from many threads."""
+    """Positional reader of one file, or of several (path: a list; see the module's docstring); safe to use from
+    many threads."""
 
     def __init__(self, path, direct: bool = True, workers: int | None = None):
-        self.path = os.fspath(path)
+        self.paths = [os.fspath(p) for p in (path if isinstance(path, (list, tuple)) else [path])]
+        self.path = self.paths[0] if len(self.paths) == 1 else os.path.commonpath(self.paths)
         self.workers = workers or default_workers()
         self._direct = False                    # O_DIRECT: a short read off a block boundary is the end of the file
         self.cache = "page-cache"
-        self.fd = self._open_uncached() if direct else -1
-        if self.fd < 0:
-            self.fd = os.open(self.path, os.O_RDONLY)
-        self.size = os.fstat(self.fd).st_size     # a read into buffers may end past it (short, not an error)
+        self.fds = self._open_all(direct)
+        self.sizes = [os.fstat(fd).st_size for fd in self.fds]   # a read into buffers may end past one (short)
         self.mode = self.cache if host.has_preadv() else f"{self.cache}+pread"
         self._lock = threading.Lock()
         self._heap: list = []                   # the reader threads' queue: (priority, seq, job), demand reads first
@@ -168,22 +172,50 @@ class Reader:
         self._closed = False
         self._slots: SlotReads | None = None
 
-    def _open_uncached(self) -> int:
+    @property
+    def fd(self) -> int:
+        """The (first) file's descriptor; -1 once closed."""
+        return self.fds[0] if self.fds else -1
+
+    def _open_all(self, direct: bool) -> list[int]:
+        """An fd a file: uncached where every file allows it (one mode for the reader), else buffered."""
+        fds = []
+        try:
+            if direct:
+                for p in self.paths:
+                    if (fd := self._open_uncached(p)) < 0:
+                        break
+                    fds.append(fd)
+                else:
+                    return fds
+                for fd in fds:
+                    os.close(fd)
+                fds = []
+                self._direct, self.cache = False, "page-cache"
+            for p in self.paths:
+                fds.append(os.open(p, os.O_RDONLY))
+            return fds
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def _open_uncached(self, path: str) -> int:
         """An fd whose reads bypass the page cache (self.cache says how), or -1 where the platform or the
         filesystem has no such reads."""
         if hasattr(os, "O_DIRECT"):
-            return self._open_direct()
-        fd = os.open(self.path, os.O_RDONLY)
+            return self._open_direct(path)
+        fd = os.open(path, os.O_RDONLY)
         if host.no_cache(fd):
             self.cache = "f_nocache"
             return fd
         os.close(fd)
         return -1
 
-    def _open_direct(self) -> int:
+    def _open_direct(self, path: str) -> int:
         """O_DIRECT fd, or -1 if the filesystem refuses O_DIRECT (EINVAL)."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
@@ -229,7 +261,7 @@ class Reader:
         return got
 
     def _preadv(self, views: list, pos: int) -> int:
-        return host.preadv(self.fd, views, pos)
+        return host.preadv(self.fds[pos >> SHARD_BITS], views, pos & SHARD_MASK)
 
     def _preadv_retrying(self, views: list, pos: int) -> int:
         for attempt in range(RETRIES + 1):
@@ -243,13 +275,14 @@ class Reader:
                 time.sleep(0.01 * 2 ** attempt)
 
     def needed(self, start: int, end: int) -> int:
-        """The bytes a read of [start, end) into buffers must bring: it may reach past the end of the file (a
+        """The bytes a read of [start, end) into buffers must bring: it may reach past the end of its file (a
         GGUF's last expert, read to the 4 KiB boundary after it), not start there."""
-        return end - start if start >= self.size else min(end, self.size) - start
+        size = (start & ~SHARD_MASK) + self.sizes[start >> SHARD_BITS]      # its file's end, as an offset
+        return end - start if start >= size else min(end, size) - start
 
     def _eof_error(self, offset: int, length: int, file_end: int) -> EOFError:
-        return EOFError(f"{self.path}: read past end of file: offset={offset} "
-                        f"length={length}, file ends at byte {file_end}")
+        return EOFError(f"{self.paths[offset >> SHARD_BITS]}: read past end of file: offset={offset & SHARD_MASK} "
+                        f"length={length}, file ends at byte {file_end & SHARD_MASK}")
 
     def read(self, offset: int, length: int) -> np.ndarray:
         """The `length` bytes at `offset` (a view into an aligned buffer)."""
@@ -484,7 +517,8 @@ class Reader:
         return self.stats()["bytes_read"]
 
     def drop_cache(self) -> None:
-        drop_page_cache(self.path)
+        for p in self.paths:
+            drop_page_cache(p)
 
     def close(self) -> None:
         """Queued reads are cancelled and the reader threads end; a read stuck in the kernel holds up the caller a
@@ -506,9 +540,9 @@ class Reader:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def _close_fd(self):
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
         if self._slots is not None:
             self._slots.close()
 

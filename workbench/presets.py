@@ -93,8 +93,8 @@ class Budget:
         m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", s)
         if not m or m[2].upper() not in _UNITS:
             raise WorkbenchError(f"--budget {self.text!r}: expected a fraction like 0.25 or a size like 96MiB")
-        x = float(m[1])
-        return (x, 0) if not m[2] and x < 1.0 else (0.0, int(x * _UNITS[m[2].upper()]))
+        x = float(m[1])           # a bare 1 in any spelling ("1.000000": runtime.session.prefills) is every expert
+        return (x, 0) if not m[2] and x <= 1.0 else (0.0, int(x * _UNITS[m[2].upper()]))
 
     def nbytes(self, slot_bytes: int, n_experts: int) -> int:
         """Bytes the cache may hold, given what one expert costs in the engine's cache (engines.slot_bytes) and

@@ -12,10 +12,9 @@ directory.
 
 A directory in MLX's layout (mlx-lm's convert: workbench/models/mlx_layout.py) is the same: its own storage is
 its affine codes where they lie, and the cache holds only its index (workbench/store/safetensors_index.py). A
-Hugging Face directory of one safetensors file streams as it lies too, at its own precision (bf16, f16, f32), where
-the run keeps it: a preset whose experts and rest are the file's own precision (the teacher's bf16 on a bf16
-checkpoint), or a run that names experts=raw (`--set experts=raw`: the checkpoint's own bytes); any other precision
-is a converted pack.
+Hugging Face directory (one safetensors file or several shards) streams as it lies too, at its own precision (bf16,
+f16, f32), where the run keeps it: the teacher on a bf16 or f16 checkpoint (keeps_precision), or a run that names
+experts=raw (`--set experts=raw`: the checkpoint's own bytes); any other precision is a converted pack.
 
 The preset's precision (q2, q3, q4, q8) names the bits; what an HF directory's experts are written as depends on
 the engine (storage_for): for the packed engine (the default) they are ggml's blocks at those bits (g2, g3, g4, g8,
@@ -131,14 +130,16 @@ def storage_for(model: str, storage, named=(), engine: str | None = None) -> tup
 
 def keeps_precision(p: Path, knobs: dict) -> bool:
     """Whether a run at these storage knobs on the Hugging Face directory p keeps its own precision, so it streams
-    from the file as it lies: experts and rest at the one precision the checkpoint holds (bf16), in one file."""
+    from its files as they lie: experts and rest at bf16 (the teacher's) on a checkpoint that holds every matrix at
+    one 16-bit float precision, bf16 or f16 (make-model's: bf16 would round it, and copy it)."""
     if not (knobs["experts"] == knobs["rest"] == "bf16" and p.is_dir() and (p / "config.json").is_file()):
         return False
     from workbench.models.hf import HFModel
     from workbench.store.safetensors_index import in_place
     model = HFModel(p)
-    return in_place(model) and {model.tensor_kind(n) for n in model.names() if len(model.tensor_shape(n)) == 2} \
-        | set(model.expert_kinds(model.spec.moe_layers[0]).values()) == {"bf16"}
+    kinds = {model.tensor_kind(n) for n in model.names() if len(model.tensor_shape(n)) == 2} \
+        | set(model.expert_kinds(model.spec.moe_layers[0]).values())
+    return in_place(model) and kinds in ({"bf16"}, {"f16"})
 
 
 def experts_for(experts: str, engine: str | None) -> str:

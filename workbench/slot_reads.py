@@ -37,6 +37,8 @@ import numpy as np
 import llvmlite.binding as llvm
 from numba import njit, types
 
+SHARD_BITS = 40     # a Reader of several files: an offset's file in the bits above, its byte offset (< 1 TiB) below
+SHARD_MASK = (1 << SHARD_BITS) - 1
 IOV = 16            # buffers one job scatters into (a merged read of more is split)
 RUNS = 3 * IOV      # checked runs one job holds (an expert's three parts per buffer at most)
 QUEUED, DONE, RETRY = 1, 2, 3       # a job's state; RETRY: the read was not whole, Python reads it again
@@ -154,9 +156,10 @@ def _next_job(tickets, demand, prefetch, jid, ticket, pfd, ts, idle, mutex) -> N
 
 
 @njit(cache=True, nogil=True)
-def _serve(fd, tickets, demand, prefetch, done, jobs, state, stamps, depths, iov, runs, stats, device, mutex, flight,
+def _serve(fds, tickets, demand, prefetch, done, jobs, state, stamps, depths, iov, runs, stats, device, mutex, flight,
            idle):
-    """One reader thread's loop; returns when it takes a negative job id. device: emulation() of a profile, or
+    """One reader thread's loop; returns when it takes a negative job id. fds: the reader's files, the one a job
+    reads named by its offset's high bits (SHARD_BITS). device: emulation() of a profile, or
     NO_DEVICE; then each read counts itself in flight (under mutex) and ends no earlier than the profile says."""
     jid = np.zeros(1, np.int32)
     one = np.ones(1, np.uint64)
@@ -182,7 +185,7 @@ def _serve(fd, tickets, demand, prefetch, done, jobs, state, stamps, depths, iov
             depth = flight[0]
             _unlock(mutex.ctypes.data)
         t0 = _now(ts)
-        got = _preadv(fd, iov[j].ctypes.data, jobs[j, NIOV], jobs[j, OFF])
+        got = _preadv(fds[jobs[j, OFF] >> SHARD_BITS], iov[j].ctypes.data, jobs[j, NIOV], jobs[j, OFF] & SHARD_MASK)
         if got == jobs[j, LEN]:
             for r in range(jobs[j, NRUN]):
                 runs[j, r, 2] = _crc32(0, runs[j, r, 0], runs[j, r, 1])
@@ -286,6 +289,7 @@ class SlotReads:
     def __init__(self, reader):
         capacity = self.CAPACITY
         self.reader = weakref.proxy(reader)        # the reader holds these
+        self.fds = np.array(reader.fds, np.int32)   # a job's file: its offset's high bits (workbench/io.py)
         self._jobs = np.zeros((capacity, 4), np.int64)              # offset, bytes, buffers, checked runs
         self._state = np.zeros(capacity, np.int64)
         self._stamps = np.zeros((capacity, 2), np.int64)            # read started, landed (ns)
@@ -318,7 +322,7 @@ class SlotReads:
     def serve(self, i: int) -> None:
         if self.device[0] >= 0:     # this thread's sleeps end on time, not up to the default 50 us of timer slack late
             ctypes.CDLL(None).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
-        _serve(self.reader.fd, self.tickets, self.demand, self.prefetch, self.done_fd, self._jobs, self._state,
+        _serve(self.fds, self.tickets, self.demand, self.prefetch, self.done_fd, self._jobs, self._state,
                self._stamps, self._depths, self._iov, self._runs, self.stats[i], self.device, self.mutex, self.flight,
                self.idle)
 

@@ -132,15 +132,10 @@ def pack_weights(pack) -> tuple[dict[str, np.ndarray], dict[int, dict[str, np.nd
     if pack.spec.family == "qwen3_next":
         split_fused_projections(pack.spec, w)
     experts = {}
-    with open(pack.data_path, "rb") as f:
-        for L in pack.spec.moe_layers:
-            parts = {p: [] for p in ("gate", "up", "down")}
-            for e in range(pack.spec.num_experts):
-                chunks = []
-                for off, n in pack.expert_reads(L, e):
-                    f.seek(off)
-                    chunks.append(np.frombuffer(f.read(n), dtype=np.uint8))
-                for p, a in pack.decode_expert(L, e, chunks).items():
-                    parts[p].append(a)
-            experts[L] = {p: np.stack(v) for p, v in parts.items()}
+    for L in pack.spec.moe_layers:
+        parts = {p: [] for p in ("gate", "up", "down")}
+        for e in range(pack.spec.num_experts):
+            for p, a in pack.decode_expert(L, e, pack.expert_bytes(L, e)).items():
+                parts[p].append(a)
+        experts[L] = {p: np.stack(v) for p, v in parts.items()}
     return w, experts

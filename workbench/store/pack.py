@@ -19,9 +19,11 @@ A GGUF index (workbench/store/gguf_index.py) is a pack whose header names a data
 ("data": path, size, mtime, a hash of its header): its experts and most tensors are read where they lie in
 the GGUF (tensors marked "in": "data"), at the GGUF's 32-byte alignment, not 4 KiB; the few tensors the GGUF
 does not hold as one range (derived, joined, rows permuted) are stored in the index. It is refused once the
-GGUF changes. An index of a checkpoint in MLX's layout (workbench/store/mlx_index.py) is the same with the
-safetensors file as its data file, and every tensor and expert part there one to three runs ("runs": codes,
-scales, biases, where they lie; nothing stored in the index itself): an expert is up to nine reads.
+GGUF changes. An index of a safetensors checkpoint (workbench/store/safetensors_index.py) is the same with its
+safetensors files as its data files ("data": a list, one entry a shard), and every tensor and expert part there
+one to three runs ("runs": codes, scales, biases, where they lie): an expert is up to nine reads. An offset into
+the data files names its file in its high bits: byte o of shard i is at_shard(i, o) = i << SHARD_BITS | o, so a
+read never spans two files and each keeps its place in the 4 KiB pages of its own file.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import numpy as np
 from workbench.atomic import atomic_path
 from workbench.chat import find_template
 from workbench.errors import WorkbenchError
-from workbench.io import crc_of_runs
+from workbench.io import SHARD_BITS, SHARD_MASK, crc_of_runs
 from workbench.spec import MoESpec
 from workbench.store import ggml_blocks, quant
 
@@ -58,6 +60,11 @@ REST_KINDS = ("q4", "q8", "bf16", "raw")
 # gguf:Q4_K), dequantized on load by the gguf package (workbench/models/gguf_model.py).
 # g2, g3, g4, g8 (any source): the experts quantized into ggml's own block types, kinds "gguf:<TYPE>" too
 # (workbench/store/ggml_blocks.py).
+
+
+def at_shard(i: int, offset: int) -> int:
+    """Byte `offset` of data file i, as an index's offsets name it."""
+    return i << SHARD_BITS | offset
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -285,10 +292,12 @@ class Pack:
         try:
             if size < h["file_size"]:
                 raise WorkbenchError(f"{self.path}: truncated: {size} bytes, header says {h['file_size']}")
-            self.data_path, data_size = (self._data_file(h["data"]) if "data" in h
-                                         else (self.path, min(size, h["file_size"])))
+            data = h.get("data", [])
+            files = [self._data_file(d) for d in (data if isinstance(data, list) else [data])] or \
+                [(self.path, min(size, h["file_size"]))]
+            self.data_paths = [p for p, _ in files]     # the files the experts lie in: the pack, or an index's
             self._parse(h)
-            self._check(min(size, h["file_size"]), data_size)
+            self._check(min(size, h["file_size"]), [n for _, n in files])
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             # the checksum matched, so the writer itself wrote a header this reader does not understand
             raise WorkbenchError(f"{self.path}: pack header is malformed ({type(e).__name__}: {e}); re-convert") from None
@@ -323,15 +332,16 @@ class Pack:
         return header
 
     def _data_file(self, d: dict) -> tuple[Path, int]:
-        """The file an index's experts and tensors lie in (its GGUF) and its size, if it is the one indexed."""
+        """A file an index's experts and tensors lie in (its GGUF, a safetensors shard) and its size, if it is the
+        one indexed."""
         p = Path(d["path"])
         try:
             st = p.stat()
             with open(p, "rb") as f:
                 head = f.read(d["head_bytes"])
         except OSError as e:
-            raise WorkbenchError(f"{self.path}: cannot read its GGUF {p} ({e.strerror}); delete the index to rebuild "
-                                 f"it") from None
+            raise WorkbenchError(f"{p}: cannot read it ({e.strerror}), a data file of the index {self.path}; delete "
+                                 f"the index to rebuild it") from None
         if (st.st_size, st.st_mtime_ns, hashlib.sha256(head).hexdigest()) != (d["size"], d["mtime_ns"],
                                                                               d["head_sha256"]):
             raise WorkbenchError(f"{self.path}: {p} changed since this index was made; delete the index to rebuild it")
@@ -352,15 +362,18 @@ class Pack:
         self._heads: dict = {}           # layer -> expert_heads
         self.num_expert_total = sum(len(v) for v in self.expert_layers.values())
 
-    def _check(self, size: int, data_size: int):
+    def _check(self, size: int, data_sizes: list[int]):
         """What the header says agrees with itself and with the file (so no read or array is sized by a header
         field alone): the spec with the tensors and experts, and every byte range inside the file it lies in
-        (data_size: the data file's, where an index's experts are) and exactly as long as its shape needs."""
-        bad = next(self._disagreements(size, data_size), None)
+        (data_sizes: the data files', where an index's experts are) and exactly as long as its shape needs."""
+        bad = next(self._disagreements(size, data_sizes), None)
         if bad:
             raise WorkbenchError(f"{self.path}: the header does not agree with {bad} (corrupt pack; re-convert)")
 
-    def _disagreements(self, size: int, data_size: int):
+    def _disagreements(self, size: int, data_sizes: list[int]):
+        def inside(o, n, sizes=data_sizes):            # a range inside the data file its offset names
+            return type(o) is int and 0 <= o >> SHARD_BITS < len(sizes) and _inside(o & SHARD_MASK, n,
+                                                                                    sizes[o >> SHARD_BITS])
         s = self.spec
         if not isinstance(self.header["source"]["path"], str):
             yield "its source"
@@ -372,22 +385,21 @@ class Pack:
         if self.expert_shapes != expert_shapes(d, ff):
             yield "its expert shapes"
         for name, t in self.tensors.items():
-            where = data_size if t.get("in") == "data" else size
+            where = data_sizes if t.get("in") == "data" else [size]
             runs = t.get("runs", [(t["offset"], t["nbytes"])])
-            if not all(_inside(o, n, where) for o, n in runs) or sum(n for _, n in runs) != t["nbytes"] \
+            if not all(inside(o, n, where) for o, n in runs) or sum(n for _, n in runs) != t["nbytes"] \
                     or t["nbytes"] != _nbytes(tuple(t["shape"]), t["kind"]) or not isinstance(t["crc32"], str):
                 yield f"tensor {name}"
-        size = data_size                    # the experts lie in the data file
-        for L, ents in self.expert_layers.items():
+        for L, ents in self.expert_layers.items():      # the experts lie in the data files
             kinds = self.kinds_of(L)
             want = {p: _nbytes(self.expert_shapes[p], kinds[p]) for p in PARTS}
             for e, ent in enumerate(ents):
                 runs = _part_runs(ent)
-                span = ent.get("span", [0, size])
+                span = ent.get("span")
                 if any(sum(n for _, n in runs[p]) != want[p] for p in PARTS) \
-                        or any(not _inside(o, n, size) or not span[0] <= o <= o + n <= span[0] + span[1]
+                        or any(not inside(o, n) or span and not span[0] <= o <= o + n <= span[0] + span[1]
                                for p in PARTS for o, n in runs[p]) \
-                        or not _inside(*span, size) or not isinstance(ent["crc32"], str):
+                        or span and not inside(*span) or not isinstance(ent["crc32"], str):
                     yield f"expert {e} of layer {L}"
 
     def kinds_of(self, layer: int) -> dict[str, str]:
@@ -408,15 +420,27 @@ class Pack:
     def tensor_bytes(self, name: str) -> np.ndarray:
         """Tensor `name` as the pack stores it (its kind's encoding), checked."""
         t = self.tensors[name]
-        with open(self.data_path if t.get("in") == "data" else self.path, "rb") as f:
-            chunks = []
-            for off, n in t.get("runs", [(t["offset"], t["nbytes"])]):
-                f.seek(off)
-                chunks.append(f.read(n))
-            buf = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+        runs = t.get("runs", [(t["offset"], t["nbytes"])])
+        if t.get("in") == "data":
+            buf = np.concatenate([self.read(o, n) for o, n in runs]) if runs else np.empty(0, np.uint8)
+        else:
+            buf = np.fromfile(self.path, np.uint8, t["nbytes"], offset=t["offset"])
         if _crc(buf) != t["crc32"]:
             raise WorkbenchError(f"{self.path}: checksum mismatch in tensor {name} (corrupt pack)")
         return buf
+
+    def read(self, offset: int, n: int) -> np.ndarray:
+        """n bytes at an offset into the data files (at_shard), read buffered; a file that ends early is one line
+        naming it. For the occasional read (a tensor, an expert for export): a Reader streams."""
+        path = self.data_paths[offset >> SHARD_BITS]
+        buf = np.fromfile(path, np.uint8, n, offset=offset & SHARD_MASK)
+        if buf.size != n:
+            raise WorkbenchError(f"{path}: truncated: {n} bytes at {offset & SHARD_MASK}, {buf.size} there")
+        return buf
+
+    def expert_bytes(self, layer: int, e: int) -> list[np.ndarray]:
+        """The bytes of expert_reads(layer, e), in order, read buffered (decode_expert takes them)."""
+        return [self.read(o, n) for o, n in self.expert_reads(layer, e)]
 
     def expert_reads(self, layer: int, e: int) -> list[tuple[int, int]]:
         """The (offset, length) reads that bring in one expert: one for contiguous, three for native."""

@@ -1,14 +1,13 @@
 """The index of a safetensors checkpoint, in MLX's layout or a Hugging Face directory's bf16/f16/f32: a pack header
-(workbench/store/pack.py) naming the safetensors file as its data file, so the checkpoint streams as it lies (no
-pack copy).
+(workbench/store/pack.py) naming the safetensors files (one, or each shard) as its data files, so the checkpoint
+streams as it lies (no pack copy): each run's offset names its shard (pack.at_shard), and the index is refused
+once any shard changes (size, mtime, a hash of its header).
 
-Every tensor and each expert's gate, up and down are "runs" into that file (an affine matrix: its codes, scales
+Every tensor and each expert's gate, up and down are "runs" into those files (an affine matrix: its codes, scales
 and biases, each where it lies; a float one: its one range), with the crc32 the reader checks, read once here in
 pieces of at most `chunk` bytes (workbench/store/gguf_index.py's _crcs). The few tensors the model changes on read
 (the hybrid family's zero-centred norms) are stored in the index, f32; nothing else is: a few hundred KB for a model
 of thousands of experts. The tokenizer stays beside the checkpoint (registry.tokenizer_for reads it from there).
-
-Streaming reads one file: a checkpoint of several shards runs from a pack instead (`in_place` says which).
 """
 from __future__ import annotations
 
@@ -20,37 +19,41 @@ from pathlib import Path
 from workbench.chat import find_template
 from workbench.errors import WorkbenchError
 from workbench.store.gguf_index import CHUNK, _crcs, experts_header, write_index
-from workbench.store.pack import FORMAT, PARTS, _encode, _nbytes, expert_shapes
+from workbench.store.pack import FORMAT, PARTS, SHARD_BITS, SHARD_MASK, _encode, _nbytes, at_shard, expert_shapes
 
 
 def in_place(model) -> bool:
-    """Whether the checkpoint (an HFModel or MLXModel) streams as it lies: one shard, experts in a kind the engines
-    read (MLX's affine codes, bf16, f16, f32)."""
-    return len(model.shards) == 1 and all(k is not None for L in model.spec.moe_layers[:1]
-                                          for k in model.expert_kinds(L).values())
+    """Whether the checkpoint (an HFModel or MLXModel) streams as it lies: experts in a kind the engines read (MLX's
+    affine codes, bf16, f16, f32), in one safetensors file or several."""
+    return all(k is not None for L in model.spec.moe_layers[:1] for k in model.expert_kinds(L).values())
+
+
+def data_file(shard) -> dict:
+    """What an index records of a safetensors file to refuse it once it changes (workbench/store/pack.py)."""
+    st = shard.path.stat()
+    with open(shard.path, "rb") as f:
+        head = f.read(shard.base)
+    return {"path": str(shard.path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "head_bytes": shard.base, "head_sha256": hashlib.sha256(head).hexdigest()}
 
 
 def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
-    """Index the safetensors checkpoint directory at src (MLX's layout or a Hugging Face directory) into dst,
-    atomically."""
+    """Index the safetensors checkpoint directory at src (MLX's layout or a Hugging Face directory, one file or
+    several shards) into dst, atomically."""
     from workbench.store.pack import open_model
 
     model = open_model(src)
-    if not in_place(model) and len(model.shards) == 1:
+    if not in_place(model):
         raise WorkbenchError(f"{model.path}: its experts are {model.expert_kinds(model.spec.moe_layers[0])}: not "
                              f"streamed as they lie; convert it (python -m workbench convert {model.path} OUT)")
-    if len(model.shards) != 1:
-        raise WorkbenchError(f"{model.path}: {len(model.shards)} safetensors shards; streaming in place reads one "
-                             f"file, so this checkpoint runs from a pack: python -m workbench convert {model.path} OUT")
-    shard = model.shards[0]
-    s, st = model.spec, shard.path.stat()
-    with open(shard.path, "rb") as f:
-        head = f.read(shard.base)
-    data = {"path": str(shard.path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "head_bytes": shard.base, "head_sha256": hashlib.sha256(head).hexdigest()}
+    s = model.spec
+    shard_no = {id(sh): i for i, sh in enumerate(model.shards)}
+
+    def at(runs) -> list:               # [(shard, file offset, bytes)] -> [[offset into the shards, bytes]]
+        return [[at_shard(shard_no[id(sh)], off), n] for sh, off, n in runs]
     header = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "source": model.source_info(), "spec": s.to_dict(), "layout": "native",
-              "quant": {"experts": "raw", "rest": "raw"}, "data": data}
+              "quant": {"experts": "raw", "rest": "raw"}, "data": [data_file(sh) for sh in model.shards]}
     if template := find_template(model.path):
         header["chat_template"] = template
 
@@ -61,27 +64,29 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
         tensors[name] = {"offset": 0, "nbytes": _nbytes(tuple(shape), kind), "shape": shape, "kind": kind,
                          "crc32": "0" * 8}
         if runs:
-            tensors[name].update(offset=runs[0][1], **{"in": "data", "runs": [[off, n] for _, off, n in runs]})
+            tensors[name].update(offset=at(runs)[0][0], **{"in": "data", "runs": at(runs)})
         else:
             here.append(name)
     shapes = expert_shapes(s.hidden_size, s.moe_intermediate_size)
     layer_kinds, layers = {}, {}
     for L in s.moe_layers:
         layer_kinds[str(L)] = model.expert_kinds(L)
-        layers[str(L)] = [{"runs": {p: [[off, n] for _, off, n in rs] for p, rs in model.expert_runs(L, e).items()},
-                           "crc32": "0" * 8} for e in range(s.num_experts)]
+        layers[str(L)] = [{"runs": {p: at(rs) for p, rs in model.expert_runs(L, e).items()}, "crc32": "0" * 8}
+                          for e in range(s.num_experts)]
     header["tensors"] = tensors
     header["experts"] = experts_header(s, shapes, layer_kinds, layers)
 
     buf = memoryview(bytearray(chunk))
-    fd = os.open(shard.path, os.O_RDONLY)
+    fds = []
     try:
+        for sh in model.shards:
+            fds.append(os.open(sh.path, os.O_RDONLY))
         for name, t in tensors.items():     # a tensor's crc32 runs over its codes, scales, biases in turn
             if name in here:
                 continue
             crc = [0]
             for run in t["runs"]:
-                _crcs(fd, buf, [tuple(run)], crc)
+                _shard_crcs(fds, buf, [run], crc, model.shards)
             t["crc32"] = f"{crc[0] & 0xFFFFFFFF:08x}"
         bar = s.moe_layers
         if progress:
@@ -92,12 +97,27 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
             crcs = [0] * len(ents)
             for p in PARTS:
                 for j in range(len(ents[0]["runs"][p])):
-                    _crcs(fd, buf, [tuple(ent["runs"][p][j]) for ent in ents], crcs)
+                    _shard_crcs(fds, buf, [ent["runs"][p][j] for ent in ents], crcs, model.shards)
             for ent, c in zip(ents, crcs):
                 ent["crc32"] = f"{c & 0xFFFFFFFF:08x}"
-    except EOFError as e:
-        raise WorkbenchError(f"{shard.path}: truncated ({e})") from None
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
     return write_index(dst, header, tensors, here, lambda name: _encode(model.tensor(name), "f32"))
+
+
+def _shard_crcs(fds: list[int], buf: memoryview, runs: list, crcs: list[int], shards) -> None:
+    """crcs[i] continued over runs[i] = [offset into the shards (at_shard), bytes], each shard's runs read
+    together (gguf_index._crcs); a shard that ends early is one line naming it."""
+    for k, fd in enumerate(fds):
+        mine = [i for i, (o, _) in enumerate(runs) if o >> SHARD_BITS == k]
+        if not mine:
+            continue
+        sub = [crcs[i] for i in mine]
+        try:
+            _crcs(fd, buf, [(runs[i][0] & SHARD_MASK, runs[i][1]) for i in mine], sub)
+        except EOFError as e:
+            raise WorkbenchError(f"{shards[k].path}: truncated ({e})") from None
+        for i, c in zip(mine, sub):
+            crcs[i] = c
