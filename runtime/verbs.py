@@ -29,7 +29,7 @@ def cmd_info(args):
     src = model_dir(pl.model)
     if config := config_only(src):
         obj = {"path": str(config), "kind": "config"}
-    elif is_pack(src) or is_mlx_layout(src):     # a pack, or an index of the checkpoint where it lies
+    elif is_pack(src) or is_mlx_layout(src) or src.suffix == ".gguf":     # a pack, or an index of a file in place
         pk = pl.pack
         obj = {"path": str(pk.path), "kind": "pack", "layout": pk.layout, "quant": pk.quant,
                "expert_nbytes": pk.expert_nbytes, "experts": pk.num_expert_total, "file_size": pk.header["file_size"]}
