@@ -20,7 +20,7 @@ import numpy as np
 from engines.base import Engine
 from engines.hybrid import GatedDeltaNet
 from workbench.errors import WorkbenchError
-from workbench.routing import route
+from workbench.routing import route, topk_desc
 from workbench.spec import yarn_mscale
 
 
@@ -223,6 +223,11 @@ class Decoder(GatedDeltaNet, Engine):
         if self.router_hook is not None:
             return self.router_hook(i, logits, ctx)
         return route(self.spec, logits, self.w.get(f"layers.{i}.router_bias"))
+
+    def router_top(self, h, norm, name: str, bias, k: int) -> np.ndarray:
+        """The k experts router `name` ranks first on each row of h RMS-normed with weight `norm`, its selection
+        bias added, best first (the lookahead: a later layer's router on this layer's residual)."""
+        return topk_desc(self.to_numpy(self.linear(self.rms_norm(h, norm), name)) + bias, k)
 
     def mlp(self, x, gate, up, down):
         return (self.silu(x @ gate.T) * (x @ up.T)) @ down.T

@@ -22,8 +22,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from engines.packed_kernels import slots_of
+from engines.packed_kernels import rms_norm, slots_of
 from workbench.errors import WorkbenchError
+from workbench.routing import topk_rows
 from workbench.store.ggml_blocks import library, quantize, type_id  # noqa: F401 (quantize: G.quantize)
 
 
@@ -186,6 +187,27 @@ def _dense(addr, rows, cols, p, X, Y):
     for t in prange(X.shape[0] * runs):
         r, c = t // runs, t % runs
         _rows(p[2], cols, Y[r].ctypes.data, addr, p[1], qx[r].ctypes.data, c * ROWS, min(rows, (c + 1) * ROWS))
+
+
+@njit(cache=True, nogil=True)
+def _top(addr, rows, cols, p, H, norm, eps, bias, X, logits, top):
+    rms_norm(H, norm, eps, X)
+    _dense(addr, rows, cols, p, X, logits)
+    for r in range(X.shape[0]):
+        for o in range(rows):
+            logits[r, o] += bias[o]
+    topk_rows(logits, top.shape[1], top)
+
+
+def top(buf: np.ndarray, rows: int, cols: int, p: np.ndarray, H: np.ndarray, norm: np.ndarray, eps, bias: np.ndarray,
+        k: int) -> np.ndarray:
+    """The k largest of W x + bias, x each row of H RMS-normed with weight `norm` (packed_kernels.rms_norm), best
+    first (topk_rows' order): a router's choice in one call, where the norm, dense, the sum and the top-k each paid
+    Python's overhead per call (W as for dense; H, norm, bias float32)."""
+    out = np.empty((H.shape[0], k), np.int64)
+    _top(buf.ctypes.data, rows, cols, p, H, norm, np.float32(eps), bias, np.empty_like(H),
+         np.empty((H.shape[0], rows), np.float32), out)
+    return out
 
 
 def dense(buf: np.ndarray, rows: int, cols: int, p: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:

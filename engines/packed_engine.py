@@ -324,6 +324,13 @@ class PackedEngine(Decoder):
             K.dense(w.buf, w.shape[0], w.shape[1], w.bits, x, y, w.scales)
         return y
 
+    def router_top(self, h, norm, name: str, bias, k: int) -> np.ndarray:
+        w = self.w[name]
+        if not isinstance(w, Encoded) or w.ggml is None or h.shape[0] > KERNEL_ROWS or norm.dtype != np.float32:
+            return super().router_top(h, norm, name, bias, k)
+        return G.top(w.buf, w.shape[0], w.shape[1], w.ggml, np.ascontiguousarray(h, dtype=np.float32), norm,
+                     self.spec.rms_norm_eps, bias, k)
+
     def rms_norm(self, x, w):
         """A decoded token's norm in one kernel call instead of numpy's five operations (a token has many norms)."""
         if x.ndim != 2 or x.shape[0] > KERNEL_ROWS or w.dtype != np.float32:

@@ -684,6 +684,38 @@ def test_llamacpp_runs_deepseek2_like_transformers(tiny_models, deepseek_v2_lite
 
 
 @needs_llama
+def test_a_routers_choice_in_one_call_is_the_norm_the_dot_products_and_the_top_k_apart():
+    """G.top (the lookahead on a router kept in Q8_0: norm, ggml's dot products, selection bias, top-k in one call)
+    names the experts that packed_kernels.rms_norm, G.dense, the bias and a stable sort's first k name, one row or a
+    speculative batch's, at any thread count; and nearly those the float32 router names on the exact norm."""
+    import numba
+    from engines import ggml_kernels as G
+    from engines import packed_kernels as K
+    E, d, k, eps = 256, 512, 16, np.float32(1e-6)
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((E, d)).astype(np.float32) * 0.05
+    norm, bias = rng.random(d).astype(np.float32) + 0.5, rng.standard_normal(E).astype(np.float32) * 0.1
+    blocks, p = G.quantize(w, "gguf:Q8_0").reshape(-1), G.part_row("gguf:Q8_0", d)
+    before, shared = numba.get_num_threads(), []
+    try:
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            for T in (1, 16):
+                H = rng.standard_normal((T, d)).astype(np.float32) * 3
+                X, Y = np.empty_like(H), np.empty((T, E), np.float32)
+                K.rms_norm(H, norm, eps, X)
+                G.dense(blocks, E, d, p, X, Y)
+                top = G.top(blocks, E, d, p, H, norm, eps, bias, k)
+                assert (top == np.argsort(-(Y + bias), axis=-1, kind="stable")[:, :k]).all()
+                x64 = norm * H / np.sqrt((H.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)
+                exact = np.argsort(-(x64 @ w.T.astype(np.float64) + bias), axis=-1)[:, :k]
+                shared += [len(set(a) & set(b)) / k for a, b in zip(top.tolist(), exact.tolist())]
+    finally:
+        numba.set_num_threads(before)
+    assert np.mean(shared) >= 0.9, np.mean(shared)
+
+
+@needs_llama
 @pytest.mark.parametrize("kinds", [("Q4_K", "Q4_K", "Q6_K"), ("Q2_K", "Q2_K", "Q4_K"), ("Q8_0", "Q8_0", "Q8_0")])
 def test_ggml_experts_and_projections_share_the_cores_without_changing_a_bit(kinds):
     """moe_ready and dense cut their output rows into runs that numba's threads share: the result is each row's

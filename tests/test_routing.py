@@ -94,3 +94,23 @@ def test_compiled_topk_and_select_equal_a_stable_numpy_sort():
                 want = want / (want.sum(-1, keepdims=True) + 1e-20)
             assert (idx == np.argsort(-s, axis=-1, kind="stable")[:, :k]).all()
             np.testing.assert_allclose(w, want * np.float32(scaling), rtol=2e-7, atol=0)
+
+
+def test_routing_by_softmax_in_one_call_chooses_as_the_general_path():
+    """route's compiled softmax and select (a softmax gate without groups or biases: every decode step of most
+    families) chooses the general path's experts (numpy's softmax, then select), ties to the lower index, and
+    weighs them alike to float32 rounding (exp's rounding and the sum's order differ by an ulp or so)."""
+    from workbench.routing import route, select, softmax
+    from workbench.spec import MoESpec
+    rng = np.random.default_rng(1)
+    for T, E, k in [(1, 512, 10), (4, 64, 8), (16, 128, 6), (2, 8, 8)]:
+        for norm, scaling in [(True, 1.0), (False, 1.0), (True, 2.5)]:
+            spec = MoESpec(family="qwen3_moe", vocab_size=8, hidden_size=8, num_layers=1, num_heads=1,
+                           num_kv_heads=1, head_dim=8, num_experts=E, top_k=k, moe_intermediate_size=8,
+                           norm_topk_prob=norm, routed_scaling_factor=scaling)
+            for logits in (rng.standard_normal((T, E)) * 4, np.round(rng.standard_normal((T, E)) * 3)):  # ties
+                logits = logits.astype(np.float32)
+                idx, w = route(spec, logits)
+                want_idx, want_w = select(softmax(logits), k, norm, scaling)
+                assert (idx == want_idx).all(), (T, E, k, norm)
+                np.testing.assert_allclose(w, want_w, rtol=2e-6, atol=1e-9)

@@ -96,10 +96,8 @@ class Lookahead:
         norm, router, bias = self._weights(t)
         h = ctx["h"]
         h = np.ascontiguousarray(h, dtype=np.float32).reshape(-1, h.shape[-1])
-        if router is None:          # encoded: the engine's kernel on the normed rows
-            logits = ctx["engine"].linear(_rms(h, norm, self.eps).astype(np.float32), f"layers.{t}.router") + bias
-            top = np.empty((h.shape[0], self.width), np.int64)
-            topk_rows(logits, self.width, top)
+        if router is None:          # encoded: the engine's kernels
+            top = ctx["engine"].router_top(h, norm, f"layers.{t}.router", bias, self.width)
         else:
             top = _lookahead(h, norm, self.eps, router, bias, self.width)
         if top.shape[0] == 1:
