@@ -214,6 +214,7 @@ def planned_mlx(cfg: dict, spec) -> tuple[dict, int, set]:
     for key, v in q.items():
         if not isinstance(v, dict):
             continue
+        key = key.removeprefix("language_model.")      # mlx-lm's name for Qwen3.5's text model
         if m := _SWITCH.fullmatch(key):
             experts[(int(m[1]), m[2])] = v
         for pattern, t in _RULES:

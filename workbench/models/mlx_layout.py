@@ -14,6 +14,15 @@ bits) or false (left in float). Its kind is quant.mlx_kind(bits, group, scale dt
 (codes, then scales, then biases) at the file's own width, group and scale dtype, which the numpy engine decodes
 and the packed and MLX engines compute from as it lies. Each tensor is one to three byte runs (codes, scales,
 biases: `runs`), so an index of them (workbench/store/safetensors_index.py) streams the experts from the file.
+
+The hybrid family (Qwen3-Next `qwen3_next`, Qwen3.5/3.6-MoE `qwen3_5_moe`) as mlx-lm's sanitize leaves it, each
+change read as it lies, so nothing is stored in the index but the runs: the zero-centred norms hold 1 + w already
+(bf16), the canonical norm itself (no 1 added on read, unlike hf.py's); each `linear_attn.conv1d.weight` is
+(channels, K, 1), the same bytes as Hugging Face's (channels, 1, K), which `tensor_shape` says (a file still holding
+(channels, 1, K) was not sanitized, its norms not shifted either: refused); `linear_attn.A_log` and `.dt_bias` are
+bare float tensors (A_log kept f32 for Qwen3.5); Qwen3-Next's fused in_proj_qkvz / in_proj_ba keep Hugging Face's
+per-key-head grouping; the shared expert's gate is quantized at 8 bits like the router; Qwen3.5's text model is
+named `language_model.model.*` and `language_model.lm_head` (mlx-lm's module path), read as `model.*`.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ from workbench.store import quant
 
 PARTS = ("gate", "up", "down")
 _SWITCH = re.compile(_LAYER + r"(?:mlp|block_sparse_moe)\.switch_mlp\.(gate|up|down)_proj")
+_PARAMETER = re.compile(_LAYER + r"linear_attn\.(?:A_log|dt_bias)")
 
 
 def is_mlx_layout(path) -> bool:
@@ -57,30 +67,33 @@ class MLXModel(HFModel):
     def __init__(self, path):
         self.modules: dict[str, dict[str, tuple[Shard, str]]] = {}     # module path -> {weight|scales|biases: ...}
         super().__init__(path)      # config, shards, spec; _index files each tensor under its module
-        if self.spec.layer_types:
-            raise WorkbenchError(f"{self.path}: MLX's layout of the hybrid family {self.spec.family} is not read yet "
-                                 f"(its norms and linear-attention tensors are renamed); use its Hugging Face checkpoint")
         q = self.config.get("quantization") or {}
         if q.get("mode", "affine") != "affine":
             raise WorkbenchError(f"{self.path / 'config.json'}: quantization mode {q.get('mode')!r} is not read "
                                  f"(affine only)")
         self.kinds = {m: self._kind(m, t) for m, t in self.modules.items()}
         self._check_experts()
+        self._check_conv()
 
     # ------------------------------------------------------------ indexing
 
     def _index(self, shard: Shard, name: str):
-        module, _, what = name.rpartition(".")
+        hf = name.removeprefix("language_model.")      # mlx-lm's name for Qwen3.5's text model: its own module
+        if _PARAMETER.fullmatch(hf):    # linear attention's A_log, dt_bias: a bare float, filed as a module's .weight
+            module, what, as_hf = name, "weight", hf
+        else:
+            module, _, what = name.rpartition(".")
+            as_hf = hf.rpartition(".")[0] + ".weight"
         if what not in ("weight", "scales", "biases") or not module:
             return
-        if m := _SWITCH.fullmatch(module):
+        if m := _SWITCH.fullmatch(as_hf.removesuffix(".weight")):
             for e in range(self.spec.num_experts):
                 self.experts[(int(m[1]), e, m[2])] = (shard, module, e)
         else:
             canonical = next((t.format(*mm.groups()) for pattern, t in _RULES
-                              if (mm := re.fullmatch(pattern, f"{module}.weight"))), None)
+                              if (mm := re.fullmatch(pattern, as_hf))), None)
             if canonical is None:
-                return      # an unknown or skipped module (a vision tower): not read
+                return      # an unknown or skipped module (a vision tower, mtp): not read
             self.where[canonical] = (shard, module)
         self.modules.setdefault(module, {})[what] = (shard, name)
 
@@ -121,6 +134,15 @@ class MLXModel(HFModel):
             if shape != [self.spec.num_experts, *want]:
                 raise WorkbenchError(f"{self.path}: {module} holds {shape}, not the config's {[self.spec.num_experts, *want]}")
 
+    def _check_conv(self):
+        """mlx-lm's sanitize moves a Gated DeltaNet conv kernel's axis, (channels, 1, K) -> (channels, K, 1), when it
+        adds the 1 to the zero-centred norms: a file that holds (channels, 1, K) was not sanitized, its norms not
+        shifted, and is refused rather than read one or the other way."""
+        K = (self.spec.linear or {}).get("conv_kernel")
+        for name, (_, module) in self.where.items():
+            if name.endswith(".lin_conv") and (shape := self._shape(module))[1:] != [K, 1]:
+                raise WorkbenchError(f"{self.path}: {module} holds {shape}, not mlx-lm's (channels, {K}, 1)")
+
     def _shape(self, module: str) -> list[int]:
         """The module's logical shape (a quantized one's columns are its codes' times 32 / bits)."""
         shard, name = self.modules[module]["weight"]
@@ -150,7 +172,10 @@ class MLXModel(HFModel):
         return self.kinds[self.where[name][1]]
 
     def tensor_shape(self, name: str) -> list[int]:
-        return self._shape(self.where[name][1])
+        shape = self._shape(self.where[name][1])
+        if name.endswith(".lin_conv"):  # mlx-lm's (channels, K, 1): the bytes of Hugging Face's (channels, 1, K)
+            return [shape[0], 1, shape[1]]
+        return shape
 
     def tensor_runs(self, name: str) -> list[tuple[Shard, int, int]]:
         return self._runs(self.where[name][1])
