@@ -98,8 +98,9 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     else:
         raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache, designs or budgets (edge0 has its own verb)")
     rungs = [(p.with_(**knobs), b) for p, b in rungs] if knobs else rungs
-    not_run = [{"rung": p.name, "why": why} for p, _ in rungs if routing_trace and (why := trace_cannot_drive(p))]
-    rungs = [(p, b) for p, b in rungs if not (routing_trace and trace_cannot_drive(p))]
+    why = {p.name: trace_cannot_drive(p) for p, _ in rungs} if routing_trace else {}
+    not_run = [{"rung": n, "why": w} for n, w in why.items() if w]
+    rungs = [(p, b) for p, b in rungs if not why.get(p.name)]
     base = {"les": "on_demand", "smol": "smol", "cache": "les"}.get(name)
     variant_of = {"on_demand c=0": "on_demand"}         # a designs rung that is not a preset of its own
     rungs = [(p, b, engine) for p, b in rungs] + [(p, b, e) for e, names in (also_on or {}).items()

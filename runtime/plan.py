@@ -60,7 +60,7 @@ def plan(model: str, preset: str | Preset = "on_demand", budget: str | None = No
         (p.storage.layout.value, p.storage.experts, p.storage.rest)
     if (layout, experts, rest) != (p.storage.layout.value, p.storage.experts, p.storage.rest):
         p = p.with_(layout=layout, experts=experts, rest=rest)   # a GGUF's own: what records say
-    if config or not (convert or not needs_writing(model, layout, experts, rest)):
+    if config or (not convert and needs_writing(model, layout, experts, rest)):
         pack, (spec, shapes, engine, cost, resident, adapters) = None, _unconverted(model, config, p, engine)
     else:
         pack = Pack(resolve_pack(model, layout, experts, rest, progress=progress))

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +31,7 @@ else:
 pytest.importorskip("transformers")
 
 from hybrid_fixtures import make_hybrid                      # noqa: E402
+from test_mlx_layout import cli, mlx_lm_reference            # noqa: E402
 from workbench.errors import WorkbenchError                  # noqa: E402
 from workbench.models.mlx_layout import MLXModel             # noqa: E402
 
@@ -81,24 +80,6 @@ def converted(request, hf, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("mlx") / f"{hf.name}-{request.param}bit"
     convert(str(hf), mlx_path=str(out), quantize=True, q_bits=request.param, q_group_size=64)
     return out
-
-
-def mlx_lm_model(path: Path):
-    from mlx_lm import load
-    model, tok = load(str(path))
-    model.set_dtype(mx.float32)
-    return model, tok
-
-
-def mlx_lm_reference(path: Path, prompt: str, tokens: int = 8):
-    """mlx-lm's own model on its conversion, in float32: (ids, prompt logits, greedy tokens)."""
-    from mlx_lm.generate import generate_step
-    model, tok = mlx_lm_model(path)
-    ids = tok.encode(prompt)
-    logits = np.array(model(mx.array(ids)[None])[0])
-    out = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=tokens,
-                                                      sampler=lambda x: mx.argmax(x, -1)), range(tokens))]
-    return ids, logits, out
 
 
 def test_every_tensor_and_expert_is_mlx_lms_own_array(converted):
@@ -191,12 +172,6 @@ def test_a_quarter_of_the_experts_streamed_gives_resident_logits_bit_for_bit(con
             with open_session(str(converted), preset, budget="0.25", engine=engine) as s:
                 assert s.pack.path.suffix == ".index"
                 assert np.array_equal(np.asarray(s.step(ids, "prefill")), resident), (engine, preset)
-
-
-def cli(*args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "workbench", *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
-                              [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}, timeout=600)
 
 
 def test_bench_writes_nothing_but_the_index(converted, tmp_path):

@@ -67,12 +67,9 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
     st = gguf.stat()
     data = {"path": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns,           # what Pack checks it by
             "head_bytes": min(st.st_size, int(model.reader.data_offset)), "head_sha256": source["header_sha256"]}
-    header = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "source": source,
-              "spec": s.to_dict(), "layout": "native", "quant": {"experts": "raw", "rest": "raw"}, "data": data}
+    header = index_header(model, source, data)
     if text := model.tokenizer_json():
         header["tokenizer"] = text
-    if template := find_template(model.path):
-        header["chat_template"] = template
 
     tensors, here = {}, []              # here: the tensors stored in the index (made on read)
     for name in model.names():
@@ -83,15 +80,10 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
             tensors[name].update({"offset": loc[0], "in": "data"})
         else:
             here.append(name)
-    d, ff = s.hidden_size, s.moe_intermediate_size
-    shapes = expert_shapes(d, ff)
-    layer_kinds, layers = {}, {}
-    for L in s.moe_layers:
-        layer_kinds[str(L)] = model.expert_kinds(L)
-        layers[str(L)] = [{"parts": {p: list(o) for p, o in model.expert_location(L, e).items()}, "crc32": "0" * 8}
-                          for e in range(s.num_experts)]
     header["tensors"] = tensors
-    header["experts"] = experts_header(s, shapes, layer_kinds, layers)
+    header["experts"] = experts_header(model, lambda L, e: {"parts": {p: list(o) for p, o in
+                                                                      model.expert_location(L, e).items()}})
+    layers = header["experts"]["layers"]
 
     buf = memoryview(bytearray(chunk))
     fd = os.open(gguf, os.O_RDONLY)
@@ -101,11 +93,7 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
         _crcs(fd, buf, [(tensors[n]["offset"], tensors[n]["nbytes"]) for n in names], crcs)
         for n, c in zip(names, crcs):
             tensors[n]["crc32"] = f"{c & 0xFFFFFFFF:08x}"
-        bar = s.moe_layers
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(bar, desc="indexing experts", unit="layer")
-        for L in bar:
+        for L in moe_layers(s, progress):
             ents = layers[str(L)]
             crcs = [0] * len(ents)
             for p in PARTS:             # each expert's crc32 runs over gate, up, down in turn
@@ -121,8 +109,32 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
         tensors[name]["kind"]))
 
 
-def experts_header(s, shapes: dict, layer_kinds: dict, layers: dict) -> dict:
-    """An index's "experts" entry: their shapes, each layer's kinds and where each expert's parts lie."""
+def index_header(model, source: dict, data) -> dict:
+    """An index's header but its tensors and experts: the file(s) its data lies in (`data`), the source, its spec and
+    chat template."""
+    header = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "source": source,
+              "spec": model.spec.to_dict(), "layout": "native", "quant": {"experts": "raw", "rest": "raw"},
+              "data": data}
+    if template := find_template(model.path):
+        header["chat_template"] = template
+    return header
+
+
+def moe_layers(s, progress: bool):
+    """The MoE layers an index's crc pass walks, with a progress bar when asked."""
+    if not progress:
+        return s.moe_layers
+    from tqdm.auto import tqdm
+    return tqdm(s.moe_layers, desc="indexing experts", unit="layer")
+
+
+def experts_header(model, where) -> dict:
+    """An index's "experts" entry: their shapes, each layer's kinds and where each expert's parts lie (where(L, e):
+    the entry's location fields; its crc32 is filled in by the caller's pass over the bytes)."""
+    s = model.spec
+    shapes = expert_shapes(s.hidden_size, s.moe_intermediate_size)
+    layer_kinds = {str(L): model.expert_kinds(L) for L in s.moe_layers}
+    layers = {str(L): [{**where(L, e), "crc32": "0" * 8} for e in range(s.num_experts)] for L in s.moe_layers}
     lsize = {L: sum(_nbytes(shapes[p], k[p]) for p in PARTS) for L, k in layer_kinds.items()}
     return {"shapes": {p: list(shapes[p]) for p in PARTS}, "kinds": layer_kinds[str(s.moe_layers[-1])],
             "layer_kinds": layer_kinds, "nbytes": max(lsize.values()), "total_nbytes": s.num_experts * sum(lsize.values()),

@@ -138,12 +138,9 @@ def _plan(model, layout: str, experts: str, rest: str, data_start: int):
     layer_kinds = {}                                  # raw: each layer keeps its source's types (Q4_K_M mixes)
     off = data_start
     tensors = {}
-    for name in model.names():
-        shape = tuple(model.tensor_shape(name))
-        kind = model.tensor_kind(name) if rest == "raw" else tensor_kind(name, shape, rest)
-        n = _nbytes(shape, kind)
-        tensors[name] = {"offset": off, "nbytes": n, "shape": list(shape), "kind": kind, "crc32": "0" * 8}
-        off = _align(off + n)
+    for name, t in planned_tensors({n: model.tensor_shape(n) for n in model.names()}, rest, model.tensor_kind).items():
+        tensors[name] = {"offset": off, "nbytes": t["nbytes"], "shape": t["shape"], "kind": t["kind"], "crc32": "0" * 8}
+        off = _align(off + t["nbytes"])
     layers = {}
     for i in s.moe_layers:
         if experts == "raw":
@@ -173,10 +170,12 @@ def _plan(model, layout: str, experts: str, rest: str, data_start: int):
     return tensors, expert_info, off
 
 
-def planned_tensors(shapes: dict, rest: str) -> dict:
+def planned_tensors(shapes: dict, rest: str, own_kind=None) -> dict:
     """{name: {"shape", "kind", "nbytes"}} of the non-expert tensors a pack at precision `rest` holds, from their
-    shapes alone (a checkpoint not yet converted, or its config.json: runtime.plan)."""
-    return {n: {"shape": list(sh), "kind": (k := tensor_kind(n, tuple(sh), rest)), "nbytes": _nbytes(tuple(sh), k)}
+    shapes alone (a checkpoint not yet converted, or its config.json: runtime.plan); at rest "raw", each keeps the
+    source's kind, own_kind(name)."""
+    kind = (lambda n, sh: own_kind(n)) if rest == "raw" else (lambda n, sh: tensor_kind(n, sh, rest))
+    return {n: {"shape": list(sh), "kind": (k := kind(n, tuple(sh))), "nbytes": _nbytes(tuple(sh), k)}
             for n, sh in shapes.items()}
 
 

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from pathlib import Path
 
-from workbench.chat import find_template
 from workbench.errors import WorkbenchError
-from workbench.store.gguf_index import CHUNK, _crcs, experts_header, write_index
-from workbench.store.pack import FORMAT, PARTS, SHARD_BITS, SHARD_MASK, _encode, _nbytes, at_shard, expert_shapes
+from workbench.store.gguf_index import CHUNK, _crcs, experts_header, index_header, moe_layers, write_index
+from workbench.store.pack import PARTS, SHARD_BITS, SHARD_MASK, _encode, _nbytes, at_shard
 
 
 def in_place(model) -> bool:
@@ -51,11 +49,7 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
 
     def at(runs) -> list:               # [(shard, file offset, bytes)] -> [[offset into the shards, bytes]]
         return [[at_shard(shard_no[id(sh)], off), n] for sh, off, n in runs]
-    header = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "source": model.source_info(), "spec": s.to_dict(), "layout": "native",
-              "quant": {"experts": "raw", "rest": "raw"}, "data": [data_file(sh) for sh in model.shards]}
-    if template := find_template(model.path):
-        header["chat_template"] = template
+    header = index_header(model, model.source_info(), [data_file(sh) for sh in model.shards])
 
     tensors, here = {}, []             # here: the tensors stored in the index (changed on read), f32
     for name in model.names():
@@ -67,14 +61,10 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
             tensors[name].update(offset=at(runs)[0][0], **{"in": "data", "runs": at(runs)})
         else:
             here.append(name)
-    shapes = expert_shapes(s.hidden_size, s.moe_intermediate_size)
-    layer_kinds, layers = {}, {}
-    for L in s.moe_layers:
-        layer_kinds[str(L)] = model.expert_kinds(L)
-        layers[str(L)] = [{"runs": {p: at(rs) for p, rs in model.expert_runs(L, e).items()}, "crc32": "0" * 8}
-                          for e in range(s.num_experts)]
     header["tensors"] = tensors
-    header["experts"] = experts_header(s, shapes, layer_kinds, layers)
+    header["experts"] = experts_header(model, lambda L, e: {"runs": {p: at(rs) for p, rs in
+                                                                     model.expert_runs(L, e).items()}})
+    layers = header["experts"]["layers"]
 
     buf = memoryview(bytearray(chunk))
     fds = []
@@ -88,11 +78,7 @@ def build_index(src, dst, progress: bool = False, chunk: int = CHUNK) -> Path:
             for run in t["runs"]:
                 _shard_crcs(fds, buf, [run], crc, model.shards)
             t["crc32"] = f"{crc[0] & 0xFFFFFFFF:08x}"
-        bar = s.moe_layers
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(bar, desc="indexing experts", unit="layer")
-        for L in bar:
+        for L in moe_layers(s, progress):
             ents = layers[str(L)]
             crcs = [0] * len(ents)
             for p in PARTS:
