@@ -158,6 +158,8 @@ def main(argv=None):
         for d, b, got in old.get("arms") or [(r["design"], r["budget"], [r["median_run"]]) for r in old["rows"]]:
             arms[(d, b)] = got
     disk = old["disk"] if a.tables_from and "disk" in old else probe(Path(a.model).parent, refresh=not a.tables_from)
+    name = Path(a.model).stem + (f"-{a.tag}" if a.tag else "")
+    partial = a.out / f"full_size_{name}.partial.json"     # a long run's arms so far: --tables-from it if cut off
     for r in range(0 if a.tables_from else a.rounds):
         for (d, b), got in arms.items():
             t0 = time.time()
@@ -165,6 +167,11 @@ def main(argv=None):
                        if d == "llama.cpp" else bench_arm(a.model, d, b, a.tokens, a.design_threads, a.routing_trace))
             print(f"round {r + 1}: {d} @{b}: {got[-1].get('error') or format(got[-1]['tok_s'], '.3f') + ' tok/s'} "
                   f"({time.time() - t0:.0f} s)", flush=True)
+            atomic_write(partial, json.dumps({
+                "command": " ".join(["python", "benchmarks/full_size.py", *(argv or sys.argv[1:])]), "disk": disk,
+                "file_size": os.path.getsize(a.model), "arms": [[d, b, got] for (d, b), got in arms.items()],
+                "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0]}, default=str))
     rows, failed = [], []
     for (d, b), got in arms.items():
         failed += [f"- {d} @{b}: {g['error']}" for g in got if g.get("error")]
@@ -261,9 +268,9 @@ def main(argv=None):
         md.append(f"| {label(r)} | {r['budget']} | {1e3 * m['compute_s'] / n:.0f} | {1e3 * m['router_s'] / n:.0f} | "
                   f"{1e3 * m['flash_wait_s'] / n:.0f} | {1e3 * m['other_s'] / n:.0f} | "
                   f"{1e3 * m['floor_compute_s_per_token']:.0f} | {1e3 * m['floor_read_s_per_token']:.0f} |")
-    name = Path(a.model).stem + (f"-{a.tag}" if a.tag else "")
     atomic_write(a.out / f"full_size_{name}.json", json.dumps(res, indent=1, default=str) + "\n")
     atomic_write(a.out / f"full_size_{name}.md", "\n".join(md) + "\n")
+    partial.unlink(missing_ok=True)
     print("\n".join(md))
 
 

@@ -194,6 +194,7 @@ def test_full_size_on_a_made_slice(tmp_path):
     res = json.loads((tmp_path / "full_size_qwen3-next-80b-a3b-4L.json").read_text())
     md = (tmp_path / "full_size_qwen3-next-80b-a3b-4L.md").read_text()
     assert command_line(md) == res["command"] and not res["failed"], res["failed"]
+    assert not (tmp_path / "full_size_qwen3-next-80b-a3b-4L.partial.json").exists(), "the run's checkpoint outlives it"
     assert [(r["design"], r["budget"]) for r in res["rows"]] == [("llama.cpp", "mmap, cold"), ("on_demand", "0.5"),
                                                                   ("les", "0.5")]
     assert res["file_size"] == gguf.stat().st_size and "RANDOM" in str(res["random_weights"])
