@@ -126,7 +126,7 @@ def _trace_note(rows: list) -> str:
     preds = sorted({r["median_run"]["routing_trace"]["prediction"] for r in rows[1:]
                     if (r["median_run"].get("routing_trace") or {}).get("prediction")})
     return "; ".join([src["mapping"].split("; tokens")[0], f"mixing weights: {src.get('mixing_weights', 'uniform')}",
-                      *preds])
+                      *preds, *([f"warm sets' usage: {src['warm_usage']}"] if src.get("warm_usage") else [])])
 
 
 def label(row: dict) -> str:

@@ -49,8 +49,8 @@ def edge0_ready(model: str = "demo") -> bool:
     if "edge0" not in PRESETS:
         return False
     try:
-        from workbench.edge0.artifacts import FILES   # numpy only
-        return all((model_dir(model) / "edge0" / f).exists() for f in FILES.values())
+        from workbench.edge0.artifacts import FILES, edge0_dir_of   # numpy only
+        return all((edge0_dir_of(model_dir(model)) / f).exists() for f in FILES.values())
     except (ImportError, WorkbenchError, OSError):
         return False
 

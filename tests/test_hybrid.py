@@ -351,19 +351,23 @@ def test_edge0s_trainer_streams_a_gguf_and_trains_as_if_it_held_it(hybrid_models
 
 def test_edge0s_lora_trains_on_a_gguf_and_is_served(hybrid_models, tmp_path):
     """`python -m training.edge0_lora --model X.gguf`: the GGUF is its own teacher (exact routing) and student
-    (its prerouter heads), both phases run, and `--preset edge0` serves the adapter it wrote beside the file."""
+    (its prerouter heads), both phases run, and `--preset edge0` serves the adapter it wrote beside the file (in <file>.edge0/, one
+    folder per file)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")
     from engines.gguf_export import export_gguf
     from test_edge0 import teacher_forced, write_heads
     from training import edge0_lora
     from training.edge0_common import open_pack
-    from workbench.edge0.artifacts import artifact_path, load_safetensors
+    from workbench.edge0.artifacts import artifact_path, edge0_dir_of, load_safetensors
     path = export_gguf(HFModel(hybrid_models["qwen3_next"]), tmp_path / "m.gguf", "f16")
     pack = open_pack(str(path), "q4")
     write_heads(None, pack=pack)
     edge0_lora.main(["--model", str(path), "--text-seqs", "2", "--text-len", "6", "--ce-steps", "2", "--batch", "2",
                      "--rkl-rounds", "1", "--rkl-batch", "1", "--rkl-len", "4", "--val-windows", "1", "--val-ctx", "12"])
     t, meta = load_safetensors(artifact_path(pack, "lora"), "lora")
+    assert artifact_path(pack, "lora") == tmp_path / "m.gguf.edge0" / "lora.safetensors"
+    (tmp_path / "other.gguf").touch()       # another file in the folder keeps its own (none yet)
+    assert edge0_dir_of(tmp_path / "other.gguf") == tmp_path / "other.gguf.edge0"
     assert set(t) == {f"lora.3.{p}.{m}" for p in "qkvo" for m in "AB"} and np.abs(t["lora.3.q.B"]).max() > 0
     assert meta["teacher"] == "the same weights, exact routing" and meta["val_kl_train_corpora"]["int4_exact"] == 0
     ids = TOKENS[:8]

@@ -1,6 +1,6 @@
 """Edge0 artifacts: small safetensors files beside the model (never merged into it), read with numpy.
 
-    <model dir>/edge0/prerouter.safetensors   the trained prerouter heads
+    <model dir>/edge0/prerouter.safetensors   the trained prerouter heads (<model>.gguf.edge0/ beside a GGUF)
     <model dir>/edge0/lora.safetensors        the recovery LoRA (attention q, k, v, o)
 
 Each file carries its provenance in the safetensors metadata: "kind", and "edge0" (JSON: the model's
@@ -36,9 +36,10 @@ def edge0_dir(pack) -> Path:
 
 
 def edge0_dir_of(source) -> Path:
-    """Where the Edge0 files of a model (a directory, or a single-file source: a GGUF) lie: beside it."""
+    """Where the Edge0 files of a model lie: <dir>/edge0 in a model directory, <file>.edge0 beside a single-file
+    source (a GGUF), so that files sharing a folder keep their own heads."""
     src = Path(source)
-    return (src.parent if src.is_file() else src) / "edge0"
+    return src.with_name(src.name + ".edge0") if src.is_file() else src / "edge0"
 
 
 def artifact_path(pack, kind: str) -> Path:
