@@ -189,10 +189,23 @@ def _dense(addr, rows, cols, p, X, Y):
         _rows(p[2], cols, Y[r].ctypes.data, addr, p[1], qx[r].ctypes.data, c * ROWS, min(rows, (c + 1) * ROWS))
 
 
+# One row through a matrix of at most this many bytes (a router) runs on the calling thread: waking numba's others
+# for it costs more than they save (results/targets.md, issue 52's router).
+ONE_THREAD_BYTES = 2 << 20
+
+
+@njit(cache=True, nogil=True)
+def _product(addr, rows, cols, p, X, Y):
+    if X.shape[0] == 1 and rows * p[1] <= ONE_THREAD_BYTES:
+        _matvec(addr, rows, cols, p, X[0], np.empty(p[4], np.uint8), Y[0])
+    else:
+        _dense(addr, rows, cols, p, X, Y)
+
+
 @njit(cache=True, nogil=True)
 def _top(addr, rows, cols, p, H, norm, eps, bias, X, logits, top):
     rms_norm(H, norm, eps, X)
-    _dense(addr, rows, cols, p, X, logits)
+    _product(addr, rows, cols, p, X, logits)
     for r in range(X.shape[0]):
         for o in range(rows):
             logits[r, o] += bias[o]
@@ -212,7 +225,7 @@ def top(buf: np.ndarray, rows: int, cols: int, p: np.ndarray, H: np.ndarray, nor
 
 def dense(buf: np.ndarray, rows: int, cols: int, p: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
     """Y[r] = W X[r] for each row of X (float32, C order), W (rows, cols) in GGUF blocks at buf, p = part_row()."""
-    _dense(buf.ctypes.data, rows, cols, p, X, Y)
+    _product(buf.ctypes.data, rows, cols, p, X, Y)
 
 
 def part_row(kind: str, cols: int) -> np.ndarray:

@@ -705,6 +705,10 @@ def test_a_routers_choice_in_one_call_is_the_norm_the_dot_products_and_the_top_k
                 X, Y = np.empty_like(H), np.empty((T, E), np.float32)
                 K.rms_norm(H, norm, eps, X)
                 G.dense(blocks, E, d, p, X, Y)
+                if T == 1:                  # a router's one row runs on the calling thread: the same bits
+                    Yp = np.empty_like(Y)
+                    G._dense(blocks.ctypes.data, E, d, p, X, Yp)
+                    assert blocks.nbytes <= G.ONE_THREAD_BYTES and (Yp == Y).all()
                 top = G.top(blocks, E, d, p, H, norm, eps, bias, k)
                 assert (top == np.argsort(-(Y + bias), axis=-1, kind="stable")[:, :k]).all()
                 x64 = norm * H / np.sqrt((H.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)
