@@ -210,11 +210,13 @@ class TraceDrive:
         if predictor and predictor not in self.preds:
             self.preds[predictor] = self._computed(path, tr, predictor, recall)
         self.prompt_len = 0
-        held = self.topk[self.T // 2:]      # a warm set's usage: rows a run of fewer than T/2 tokens does not replay
-        counts = {L: np.bincount(held[:, j].reshape(-1), minlength=meta["num_experts"]) for L, j in self.row_layer.items()}
+        # a warm set's usage: the half of the trace that a run of fewer than T/2 tokens from `skip` does not replay
+        held = (skip + np.arange(self.T // 2, self.T)) % self.T
+        counts = {L: np.bincount(self.topk[held, j].reshape(-1), minlength=meta["num_experts"])
+                  for L, j in self.row_layer.items()}
         self.usage = {L: np.repeat(c, self.r).tolist() for L, c in counts.items()}
-        self.source["warm_usage"] = (f"trace rows {self.T // 2}-{self.T - 1}: out of sample for a run that replays "
-                                     f"fewer than {self.T // 2} rows")
+        self.source["warm_usage"] = (f"trace rows {held[0]}-{held[-1]} (mod {self.T}): out of sample for a run that "
+                                     f"replays fewer than {self.T // 2} rows")
 
     def _computed(self, path, tr: dict, predictor: str, recall: float | None) -> np.ndarray:
         """What a predictor the trace did not record names: shuffled (any trace) or a modelled lookahead or

@@ -121,11 +121,14 @@ def test_a_predictor_the_trace_did_not_record_is_refused(demo_trace):
 def test_a_warm_start_on_a_trace_counts_only_rows_the_run_does_not_replay(demo_trace):
     """The pager's most-used lists come from the trace's second half: a run replaying its first rows does not warm
     from the routing it is measured on."""
-    d = TraceDrive(DEMO_TRACE, _spec(demo_trace), None)
     T = demo_trace["topk"].shape[0]
-    for L, j in d.row_layer.items():
-        assert d.usage[L] == np.bincount(demo_trace["topk"][T // 2:, j].reshape(-1), minlength=32).tolist()
-    assert f"rows {T // 2}-{T - 1}" in d.source["warm_usage"]
+    for skip in (0, T // 2 + 3):
+        d = TraceDrive(DEMO_TRACE, _spec(demo_trace), None, skip=skip)
+        held = (skip + np.arange(T // 2, T)) % T
+        assert not set(held) & set((skip + np.arange(T // 2)) % T)
+        for L, j in d.row_layer.items():
+            assert d.usage[L] == np.bincount(demo_trace["topk"][held, j].reshape(-1), minlength=32).tolist()
+        assert f"rows {held[0]}-{held[-1]}" in d.source["warm_usage"]
 
 
 def test_bench_with_a_missing_or_unmappable_trace_is_a_one_line_error(tmp_path, capsys):
