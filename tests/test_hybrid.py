@@ -351,8 +351,8 @@ def test_edge0s_trainer_streams_a_gguf_and_trains_as_if_it_held_it(hybrid_models
 
 def test_edge0s_lora_trains_on_a_gguf_and_is_served(hybrid_models, tmp_path):
     """`python -m training.edge0_lora --model X.gguf`: the GGUF is its own teacher (exact routing) and student
-    (its prerouter heads), both phases run, and `--preset edge0` serves the adapter it wrote beside the file (in <file>.edge0/, one
-    folder per file)."""
+    (its prerouter heads), both phases run, and `--preset edge0` serves the adapter it wrote beside the file (in
+    <file>.edge0/: one folder per file)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable (pip install -e '.[llamacpp]')")
     from engines.gguf_export import export_gguf
     from test_edge0 import teacher_forced, write_heads

@@ -119,8 +119,8 @@ def test_a_predictor_the_trace_did_not_record_is_refused(demo_trace):
 
 
 def test_a_warm_start_on_a_trace_counts_only_rows_the_run_does_not_replay(demo_trace):
-    """The pager's most-used lists come from the trace's second half: a run replaying its first rows does not warm
-    from the routing it is measured on."""
+    """The pager's most-used lists come from the half of the trace that starts half its rows after the run's first:
+    a run of fewer than half the trace's tokens does not warm from the routing it is measured on."""
     T = demo_trace["topk"].shape[0]
     for skip in (0, T // 2 + 3):
         d = TraceDrive(DEMO_TRACE, _spec(demo_trace), None, skip=skip)
