@@ -158,6 +158,14 @@ def main(argv=None):
         for d, b, got in old.get("arms") or [(r["design"], r["budget"], [r["median_run"]]) for r in old["rows"]]:
             arms[(d, b)] = got
     disk = old["disk"] if a.tables_from and "disk" in old else probe(Path(a.model).parent, refresh=not a.tables_from)
+    command = f"python benchmarks/full_size.py --model {a.model} --budgets {a.budgets} --designs {a.designs} " \
+              f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads} --llama {a.llama}" + \
+              (f" --design-threads {a.design_threads}" if a.design_threads else "") + \
+              (f" --routing-trace {a.routing_trace}" if a.routing_trace else "")
+    run = {"command": command, "model": a.model, "disk": disk,
+           "file_size": old["file_size"] if a.tables_from else os.path.getsize(a.model),
+           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}}
+    now = lambda: {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0]}
     name = Path(a.model).stem + (f"-{a.tag}" if a.tag else "")
     partial = a.out / f"full_size_{name}.partial.json"     # a long run's arms so far: --tables-from it if cut off
     for r in range(0 if a.tables_from else a.rounds):
@@ -167,11 +175,8 @@ def main(argv=None):
                        if d == "llama.cpp" else bench_arm(a.model, d, b, a.tokens, a.design_threads, a.routing_trace))
             print(f"round {r + 1}: {d} @{b}: {got[-1].get('error') or format(got[-1]['tok_s'], '.3f') + ' tok/s'} "
                   f"({time.time() - t0:.0f} s)", flush=True)
-            atomic_write(partial, json.dumps({
-                "command": " ".join(["python", "benchmarks/full_size.py", *(argv or sys.argv[1:])]), "disk": disk,
-                "file_size": os.path.getsize(a.model), "arms": [[d, b, got] for (d, b), got in arms.items()],
-                "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0]}, default=str))
+            atomic_write(partial, json.dumps({**run, "arms": [[d, b, got] for (d, b), got in arms.items()], **now()},
+                                             default=str))
     rows, failed = [], []
     for (d, b), got in arms.items():
         failed += [f"- {d} @{b}: {g['error']}" for g in got if g.get("error")]
@@ -204,16 +209,9 @@ def main(argv=None):
         b = row.get("own_bound") or bounds[row["budget"]]
         row["over_belady"] = row["tok_s"] / b["belady_tok_s"]
         row["over_belady_best_start"] = row["tok_s"] / b["best_start_tok_s"]
-    command = f"python benchmarks/full_size.py --model {a.model} --budgets {a.budgets} --designs {a.designs} " \
-              f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads} --llama {a.llama}" + \
-              (f" --design-threads {a.design_threads}" if a.design_threads else "") + \
-              (f" --routing-trace {a.routing_trace}" if a.routing_trace else "")
-    res = {"command": command, "model": a.model, "rows": rows,
-           "file_size": old["file_size"] if a.tables_from else os.path.getsize(a.model),
-           "arms": [[d, b, got] for (d, b), got in arms.items()], "failed": failed,
-           "bounds": bounds, "disk": disk, "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-           "random_weights": rows[1]["median_run"].get("random_weights") if len(rows) > 1 else None,
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0]}
+    res = {**run, "rows": rows, "arms": [[d, b, got] for (d, b), got in arms.items()], "failed": failed,
+           "bounds": bounds, "random_weights": rows[1]["median_run"].get("random_weights") if len(rows) > 1 else None,
+           **now()}
     if a.tables_from:               # measured then: said as it was
         res.update({k: old[k] for k in ("command", "date", "machine") if k in old}, load=old.get("load"))
         command = res["command"]
