@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from workbench.atomic import atomic_write  # noqa: E402
 
 
 def tree_of(rev: str) -> Path:
@@ -79,7 +81,7 @@ def main(argv=None):
     span = lambda runs, k: f"{min(x[k] for x in runs):.1f}-{max(x[k] for x in runs):.1f}"
     lines = [f"`python benchmarks/before_after.py --rev {a.rev} --model {a.model} --budgets {a.budgets} --designs "
              f"{a.designs} --tokens {a.tokens} --rounds {a.rounds}` (load average {min(loads):.1f}-{max(loads):.1f} "
-             f"after each round, 2 cores shared with other jobs)\n",
+             f"after each round, {os.cpu_count()} cores)\n",
              "| budget | design | tree | tok/s (median, min-max) | of floor | KB read/tok | / on_demand's |",
              "|---|---|---|---:|---:|---:|---:|"]
     checks = []
@@ -107,8 +109,7 @@ def main(argv=None):
     text = "\n".join(lines + [""] + checks) + "\n"
     print(text)
     if a.out:
-        with open(a.out, "a") as f:
-            f.write(text)
+        atomic_write(a.out, (a.out.read_text() if a.out.exists() else "") + text)
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ def _dense(addr, rows, cols, p, X, Y):
 
 
 # One row through a matrix of at most this many bytes (a router) runs on the calling thread: waking numba's others
-# for it costs more than they save (results/targets.md, issue 52's router).
+# for it costs more than they save (results/miss_and_cores.md).
 ONE_THREAD_BYTES = 2 << 20
 
 
