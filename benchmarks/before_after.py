@@ -4,7 +4,9 @@
 
 Copies REV's tree (`git archive`) under /tmp, then runs `bench --json --no-record` of each (design, budget) in
 subprocesses, REV's tree and this one one after the other, --rounds rounds (each run cold: bench's own warm-up
-on other text, then an empty cache and the file out of the page cache). Prints, and appends to --out if given,
+on other text, then an empty cache and the file out of the page cache; with --routing-trace both route as the
+trace recorded, so that the two trees are asked for the same experts even where random weights make them generate
+different text). Prints, and appends to --out if given,
 a table of medians (min-max) of tok/s, achieved / floor and bytes read a token, and the checks of issue 52: every
 design at >= 0.7 of its floor, les >= on_demand and les's bytes <= 1.15x on_demand's at each budget.
 """
@@ -36,12 +38,13 @@ def tree_of(rev: str) -> Path:
     return tree
 
 
-def bench(tree: Path, model: str, design: str, budget: str, tokens: int) -> dict:
+def bench(tree: Path, model: str, design: str, budget: str, tokens: int, trace: str | None = None) -> dict:
     """bench's JSON, or {"error": its last line} where the design cannot run there (a pager whose pools are
     smaller than a layer's top-k)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     p = subprocess.run([sys.executable, "-m", "workbench", "bench", "--model", model, "--preset", design, "--budget",
-                        budget, "--tokens", str(tokens), "--json", "--no-record"], cwd=tree, env=env,
+                        budget, "--tokens", str(tokens), "--json", "--no-record"]
+                       + (["--routing-trace", str(Path(trace).resolve())] if trace else []), cwd=tree, env=env,
                        capture_output=True, text=True)
     if p.returncode == 2:
         return {"error": (p.stderr.strip().splitlines() or ["exit 2"])[-1]}
@@ -58,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--designs", default="on_demand,les,smol")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--routing-trace", metavar="FILE", help="both trees route as this trace recorded (the same "
+                    "experts asked for, whatever text each generates)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     trees = {f"before ({a.rev})": tree_of(a.rev), "after": ROOT}
@@ -68,7 +73,7 @@ def main(argv=None):
     for r in range(a.rounds):
         for d, b in [c for c in cells if c not in failed]:
             for t, tree in trees.items():
-                x = bench(tree, a.model, d, b, a.tokens)
+                x = bench(tree, a.model, d, b, a.tokens, a.routing_trace)
                 if "error" in x:
                     failed[(d, b)] = x["error"]
                     print(f"{t} {d} @{b}: {x['error']}")
@@ -80,7 +85,8 @@ def main(argv=None):
     med = lambda runs, k: statistics.median(x[k] for x in runs)
     span = lambda runs, k: f"{min(x[k] for x in runs):.1f}-{max(x[k] for x in runs):.1f}"
     lines = [f"`python benchmarks/before_after.py --rev {a.rev} --model {a.model} --budgets {a.budgets} --designs "
-             f"{a.designs} --tokens {a.tokens} --rounds {a.rounds}` (load average {min(loads):.1f}-{max(loads):.1f} "
+             f"{a.designs} --tokens {a.tokens} --rounds {a.rounds}"
+             + (f" --routing-trace {a.routing_trace}" if a.routing_trace else "") + f"` (load average {min(loads):.1f}-{max(loads):.1f} "
              f"after each round, {os.cpu_count()} cores)\n",
              "| budget | design | tree | tok/s (median, min-max) | of floor | KB read/tok | / on_demand's |",
              "|---|---|---|---:|---:|---:|---:|"]
