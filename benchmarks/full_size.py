@@ -214,10 +214,9 @@ def main(argv=None):
            **now()}
     if a.tables_from:               # measured then: said as it was
         res.update({k: old[k] for k in ("command", "date", "machine") if k in old}, load=old.get("load"))
-        command = res["command"]
     gib = lambda n: n / 2 ** 30
     md = [f"# Full size: {Path(a.model).name} ({gib(res['file_size']):.1f} GiB), stock llama.cpp and the designs\n",
-          f"`{command}` ({res['date']}, {res['machine']['cores']} cores, load "
+          f"`{res['command']}` ({res['date']}, {res['machine']['cores']} cores, load "
           f"{'?' if res['load'] is None else format(res['load'], '.1f')}). "
           f"{res['random_weights'] or ''}\n",
           *([f"Every design routes as the trace `{a.routing_trace}` recorded ({_trace_note(rows)}); llama.cpp "
