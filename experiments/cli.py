@@ -1,4 +1,4 @@
-"""The experiments' verbs: bench, ladder, trace, import-trace, replay, simulate, bench-peer, routing-stats
+"""The experiments' verbs: bench, ladder, trace, import-trace, replay, simulate, leaderboard, bench-peer, routing-stats
 (registered in workbench.commands).
 
 `bench --engine llamacpp` measures stock llama.cpp from outside (engines/llamacpp_cli.py); every other engine
@@ -21,8 +21,15 @@ def _bench_flags(p):
                         "(default: cold, an empty expert cache and the model's file out of the page cache)")
     flags("routing_trace", routing_trace={"help": "route and predict as recorded in this trace (real reads, real "
                                                   "compute; ids mapped, see JSON)"})(p)
-    flags("set")(p)
+    flags("set", "design")(p)
     bench_flags(p)
+
+
+def one_design(args) -> str:
+    """The design a verb that runs one runs: --design's, else --preset's."""
+    if len(args.design) > 1:
+        raise WorkbenchError(f"--design given {len(args.design)} times: this verb runs one design")
+    return args.design[0] if args.design else args.preset
 
 
 def knobs_of(sets: list[str]) -> dict:
@@ -43,7 +50,7 @@ def cmd_bench(args):
         res = bench_llamacpp(args)
         return emit(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "token_ids"))
     from experiments.bench import bench
-    res = bench(args.model, args.preset, budget=args.budget, tokens=args.tokens, prompt=args.prompt,
+    res = bench(args.model, one_design(args), budget=args.budget, tokens=args.tokens, prompt=args.prompt,
                 engine=args.engine, direct=not args.page_cache, record=not args.no_record, device=args.device,
                 routing_trace=args.routing_trace, warm=args.warm, threads=args.threads, **knobs_of(args.set))
     emit(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "per_layer"))
@@ -58,7 +65,8 @@ def _ladder_flags(p):
     p.add_argument("--skip-layers", type=int, default=None, help="edge0: MoE layers routed exactly (default: the heads')")
     flags("routing_trace", routing_trace={"help": "every rung routes and predicts as recorded in this trace (a model "
                                                   "with random weights)"})(p)
-    flags("set", set={"help": "set one of the presets' knobs on every rung (as bench's --set); repeatable"})(p)
+    flags("set", "design", set={"help": "set one of the presets' knobs on every rung (as bench's --set); repeatable"},
+          design={"help": "designs / budgets: a design of your own as a further rung (at every budget); repeatable"})(p)
 
 
 @command("ladder", "a design's ablation ladder, alternating arms, one run record per rung "
@@ -75,7 +83,7 @@ def cmd_ladder(args):
         from experiments.ladder import run_ladder, table
         res = run_ladder(args.name, model=args.model, budget=args.budget, tokens=args.tokens, rounds=args.rounds,
                          progress=progress, device=args.device, routing_trace=args.routing_trace,
-                         knobs=knobs_of(args.set))
+                         knobs=knobs_of(args.set), designs=args.design)
     emit(args, res, table(res))
 
 
@@ -164,7 +172,7 @@ def cmd_import_trace(args):
 def _replay_flags(p):
     from experiments.simulate import REPLAYED
     p.add_argument("trace")
-    flags("preset", "budget", "engine", "tokens", "prompt_tokens", "skip", "set",
+    flags("preset", "budget", "engine", "tokens", "prompt_tokens", "skip", "set", "design",
           preset={"default": ",".join(REPLAYED), "help": "the presets, comma-separated (default: %(default)s)"},
           engine={"help": "whose expert cache the budget sizes (default: packed, as bench's: engines.default_engine)"},
           tokens={"default": None, "help": "tokens the window decodes, as bench's (default: the rest of the trace)"})(p)
@@ -174,8 +182,36 @@ def _replay_flags(p):
          _replay_flags)
 def cmd_replay(args):
     from experiments.simulate import replay, table
-    res = replay(args.trace, [p for p in args.preset.split(",") if p], args.budget, tokens=args.tokens,
+    res = replay(args.trace, [p for p in args.preset.split(",") if p] + args.design, args.budget, tokens=args.tokens,
                  prompt=args.prompt_tokens, skip=args.skip, engine=args.engine, knobs=knobs_of(args.set))
+    emit(args, res, table(res))
+
+
+def _leaderboard_flags(p):
+    from experiments.leaderboard import BUDGETS, DEVICES
+    p.add_argument("traces", nargs="+", help="routing traces (.parquet: the shipped ones, import-trace's, trace's)")
+    flags("design", "engine", "tokens", "prompt_tokens", "skip",
+          design={"help": "a design of your own beside the built-ins (path/to/file.py:Name); repeatable"},
+          tokens={"default": None, "help": "tokens the window decodes (default: the rest of each trace)"})(p)
+    p.add_argument("--designs", default=None, help="the designs, comma-separated (default: the built-ins and the "
+                                                   "field's: experiments.leaderboard)")
+    p.add_argument("--budgets", default=",".join(BUDGETS), help="(default: %(default)s)")
+    p.add_argument("--devices", default=",".join(DEVICES), help="device profiles simulated (default: %(default)s)")
+    p.add_argument("--model", default=None, help="measure the compute profile the simulation times on this model")
+    p.add_argument("--compute", default=None, help="a compute profile JSON instead of measuring one")
+
+
+@command("leaderboard", "every design on every trace at budgets 0.05-0.5: hit rate, reads, Belady's fraction, "
+                        "simulated tok/s", _leaderboard_flags)
+def cmd_leaderboard(args):
+    from experiments.compute_profile import load_compute
+    from experiments.leaderboard import BUILTIN, FIELD, run, table
+    split = lambda v: [x for x in v.split(",") if x]
+    designs = (split(args.designs) if args.designs else list(BUILTIN + FIELD)) + args.design
+    res = run(args.traces, designs, split(args.budgets), split(args.devices),
+              compute=load_compute(args.compute) if args.compute else None, model=args.model, tokens=args.tokens,
+              prompt=args.prompt_tokens, skip=args.skip, engine=args.engine,
+              progress=None if args.json else print)
     emit(args, res, table(res))
 
 
@@ -188,7 +224,7 @@ def _simulate_flags(p):
                           "packed: engines.default_engine; a --compute profile names its own)"},
           model={"default": None, "help": "measure the compute profile on this model (default: the trace's); a "
                                           "GGUF's experts are read as they lie, in its own blocks"})(p)
-    flags("prompt_tokens", "skip", "set")(p)
+    flags("prompt_tokens", "skip", "set", "design")(p)
     p.add_argument("--shape", default=None, help="a real model's expert shape (make-model's shapes)")
     p.add_argument("--workers", type=int, default=None, help="reader threads (default: the profile's queue depth)")
     p.add_argument("--compute", default=None, help="a compute profile JSON instead of measuring one")
@@ -217,7 +253,7 @@ def cmd_simulate(args):
     if not args.trace:
         raise WorkbenchError("simulate: --trace FILE is needed (or --calibrate)")
     from workbench.presets import get_preset
-    res = run(args.trace, get_preset(args.preset).with_(**knobs_of(args.set)), args.budget,
+    res = run(args.trace, get_preset(one_design(args)).with_(**knobs_of(args.set)), args.budget,
               args.device or "this-machine", shape=args.shape, tokens=args.tokens, prompt=args.prompt_tokens,
               skip=args.skip, compute=load_compute(args.compute) if args.compute else None,
               workers=args.workers, model=args.model, record=not args.no_record, predictor=args.predictor,

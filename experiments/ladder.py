@@ -18,7 +18,7 @@ from pathlib import Path
 
 import engines
 from engines import DEFAULT
-from workbench.presets import get_preset
+from workbench.presets import get_preset, with_each
 from workbench.registry import resolve_pack, storage_for
 from workbench.store.pack import Pack
 from runtime.session import trace_cannot_drive
@@ -65,12 +65,13 @@ def cache_rungs(spec_top_k: int, slot_bytes: int, preset: str = "les"):
 def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int = 48, rounds: int = 3,
                prompt: str = "Once upon a time", quality_tokens: int = 0, progress=None, device: str | None = None,
                engine: str = DEFAULT, also_on: dict | None = None, routing_trace: str | None = None,
-               knobs: dict | None = None) -> dict:
+               knobs: dict | None = None, designs: list | None = None) -> dict:
     """Measure every rung `rounds` times in alternating order; returns {"ladder", "rungs": [...]}. device: a
     device profile whose flash every rung's reads emulate (workbench.devices).
     also_on: {engine: [preset names]}: those rungs again on another engine (rung "<preset> [<engine>]").
     routing_trace: every rung routes and predicts as this trace recorded (experiments/routing_trace.py).
-    knobs: preset knobs set on every rung (`--set`, as bench takes them).
+    knobs: preset knobs set on every rung (`--set`, as bench takes them). designs: further rungs of the designs and
+    budgets ladders, designs of your own by reference (workbench.designs).
 
     The rungs are the arms of one timing group of a sweep (experiments.sweep, on a local Ray): one task, holding
     the machine's CPUs, runs them round by round, and one run record per rung comes back."""
@@ -84,6 +85,7 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     elif name == "designs":
         rungs = [(get_preset(n), budget) for n in ("on_demand", "les_no_prefetch", "shuffled", "history", "les", "smol",
                                                      "oracle")]
+        rungs += [(get_preset(d), budget) for d in designs or ()]
         rungs.append((get_preset("resident"), "all"))
         # DESIGN.md's on-demand control keeps no cache: one layer's top-k slots, each released after use (c=0)
         k, item = top_k_and_slot_bytes(model, "on_demand")
@@ -93,11 +95,14 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     elif name == "budgets":             # does prediction pay at every budget? each design against on_demand
         spec = Pack(resolve_pack(model, *storage_for(model, get_preset("smol").storage))).spec
         pager_fits = lambda b: int(float(b) * spec.num_experts) >= spec.top_k      # a layer's pool holds its top-k
-        rungs = [(get_preset(n).with_(name=f"{n} @{b}"), b) for b in BUDGETS for n in ("on_demand", "les", "smol")
-                 if n != "smol" or pager_fits(b)]
+        rungs = [(p.with_(name=f"{p.name} @{b}"), b) for b in BUDGETS
+                 for p in map(get_preset, ("on_demand", "les", "smol", *(designs or ())))
+                 if p.name != "smol" or pager_fits(b)]
     else:
         raise WorkbenchError(f"ladder {name!r}: choose les, smol, cache, designs or budgets (edge0 has its own verb)")
-    rungs = [(p.with_(**knobs), b) for p, b in rungs] if knobs else rungs
+    if designs and name not in ("designs", "budgets"):
+        raise WorkbenchError(f"ladder {name}: --design adds rungs to the designs and budgets ladders only")
+    rungs = list(zip(with_each([p for p, _ in rungs], knobs), [b for _, b in rungs])) if knobs else rungs
     why = {p.name: trace_cannot_drive(p) for p, _ in rungs} if routing_trace else {}
     not_run = [{"rung": n, "why": w} for n, w in why.items() if w]
     rungs = [(p, b) for p, b in rungs if not why.get(p.name)]

@@ -44,6 +44,7 @@ from workbench.presets import Predictor, Prefetch
 from workbench.routing import topk_desc
 from workbench.spec import MoESpec
 
+RECORDABLE = ("lookahead", "history", "oracle", "shuffled", "prerouter")   # what a trace records or computes
 PREDICTORS = ("lookahead:1:k", "lookahead:1:2k", "lookahead:2:k", "lookahead:2:2k", "history", "oracle")
 DRAFT = 4               # draft tokens recorded per position: LES's speculative rung (experiments.ladder.les_rungs)
 
@@ -184,9 +185,10 @@ def drive(path):
 
 class TraceDrive:
     def __init__(self, path, spec: MoESpec, predictor: str | None, trace: dict | None = None, skip: int = 0,
-                 recall: float | None = None):
+                 recall: float | None = None, params: dict | None = None):
         """skip: trace rows before the run's first; recall: a modelled prediction's (an imported trace's lookahead or
-        prerouter), None: MODELLED_RECALL."""
+        prerouter), None: MODELLED_RECALL. A predictor a trace does not record (one of the registry's others, a
+        design's own) runs on what the trace gives: the routing, its held-out half; params: its parameters."""
         from experiments.traces import read_trace
         tr = trace or read_trace(path)      # trace: the file already read
         self.path, self.spec = str(path), spec
@@ -205,18 +207,33 @@ class TraceDrive:
                        "mapping": self.mapping, "imported": bool(imported),
                        "mixing_weights": "the trace's router weights" if self.weights is not None else "uniform"}
         self.predictor_name, self.skip = predictor, skip
-        if predictor and predictor.split(":")[0] == "prerouter":     # prerouter:SKIP names the layers from SKIP on
-            predictor = "prerouter"
-        if predictor and predictor not in self.preds:
-            self.preds[predictor] = self._computed(path, tr, predictor, recall)
         self.prompt_len = 0
         # a warm set's usage: the half of the trace that a run of fewer than T/2 tokens from `skip` does not replay
-        held = (skip + np.arange(self.T // 2, self.T)) % self.T
+        self.held = held = (skip + np.arange(self.T // 2, self.T)) % self.T
         counts = {L: np.bincount(self.topk[held, j].reshape(-1), minlength=meta["num_experts"])
                   for L, j in self.row_layer.items()}
         self.usage = {L: np.repeat(c, self.r).tolist() for L, c in counts.items()}
         self.source["warm_usage"] = (f"trace rows {held[0]}-{held[-1]} (mod {self.T}): out of sample for a run that "
                                      f"replays fewer than {self.T // 2} rows")
+        self.own = None                 # a predictor the trace does not record, run on the trace's routing
+        if predictor and predictor.split(":")[0] == "prerouter":     # prerouter:SKIP names the layers from SKIP on
+            predictor = "prerouter"
+        if predictor and predictor.split(":")[0] not in RECORDABLE:
+            self.own = self._own(path, predictor, params or {})
+        elif predictor and predictor not in self.preds:
+            self.preds[predictor] = self._computed(path, tr, predictor, recall)
+
+    def _own(self, path, predictor: str, params: dict):
+        from workbench.designs import Setup, predictor_class
+        from workbench.presets import Prefetch
+        cls = predictor_class(predictor)
+        if missing := [n for n in getattr(cls, "needs", ()) if n not in ("routed", "phase", "engine")]:
+            raise WorkbenchError(f"{path}: predictor {predictor} reads {', '.join(missing)}, which a routing trace does "
+                                 f"not give (a trace-driven run gives a predictor the routing only)")
+        sample = {L: self.experts(self.topk[self.held, j]) for L, j in self.row_layer.items()}
+        self.source["prediction"] = (f"{predictor}: run on the trace's routing; held-out statistics from trace rows "
+                                     f"{self.held[0]}-{self.held[-1]} (mod {self.T})")
+        return cls.build(Setup(self.spec, usage=self.usage, sample=lambda: sample), Prefetch(predictor), params)
 
     def _computed(self, path, tr: dict, predictor: str, recall: float | None) -> np.ndarray:
         """What a predictor the trace did not record names: shuffled (any trace) or a modelled lookahead or
@@ -261,7 +278,7 @@ class TraceDrive:
         return idx, np.repeat(self.weights[rows, j] / self.r, self.r, axis=-1).astype(np.float32)
 
     def predictor(self):
-        return None if not self.predictor_name else _Recorded(self)
+        return self.own if self.own is not None or not self.predictor_name else _Recorded(self)
 
     def draft(self, token_index: int, n: int) -> tuple[list[int], int]:
         """The recorded draft after decode step `token_index`'s input token (at most n tokens) and how many of it

@@ -60,7 +60,7 @@ import numpy as np
 
 from engines import slot_bytes
 from experiments.compute_profile import ComputeProfile, measure_compute
-from workbench.cache import ExpertCache, warm_set
+from workbench.cache import ExpertCache, start_set
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
 from workbench.io import split_sizes
@@ -247,8 +247,8 @@ class _Simulation:
         n_experts = spec.num_experts * len(spec.moe_layers)
         self.budget_bytes = Budget(budget).nbytes(item, n_experts)
         self.cache = ExpertCache(Budget(budget).slots(item, n_experts), item, spec.moe_layers,
-                                 policy=preset.cache.policy.value, scope=preset.cache.scope.value,
-                                 min_slots_per_layer=spec.top_k)
+                                 policy=preset.cache.policy, scope=preset.cache.scope.value,
+                                 min_slots_per_layer=spec.top_k, params=dict(preset.params))
         # a read that lands while the compute thread computes is dequantized at the contended speed, measured (GIL
         # waits included, so the switch-interval model is then off unless asked for)
         self.shared_cpu = shared_cpu
@@ -274,8 +274,11 @@ class _Simulation:
             for L in self.spec.moe_layers:
                 for e in range(self.spec.num_experts):
                     self.cache.pin((L, e), landed)
-        elif self.preset.cache.warm:
-            for k in warm_set(self.cache, self.drive.usage):
+        elif self.preset.cache.warm or self.preset.cache.hot:
+            pinned, warm = start_set(self.cache, self.drive.usage, self.preset.cache.warm, self.preset.cache.hot)
+            for k in pinned:
+                self.cache.pin(k, landed)
+            for k in warm:
                 self.cache.reserve(k, landed)
 
     # ------------------------------------------------------------ the compute thread and the reader pool
@@ -370,8 +373,9 @@ class _Simulation:
                   for b in batch]
         ev = LayerEvent(token=batch[0], layer=L, phase="decode", routed=[], predicted=[], hit=[])
         st = self.schedule.begin_layer(L, routed, list(batch), ev)
-        for b in batch if self.predictor is not None else ():
-            self.schedule.name(b, self.predictor.predict(L, self.pos.step(b)), getattr(self.predictor, "certain", False))
+        for i, b in enumerate(batch if self.predictor is not None else ()):
+            ctx = {**self.pos.step(b), "routed": np.array(sorted(routed[i]))[None]}
+            self.schedule.name(b, self.predictor.predict(L, ctx), getattr(self.predictor, "certain", False))
         self.schedule.run_layer(st)
         self.counts.add_event(ev)
 
@@ -573,7 +577,7 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
         raise WorkbenchError(f"{trace_path}: an imported trace names no model here to measure compute on: pass --model "
                              f"(a checkpoint of its shape: make-model --shape {meta.get('shape')}) or --compute")
     drive = TraceDrive(trace_path, spec, str(p.prefetch) or None, trace=trace, skip=skip,
-                       recall=p.prefetch.recall)
+                       recall=p.prefetch.recall, params=dict(p.params))
     own = model is None or model == meta.get("model")        # the traced model: measured on its own trace
     simulated = model or (meta.get("model") if compute is None else None)     # the model whose storage is read
     here = dev.name == "this-machine" if here is None else here
@@ -660,7 +664,7 @@ def replay(path, presets=REPLAYED, budget: str | None = None, tokens: int | None
     from engines import default_engine
     from experiments.routing_trace import TraceDrive
     from experiments.traces import near_ties, read_trace
-    from workbench.presets import get_preset
+    from workbench.presets import get_preset, with_each
     tr = read_trace(path)
     meta = tr["meta"]
     spec = MoESpec.from_dict(meta["spec"])
@@ -669,10 +673,11 @@ def replay(path, presets=REPLAYED, budget: str | None = None, tokens: int | None
     engine = engine or default_engine()
     tokens = tokens or len(tr["ids"]) - prompt - skip + 1
     rows = []
-    for name in presets:
-        p = simulable(get_preset(name).with_(**(knobs or {})))
+    for p in with_each([get_preset(n) for n in presets], knobs or {}):
+        p = simulable(p)
         b = str(budget if budget is not None else p.cache.budget)
-        drive = TraceDrive(path, spec, str(p.prefetch) or None, trace=tr, skip=skip, recall=p.prefetch.recall)
+        drive = TraceDrive(path, spec, str(p.prefetch) or None, trace=tr, skip=skip, recall=p.prefetch.recall,
+                           params=dict(p.params))
         res = replay_run(drive, spec, p, b, tokens, prompt, engine)
         steps = max(1, res["decode_steps"])
         bound = belady(drive, spec, p, b, prompt, tokens, initial=res.pop("cache_at_decode"), engine=engine)
@@ -690,13 +695,14 @@ def replay(path, presets=REPLAYED, budget: str | None = None, tokens: int | None
 
 
 def table(res: dict) -> str:
+    from workbench.designs import short
     lines = [f"replay of {res['trace']} ({res['engine']}; rows {res['skip']}.., {res['prompt']} prompt + "
              f"{res['tokens']} tokens; every read lands at once)",
              f"{'preset':16} {'budget':>8} {'slots':>6} {'hit':>6} {'Belady':>7} {'recall':>7} {'precision':>9} "
              f"{'miss/tok':>9} {'prefetch/tok':>12}"]
     for r in res["presets"]:
         f = lambda v: "" if v is None else f"{v:.3f}"
-        lines.append(f"{r['preset']:16} {r['budget']:>8} {r['cache_slots']:6d} {r['hit_rate']:6.3f} "
+        lines.append(f"{short(r['preset']):16} {r['budget']:>8} {r['cache_slots']:6d} {r['hit_rate']:6.3f} "
                      f"{r['belady_hit_rate']:7.3f} {f(r['recall']):>7} {f(r['precision']):>9} "
                      f"{r['misses_per_token']:9.2f} {r['prefetch_per_token']:12.2f}")
     return "\n".join(lines)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import time
 
@@ -16,12 +17,12 @@ from engines import engine_class
 from engines.base import Hooks
 from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
-from workbench.cache import ExpertCache, warm_set
+from workbench.cache import ExpertCache, start_set
 from runtime.capture import RoutingCapture
 from workbench.io import drop_page_cache, slot_readers
 from workbench.devices import open_reader
 from workbench.host import peak_rss_bytes
-from workbench.predict import make_predictor
+from workbench.designs import Setup, make_predictor
 from workbench.presets import Predictor, Preset, Router, get_preset
 from workbench.registry import cache_dir, tokenizer_for
 from runtime.plan import Plan, plan
@@ -60,8 +61,8 @@ class Session:
         s = self.spec = self.pack.spec
         self.tokenizer = tokenizer_for(self.pack)
         cls = engine_class(plan.engine)
-        self.cache = ExpertCache(plan.slots, plan.slot_bytes, s.moe_layers, policy=p.cache.policy.value,
-                                 scope=p.cache.scope.value, min_slots_per_layer=s.top_k)
+        self.cache = ExpertCache(plan.slots, plan.slot_bytes, s.moe_layers, policy=p.cache.policy,
+                                 scope=p.cache.scope.value, min_slots_per_layer=s.top_k, params=dict(p.params))
         self.reader = open_reader(self.pack.data_paths, device, direct=direct, # device: emulated flash
                                   workers=workers or (slot_readers() if cls.slot_arena and not device else None))
         self.device = getattr(self.reader, "profile", None)
@@ -78,19 +79,22 @@ class Session:
         if drive:
             if why := trace_cannot_drive(p):
                 raise WorkbenchError(f"--routing-trace: preset {p.name} {why}")
-            self.drive, self.lora = drive(s, str(p.prefetch) or None, recall=p.prefetch.recall), None
+            self.drive, self.lora = drive(s, str(p.prefetch) or None, recall=p.prefetch.recall,
+                                          params=dict(p.params)), None
             usage = self.drive.usage
             predictor, router_hook, hook_deltas = self.drive.predictor(), self.drive.route, {}
         else:
-            predictor = make_predictor(p.prefetch, s, w, usage=usage, trace=trace, pack=self.pack)
+            pack = self.pack
+            setup = Setup(s, w, usage=usage, sample=lambda: heldout_routing(pack), trace=trace, pack=pack)
+            predictor = make_predictor(p.prefetch, setup, dict(p.params))
             router_hook, hook_deltas = self._routing(predictor, w)
-        self.warm_usage = usage if p.cache.warm else None
+        self.warm_usage = usage if p.cache.warm or p.cache.hot else None
         hooks = Hooks(predictor, router_hook, {**hook_deltas, **(deltas or {})})
         self.engine = cls(self.pack, self.streamer, self.tel, hooks, weights=w, **({"threads": threads} if threads else {}))
         self.reader_bytes0 = 0
         if plan.all_resident:
             self.streamer.load_resident([(L, e) for L in s.moe_layers for e in range(s.num_experts)])
-        elif p.cache.warm:
+        elif self.warm_usage is not None:
             self.warm_start(usage)
         self.reader_bytes0 = self.reader.bytes_read
 
@@ -116,8 +120,11 @@ class Session:
         return hook, self.lora.deltas() if self.lora else {}
 
     def warm_start(self, usage: dict):
-        """Fill each layer's pool (or the global cache, evenly) with its most-used experts."""
-        self.streamer.load_resident(warm_set(self.cache, usage), pin=False)
+        """What the design starts with (workbench.cache.start_set): its pinned hot store, and each layer's pool (or
+        the global cache, evenly) filled with its most-used experts."""
+        pinned, warm = start_set(self.cache, usage, self.preset.cache.warm, self.preset.cache.hot)
+        self.streamer.load_resident(pinned, pin=True)
+        self.streamer.load_resident(warm, pin=False)
 
     def cold_start(self) -> str:
         """Make the next run start cold: no expert in memory but what the design itself keeps (every expert when
@@ -235,7 +242,7 @@ def open_session(model: str = "demo", preset: str | Preset = "on_demand", budget
     p = pl.preset
     if p.prefetch.predictor is Predictor.ORACLE and drive is None and kw.get("trace") is None:
         kw["trace"] = {} if prompt is None else oracle_trace(model, p, prompt, tokens, budget)
-    if drive is None and (p.cache.warm or p.prefetch.predictor is Predictor.SHUFFLED):
+    if drive is None and (p.cache.warm or p.cache.hot or p.prefetch.predictor is Predictor.SHUFFLED):
         kw["usage"] = usage(pl.pack)
     return Session(pl, drive=drive, **kw)
 
@@ -253,6 +260,22 @@ def usage(pack: Pack) -> dict:
                                                   min(512, pack.spec.max_position_embeddings)))
     atomic_write(path, json.dumps(counts))
     return counts
+
+
+def heldout_routing(pack: Pack) -> dict:
+    """{layer: (T, k) experts routed} on held-out text (TinyStories validation, as `usage` counts), cached per pack:
+    the statistics a predictor learns before a run (workbench.designs.Setup.sample)."""
+    path = cache_dir() / "profiles" / f"{pack.content_id()}.routing.npz"
+    if path.exists():
+        with np.load(path) as z:
+            return {int(k): z[k] for k in z.files}
+    from workbench.textdata import heldout_ids
+    [got] = prefills(pack, [heldout_ids(tokenizer_for(pack), "tinystories", min(512, pack.spec.max_position_embeddings))])
+    idx = {L: np.asarray(a).reshape(-1, pack.spec.top_k) for L, a in got["idx"].items()}
+    buf = io.BytesIO()
+    np.savez(buf, **{str(L): a for L, a in idx.items()})
+    atomic_write(path, buf.getvalue())
+    return idx
 
 
 def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int, budget=None) -> dict | None:

@@ -19,7 +19,7 @@ def test_every_preset_and_rung_round_trips_through_its_flat_form():
     for p in rungs():
         flat = p.to_dict()
         assert get_preset("on_demand").with_(**flat) == p, p.name
-        assert all(isinstance(v, (str, bool, int, type(None))) for v in flat.values())
+        assert all(isinstance(v, (str, bool, int, float, type(None))) for v in flat.values())
 
 
 def test_strings_parse_into_typed_knobs():

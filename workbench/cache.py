@@ -2,17 +2,19 @@
 workbench.presets.Budget.slots, at what one expert costs in the engine's cache: engines.slot_bytes).
 
 A slot is taken when a read is issued (in-flight reads count: their buffers exist), and
-freed on eviction. Policies: LRU or LFU; scope: one global pool, or one pool per MoE layer
-(the smolmaxxing pager). Pinned experts (a warm set) are never evicted, and neither is
-anything in the caller's `protect` set (the experts the current layer still needs).
+freed on eviction. Which expert goes is the policy's (workbench.designs.Policy, by name: lru, lfu, s3fifo, ...; one
+per pool); scope: one global pool, or one pool per MoE layer (the smolmaxxing pager). Pinned experts (a hot store)
+are never evicted, and neither is anything in the caller's `protect` set (the experts the current layer still
+needs) nor a read in flight. Each pool is kept in recency order, which the policy's `Evictable` iterates.
 
 A guess's prefetch (`reserve(..., spare=n)`) may be told not to evict an expert used within the last n layer steps;
 `GuessAdmission` says when (a prefetch that is not made is a read on demand if the expert is asked for).
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
+from workbench.designs import Evictable, Policy, policy_class
 from workbench.errors import WorkbenchError
 
 
@@ -23,11 +25,10 @@ def _in_flight(v) -> bool:
 
 class ExpertCache:
     def __init__(self, slots: int, item_bytes: int, layers: list[int], policy: str = "lru",
-                 scope: str = "global", min_slots_per_layer: int = 1):
+                 scope: str = "global", min_slots_per_layer: int = 1, params: dict | None = None):
         """slots: experts the cache holds at most (per_layer: shared evenly between the layers); item_bytes: what
-        one costs, for the cache's byte counts."""
-        if policy not in ("lru", "lfu"):
-            raise WorkbenchError(f"cache policy {policy!r}: choose lru or lfu")
+        one costs, for the cache's byte counts; policy: a Policy by name or reference, params: its parameters."""
+        cls = policy_class(policy)
         self.slots, self.item_bytes = slots, item_bytes
         self.policy, self.scope = policy, scope
         if scope == "per_layer":
@@ -40,14 +41,21 @@ class ExpertCache:
         else:
             raise WorkbenchError(f"cache scope {scope!r}: choose global or per_layer")
         self._distinct = list({id(p): p for p in self.pools.values()}.values())   # one global pool, or one per layer
+        self.min_slots_per_layer = min_slots_per_layer
         per_layer = min(self.capacity.values()) if layers else slots
         if per_layer < min_slots_per_layer:
             raise WorkbenchError(
                 f"--budget of {slots} expert slots of {item_bytes} bytes is below one layer's top-k: need at least "
                 f"{min_slots_per_layer} slots{' per layer' if scope == 'per_layer' else ''}, the budget gives {per_layer}")
+        own = {k: v for k, v in (params or {}).items() if k in cls.params}
+        self.policies = {id(p): cls(self.capacity[next(L for L in layers if self.pools[L] is p)], len(layers), **own)
+                         for p in self._distinct}
+        self._policy = {L: self.policies[id(self.pools[L])] for L in layers}
+        # a policy's hooks are called only where it has them (LRU's recency is the pools' own order)
+        self._hits = cls.hit is not Policy.hit
+        self._tracks = any(getattr(cls, m) is not getattr(Policy, m) for m in ("inserted", "removed", "demoted"))
         self.pinned: set = set()
         self.slots_used = 0                 # experts held, all pools (kept as they change: reserve runs per read)
-        self.uses: Counter = Counter()
         self.peak_bytes = 0
         self.evictions = 0
         self.last_evicted: list = []        # the keys the latest reserve() evicted (their memory is free again)
@@ -70,7 +78,8 @@ class ExpertCache:
         if key not in pool:
             return None
         pool.move_to_end(key)
-        self.uses[key] += 1
+        if self._hits:
+            self._policy[key[0]].hit(key, self.steps)
         self.used[key] = self.steps
         return pool[key]
 
@@ -81,15 +90,13 @@ class ExpertCache:
     def peek(self, key):
         return self._pool(key).get(key)
 
-    def _victim(self, pool: OrderedDict, protect, spare: int = 0):
+    def _victim(self, pool: OrderedDict, layer: int, protect, spare: int = 0):
         pinned = self.pinned
-        if self.policy == "lru":                        # the pool is kept in recency order: the first that may go
-            victim = next((k for k, v in pool.items() if k not in protect and k not in pinned and not _in_flight(v)),
-                          None)
-        else:
-            candidates = (k for k, v in pool.items() if k not in protect and k not in pinned and not _in_flight(v))
-            order = {k: i for i, k in enumerate(pool)}
-            victim = min(candidates, key=lambda k: (self.uses[k], order[k]), default=None)
+        evictable = Evictable(pool, lambda k, v: k in protect or k in pinned or _in_flight(v))
+        victim = self._policy[layer].victim(evictable, self.steps)
+        if victim is not None and victim not in evictable:
+            raise WorkbenchError(f"cache policy {self.policy}: its victim {victim} is not an expert that may leave "
+                                 f"the pool now")
         if spare and victim is not None and self.used.get(victim, -spare) > self.steps - spare:
             return None                                 # used too recently for a guess to evict it
         return victim
@@ -104,7 +111,7 @@ class ExpertCache:
             return True
         cap = self.capacity[key[0]]
         while len(pool) >= cap:
-            v = self._victim(pool, protect, spare)
+            v = self._victim(pool, key[0], protect, spare)
             if v is None:
                 return False
             del pool[v]
@@ -112,7 +119,11 @@ class ExpertCache:
             self.slots_used -= 1
             self.evictions += 1
             self.last_evicted.append(v)
+            if self._tracks:
+                self._policy[key[0]].removed(v)
         pool[key] = value
+        if self._tracks:
+            self._policy[key[0]].inserted(key, self.steps)
         if not spare:
             self.used[key] = self.steps         # a demand read or a certain prefetch: in use now
         self.slots_used += 1
@@ -133,6 +144,8 @@ class ExpertCache:
         pool = self._pool(key)
         if key in pool:
             pool.move_to_end(key, last=False)
+            if self._tracks:
+                self._policy[key[0]].demoted(key)
 
     def drop(self, key):
         pool = self._pool(key)
@@ -140,12 +153,27 @@ class ExpertCache:
             del pool[key]
             self.used.pop(key, None)
             self.slots_used -= 1
+            if self._tracks:
+                self._policy[key[0]].removed(key)
 
     def pin(self, key, value) -> bool:
         if self.reserve(key, value):
             self.pinned.add(key)
             return True
         return False
+
+    def hold(self, keys: list):
+        """Make room for a pinned hot store of `keys` beside the pools: per layer, each pool keeps an equal share of
+        what the hot store leaves of the budget, plus its own pinned experts (colibri's hot store and per-layer LRU
+        share one budget). A global pool holds them among its slots."""
+        if self.scope != "per_layer" or not keys:
+            return
+        rest = (self.slots - len(keys)) // len(self.pools)
+        if rest < self.min_slots_per_layer:
+            raise WorkbenchError(f"a hot store of {len(keys)} experts leaves {rest} slots per layer of the budget's "
+                                 f"{self.slots}: below one layer's top-k ({self.min_slots_per_layer})")
+        for L in self.pools:
+            self.capacity[L] = rest + sum(k[0] == L for k in keys)
 
     def keys(self, layer: int | None = None):
         if layer is None:
@@ -160,6 +188,22 @@ def warm_set(cache: ExpertCache, usage: dict) -> list[tuple[int, int]]:
     layers = list(cache.pools)
     per = min(cache.capacity.values()) if cache.scope == "per_layer" else cache.capacity[layers[0]] // len(layers)
     return [(L, int(e)) for L in layers for e in np.argsort(-np.asarray(usage[L]), kind="stable")[:per]]
+
+
+def start_set(cache: ExpertCache, usage: dict, warm: bool, hot: float) -> tuple[list, list]:
+    """What a run starts with, before the prompt: (pinned, warm). pinned: the hot store, the `hot` fraction of the
+    budget's slots given to the most-used experts of any layer (usage: {layer: counts per expert} on held-out text);
+    warm: each layer's most-used experts that are not pinned, filling its share (warm_set). Calls cache.hold."""
+    import numpy as np
+    pinned = []
+    if hot:
+        layers = list(cache.pools)
+        counts = np.array([np.asarray(usage[L], np.float64) for L in layers])
+        order = np.argsort(-counts.reshape(-1), kind="stable")[:int(hot * cache.slots)]
+        pinned = [(layers[i // counts.shape[1]], int(i % counts.shape[1])) for i in order]
+        cache.hold(pinned)
+    held = set(pinned)
+    return pinned, [k for k in warm_set(cache, usage) if k not in held] if warm else []
 
 
 class GuessAdmission:

@@ -51,6 +51,9 @@ FLAGS = {
     "model": dict(default="demo", help="a model: demo, a Hugging Face directory, a pack or a .gguf file "
                                      "(default: %(default)s)"),
     "preset": dict(default="on_demand", help="a design: a preset of workbench.presets (default: %(default)s)"),
+    "design": dict(action="append", default=[], metavar="FILE.py:NAME",
+                   help="a design of your own (path/to/file.py:Name or package.module:Name: a workbench.designs "
+                        "Design, Predictor or Policy), in place of --preset (replay, ladder: beside them); repeatable"),
     "budget": dict(default=None, help="the expert cache: 0.25 (fraction of all experts), 96MiB, or all "
                                       "(default: the preset's)"),
     "engine": dict(default=None, help="numpy | packed | mlx | llamacpp (default: packed, or numpy for a pack it "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from workbench.presets import Predictor, Prefetch
+from workbench.designs.base import Predictor, Setup
 from workbench.routing import topk_rows
 
 
@@ -52,7 +52,14 @@ def _lookahead(h, norm_w, eps, router, bias, width):
     return top
 
 
-class Lookahead:
+class Lookahead(Predictor):
+    """LES's and smolmaxxing's: layer L+depth's router on layer L's residual."""
+    needs = ("h",)
+
+    @classmethod
+    def build(cls, setup: Setup, prefetch, params: dict):
+        return cls(setup.spec, setup.weights, depth=prefetch.depth, width=prefetch.width)
+
     def __init__(self, spec, weights, depth: int = 1, width: int = 1):
         self.spec, self.w, self.depth = spec, weights, depth
         self.width = spec.top_k * width             # width: in multiples of top-k
@@ -105,8 +112,12 @@ class Lookahead:
         return {t: list(dict.fromkeys(top.T.reshape(-1).tolist()))}     # a speculative batch: the rows' union
 
 
-class History:
+class History(Predictor):
     """At layer L of token t, the experts token t-1 used at the next MoE layer."""
+
+    @classmethod
+    def build(cls, setup: Setup, prefetch, params: dict):
+        return cls(setup.spec)
 
     def __init__(self, spec):
         self.moe, self.last = spec.moe_layers, {}
@@ -119,9 +130,13 @@ class History:
         return {self.moe[i]: self.last[self.moe[i]]}
 
 
-class Oracle:
+class Oracle(Predictor):
     """Replays a routing trace {(token index, layer): experts} captured from the same tokens."""
     certain = True          # its prefetches are the routing: they may evict what a guess's may not
+
+    @classmethod
+    def build(cls, setup: Setup, prefetch, params: dict):
+        return cls(setup.spec, setup.trace or {})
 
     def __init__(self, spec, trace: dict, depth: int = 1):
         self.moe, self.trace, self.depth = spec.moe_layers, trace, depth
@@ -134,8 +149,12 @@ class Oracle:
         return {self.moe[i]: self.trace[key]} if key in self.trace else {}
 
 
-class Shuffled:
+class Shuffled(Predictor):
     """Keeps each layer's marginal expert frequencies (from the usage profile), not the timing."""
+
+    @classmethod
+    def build(cls, setup: Setup, prefetch, params: dict):
+        return cls(setup.spec, setup.usage)
 
     def __init__(self, spec, usage: dict, seed: int = 0):
         self.moe, self.k = spec.moe_layers, spec.top_k
@@ -158,18 +177,11 @@ def recall(predicted, routed) -> float:
     return len(routed & set(map(int, predicted))) / max(1, len(routed))
 
 
-def make_predictor(prefetch: Prefetch, spec, weights, usage=None, trace=None, pack=None):
-    """The predictor of a preset's prefetch setting (workbench.presets.Prefetch), or None."""
-    kind = prefetch.predictor
-    if kind is Predictor.LOOKAHEAD:
-        return Lookahead(spec, weights, depth=prefetch.depth, width=prefetch.width)
-    if kind is Predictor.HISTORY:
-        return History(spec)
-    if kind is Predictor.ORACLE:
-        return Oracle(spec, trace or {})
-    if kind is Predictor.SHUFFLED:
-        return Shuffled(spec, usage)
-    if kind is Predictor.PREROUTER:         # Edge0: trained heads, one token ahead (workbench/edge0)
+class Prerouter(Predictor):
+    """Edge0's trained heads, a token ahead (workbench/edge0): built from the heads beside the pack."""
+    needs = ("h",)
+
+    @classmethod
+    def build(cls, setup: Setup, prefetch, params: dict):
         from workbench.edge0.serve import make_prerouter
-        return make_prerouter(prefetch.skip_layers, spec, weights, pack=pack)
-    return None
+        return make_prerouter(prefetch.skip_layers, setup.spec, setup.weights, pack=setup.pack)

@@ -29,17 +29,14 @@ class Layout(str, Enum):
     NATIVE = "native"               # the checkpoint's order: three reads per expert
 
 
-class CachePolicy(str, Enum):
-    LRU = "lru"
-    LFU = "lfu"
-
-
 class CacheScope(str, Enum):
     GLOBAL = "global"
     PER_LAYER = "per_layer"         # the smolmaxxing pager's per-layer pools
 
 
 class Predictor(str, Enum):
+    """The predictors the presets' wiring names (their classes, and every other predictor, are found by name in the
+    registry: workbench.designs.PREDICTORS)."""
     LOOKAHEAD = "lookahead"         # layer L+depth's router on layer L's residual (LES, smolmaxxing)
     HISTORY = "history"             # the previous token's experts
     ORACLE = "oracle"               # the true routing, replayed from a trace (the bound)
@@ -128,17 +125,33 @@ class Storage:
                 raise WorkbenchError(f"{knob} {getattr(self, knob)!r}: choose one of {', '.join(PRECISIONS)}")
 
 
+def _policy(text) -> str:
+    from workbench.designs import policy_class
+    policy_class(str(text))         # a registered name or a design's reference, refused here when neither
+    return str(text)
+
+
+def _hot(text) -> float:
+    x = _number(text, "hot")
+    if not 0.0 <= x < 1.0:
+        raise WorkbenchError(f"hot {text!r}: the fraction of the budget pinned must be in 0..1 (below 1)")
+    return x
+
+
 @dataclass(frozen=True)
 class Cache:
     budget: Budget = Budget()                   # Budget.nbytes -> workbench.cache.ExpertCache (Session)
-    policy: CachePolicy = CachePolicy.LRU       # ExpertCache
+    policy: str = "lru"             # ExpertCache: a Policy by name (workbench.designs.POLICIES) or reference
     scope: CacheScope = CacheScope.GLOBAL       # ExpertCache, Session.warm_start
     warm: bool = False              # Session.warm_start: each layer's most-used experts (held-out text) loaded first
+    hot: float = 0.0                # workbench.cache.start_set: this fraction of the budget pinned from held-out
+                                    # usage (colibri's hot store), the rest the policy's
 
 
 @dataclass(frozen=True)
 class Prefetch:
-    predictor: Predictor | None = None          # workbench.predict.make_predictor
+    predictor: Predictor | str | None = None    # workbench.predict.make_predictor: a built-in's enum, another
+                                                # registered name (workbench.designs) or a design's reference
     depth: int = 1                  # lookahead (predict.Lookahead): layers ahead
     width: int = 1                  # lookahead: experts named per layer, in multiples of top-k
     skip_layers: int | None = None  # prerouter (edge0.serve.make_prerouter): MoE layers routed exactly (None: the heads')
@@ -150,6 +163,10 @@ class Prefetch:
         """None | lookahead:DEPTH:k|2k | history | oracle | shuffled | prerouter[:SKIP]"""
         if not text:
             return cls()
+        from workbench.designs import is_ref, predictor_class
+        if is_ref(text) or str(text).split(":")[0] not in {m.value for m in Predictor}:
+            predictor_class(str(text))      # registered, or refused in one line
+            return cls(str(text))
         kind, *args = str(text).split(":")
         kind = _enum(Predictor, kind, "predictor")
         try:
@@ -169,7 +186,7 @@ class Prefetch:
             return f"lookahead:{self.depth}:{'2k' if self.width == 2 else 'k'}"
         if self.predictor is Predictor.PREROUTER and self.skip_layers is not None:
             return f"prerouter:{self.skip_layers}"
-        return self.predictor.value if self.predictor else ""
+        return str(getattr(self.predictor, "value", self.predictor) or "")
 
 
 @dataclass(frozen=True)
@@ -212,9 +229,10 @@ KNOBS = {
     "experts": ("storage", "experts", str),
     "rest": ("storage", "rest", str),
     "budget": ("cache", "budget", lambda v: Budget(str(v))),
-    "cache_policy": ("cache", "policy", lambda v: _enum(CachePolicy, v, "cache_policy")),
+    "cache_policy": ("cache", "policy", _policy),
     "cache_scope": ("cache", "scope", lambda v: _enum(CacheScope, v, "cache_scope")),
-    "warm": ("cache", "warm", bool),
+    "warm": ("cache", "warm", lambda v: v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")),
+    "hot": ("cache", "hot", _hot),
     "execution": ("execution", "order", lambda v: _enum(Order, v, "execution")),
     "predictor": ("prefetch", None, Prefetch.parse),
     "lookahead_recall": ("prefetch", "recall", lambda v: None if v is None else _number(v, "lookahead_recall")),
@@ -232,6 +250,7 @@ class Preset:
     prefetch: Prefetch = field(default_factory=Prefetch)
     routing: Routing = field(default_factory=Routing)
     execution: Execution = field(default_factory=Execution)
+    params: tuple = ()              # (name, value) of the design's own parameters: its predictor's and policy's
 
     def __post_init__(self):
         if self.routing.router is Router.PREROUTER and self.prefetch.predictor is not Predictor.PREROUTER:
@@ -250,16 +269,33 @@ class Preset:
     def with_(self, name: str | None = None, description: str | None = None, **knobs) -> "Preset":
         """A copy with some knobs changed, by their flat names (strings parsed here)."""
         parts = {f.name: getattr(self, f.name) for f in fields(self)}
+        own = {}
         for knob, value in knobs.items():
+            if knob == "params":                # the flat form's own (to_dict)
+                own.update(value or {})
+                continue
             if knob not in KNOBS:
-                raise WorkbenchError(f"{knob!r}: not a preset knob (choose from {', '.join(KNOBS)})")
+                own[knob] = value
+                continue
             concern, attr, parse = KNOBS[knob]
             value = parse(value)
             if knob == "predictor":             # another predictor keeps the modelled recall set
                 value = replace(value, recall=parts["prefetch"].recall)
             parts[concern] = value if attr is None else replace(parts[concern], **{attr: value})
         parts.update({k: v for k, v in (("name", name), ("description", description)) if v is not None})
+        if own:
+            declared = Preset(**parts).declared()
+            if bad := [k for k in own if k not in declared]:
+                raise WorkbenchError(f"{bad[0]!r}: not a preset knob (choose from {', '.join(KNOBS)})"
+                                     + (f" nor a parameter of this design ({', '.join(declared)})" if declared else ""))
+            parts["params"] = tuple(sorted({**dict(parts["params"]), **{k: str(v) for k, v in own.items()}}.items()))
         return Preset(**parts)
+
+    def declared(self) -> dict:
+        """The design's own parameters and their defaults: its predictor's and its cache policy's."""
+        from workbench.designs import params_of, policy_class, predictor_class
+        pred = predictor_class(str(self.prefetch)) if self.prefetch.predictor else None
+        return params_of(*[c for c in (pred, policy_class(self.cache.policy)) if c is not None])
 
     def to_dict(self) -> dict:
         """The flat form: knob name -> its text (run records, `with_`)."""
@@ -271,11 +307,26 @@ class Preset:
             elif isinstance(v, (Budget, Prefetch, Routing)):
                 v = str(v) or None
             out[knob] = v
+        if self.params:
+            out["params"] = dict(self.params)
         return out
 
     @property
     def exact(self) -> bool:
         return self.routing.router is Router.EXACT
+
+
+def with_each(presets: list, knobs: dict) -> list:
+    """Knobs set on several presets (a replay's, a ladder's rungs): the preset knobs on every one, a design's own
+    parameter on those that declare it; one none declares is refused."""
+    own = {k: v for k, v in knobs.items() if k not in KNOBS}
+    shared = {k: v for k, v in knobs.items() if k in KNOBS}
+    out = [p.with_(**shared) for p in presets]
+    declared = [p.declared() for p in out]
+    if bad := [k for k in own if not any(k in d for d in declared)]:
+        raise WorkbenchError(f"{bad[0]!r}: not a preset knob (choose from {', '.join(KNOBS)}) nor a parameter of "
+                             f"any design given")
+    return [p.with_(**{k: v for k, v in own.items() if k in d}) for p, d in zip(out, declared)]
 
 
 def _preset(name, description, **knobs) -> Preset:
@@ -312,9 +363,40 @@ PRESETS = {p.name: p for p in [
 
 
 def get_preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise WorkbenchError(f"--preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
-    return PRESETS[name]
+    """A preset by name, or a design of your own by reference ("path/to/mine.py:Name", "package.module:Name")."""
+    if name in PRESETS:
+        return PRESETS[name]
+    from workbench.designs import is_ref
+    if is_ref(name):
+        return design_preset(name)
+    raise WorkbenchError(f"--preset {name!r}: unknown; choose one of {', '.join(PRESETS)} or path/to/file.py:Name")
+
+
+def design_preset(ref: str) -> Preset:
+    """The preset a design's reference makes: a Design (its parts over its base preset), or a Predictor or a Policy
+    alone (over les_no_prefetch: contiguous, ready-first, q3 / q4, no prefetch, LRU). Named by the reference, so a
+    worker in another process makes the same preset from the name a record keeps."""
+    import inspect
+    from workbench.designs import Design, Policy, Predictor, load, ref_of
+    name, _, attr = ref.rpartition(":")
+    if name.endswith(".py"):                # absolute: a worker in another folder (a Ray cell) finds the same file
+        from pathlib import Path
+        ref = f"{Path(name).expanduser().resolve()}:{attr}"
+    obj = load(ref)
+    if inspect.isclass(obj) and issubclass(obj, Predictor):
+        obj = type(attr, (Design,), {"predictor": obj, "__doc__": obj.__doc__})
+    elif inspect.isclass(obj) and issubclass(obj, Policy):
+        obj = type(attr, (Design,), {"policy": obj, "__doc__": obj.__doc__})
+    elif not (inspect.isclass(obj) and issubclass(obj, Design)):
+        raise WorkbenchError(f"{name}: {attr} is not a Design, Predictor or Policy (workbench.designs)")
+    if obj.base not in PRESETS:
+        raise WorkbenchError(f"{name}: {attr}.base {obj.base!r}: choose one of {', '.join(PRESETS)}")
+    knobs = {"predictor": obj.predictor and ref_of(obj.predictor, ref),
+             "cache_policy": obj.policy and ref_of(obj.policy, ref), "warm": obj.warm, "hot": obj.hot,
+             "cache_scope": obj.scope}
+    doc = " ".join((obj.__doc__ or f"a design from {name}").split())
+    p = PRESETS[obj.base].with_(name=ref, description=doc, **{k: v for k, v in knobs.items() if v is not None})
+    return p.with_(**obj.params) if obj.params else p
 
 
 def budget_for(preset: Preset, requested) -> str | None:

@@ -1,0 +1,114 @@
+"""The policy interface: what the schedule (workbench/schedule.py) asks a design on every clock.
+
+A design has two parts, each a small class, and a start:
+
+  Predictor  after a MoE layer routes: which experts to read ahead for later layers (or later tokens)
+  Policy     when a pool is full: which expert leaves it (one Policy per pool of the cache, as libCacheSim's
+             eviction algorithms are one object per cache)
+  start      what is in memory before the prompt: nothing, each layer's most-used experts (`warm`), or a pinned
+             hot store (`hot`: a fraction of the budget, colibri's), from held-out usage
+
+The built-in predictors and policies are written on these same classes and found by name in the registry
+(workbench.designs). A design of your own is a file: a Predictor, a Policy or a Design (a named bundle of both over
+a base preset), loaded with `--preset path/to/mine.py:Name` (or `--design`, or `package.module:Name`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+
+@dataclass
+class Setup:
+    """What a predictor is given when a run starts."""
+    spec: object                    # workbench.spec.MoESpec: layers (spec.moe_layers), experts, top_k
+    weights: dict | None = None     # the model's non-expert weights (None: routing replayed from a trace)
+    usage: dict | None = None       # {layer: uses per expert} on held-out text (or a trace's held-out half)
+    sample: Callable | None = None  # sample() -> {layer: (T, k) experts routed} on that held-out text, or None
+    trace: dict | None = None       # the oracle's true routing {(token, layer): experts}
+    pack: object = None             # the pack (Edge0's heads are read from beside it)
+
+
+class Predictor:
+    """Names experts to read ahead. After MoE layer `layer` routes, predict(layer, ctx) returns {target: experts,
+    best first}: a target is a later MoE layer of this token, or (layer, token index) of a later token.
+    ctx: "phase" ("prefill" | "decode"), "routed" (this layer's experts, an int array: rows x top-k), "engine"
+    (its token_index); in a live run also "h" (the residual stream entering the layer), "x" and "logits".
+    A predictor reading "h" says so in `needs`: a trace-driven run (no residual stream) refuses it."""
+    params: dict = {}               # its own knobs and their defaults: `--set NAME=VALUE` reaches them
+    needs: tuple = ()               # ctx keys beyond phase, routed and engine ("h")
+    certain = False                 # its names are the routing (the oracle): they may evict what a guess may not
+
+    @classmethod
+    def build(cls, setup: Setup, prefetch, params: dict):
+        """The predictor a run uses: prefetch is the preset's setting (workbench.presets.Prefetch: depth, width),
+        params the design's (--set)."""
+        return cls(setup, **{k: v for k, v in params.items() if k in cls.params})
+
+    def __init__(self, setup: Setup, **params):
+        self.setup, self.spec = setup, setup.spec
+        for k, v in {**self.params, **params}.items():
+            setattr(self, k, type(self.params[k])(v) if k in self.params else v)
+
+    def predict(self, layer: int, ctx: dict) -> dict:
+        return {}
+
+
+class Evictable:
+    """The experts of one pool that may leave it now (not pinned, not in use by the current layer, not a read in
+    flight): iterate least recently used first, `newest()` most recently used first, `key in evictable`."""
+
+    def __init__(self, pool, blocked: Callable):
+        self.pool, self.blocked = pool, blocked
+
+    def __iter__(self) -> Iterator:
+        return (k for k, v in self.pool.items() if not self.blocked(k, v))
+
+    def newest(self) -> Iterator:
+        return (k for k in reversed(self.pool) if not self.blocked(k, self.pool[k]))
+
+    def __contains__(self, key) -> bool:
+        return key in self.pool and not self.blocked(key, self.pool[key])
+
+
+class Policy:
+    """Which expert leaves a full pool; LRU unless a subclass says otherwise. Keys are (layer, expert). `step` is
+    the cache's clock in layer steps (a step per MoE layer run; `token_of(step)` the token it belongs to)."""
+    params: dict = {}
+
+    def __init__(self, capacity: int, layers: int, **params):
+        """capacity: the pool's slots; layers: MoE layers in the model (steps per token)."""
+        self.capacity, self.layers = capacity, layers
+        for k, v in {**self.params, **params}.items():
+            setattr(self, k, type(self.params[k])(v) if k in self.params else v)
+
+    def token_of(self, step: int) -> int:
+        return max(0, step - 1) // self.layers
+
+    def hit(self, key, step: int):
+        """An expert asked for and found in the pool."""
+
+    def inserted(self, key, step: int):
+        """An expert given a slot (its read issued, or loaded at the start)."""
+
+    def removed(self, key):
+        """An expert left the pool (evicted, or dropped after a failed read)."""
+
+    def demoted(self, key):
+        """A prefetch its layer did not ask for: a hint that it may go first."""
+
+    def victim(self, evictable: Evictable, step: int):
+        """The expert to evict, one of `evictable`; None: none may go (the read waits)."""
+        return next(iter(evictable), None)
+
+
+class Design:
+    """A named bundle over a base preset: its predictor and policy (classes, or registered names), its start and
+    its own parameters. What it leaves as None is the base preset's."""
+    base = "les_no_prefetch"        # the preset whose storage and execution it runs with
+    predictor: type | str | None = None
+    policy: type | str | None = None
+    warm: bool | None = None        # start from each layer's most-used experts
+    hot: float | None = None        # pin this fraction of the budget from held-out usage (colibri's hot store)
+    scope: str | None = None        # "global" or "per_layer" pools
+    params: dict = {}               # defaults of the parts' parameters
