@@ -1,7 +1,8 @@
 """The tree's dependencies point one way, read from the source with ast (every import, lazy ones included). Each
 top-level folder is one floor:
 
-    apps         evals/, dashboards/, benchmarks/, notebooks/, cli/ (the program: `python -m workbench`)
+    apps         evals/, dashboards/, benchmarks/, notebooks/, cli/ (the program: `python -m workbench`), examples/
+                 (designs of your own, as a user writes them)
     experiments  experiments/ (bench, ladders, traces, the simulator, the llama.cpp peer) and training/
     session      runtime/ (Session, routing capture, speculative decoding, the verbs that run a session)
     engines      engines/ (numpy, packed, MLX, llama.cpp with GGUF export)
@@ -25,7 +26,7 @@ LAYERS = [
     ("engines", ["engines"]),
     ("session", ["runtime"]),
     ("experiments", ["experiments", "training"]),
-    ("apps", ["evals", "dashboards", "benchmarks", "notebooks", "cli"]),
+    ("apps", ["evals", "dashboards", "benchmarks", "notebooks", "cli", "examples"]),
 ]
 PACKAGES = [folder for _, folders in LAYERS for folder in folders]
 PROGRAM = "workbench.__main__"      # the one exception (the docstring): `python -m workbench` hands over to cli
