@@ -251,6 +251,32 @@ def test_simulate_and_emulated_cells_run_the_verbs_code(tmp_path, tiny, monkeypa
     assert md.count("(SIMULATED)") == 2 and md.count("(EMULATED)") == 2
 
 
+@pytest.mark.slow
+def test_a_design_from_a_file_is_a_grid_cell(tmp_path, monkeypatch, local_ray):
+    """A preset axis takes a design by reference: the cell runs it on a Ray worker as simulate would here."""
+    import shutil
+    from dataclasses import asdict
+    from experiments.compute_profile import ComputeProfile
+    from experiments.grid import load_grid
+    from experiments.simulate import run
+    from experiments.sweep import run_grid
+    monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
+    shutil.copy(REPO / "examples/my_design.py", tmp_path / "mine.py")
+    cpu = ComputeProfile(dense_s=2e-4, router_s=2e-5, expert_s=5e-5, dequant_s=1e-4, engine="packed",
+                         reader_holds_gil=False)
+    (tmp_path / "cpu.json").write_text(json.dumps(asdict(cpu)))
+    ref = f"{tmp_path / 'mine.py'}:Mine"
+    p = tmp_path / "d.yaml"
+    p.write_text(f"models: [demo]\ncells: [simulate]\naxes: {{preset: ['{ref}'], budget: ['0.25']}}\n"
+                 f"simulate: {{tokens: 12, compute: '{tmp_path / 'cpu.json'}'}}\n")
+    res = run_grid(load_grid(p), progress=False)
+    assert res["counts"] == {"ok": 1, "failed": 0, "resumed": 0}
+    [row] = res["rows"]
+    here = run("data/traces/demo-tinystories-256.parquet", ref, "0.25", "this-machine", tokens=12, compute=cpu,
+               record=False)
+    assert (row["tok_s"], row["hit_rate"]) == (here["tok_s"], here["hit_rate"])
+
+
 def test_sweeps_page_empty_state_names_the_command(monkeypatch, tmp_path):
     from streamlit.testing.v1 import AppTest
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
