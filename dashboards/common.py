@@ -19,7 +19,7 @@ import altair as alt
 import pyarrow as pa
 
 from dashboards import worker
-from workbench.presets import PRESETS, Budget, budget_for
+from workbench.presets import PRESETS, Budget, budget_for, get_preset
 from workbench.registry import model_dir
 from workbench.runs import list_runs, read_run
 from workbench.errors import WorkbenchError
@@ -107,7 +107,7 @@ class DesignRun:
         self.knobs = dict(knobs or {})      # preset knobs set on the design (bench's --set)
         self.model, self.design, self.prompt, self.tokens = model, design, prompt, int(tokens)
         # a design whose preset keeps every expert resident ("all") is the ceiling: the budget does not apply
-        self.budget = budget_for(PRESETS[design], budget)
+        self.budget = budget_for(get_preset(design), budget)
         self.status, self.error, self.record = "queued", None, None
         self.text, self.generated, self.summary, self.started, self.finished = "", 0, None, time.time(), None
         self._final: Snapshot | None = None
@@ -174,7 +174,7 @@ class DesignRun:
         return self._conn.recv()
 
     def _listen(self):
-        storage = PRESETS[self.design].storage
+        storage = get_preset(self.design).storage
         try:
             with self._init_locks.setdefault((self.model, storage), threading.Lock()):
                 if self.stopping:
@@ -206,8 +206,9 @@ def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens:
                routing_trace: str | None = None, knobs: dict | None = None) -> list[str]:
     """Start one process per design (knobs: preset knobs set on each, checked here); refused, in one line, when that
     would run more than MAX_RUNS at once."""
-    for d in designs if knobs else ():
-        PRESETS[d].with_(**knobs)           # a knob no preset has, or a value it refuses: one line, before any start
+    from workbench.presets import with_each
+    with_each([get_preset(d) for d in designs], knobs or {})    # a design that does not load, a knob none has, a
+                                                                # value refused: one line, before any start
     with _RUNS_LOCK:
         busy = sum(r.active and not r.stopping for r in _RUNS.values())
         if busy + len(designs) > MAX_RUNS:

@@ -24,7 +24,8 @@ from dashboards import common as C  # noqa: E402
 from dashboards import kiosk as K  # noqa: E402
 from dashboards import model_size as M  # noqa: E402
 from dashboards import rounds as R  # noqa: E402
-from workbench.presets import PRESETS  # noqa: E402
+from workbench.designs import short  # noqa: E402
+from workbench.presets import PRESETS, get_preset  # noqa: E402
 from workbench.errors import WorkbenchError  # noqa: E402
 
 st.set_page_config(page_title="moe-workbench · live", page_icon="⚡", layout="wide")
@@ -63,9 +64,9 @@ def design_numbers(run: C.DesignRun, refreshed: str):
     """One layout from the first redraw to the last (placeholders while the design starts): the page does not
     reflow, and so re-lay out every chart below, when the first token lands."""
     snap = run.snapshot()
-    st.subheader(run.design, help=PRESETS[run.design].description)
-    st.markdown(f"**{run.design} · tokens: {run.generated}** / {run.tokens} · {run.status}")
-    st.caption(f"{run.design} · {refreshed}")
+    st.subheader(short(run.design), help=get_preset(run.design).description)
+    st.markdown(f"**{short(run.design)} · tokens: {run.generated}** / {run.tokens} · {run.status}")
+    st.caption(f"{short(run.design)} · {refreshed}")
     if run.error:
         st.error(run.error)
     if snap is None and not run.active:
@@ -165,6 +166,11 @@ def sidebar():
                                    "(model size demo only)")
         designs = st.multiselect("designs to compare", list(PRESETS), default=C.default_designs(), key="designs",
                                  help="presets from workbench/presets.py")
+        mine = st.text_input("design from a file", "", key="design_file", placeholder="path/to/mine.py:Name",
+                             disabled=not LOCAL,
+                             help="a design of your own beside the presets (docs/designs.md: examples/my_design.py:"
+                                  "Mine); comma-separated for several. Runs your code: only while the page listens "
+                                  "on this machine")
         budget = st.text_input("expert budget", "0.25", key="budget",
                                help="a fraction of all experts (0.25), a size (96MiB), or all")
         knobs = st.text_input("preset knobs", "", key="knobs", placeholder="KNOB=VALUE, ...",
@@ -184,6 +190,7 @@ def sidebar():
             C.stop_runs(state.run_ids)
         st.caption("Designs whose preset keeps every expert resident (resident, teacher) ignore the budget.")
     device, shape = None if flash == THIS_MACHINE else flash, None if size == M.DEMO else size
+    designs = designs + [d.strip() for d in mine.split(",") if d.strip()] if LOCAL else designs
     return ((model.strip(), designs, budget.strip(), prompt, int(tokens), device, trace.strip() or None, shape,
              knobs) if pressed else None)
 

@@ -25,9 +25,9 @@ DEVICES = ("ufs22-phone", "this-machine")
 
 
 def label(name: str) -> str:
-    """A design's name in tables: a preset's, the field's class, or your file's name and class."""
+    """A design's name in tables: a preset's, a module's class (the field's), or a file's name and class."""
     from workbench.designs import short
-    return name.rpartition(":")[2] if name.startswith("workbench.designs.field:") else short(name)
+    return short(name)
 
 
 @dataclasses.dataclass
@@ -46,6 +46,7 @@ class Row:
     recall: float | None
     precision: float | None
     simulated_tok_s: dict           # device -> tok/s (SIMULATED), empty where no compute profile
+    prediction: str | None = None   # how the trace drove its predictor (a modelled lookahead's recall, say)
     not_run: str | None = None      # why the design cannot run at this budget or on this trace
 
 
@@ -65,13 +66,14 @@ def run(traces: list[str], designs=BUILTIN + FIELD, budgets=BUDGETS, devices=DEV
     for d in designs:
         get_preset(d)                   # every design loads, or one line says why, before anything runs
     profiles = [D.load(d) for d in devices]
-    jobs, notes = [], {}
+    jobs, notes, used = [], {}, {}
     for path in traces:
         tr = read_trace(path)
         spec = MoESpec.from_dict(tr["meta"]["spec"])
         prof = compute
         if prof is None and model:
             prof = measure_compute(model, spec, "q4", tokens=16, engine=engine)
+        used[str(path)] = dataclasses.asdict(prof) if prof else None
         notes[str(path)] = ("SIMULATED with " + (prof.source or f"a compute profile of the {prof.engine} engine")
                             if prof else "not simulated: no compute profile (pass --model, a checkpoint of the "
                                          "trace's shape, or --compute FILE)")
@@ -87,7 +89,7 @@ def run(traces: list[str], designs=BUILTIN + FIELD, budgets=BUDGETS, devices=DEV
                                                                       else f"not run: {r.not_run}") for r in got))
     return {"traces": [str(t) for t in traces], "designs": list(designs), "budgets": list(budgets),
             "devices": [d.name for d in profiles], "tokens": tokens, "prompt": prompt, "skip": skip,
-            "compute": notes, "clock": "replay: every read lands at once; simulated: each device profile's reads "
+            "compute": notes, "compute_profiles": used, "clock": "replay: every read lands at once; simulated: each device profile's reads "
                                        "and the compute profile's time (SIMULATED)",
             "rows": [dataclasses.asdict(r) for r in rows], "seconds": time.perf_counter() - t0}
 
@@ -137,7 +139,8 @@ def _design_rows(job) -> list[Row]:
         steps, bh = max(1, res["decode_steps"]), bound["belady_hit_rate"]
         rows.append(Row(path, name, b, res["cache_slots"], res["hit_rate"], res["late_rate"],
                         res["experts_read"] / steps, res["bytes_read_per_token"], bh,
-                        res["hit_rate"] / bh if bh else float("nan"), res["recall"], res["precision"], sim))
+                        res["hit_rate"] / bh if bh else float("nan"), res["recall"], res["precision"], sim,
+                        drive.source.get("prediction")))
     return rows
 
 
@@ -151,7 +154,7 @@ def simulable_or_none(p, simulable):
 
 def _not_run(path, name, budget, why) -> Row:
     nan = float("nan")
-    return Row(str(path), name, budget, 0, nan, nan, nan, nan, nan, nan, None, None, {}, why)
+    return Row(str(path), name, budget, 0, nan, nan, nan, nan, nan, nan, None, None, {}, None, why)
 
 
 def table(res: dict) -> str:
@@ -172,5 +175,7 @@ def table(res: dict) -> str:
                            f"{r['bytes_per_token'] / 1e6:.2f} | " + " | ".join(sims) + " |")
             for r in (r for r in rows if r["budget"] == b and r["not_run"]):
                 out.append(f"| {b} | {label(r['design'])} | not run: {r['not_run']} |||||" + "|" * len(res["devices"]))
+        said = {label(r["design"]): r["prediction"] for r in rows if r.get("prediction")}
+        out += [""] + [f"- {d}: {why}" for d, why in said.items()]
         out.append("")
     return "\n".join(out)

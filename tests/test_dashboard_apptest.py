@@ -660,3 +660,18 @@ def test_the_time_breakdown_stacks_a_misses_parts_to_each_tokens_wall_time():
     rows = C._breakdown_data(SimpleNamespace(tokens=[rec])).to_pydict()
     assert set(rows["part"]) == {label for _, label in C.PARTS} and "flash wait" not in rows["part"]
     assert max(rows["ms_to"]) == pytest.approx(10.0)
+
+
+def test_a_design_from_a_file_runs_beside_the_presets_and_only_on_this_machine(runs_root, bound):
+    """The page's "design from a file" runs your code: beside the presets while it listens here, never open."""
+    mine = f"{REPO / 'examples/my_design.py'}:Mine"
+    at = app(LIVE)
+    at.text_input(key="design_file").set_value(mine)
+    at = poll(start(at, ["on_demand"], tokens=3), finished)
+    assert not at.error, errors(at)
+    runs = C.get_runs(at.session_state["run_ids"])
+    assert [r.design for r in runs] == ["on_demand", mine] and {r.status for r in runs} == {"done"}
+    assert any(h.value == "my_design.py:Mine" for h in at.subheader)
+    bound("0.0.0.0")
+    at = app(LIVE)
+    assert at.text_input(key="design_file").disabled        # a visitor cannot type one

@@ -29,6 +29,7 @@ FIGURES = {
     "where_time_goes": {"time_split_designs", "time_split_tokens", "disk_profile", "floor", "time_split_full_size"},
     "regimes": {"regimes_calibration", "regimes_les_ladder", "regimes_ufs35b", "regimes_full_size"},
     "sweep_grid": {"sweep_tok_s", "sweep_kl"},
+    "designs_leaderboard": {"leaderboard_hit_rate", "leaderboard_of_belady"},
 }
 PARAMETERS = ("MODEL", "BUDGET", "TOKENS", "ROUNDS", "SMALL")
 
@@ -39,7 +40,8 @@ def read(name: str):
 
 # the results/ tables whose numbers a notebook's figures show too: `make figures` remakes both
 SHARES = {"les_ablation": ["results/ladders.md"], "smol_pager": ["results/ladders.md"],
-          "regimes": ["results/regimes.md"], "edge0_prerouter": [], "sweep_grid": [], "where_time_goes": []}
+          "regimes": ["results/regimes.md"], "edge0_prerouter": [], "sweep_grid": [], "where_time_goes": [],
+          "designs_leaderboard": []}
 MAX_NOTEBOOK_BYTES = 2_000_000      # reviewable: tables and charts, not megabytes of per-token data
 
 

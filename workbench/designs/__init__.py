@@ -82,9 +82,11 @@ def load(ref: str):
 
 
 def short(name: str) -> str:
-    """A design's name in a table: a preset's, a module's reference, or a file's name and the class."""
-    where, sep, attr = str(name).rpartition(":")
-    return f"{Path(where).name}:{attr}" if sep and where.endswith(".py") else str(name)
+    """A design's name in a table: a preset's; a file's name and the class; a module's class."""
+    if not is_ref(name):
+        return str(name)
+    where, _, attr = str(name).rpartition(":")
+    return f"{Path(where).name}:{attr}" if where.endswith(".py") else attr
 
 
 def ref_of(obj, file_ref: str) -> str:
