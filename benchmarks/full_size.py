@@ -65,14 +65,15 @@ def knobs_for(model: str, design: str) -> list[str]:
     return knobs
 
 
-def bench_arm(model: str, design: str, budget: str, tokens: int, threads: int | None, trace: str | None = None) -> dict:
+def bench_arm(model: str, design: str, budget: str, tokens: int, threads: int | None, trace: str | None = None,
+              text: tuple = ()) -> dict:
     """One design in a fresh process, and what `info` said it would hold (run_bytes, for --tokens of context); a
     design that fails or is refused is recorded with its one-line reason, and the others go on."""
     preset, knobs = preset_of(design), knobs_for(model, design)
     try:
         res = verb("bench", "--model", model, "--preset", preset, "--budget", budget, "--tokens", tokens, "--prompt",
                    PROMPT, *(["--threads", threads] if threads else []), *(a for k in knobs for a in ("--set", k)),
-                   *(["--routing-trace", trace] if trace else []))
+                   *(["--routing-trace", trace] if trace else []), *text)
         res["info_run_bytes"] = verb("info", "--model", model, "--preset", preset, "--budget", budget)["memory"]["run_bytes"]
     except SystemExit as e:
         return {"error": str(e), "tok_s": None}
@@ -146,6 +147,7 @@ def main(argv=None):
     ap.add_argument("--llama", default="cold", choices=["cold", "warm"],
                     help="llama.cpp's start: cold, or warm (the whole file read into the page cache first)")
     ap.add_argument("--routing-trace", default=None, metavar="T", help="drive every design's routing from this trace")
+    flags("text", "free")(ap)           # a made file decodes forced text unless --free (runtime/text.py)
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--tag", default="", help="written to results/full_size_<file's stem>[-TAG].{json,md}")
     ap.add_argument("--tables-from", type=Path, default=None, metavar="JSON",
@@ -161,7 +163,9 @@ def main(argv=None):
     command = f"python benchmarks/full_size.py --model {a.model} --budgets {a.budgets} --designs {a.designs} " \
               f"--tokens {a.tokens} --rounds {a.rounds} --threads {a.threads} --llama {a.llama}" + \
               (f" --design-threads {a.design_threads}" if a.design_threads else "") + \
-              (f" --routing-trace {a.routing_trace}" if a.routing_trace else "")
+              (f" --routing-trace {a.routing_trace}" if a.routing_trace else "") + \
+              (" --free" if a.free else f" --text {a.text}" if a.text else "")
+    text = ("--free",) if a.free else ("--text", a.text) if a.text else ()
     run = {"command": command, "model": a.model, "disk": disk,
            "file_size": old["file_size"] if a.tables_from else os.path.getsize(a.model),
            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}}
@@ -172,7 +176,7 @@ def main(argv=None):
         for (d, b), got in arms.items():
             t0 = time.time()
             got.append(bench_gguf(a.model, tokens=a.tokens, prompt=PROMPT, mode=a.llama, threads=a.threads, warmup=0)
-                       if d == "llama.cpp" else bench_arm(a.model, d, b, a.tokens, a.design_threads, a.routing_trace))
+                       if d == "llama.cpp" else bench_arm(a.model, d, b, a.tokens, a.design_threads, a.routing_trace, text))
             print(f"round {r + 1}: {d} @{b}: {got[-1].get('error') or format(got[-1]['tok_s'], '.3f') + ' tok/s'} "
                   f"({time.time() - t0:.0f} s)", flush=True)
             atomic_write(partial, json.dumps({**run, "arms": [[d, b, got] for (d, b), got in arms.items()], **now()},

@@ -93,7 +93,7 @@ def caption(model: str, trace: str | None) -> str | None:
     if str(model).endswith(".gguf"):        # make-model's GGUF: its label is in its metadata
         label = random_label(model)
         return None if label is None else (f"Model: {label}; routing with a real model's statistics (reuse, hot "
-                                           f"experts, lookahead recall), its text means nothing.")
+                                           f"experts, lookahead recall). {FORCED}")
     card = Path(model) / "random_weights.json"
     if not card.is_file():
         return None
@@ -103,6 +103,10 @@ def caption(model: str, trace: str | None) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         what = shown(model)
     if trace:
-        return f"Model size {what}: RANDOM weights, routing replayed from {shown(trace)} (the text is not the model's)."
+        return f"Model size {what}: RANDOM weights, routing replayed from {shown(trace)}. {FORCED}"
     return (f"Model size {what}: RANDOM weights, routing with a real model's statistics (reuse, hot experts, "
-            f"lookahead recall); its text means nothing.")
+            f"lookahead recall). {FORCED}")
+
+
+FORCED = ("Forced text: TinyStories validation fed token by token, the model's logits and routing computed at every "
+          "step (its own argmax repeats a token or two, and routing with it: runtime/text.py).")

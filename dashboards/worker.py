@@ -67,7 +67,7 @@ def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens:
 
         if stop.is_set():
             raise _Stopped()
-        out = s.generate(prompt, tokens=tokens, on_token=on_token)
+        out = s.generate_text(prompt, tokens, on_token=on_token)
         # one dict: what the page shows for a finished run is exactly what summary.json holds
         summary = {**s.summary(), "tokens": len(out["tokens"]), "text": out["text"], "preset": s.preset.name,
                    "budget": s.budget_text}

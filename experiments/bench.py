@@ -1,6 +1,7 @@
 """`bench`: one preset at one budget, warm-up first, then a cold measured run, the floor, and a run record."""
 from __future__ import annotations
 
+import functools
 
 from experiments.routing_trace import drive
 from workbench.disk_probe import probe
@@ -34,10 +35,13 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
     (Session.cold_start) and the model's file out of the page cache. warm: today's warm measurement instead, the
     warm-up on the measured prompt and its experts kept."""
     if warmup:
-        session.generate(prompt if warm else warmup_prompt(session, prompt), tokens=warmup)
+        if warm:
+            session.generate_text(prompt, warmup)
+        else:
+            session.generate(warmup_prompt(session, prompt), tokens=warmup)
         session.reset_telemetry()
     page_cache = None if warm else session.cold_start()
-    out = session.generate(prompt, tokens=tokens)
+    out = session.generate_text(prompt, tokens)
     s = session.summary()
     n = max(1, s["decode_steps"])
     disk = session.device.as_probe() if session.device else probe()       # emulated: the profile's flash
@@ -52,19 +56,53 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
                cache_slots=session.cache.slots,
                per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
                engine=session.engine.name, device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
-               routing_trace=s["routing_trace"], start="warm" if warm else "cold", page_cache_dropped=page_cache)
+               routing_trace=s["routing_trace"], start="warm" if warm else "cold", page_cache_dropped=page_cache,
+               text_source=s["text"], text_check=text_check(session, out))
     if session.preset.prefetch.predictor is Predictor.PREROUTER:     # Edge0: what its prediction staged and dropped
         from workbench.edge0.serve import edge0_counters
         res.update(edge0_counters(session))
     return res
 
 
+REAL_TRACE = "data/traces/qwen3-30b-a3b-bigmoeonedge.parquet"      # the reference a run's routing is held to
+
+
+@functools.lru_cache(maxsize=1)
+def real_reuse() -> float:
+    """Next-token expert reuse of the real Qwen3-30B-A3B trace (experiments.routing_stats): 0.38."""
+    from experiments.routing_stats import routing_stats
+    from experiments.traces import read_trace
+    from workbench.registry import REPO
+    tr = read_trace(REPO / REAL_TRACE)
+    return routing_stats(tr["topk"], tr["meta"]["num_experts"])["reuse"]
+
+
+def text_check(session: Session, out: dict) -> dict:
+    """Whether a run's text or routing degenerated: the share of distinct tokens it decoded (a made checkpoint's own
+    argmax repeats one or two), and next-token expert reuse (the share of a layer's experts at token t+1 it used at
+    t) against the real trace's. degenerate: under a quarter distinct, or reuse over 1.5x the real trace's."""
+    toks = out["tokens"]
+    distinct = len(set(toks)) / max(1, len(toks))
+    by_layer: dict = {}
+    for e in session.tel.events:
+        if e.phase == "decode":
+            by_layer.setdefault(e.layer, []).append(set(e.routed))
+    k = session.spec.top_k
+    pairs = [len(a & b) / k for seq in by_layer.values() for a, b in zip(seq, seq[1:])]
+    reuse = sum(pairs) / len(pairs) if pairs else float("nan")
+    real = real_reuse()
+    return {"distinct_tokens": distinct, "reuse": reuse, "real_trace_reuse": real,
+            "degenerate": bool(distinct < 0.25 or reuse > 1.5 * real)}
+
+
 def bench(model: str, preset: str, budget=None, tokens: int = 64, prompt: str = "Once upon a time",
           engine: str | None = None, direct: bool = True, record: bool = True, device: str | None = None,
-          routing_trace: str | None = None, warm: bool = False, threads: int | None = None, **knobs) -> dict:
-    """knobs: preset knobs changed by their flat names (Preset.with_)."""
+          routing_trace: str | None = None, warm: bool = False, threads: int | None = None,
+          text: str | None = None, **knobs) -> dict:
+    """knobs: preset knobs changed by their flat names (Preset.with_). text: what the run decodes (runtime.text:
+    None, forced text on a made checkpoint and the model's own tokens otherwise; "free"; a corpus or file)."""
     with open_session(model, preset, budget, prompt=prompt, tokens=tokens, engine=engine, direct=direct,
-                      device=device, drive=drive(routing_trace), threads=threads, **knobs) as s:
+                      device=device, drive=drive(routing_trace), threads=threads, text=text, **knobs) as s:
         record_run = lambda summary, failed=False: write_run(
             s.preset.name, {**s.config(), "tokens": tokens, "prompt": prompt}, summary, s.tel.per_layer("decode"),
             s.tel.event_rows(), s.tel.token_rows(), failed=failed)

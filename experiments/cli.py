@@ -21,7 +21,7 @@ def _bench_flags(p):
                         "(default: cold, an empty expert cache and the model's file out of the page cache)")
     flags("routing_trace", routing_trace={"help": "route and predict as recorded in this trace (real reads, real "
                                                   "compute; ids mapped, see JSON)"})(p)
-    flags("set", "design")(p)
+    flags("set", "design", "text", "free")(p)
     bench_flags(p)
 
 
@@ -52,8 +52,27 @@ def cmd_bench(args):
     from experiments.bench import bench
     res = bench(args.model, one_design(args), budget=args.budget, tokens=args.tokens, prompt=args.prompt,
                 engine=args.engine, direct=not args.page_cache, record=not args.no_record, device=args.device,
-                routing_trace=args.routing_trace, warm=args.warm, threads=args.threads, **knobs_of(args.set))
+                routing_trace=args.routing_trace, warm=args.warm, threads=args.threads, text=text_of_args(args),
+                **knobs_of(args.set))
+    degenerate_warning(res)
     emit(args, res, "\n".join(f"{k}: {v}" for k, v in res.items() if k != "per_layer"))
+
+
+def text_of_args(args) -> str | None:
+    """--free or --text: what a run decodes (runtime.text)."""
+    if args.free and args.text:
+        raise WorkbenchError("--free and --text: choose one (the model's own tokens, or that text forced)")
+    return "free" if args.free else args.text
+
+
+def degenerate_warning(res: dict):
+    """A free run whose text or routing degenerated says so on stderr (its numbers are of routing no model has)."""
+    c = res.get("text_check") or {}
+    if c.get("degenerate") and res.get("text_source", "").startswith("free"):
+        import sys
+        print(f"warning: the run's text degenerated ({c['distinct_tokens']:.0%} distinct tokens, next-token expert "
+              f"reuse {c['reuse']:.2f} against the real trace's {c['real_trace_reuse']:.2f}): its hit rates are of "
+              f"routing no real model has; drop --free (forced text) or pass --text FILE", file=sys.stderr)
 
 
 def _ladder_flags(p):

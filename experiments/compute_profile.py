@@ -88,9 +88,9 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
             if budget is resident:  # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
                 # after it needs none, and would find the same experts cached); below "all", the same tokens, so
                 # that the measured run finds its experts in memory
-                s.generate(PROMPT, tokens=4 if resident == "all" else tokens)
+                s.generate_text(PROMPT, 4 if resident == "all" else tokens)
                 s.reset_telemetry()
-                s.generate(PROMPT, tokens=tokens)
+                s.generate_text(PROMPT, tokens)
                 formats, held, layout = _formats(s.pack), s.pack.quant["experts"], s.pack.layout
                 all_dec, all_evs = decode(s.tel)
                 row = None if routing_trace else _row_cost(s)
@@ -100,7 +100,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                     for _ in range(3):                  # contexts of the runs predicted (attention grows with them)
                         s.reset_telemetry()
                         s.cold_start()
-                        s.generate(PROMPT, tokens=tokens)
+                        s.generate_text(PROMPT, tokens)      # forced text on a made checkpoint (runtime.text)
                         stream.append(decode(s.tel))
                 poll_ns = s.reader.poll_ns
                 mlp = s.engine.mlp

@@ -31,6 +31,7 @@ from workbench.shapes import random_label
 from workbench.streamer import ExpertStreamer
 from workbench.errors import WorkbenchError
 from runtime.speculative import speculative_decode
+from runtime.text import Text, run_text
 from workbench.store.pack import Pack
 from workbench.telemetry import Telemetry, TokenRecord
 
@@ -45,15 +46,17 @@ def trace_cannot_drive(p: Preset) -> str | None:
 class Session:
     def __init__(self, plan: Plan, *, direct: bool = True, workers: int | None = None, usage: dict | None = None,
                  trace: dict | None = None, weights: dict | None = None, deltas: dict | None = None,
-                 device: str | None = None, drive=None, threads: int | None = None):
+                 device: str | None = None, drive=None, threads: int | None = None, text: Text | None = None):
         """The parts of a planned run (runtime.plan), wired together; open_session is the way in.
         usage: expert use per layer (usage_profile) for a design that warm-starts or draws from the marginals.
         weights: replacements for some of the pack's non-expert weights (a merged adapter); deltas: projection
         deltas added to the preset's (an unmerged adapter). Both for experiments on adapters (Edge0's ladder).
         device: a device profile (data/devices) whose flash the reads emulate. drive: routing and predictions
         replayed from outside, drive(spec, predictor text, recall=lookahead_recall) -> route, predictor(), usage,
-        source (a routing trace: experiments.routing_trace.TraceDrive)."""
+        source (a routing trace: experiments.routing_trace.TraceDrive). text: what the run decodes (runtime.text:
+        free, or forced text: open_session chooses it; generate_text decodes it)."""
         self.plan, self.preset, self.model, self.pack = plan, plan.preset, plan.model, plan.pack
+        self.text = text or Text("free")
         p = self.preset
         if p.prefetch.predictor is Predictor.ORACLE and trace is None and drive is None:
             raise WorkbenchError(f"preset {p.name}: the oracle replays the true routing of the tokens it will decode; "
@@ -159,24 +162,41 @@ class Session:
                                      bytes_read=self.reader.bytes_read - bytes0, cache_bytes=self.cache.bytes))
         return logits
 
-    def generate(self, prompt, tokens: int = 32, stop_at_eos: bool = False, on_token=None) -> dict:
-        """Greedy decoding. prompt: text or token ids. on_token(session, token_id, text_so_far) after each token."""
+    def generate_text(self, prompt, tokens: int, on_token=None) -> dict:
+        """Decode the run's text (self.text): forced, its prompt and tokens; free, greedy after `prompt`."""
+        t = self.text
+        if t.forced is None:
+            return self.generate(prompt, tokens, on_token=on_token)
+        return self.generate(t.prompt, tokens, on_token=on_token, forced=t.forced)
+
+    def generate(self, prompt, tokens: int = 32, stop_at_eos: bool = False, on_token=None,
+                 forced: list | None = None) -> dict:
+        """Greedy decoding. prompt: text or token ids. on_token(session, token_id, text_so_far) after each token.
+        forced: the tokens fed instead of the argmax, one a step (forced text: runtime.text); the logits and the
+        routing are the model's at every step all the same, and `agreement` says how often its argmax was the
+        token fed."""
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise WorkbenchError("empty prompt")
+        if forced is not None and len(forced) < tokens:
+            raise WorkbenchError(f"forced text: {len(forced)} tokens to feed, {tokens} asked")
         self.engine.reset()
         logits = self.step(ids, "prefill")
         stop = self.spec.eos_token_id if stop_at_eos else None
         if self.preset.execution.speculative and tokens > 1:
-            first = int(np.argmax(logits[-1]))
+            first = int(np.argmax(logits[-1])) if forced is None else int(forced[0])
             if on_token:
                 on_token(self, first, self.decode([first]))
-            out = speculative_decode(self, first, ids, tokens, self.preset.execution.speculative, on_token, stop)
+            out = speculative_decode(self, first, ids, tokens, self.preset.execution.speculative, on_token, stop,
+                                     forced=forced)
             return {"text": self.decode(out), "tokens": out, "prompt_tokens": len(ids),
-                    "tok_s": self.tel.summary()["tok_s"]}
-        out = []
+                    "tok_s": self.tel.summary()["tok_s"], "forced": forced is not None}
+        out, agree = [], 0
         for i in range(tokens):
             nxt = int(np.argmax(logits[-1]))
+            if forced is not None:
+                agree += nxt == forced[i]
+                nxt = int(forced[i])
             out.append(nxt)
             if on_token:
                 self.tel.tokens[-1].text = self.decode(out)
@@ -185,7 +205,8 @@ class Session:
                 break
             logits = self.step([nxt], "decode")
         text = self.decode(out)
-        return {"text": text, "tokens": out, "prompt_tokens": len(ids), "tok_s": self.tel.summary()["tok_s"]}
+        return {"text": text, "tokens": out, "prompt_tokens": len(ids), "tok_s": self.tel.summary()["tok_s"],
+                "forced": forced is not None, **({"agreement": agree / max(1, len(out))} if forced is not None else {})}
 
     def reset_telemetry(self):
         self.tel.clear()
@@ -211,7 +232,8 @@ class Session:
         """What goes wherever a number goes: emulated flash (the device profile), random weights (make-model), and
         routing replayed from a trace."""
         return {"device": self.device.describe() if self.device else None, "emulated": self.device is not None,
-                "random_weights": self.random_weights, "routing_trace": self.drive.source if self.drive else None}
+                "random_weights": self.random_weights, "routing_trace": self.drive.source if self.drive else None,
+                "text": self.text.label}
 
     def close(self):
         """Release what the session holds outside itself: the reader's threads and files and the slot arena's memory.
@@ -230,18 +252,24 @@ class Session:
 
 def open_session(model: str = "demo", preset: str | Preset = "on_demand", budget=None, *,
                  prompt="Once upon a time", tokens: int = 64, drive=None, engine: str | None = None,
-                 progress: bool = False, **kw) -> Session:
+                 progress: bool = False, text: str | None = None, **kw) -> Session:
     """The way to open a Session: every verb, bench, the evaluations, sweep cells and dashboard workers. Its plan
     (runtime.plan) first, then what the design needs ahead: the usage profile it warms from, the oracle's trace
     captured from what it will decode (`tokens` greedy tokens after `prompt`), unless `drive` routes and predicts
     (a routing trace: experiments.routing_trace.drive). prompt None: no decoding known ahead (an evaluation's
     prefills, a server's requests): the oracle has no future to replay and names nothing.
+    text: what the run decodes (runtime.text.run_text: None, forced text on a made checkpoint and free otherwise;
+    "free"; a corpus or file): the session's `text`, which generate_text decodes and the oracle's trace follows.
     kw: Session's (device, direct, weights, ...) and preset knobs by their flat names (Preset.with_)."""
     knobs = {k: kw.pop(k) for k in list(kw) if k not in WIRING}      # the preset checks them (Preset.with_)
     pl = plan(model, preset, budget, engine, progress, **knobs)
     p = pl.preset
+    if prompt is not None:
+        src = pl.pack.header.get("source", {}).get("path")
+        kw["text"] = run_text(text, random_label(src) if src else None, tokenizer_for(pl.pack), prompt, tokens,
+                              pl.pack.path)
     if p.prefetch.predictor is Predictor.ORACLE and drive is None and kw.get("trace") is None:
-        kw["trace"] = {} if prompt is None else oracle_trace(model, p, prompt, tokens, budget)
+        kw["trace"] = {} if prompt is None else oracle_trace(model, p, prompt, tokens, budget, kw["text"])
     if drive is None and (p.cache.warm or p.cache.hot or p.prefetch.predictor is Predictor.SHUFFLED):
         kw["usage"] = usage(pl.pack)
     return Session(pl, drive=drive, **kw)
@@ -278,15 +306,18 @@ def heldout_routing(pack: Pack) -> dict:
     return idx
 
 
-def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int, budget=None) -> dict | None:
-    """The oracle's trace: the true routing {(token index, layer): experts} of greedy decoding `tokens` tokens after
-    `prompt` on this preset's pack (exact routing, at the run's budget: the routing does not depend on it, and a
-    model bigger than memory cannot hold every expert); None for a preset that is not the oracle."""
+def oracle_trace(model: str, preset: str | Preset, prompt, tokens: int, budget=None,
+                 text: Text | None = None) -> dict | None:
+    """The oracle's trace: the true routing {(token index, layer): experts} of the run's text (`text`: greedy
+    decoding of `tokens` tokens after `prompt` unless forced) on this preset's pack (exact routing, at the run's
+    budget: the routing does not depend on it, and a model bigger than memory cannot hold every expert); None for a
+    preset that is not the oracle."""
     p = preset if isinstance(preset, Preset) else get_preset(preset)
     if p.prefetch.predictor is not Predictor.ORACLE:
         return None
-    with Session(plan(model, p.with_(predictor=None, routing="exact"), budget)) as s, RoutingCapture(s) as cap:
-        s.generate(prompt, tokens=tokens)
+    with Session(plan(model, p.with_(predictor=None, routing="exact"), budget), text=text) as s, \
+            RoutingCapture(s) as cap:
+        s.generate_text(prompt, tokens)
         records = cap.records
     return {(r["token"], r["layer"]): sorted(set(r["idx"].reshape(-1).tolist())) for r in records if r["phase"] == "decode"}
 

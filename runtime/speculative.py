@@ -21,15 +21,17 @@ def prompt_lookup_draft(context: list[int], n: int, max_ngram: int = 3) -> list[
 
 
 def speculative_decode(session, first: int, context: list[int], tokens: int, n_draft: int, on_token=None,
-                       stop_token: int | None = None) -> list[int]:
-    """Continue greedy decoding from `first` (already chosen) until `tokens` tokens; returns them."""
+                       stop_token: int | None = None, forced: list | None = None) -> list[int]:
+    """Continue greedy decoding from `first` (already chosen) until `tokens` tokens; returns them. forced: the
+    tokens to produce instead of greedy ones (forced text): a draft token is accepted while it is the next of them."""
     engine, tel = session.engine, session.tel
     out = [first]
     while len(out) < tokens and out[-1] != stop_token:
         draft = prompt_lookup_draft(context + out, min(n_draft, tokens - len(out)))
         pos = engine.pos
         logits = session.step([out[-1]] + draft, "decode")
-        greedy = np.argmax(logits, -1)
+        greedy = np.argmax(logits, -1) if forced is None else np.asarray(     # past the end: never used
+            (list(forced[len(out):len(out) + len(draft) + 1]) + [-1] * (len(draft) + 1))[:len(draft) + 1])
         accepted = 0
         while accepted < len(draft) and draft[accepted] == greedy[accepted]:
             accepted += 1

@@ -550,9 +550,10 @@ def test_a_shape_is_made_once_through_the_selector_and_every_design_runs_it(shap
     runs = C.get_runs(at.session_state["run_ids"])
     assert [(r.model, r.routing_trace, r.device) for r in runs] == [(str(made), str(M.DEMO_TRACE), "ufs22-phone")] * 2
     assert ("Model size qwen3.6-35b-a3b expert shape (1 layers, 64 experts): RANDOM weights, routing replayed from "
-            "data/traces/demo-tinystories-256.parquet (the text is not the model's).") in [c.value for c in at.caption]
+            f"data/traces/demo-tinystories-256.parquet. {M.FORCED}") in [c.value for c in at.caption]
     for design in ("on_demand", "les"):
         rec = read_run(at.session_state["records"][design])
+        assert rec["config"]["text"].startswith("forced text: tinystories")
         assert "RANDOM" in rec["summary"]["random_weights"] and rec["config"]["device"]["name"] == "ufs22-phone"
         assert rec["config"]["routing_trace"]["path"] == str(M.DEMO_TRACE)
         assert "top-4 -> top-8" in rec["config"]["routing_trace"]["mapping"]

@@ -54,6 +54,11 @@ FLAGS = {
     "design": dict(action="append", default=[], metavar="FILE.py:NAME",
                    help="a design of your own (path/to/file.py:Name or package.module:Name: a workbench.designs "
                         "Design, Predictor or Policy), in place of --preset (replay, ladder: beside them); repeatable"),
+    "text": dict(default=None, metavar="CORPUS|FILE",
+                 help="decode this text, forced token by token (the model's logits and routing computed at every "
+                      "step): tinystories, wikitext2 or a text file (default: forced TinyStories validation on a "
+                      "made checkpoint, the model's own tokens otherwise)"),
+    "free": dict(action="store_true", help="decode the model's own greedy tokens, on a made checkpoint too"),
     "budget": dict(default=None, help="the expert cache: 0.25 (fraction of all experts), 96MiB, or all "
                                       "(default: the preset's)"),
     "engine": dict(default=None, help="numpy | packed | mlx | llamacpp (default: packed, or numpy for a pack it "
