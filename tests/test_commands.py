@@ -18,7 +18,7 @@ def test_every_verb_is_declared_where_it_lives():
         "make-model": "runtime.verbs", "generate": "runtime.verbs", "bench": "experiments.cli",
         "ladder": "experiments.cli", "trace": "experiments.cli", "import-trace": "experiments.cli",
         "replay": "experiments.cli", "simulate": "experiments.cli", "bench-peer": "experiments.cli",
-        "routing-stats": "experiments.cli",
+        "routing-stats": "experiments.cli", "leaderboard": "experiments.cli",
         "eval ppl": "evals.cli", "eval teacher": "evals.cli", "eval lm": "evals.cli", "eval compare": "evals.cli",
         "eval report": "evals.cli", "serve": "evals.cli", "sweep": "evals.sweep",
         "export-gguf": "engines.llamacpp_cli"}
