@@ -218,6 +218,8 @@ def _leaderboard_flags(p):
     p.add_argument("--devices", default=",".join(DEVICES), help="device profiles simulated (default: %(default)s)")
     p.add_argument("--model", default=None, help="measure the compute profile the simulation times on this model")
     p.add_argument("--compute", default=None, help="a compute profile JSON instead of measuring one")
+    p.add_argument("--out", default=None, metavar="FILE.md", help="also write the table there, its command at the "
+                                                                 "top, and the whole result beside it (FILE.json)")
 
 
 @command("leaderboard", "every design on every trace at budgets 0.05-0.5: hit rate, reads, Belady's fraction, "
@@ -231,6 +233,14 @@ def cmd_leaderboard(args):
               compute=load_compute(args.compute) if args.compute else None, model=args.model, tokens=args.tokens,
               prompt=args.prompt_tokens, skip=args.skip, engine=args.engine,
               progress=None if args.json else print)
+    if args.out:
+        import json
+        import sys
+        from workbench.atomic import atomic_write
+        command = "python -m workbench " + " ".join(sys.argv[1:])
+        res["command"] = command
+        atomic_write(Path(args.out).with_suffix(".json"), json.dumps(res, indent=1, default=str))
+        atomic_write(Path(args.out), f"# The leaderboard\n\n`{command}` ({res['seconds']:.0f} s)\n\n{table(res)}")
     emit(args, res, table(res))
 
 

@@ -72,9 +72,6 @@ class Session:
         src = self.pack.header.get("source", {}).get("path")
         self.random_weights = random_label(src) if src else None
         self.tel = Telemetry(s.num_layers)
-        self.arena = SlotArena(self.pack, self.cache) if cls.slot_arena else None
-        self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution.order.value,
-                                       raw=cls.raw_experts, arena=self.arena)
         if not cls.takes_hooks and (drive or deltas or p.prefetch.predictor or p.routing.router is not Router.EXACT):
             cls.refuse_hooks()                  # before building hooks from weights such an engine is not given
         w = {**cls.needed_weights(self.pack), **(weights or {})}
@@ -91,14 +88,19 @@ class Session:
             setup = Setup(s, w, usage=usage, sample=lambda: heldout_routing(pack), trace=trace, pack=pack)
             predictor = make_predictor(p.prefetch, setup, dict(p.params))
             router_hook, hook_deltas = self._routing(predictor, w)
-        self.warm_usage = usage if p.cache.warm or p.cache.hot else None
+        # what the run starts with, decided once, before the arena takes the pools' sizes (a hot store re-divides them)
+        self.start = start_set(self.cache, usage, p.cache.warm, p.cache.hot) \
+            if (p.cache.warm or p.cache.hot) and not plan.all_resident else None
+        self.arena = SlotArena(self.pack, self.cache) if cls.slot_arena else None
+        self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution.order.value,
+                                       raw=cls.raw_experts, arena=self.arena)
         hooks = Hooks(predictor, router_hook, {**hook_deltas, **(deltas or {})})
         self.engine = cls(self.pack, self.streamer, self.tel, hooks, weights=w, **({"threads": threads} if threads else {}))
         self.reader_bytes0 = 0
         if plan.all_resident:
             self.streamer.load_resident([(L, e) for L in s.moe_layers for e in range(s.num_experts)])
-        elif self.warm_usage is not None:
-            self.warm_start(usage)
+        elif self.start:
+            self.warm_start()
         self.reader_bytes0 = self.reader.bytes_read
 
     # what records and callers read of the plan
@@ -122,20 +124,22 @@ class Session:
         hook, self.lora = prerouter_routing(predictor, r.lora, self.spec, w, self.pack)
         return hook, self.lora.deltas() if self.lora else {}
 
-    def warm_start(self, usage: dict):
-        """What the design starts with (workbench.cache.start_set): its pinned hot store, and each layer's pool (or
-        the global cache, evenly) filled with its most-used experts."""
-        pinned, warm = start_set(self.cache, usage, self.preset.cache.warm, self.preset.cache.hot)
+    def warm_start(self):
+        """What the design starts with (self.start: workbench.cache.start_set): its pinned hot store, and each
+        layer's pool (or the global cache, evenly) filled with its most-used experts."""
+        pinned, warm = self.start
         self.streamer.load_resident(pinned, pin=True)
         self.streamer.load_resident(warm, pin=False)
 
     def cold_start(self) -> str:
         """Make the next run start cold: no expert in memory but what the design itself keeps (every expert when
-        all-resident, the warm set of a design that warm-starts), and the model's file out of the page cache.
-        Returns how the page cache was dropped."""
+        all-resident, the warm set of a design that warm-starts), its predictor as built, and the model's file out of
+        the page cache. Returns how the page cache was dropped."""
         self.streamer.empty()
-        if self.warm_usage is not None and self.budget_bytes < self.all_expert_bytes:
-            self.warm_start(self.warm_usage)
+        if (reset := getattr(self.engine.predictor, "reset", None)) is not None:
+            reset()                             # what it learned in the warm-up is not the measured run's
+        if self.start:
+            self.warm_start()
         self.reader_bytes0 = self.reader.bytes_read
         return [drop_page_cache(p) for p in self.pack.data_paths][0]
 

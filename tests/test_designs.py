@@ -208,3 +208,21 @@ def test_a_design_that_raises_mid_bench_is_one_line_and_a_whole_failed_record(tm
     [run] = runs.iterdir()
     failed = json.loads((run / "failed.json").read_text())
     assert "predict raised ValueError: boom" in failed["error"] and not list(run.glob("*.tmp*"))
+
+
+AGREE = ("on_demand", "history", "shuffled", "les", "smol", "oracle", "workbench.designs.field:S3FIFO",
+         "workbench.designs.field:HotStore", "workbench.designs.field:CoActivation")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", ["0.1", "0.25", "0.5"])
+def test_bench_on_a_trace_and_replay_of_it_agree_on_what_memory_served(budget):
+    """The engine's clock and replay's run one schedule from one run setup: over the same window, what each design
+    found in memory or in flight (hit + late: replay's reads land at once, so its late are hits) agrees within 0.01."""
+    from experiments.bench import bench
+    from experiments.simulate import replay
+    designs = [d for d in AGREE if not (budget == "0.1" and d in ("smol", "workbench.designs.field:HotStore"))]
+    got = {r["preset"]: r["hit_rate"] for r in replay(TRACE, designs, budget, tokens=24)["presets"]}
+    for d in designs:
+        r = bench("demo", d, budget, tokens=24, prompt=[1, 2, 3, 4], routing_trace=TRACE, record=False)
+        assert abs(r["hit_rate"] + r["late_rate"] - got[d]) <= 0.01, (d, r["hit_rate"], r["late_rate"], got[d])

@@ -122,6 +122,9 @@ class History(Predictor):
     def __init__(self, spec):
         self.moe, self.last = spec.moe_layers, {}
 
+    def reset(self):
+        self.last = {}
+
     def predict(self, layer: int, ctx) -> dict:
         self.last[layer] = np.unique(ctx["routed"][-1]).tolist()
         i = self.moe.index(layer) + 1
@@ -159,7 +162,11 @@ class Shuffled(Predictor):
     def __init__(self, spec, usage: dict, seed: int = 0):
         self.moe, self.k = spec.moe_layers, spec.top_k
         self.p = {L: np.asarray(c, np.float64) / max(1, sum(c)) for L, c in usage.items()}
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
+
+    def reset(self):
+        self.rng = np.random.default_rng(self.seed)
 
     def predict(self, layer: int, ctx) -> dict:
         i = self.moe.index(layer) + 1

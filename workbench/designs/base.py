@@ -46,12 +46,18 @@ class Predictor:
         return cls(setup, **{k: v for k, v in params.items() if k in cls.params})
 
     def __init__(self, setup: Setup, **params):
-        self.setup, self.spec = setup, setup.spec
+        self.setup, self.spec, self._params = setup, setup.spec, params
         for k, v in {**self.params, **params}.items():
             setattr(self, k, type(self.params[k])(v) if k in self.params else v)
 
     def predict(self, layer: int, ctx: dict) -> dict:
         return {}
+
+    def reset(self):
+        """A cold start: the predictor as it was built, what it learned while running forgotten (a bench's warm-up
+        is not the measured run's). Built by this class's __init__, it is built again."""
+        if "_params" in vars(self):
+            self.__init__(self.setup, **self._params)
 
 
 class Evictable:
