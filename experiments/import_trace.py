@@ -17,7 +17,11 @@ Two formats are read:
                    once, every row the same number of experts (the top-k). `#` lines are comments.
 
 The spec is the real model's shape (workbench/shapes.py; for route_trace the one whose architecture, layers and
-experts match its header, or --shape) with the layers, experts and top-k as traced. An imported trace holds the
+experts match its header, or --shape) with the layers, experts and top-k as traced. A model with no built-in shape
+(a Gemma-4-26B-A4B trace, 30 layers x 128 experts, top-6) is imported all the same, as its layers, experts (the
+header's, or for the plain format the most it routes to) and top-k: replay, the leaderboard and Belady's bound run
+on it with budgets as fractions of its experts; its bytes are not reported (`expert_size` says so), and simulate
+asks for --shape. An imported trace holds the
 experts and the router's weights, not the router's inputs: designs that need those (les's lookahead, Edge0's
 heads) run on it with a modelled prediction (experiments/routing_trace.py). Token ids are unknown (-1).
 A malformed file is one line naming it and the row; nothing is written then.
@@ -53,14 +57,15 @@ def import_trace(path, out, shape: str | None = None) -> dict:
         tokens, info = _plain(path)
     topk, weights, kept = _assemble(path, tokens, info)
     shape = shape or info.get("shape")
-    spec = _spec(path, shape, info["n_layer"], topk.shape[2], info.get("n_expert"))
+    spec = _spec(path, shape, info["n_layer"], topk.shape[2], info.get("n_expert")) if shape else \
+        routing_spec(info["n_layer"], info.get("n_expert") or int(topk.max()) + 1, topk.shape[2])
     if len(spec.moe_layers) != info["n_layer"]:
         raise WorkbenchError(f"{path}: {info['n_layer']} routed layers, but {shape} has dense layers among them")
     if topk.max() >= spec.num_experts:
         raise WorkbenchError(f"{path}: expert {topk.max()} is outside {shape}'s 0..{spec.num_experts - 1}")
     prompt = sum(t["phase"] == 0 for t in tokens.values())
     meta = {"engine": "imported", "model": None, "spec": spec.to_dict(), "shape": shape, "data": None,
-            "num_experts": spec.num_experts,
+            "num_experts": spec.num_experts, "expert_size": "the shape's" if shape else UNSIZED,
             "imported": {"from": str(path), "file": path.name, "sha256": _sha256(path), "format": info["format"],
                          "model": info.get("model"), "tokens": kept, "prompt_tokens": int(prompt),
                          "decode_tokens": int(kept - prompt), "left_out": info.get("left_out", 0),
@@ -163,6 +168,20 @@ def _route_trace(path: Path) -> tuple[dict, dict]:
                             f"for a prompt's last token only)") if short else None
     info["top_k"] = info["n_expert_used"]
     return {key: tokens[key] for key in sorted(tokens)}, info
+
+
+UNSIZED = "unknown: no built-in shape (workbench/shapes.py) is this model's, so bytes are not reported"
+
+
+def routing_spec(n_layer: int, n_expert: int, top_k: int):
+    """A trace's own model, where no shape is its: its layers, experts and top-k. Its expert dims are placeholders
+    (qwen3-30b-a3b's), which nothing that reports bytes may use: the trace's metadata says `expert_size` UNSIZED,
+    and a budget then counts experts (a fraction), never bytes."""
+    import dataclasses
+    from workbench.shapes import hf_config
+    from workbench.spec import from_hf_config
+    spec = from_hf_config(hf_config("qwen3-30b-a3b", layers=n_layer, experts=n_expert))
+    return dataclasses.replace(spec, top_k=top_k)
 
 
 def _match_shape(info: dict) -> str | None:
@@ -270,9 +289,6 @@ def _spec(path, shape: str | None, n_layer: int, top_k: int, n_expert: int | Non
     import dataclasses
     from workbench.shapes import SHAPES, hf_config
     from workbench.spec import from_hf_config
-    if shape is None:
-        raise WorkbenchError(f"{path}: no shape in workbench/shapes.py matches this trace's model: pass --shape "
-                             f"({', '.join(SHAPES)})")
     if shape not in SHAPES:
         raise WorkbenchError(f"--shape {shape!r}: choose one of {', '.join(SHAPES)}")
     s = SHAPES[shape]

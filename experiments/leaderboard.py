@@ -111,6 +111,7 @@ def _design_rows(job) -> list[Row]:
     from experiments.simulate import belady, replay_run, simulable, simulate_run
     from workbench.presets import get_preset
     path, tr, spec, name, budgets, profiles, prof, n, prompt, skip, eng = job
+    sized = not str(tr["meta"].get("expert_size", "")).startswith("unknown")     # import_trace.UNSIZED: no bytes
     p, why = simulable_or_none(get_preset(name), simulable)
     rows = []
     drive = None
@@ -138,7 +139,7 @@ def _design_rows(job) -> list[Row]:
                for dev in (profiles if prof else ())}
         steps, bh = max(1, res["decode_steps"]), bound["belady_hit_rate"]
         rows.append(Row(path, name, b, res["cache_slots"], res["hit_rate"], res["late_rate"],
-                        res["experts_read"] / steps, res["bytes_read_per_token"], bh,
+                        res["experts_read"] / steps, res["bytes_read_per_token"] if sized else None, bh,
                         res["hit_rate"] / bh if bh else float("nan"), res["recall"], res["precision"], sim,
                         drive.source.get("prediction")))
     return rows
@@ -170,9 +171,10 @@ def table(res: dict) -> str:
             ok = sorted((r for r in rows if r["budget"] == b and not r["not_run"]), key=lambda r: -r["hit_rate"])
             for r in ok:
                 sims = [f"{r['simulated_tok_s'][d]:.1f}" if d in r["simulated_tok_s"] else "" for d in res["devices"]]
+                mb = "" if r["bytes_per_token"] is None else f"{r['bytes_per_token'] / 1e6:.2f}"
                 out.append(f"| {b} | {label(r['design'])} | {r['hit_rate']:.3f} | {r['of_belady']:.2f} | "
-                           f"{r['belady_hit_rate']:.3f} | {r['reads_per_token']:.1f} | "
-                           f"{r['bytes_per_token'] / 1e6:.2f} | " + " | ".join(sims) + " |")
+                           f"{r['belady_hit_rate']:.3f} | {r['reads_per_token']:.1f} | {mb} | "
+                           + " | ".join(sims) + " |")
             for r in (r for r in rows if r["budget"] == b and r["not_run"]):
                 out.append(f"| {b} | {label(r['design'])} | not run: {r['not_run']} |||||" + "|" * len(res["devices"]))
         said = {label(r["design"]): r["prediction"] for r in rows if r.get("prediction")}

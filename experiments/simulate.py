@@ -566,6 +566,9 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     dev = devices.load(device) if isinstance(device, str) else device     # a name, a profile, or devices.Slowest
     trace = read_trace(trace_path)          # read once: its metadata here, its rows in the drive
     meta = trace["meta"]
+    if str(meta.get("expert_size", "")).startswith("unknown") and not shape and spec is None:
+        raise WorkbenchError(f"{trace_path}: the traced model has no built-in shape, so no expert size to read or "
+                             f"compute: pass --shape (one of workbench/shapes.py) to simulate it at one")
     note = "the given model's shape" if spec else "the traced model's shape"
     spec = spec or MoESpec.from_dict(meta["spec"])
     if shape:

@@ -124,8 +124,27 @@ def test_a_malformed_plain_file_or_an_unknown_model_is_one_line(tmp_path, capsys
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err and str(tmp_path / "p.csv") in err, (says, err)
         assert not (tmp_path / "t.parquet").exists()
-    (tmp_path / "p.csv").write_text("token,layer,experts\n0,0,1 2\n")
-    assert main(["import-trace", str(tmp_path / "p.csv"), "--out", str(tmp_path / "t.parquet")]) == 2
+
+
+def test_a_trace_of_a_model_with_no_built_in_shape_replays_for_every_design(tmp_path, capsys):
+    """30 layers x 96 experts, top-5: no shape of workbench/shapes.py. It imports as its own layers, experts and
+    top-k; replay runs every design on it and gives Belady's bound; bytes are not reported, simulate asks a shape."""
+    from experiments.leaderboard import BUILTIN, FIELD, run
+    from experiments.simulate import replay
+    rng = np.random.default_rng(5)
+    toks = [(1, t, {L: list(zip(rng.permutation(96)[:5].tolist(), [0.2] * 5)) for L in range(30)}) for t in range(24)]
+    (tmp_path / "r.csv").write_text(route_csv(toks, n_layer=30, n_expert=96, k=5))
+    assert main(["import-trace", str(tmp_path / "r.csv"), "--out", str(tmp_path / "t.parquet")]) in (0, None)
+    meta = read_trace(tmp_path / "t.parquet")["meta"]
+    assert (meta["shape"], meta["spec"]["num_layers"], meta["num_experts"], meta["top_k"]) == (None, 30, 96, 5)
+    assert meta["expert_size"].startswith("unknown")
+    rows = replay(tmp_path / "t.parquet", BUILTIN + FIELD, "0.25")["presets"]
+    assert len(rows) == len(BUILTIN + FIELD) and all(0 <= r["hit_rate"] <= 1 for r in rows)
+    od = next(r for r in rows if r["preset"] == "on_demand")
+    assert od["hit_rate"] <= od["belady_hit_rate"] + 1e-12 and od["cache_slots"] == int(0.25 * 30 * 96)
+    lb = run([str(tmp_path / "t.parquet")], ("on_demand", "les"), ("0.25",), devices=("ufs22-phone",))
+    assert all(r["bytes_per_token"] is None and r["belady_hit_rate"] > 0 for r in lb["rows"])
+    assert main(["simulate", "--trace", str(tmp_path / "t.parquet"), "--preset", "les", "--model", "demo"]) == 2
     assert "pass --shape" in capsys.readouterr().err
 
 
