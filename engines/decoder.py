@@ -218,7 +218,7 @@ class Decoder(GatedDeltaNet, Engine):
 
     def route(self, i: int, logits, ctx) -> tuple:
         """Layer i's (expert ids, mixing weights): the router hook's where the session gave one (the preset's
-        routing: workbench.routing.cache_bias_router, Edge0's prerouter, a trace), else the exact router with the
+        routing: a Router of workbench.designs (smol_bias's CacheBias), Edge0's prerouter, a trace), else the exact router with the
         checkpoint's selection correction."""
         if self.router_hook is not None:
             return self.router_hook(i, logits, ctx)

@@ -26,7 +26,7 @@ from workbench.designs import Setup, make_predictor
 from workbench.presets import Predictor, Preset, Router, get_preset
 from workbench.registry import cache_dir, tokenizer_for
 from runtime.plan import Plan, plan
-from workbench.routing import cache_bias_router
+from workbench.routing import route
 from workbench.shapes import random_label
 from workbench.streamer import ExpertStreamer
 from workbench.errors import WorkbenchError
@@ -85,9 +85,10 @@ class Session:
             predictor, router_hook, hook_deltas = self.drive.predictor(), self.drive.route, {}
         else:
             pack = self.pack
-            setup = Setup(s, w, usage=usage, sample=lambda: heldout_routing(pack), trace=trace, pack=pack)
+            setup = Setup(s, w, usage=usage, sample=lambda: heldout_routing(pack), trace=trace, pack=pack,
+                          exact=lambda L, logits, bias=None: route(s, logits, w.get(f"layers.{L}.router_bias"), bias=bias))
             predictor = make_predictor(p.prefetch, setup, dict(p.params))
-            router_hook, hook_deltas = self._routing(predictor, w)
+            router_hook, hook_deltas = self._routing(predictor, w, setup)
         # what the run starts with, decided once, before the arena takes the pools' sizes (a hot store re-divides them)
         self.start = start_set(self.cache, usage, p.cache.warm, p.cache.hot) \
             if (p.cache.warm or p.cache.hot) and not plan.all_resident else None
@@ -112,14 +113,17 @@ class Session:
 
     # ------------------------------------------------------------ setup helpers
 
-    def _routing(self, predictor, w) -> tuple:
+    def _routing(self, predictor, w, setup: Setup) -> tuple:
         """The preset's routing: (router hook or None, projection deltas)."""
         r = self.preset.routing
         self.lora = None                        # Edge0's recovery LoRA, when the routing serves it
         if r.router is Router.EXACT:
             return None, {}
-        if r.router is Router.CACHE_BIAS:
-            return cache_bias_router(self.spec, self.cache, r.beta, w), {}
+        if r.router is not Router.PREROUTER:    # a Router of workbench.designs: smol_bias's, or a design's own
+            from workbench.designs import router_class
+            params = {**({"beta": r.beta} if r.router is Router.CACHE_BIAS else {}), **dict(self.preset.params)}
+            cls = router_class(str(r))
+            return cls(setup, self.cache, **{k: v for k, v in params.items() if k in cls.params}).route, {}
         from workbench.edge0.serve import prerouter_routing     # Edge0: the head's prediction is the routing
         hook, self.lora = prerouter_routing(predictor, r.lora, self.spec, w, self.pack)
         return hook, self.lora.deltas() if self.lora else {}

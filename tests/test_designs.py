@@ -172,7 +172,7 @@ def test_a_hot_store_pins_the_most_used_experts_beside_per_layer_pools():
 BROKEN = {
     "missing.py:Mine": (None, "no such design file"),
     "nope": ("class Mine: pass\n", "defines no 'Nope'"),
-    "not_a_design": ("def Mine(): pass\n", "not a Design, Predictor or Policy"),
+    "not_a_design": ("def Mine(): pass\n", "not a Design, Predictor, Policy or Router"),
     "shape": ("from workbench.designs import Predictor\nclass Mine(Predictor):\n    def predict(self, layer):\n"
               "        return {}\n", "predict takes 1 argument, the interface gives it 2"),
     "raises": ("from workbench.designs import Predictor\nclass Mine(Predictor):\n    def predict(self, layer, ctx):\n"
@@ -226,3 +226,33 @@ def test_bench_on_a_trace_and_replay_of_it_agree_on_what_memory_served(budget):
     for d in designs:
         r = bench("demo", d, budget, tokens=24, prompt=[1, 2, 3, 4], routing_trace=TRACE, record=False)
         assert abs(r["hit_rate"] + r["late_rate"] - got[d]) <= 0.01, (d, r["hit_rate"], r["late_rate"], got[d])
+
+
+ROUTER = """from workbench.designs import Router
+class Mine(Router):
+    params = {"bonus": 0.0}
+    def route(self, layer, logits, ctx):
+        bias = np.zeros(self.spec.num_experts, np.float32)
+        bias[[e for L, e in self.cache.keys(layer) if L == layer]] = self.bonus
+        return self.exact(layer, logits, bias)
+"""
+
+
+@pytest.mark.slow
+def test_a_router_of_your_own_changes_the_routing_and_is_marked_so(tmp_path):
+    """A Router is a design that changes the model's output: at bonus 0 it is the exact router, token for token;
+    a trace (which replays exact routing) refuses it in one line; smol_bias's cache bias is one on the same class."""
+    from experiments.bench import bench
+    (tmp_path / "r.py").write_text("import numpy as np\n" + ROUTER)
+    ref = f"{tmp_path / 'r.py'}:Mine"
+    assert not get_preset(ref).exact and get_preset(ref).routing.router == ref
+    exact = bench("demo", "les_no_prefetch", "0.25", tokens=8, record=False)
+    zero = bench("demo", ref, "0.25", tokens=8, record=False)
+    biased = bench("demo", ref, "0.25", tokens=8, record=False, bonus="5")
+    assert zero["text"] == exact["text"] and biased["hit_rate"] > exact["hit_rate"]
+    res = cli("replay", TRACE, "--preset", "on_demand", "--design", ref)
+    assert_one_line_error(res, "changes routing")
+    (tmp_path / "bad.py").write_text("import numpy as np\n" + ROUTER.replace("return self.exact(layer, logits, bias)",
+                                                                           "return [1], [1.0]"))
+    res = cli("bench", "--model", "demo", "--design", f"{tmp_path / 'bad.py'}:Mine", "--tokens", "2", "--no-record")
+    assert_one_line_error(res, "bad.py:Mine: route at layer 0 returned experts (1,)")

@@ -191,13 +191,17 @@ class Prefetch:
 
 @dataclass(frozen=True)
 class Routing:
-    router: Router = Router.EXACT               # Session._routing
+    router: Router | str = Router.EXACT         # Session._routing: a design's Router by reference, a str
     beta: float = 0.0               # cache_bias: logit bonus of experts in memory (workbench.routing.route's bias)
     lora: bool = True               # prerouter: serve the recovery LoRA, unmerged (edge0.serve.prerouter_routing)
 
     @classmethod
     def parse(cls, text: str) -> "Routing":
-        """exact | cache_bias:BETA | prerouter[:nolora]"""
+        """exact | cache_bias:BETA | prerouter[:nolora] | a Router of your own (path/to/file.py:Name)"""
+        from workbench.designs import is_ref, router_class
+        if is_ref(text):
+            router_class(str(text))             # loads, or one line
+            return cls(str(text))
         kind, *args = str(text).split(":")
         kind = _enum(Router, kind, "routing")
         try:
@@ -214,6 +218,8 @@ class Routing:
     def __str__(self):
         if self.router is Router.CACHE_BIAS:
             return f"cache_bias:{self.beta:g}"
+        if isinstance(self.router, str) and not isinstance(self.router, Router):
+            return self.router
         return "prerouter:nolora" if self.router is Router.PREROUTER and not self.lora else self.router.value
 
 
@@ -293,9 +299,11 @@ class Preset:
 
     def declared(self) -> dict:
         """The design's own parameters and their defaults: its predictor's and its cache policy's."""
-        from workbench.designs import params_of, policy_class, predictor_class
+        from workbench.designs import params_of, policy_class, predictor_class, router_class
         pred = predictor_class(str(self.prefetch)) if self.prefetch.predictor else None
-        return params_of(*[c for c in (pred, policy_class(self.cache.policy)) if c is not None])
+        routed = router_class(str(self.routing)) if self.routing.router not in (Router.EXACT, Router.PREROUTER) \
+            else None
+        return params_of(*[c for c in (pred, policy_class(self.cache.policy), routed) if c is not None])
 
     def to_dict(self) -> dict:
         """The flat form: knob name -> its text (run records, `with_`)."""
@@ -377,7 +385,7 @@ def design_preset(ref: str) -> Preset:
     alone (over les_no_prefetch: contiguous, ready-first, q3 / q4, no prefetch, LRU). Named by the reference, so a
     worker in another process makes the same preset from the name a record keeps."""
     import inspect
-    from workbench.designs import Design, Policy, Predictor, load, ref_of
+    from workbench.designs import Design, Policy, Predictor, Router as RouterPart, load, ref_of
     name, _, attr = ref.rpartition(":")
     if name.endswith(".py"):                # absolute: a worker in another folder (a Ray cell) finds the same file
         from pathlib import Path
@@ -387,13 +395,15 @@ def design_preset(ref: str) -> Preset:
         obj = type(attr, (Design,), {"predictor": obj, "__doc__": obj.__doc__})
     elif inspect.isclass(obj) and issubclass(obj, Policy):
         obj = type(attr, (Design,), {"policy": obj, "__doc__": obj.__doc__})
+    elif inspect.isclass(obj) and issubclass(obj, RouterPart):
+        obj = type(attr, (Design,), {"router": obj, "__doc__": obj.__doc__})
     elif not (inspect.isclass(obj) and issubclass(obj, Design)):
-        raise WorkbenchError(f"{name}: {attr} is not a Design, Predictor or Policy (workbench.designs)")
+        raise WorkbenchError(f"{name}: {attr} is not a Design, Predictor, Policy or Router (workbench.designs)")
     if obj.base not in PRESETS:
         raise WorkbenchError(f"{name}: {attr}.base {obj.base!r}: choose one of {', '.join(PRESETS)}")
     knobs = {"predictor": obj.predictor and ref_of(obj.predictor, ref),
              "cache_policy": obj.policy and ref_of(obj.policy, ref), "warm": obj.warm, "hot": obj.hot,
-             "cache_scope": obj.scope}
+             "cache_scope": obj.scope, "routing": obj.router and ref_of(obj.router, ref)}
     doc = " ".join((obj.__doc__ or f"a design from {name}").split())
     p = PRESETS[obj.base].with_(name=ref, description=doc, **{k: v for k, v in knobs.items() if v is not None})
     return p.with_(**obj.params) if obj.params else p

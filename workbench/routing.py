@@ -1,13 +1,14 @@
 """Routers: router logits -> (top-k expert ids, mixing weights), for every supported family.
 
 `bias` (cache-aware routing) is added to the scores used to *select* experts only; the
-mixing weights always come from the unbiased scores. cache_bias_router is that policy as a router hook.
+mixing weights always come from the unbiased scores. CacheBias is that policy, a Router (workbench.designs).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
+from workbench.designs.base import Router
 from workbench.spec import MoESpec
 
 
@@ -147,15 +148,15 @@ def route(spec: MoESpec, logits: np.ndarray, correction=None, bias=None):
                   spec.topk_group, spec.group_rank, correction, bias)
 
 
-def cache_bias_router(spec: MoESpec, cache, beta: float, weights: dict):
-    """smol_bias's routing (Router.CACHE_BIAS) as a router hook, router_hook(layer, logits, ctx) -> (ids, weights):
-    `beta` added to the selection score of each of the layer's experts whose bytes are in `cache` (an ExpertCache;
-    an entry still being read, which has done(), gets none)."""
-    def biased(layer, logits, ctx):
-        bias = np.zeros(spec.num_experts, np.float32)
-        for (L, e) in cache.keys(layer):
-            v = cache.peek((L, e))
+class CacheBias(Router):
+    """smol_bias's routing (cache_bias:BETA), on the design interface: `beta` added to the selection score of each of
+    the layer's experts whose bytes are in the cache (an entry still being read, which has done(), gets none)."""
+    params = {"beta": 0.05}
+
+    def route(self, layer, logits, ctx):
+        bias = np.zeros(self.spec.num_experts, np.float32)
+        for (L, e) in self.cache.keys(layer):
+            v = self.cache.peek((L, e))
             if L == layer and v is not None and not hasattr(v, "done"):
-                bias[e] = beta
-        return route(spec, logits, weights.get(f"layers.{layer}.router_bias"), bias=bias)
-    return biased
+                bias[e] = self.beta
+        return self.exact(layer, logits, bias)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench.designs.base import Design, Evictable, Policy, Predictor, Setup
+from workbench.designs.base import Design, Evictable, Policy, Predictor, Router, Setup
 from workbench.errors import WorkbenchError
 
-__all__ = ["Design", "Evictable", "Policy", "Predictor", "Setup", "PREDICTORS", "POLICIES", "load", "policy_class",
+__all__ = ["Design", "Evictable", "Policy", "Predictor", "Router", "Setup", "ROUTERS", "router_class", "PREDICTORS", "POLICIES", "load", "policy_class",
            "predictor_class", "is_ref", "ref_of", "make_predictor"]
 
 
@@ -40,11 +40,17 @@ POLICIES = {
     "s3fifo": "workbench.designs.s3fifo:S3FIFO",
     "least_stale": "workbench.designs.least_stale:LeastStale",
 }
+ROUTERS = {"cache_bias": "workbench.routing:CacheBias"}
 
 
 def is_ref(text: str) -> bool:
-    """A reference to a design's code ("mine.py:Name", "package.module:Name"), not a registered name."""
-    return ":" in str(text) and str(text).split(":")[0] not in ("lookahead", "prerouter")
+    """A reference to a design's code ("mine.py:Name", "package.module:Name"), not a registered name with its
+    arguments ("lookahead:1:k", "cache_bias:0.05", "prerouter:nolora")."""
+    where, sep, attr = str(text).rpartition(":")
+    if not sep:
+        return False
+    return where.endswith(".py") or (attr.isidentifier() and where.replace(".", "_").isidentifier()
+                                     and where not in ("lookahead", "prerouter", "cache_bias"))
 
 
 _LOADED: dict = {}
@@ -93,7 +99,7 @@ def ref_of(obj, file_ref: str) -> str:
     """The reference text of a class defined in the file (or module) that `file_ref` names, or a registered name."""
     if isinstance(obj, str):
         return obj
-    for reg in (PREDICTORS, POLICIES):
+    for reg in (PREDICTORS, POLICIES, ROUTERS):
         if (name := next((n for n, r in reg.items() if r == f"{obj.__module__}:{obj.__name__}"), None)) is not None:
             return name
     return f"{file_ref.rpartition(':')[0]}:{obj.__name__}"
@@ -170,6 +176,36 @@ def policy_class(name: str) -> type:
     if name not in POLICIES:
         raise WorkbenchError(f"cache_policy {name!r}: choose one of {', '.join(POLICIES)} or path/to/file.py:Name")
     return load(POLICIES[name])
+
+
+def _routed(self, m: str, args: tuple, out):
+    """What a router returned: (experts, weights), rows x top-k, experts of the model's (else one line)."""
+    if m != "route":
+        return out
+    spec, (layer, logits, _) = self.spec, args
+    try:
+        idx, w = (np.asarray(a) for a in out)
+    except (TypeError, ValueError):
+        raise WorkbenchError(f"{self.ref}: route returned {type(out).__name__}, not (experts, weights)") from None
+    want = (np.asarray(logits).shape[0], spec.top_k)
+    if idx.shape != want or w.shape != want:
+        raise WorkbenchError(f"{self.ref}: route at layer {layer} returned experts {idx.shape} and weights {w.shape}, "
+                             f"not rows x top-k {want}")
+    if idx.min() < 0 or idx.max() >= spec.num_experts:
+        raise WorkbenchError(f"{self.ref}: route at layer {layer} chose expert {int(idx.max())}: the model has "
+                             f"experts 0..{spec.num_experts - 1}")
+    return idx.astype(np.int64), w.astype(np.float32)
+
+
+def router_class(name: str) -> type:
+    if is_ref(name):
+        cls = _check_class(load(name), Router, name, {"route": 3})
+        return type(cls.__name__, (_guarded(cls, Router, name, ("__init__", "route"), _routed),),
+                    {"ref": name, "__module__": cls.__module__})
+    kind = str(name).split(":")[0]
+    if kind not in ROUTERS:
+        raise WorkbenchError(f"routing {name!r}: choose one of {', '.join(ROUTERS)} or path/to/file.py:Name")
+    return load(ROUTERS[kind])
 
 
 def params_of(*classes) -> dict:

@@ -1,12 +1,13 @@
 """The policy interface: what the schedule (workbench/schedule.py) asks a design on every clock.
 
-A design has two parts, each a small class, and a start:
+A design has two parts, each a small class, a start, and optionally a routing of its own:
 
   Predictor  after a MoE layer routes: which experts to read ahead for later layers (or later tokens)
   Policy     when a pool is full: which expert leaves it (one Policy per pool of the cache, as libCacheSim's
              eviction algorithms are one object per cache)
   start      what is in memory before the prompt: nothing, each layer's most-used experts (`warm`), or a pinned
              hot store (`hot`: a fraction of the budget, colibri's), from held-out usage
+  Router     optional, and flagged as changing the model's output: the routing itself (smol's cache-aware bias)
 
 The built-in predictors and policies are written on these same classes and found by name in the registry
 (workbench.designs). A design of your own is a file: a Predictor, a Policy or a Design (a named bundle of both over
@@ -27,6 +28,7 @@ class Setup:
     sample: Callable | None = None  # sample() -> {layer: (T, k) experts routed} on that held-out text, or None
     trace: dict | None = None       # the oracle's true routing {(token, layer): experts}
     pack: object = None             # the pack (Edge0's heads are read from beside it)
+    exact: Callable | None = None   # the model's own router: exact(layer, logits, bias=None) -> (experts, weights)
 
 
 class Predictor:
@@ -108,12 +110,32 @@ class Policy:
         return next(iter(evictable), None)
 
 
+class Router:
+    """Changes the routing, and so the model's output (its quality cost is measured: evals): route(layer, logits,
+    ctx) -> (experts, weights), rows x top-k, in place of the exact router. `cache` is the run's expert cache (what
+    is in memory: cache.keys(layer), cache.peek(key)); `exact` is the model's own router, with a bias if given."""
+    params: dict = {}
+    changes_output = True
+
+    def __init__(self, setup: Setup, cache, **params):
+        self.setup, self.spec, self.cache = setup, setup.spec, cache
+        for k, v in {**self.params, **params}.items():
+            setattr(self, k, type(self.params[k])(v) if k in self.params else v)
+
+    def exact(self, layer: int, logits, bias=None):
+        return self.setup.exact(layer, logits, bias)
+
+    def route(self, layer: int, logits, ctx: dict):
+        return self.exact(layer, logits)
+
+
 class Design:
     """A named bundle over a base preset: its predictor and policy (classes, or registered names), its start and
     its own parameters. What it leaves as None is the base preset's."""
     base = "les_no_prefetch"        # the preset whose storage and execution it runs with
     predictor: type | str | None = None
     policy: type | str | None = None
+    router: type | str | None = None       # changes the model's output: its quality is the teacher's to judge
     warm: bool | None = None        # start from each layer's most-used experts
     hot: float | None = None        # pin this fraction of the budget from held-out usage (colibri's hot store)
     scope: str | None = None        # "global" or "per_layer" pools
