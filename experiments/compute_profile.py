@@ -83,7 +83,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
     decode = lambda tel: ([t for t in tel.tokens if t.phase == "decode"], [e for e in tel.events if e.phase == "decode"])
     row, reads, poll_ns, stream = None, None, 0, []
     for budget in (resident, stream_budget):
-        with open_session(model, p, budget, prompt=PROMPT, tokens=tokens, drive=drive(routing_trace), engine=engine,
+        with open_session(model, p, budget, prompt=PROMPT, tokens=max(4, tokens), drive=drive(routing_trace), engine=engine,
                           device=device if budget is stream_budget else None) as s:
             if budget is resident:  # warm-up, as bench's: kernels compiled or loaded untimed (the streaming run
                 # after it needs none, and would find the same experts cached); below "all", the same tokens, so

@@ -60,11 +60,11 @@ import numpy as np
 
 from engines import slot_bytes
 from experiments.compute_profile import ComputeProfile, measure_compute
-from workbench.cache import ExpertCache, start_set
+from workbench.cache import CachePlan
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
 from workbench.io import split_sizes
-from workbench.presets import Budget, CacheScope, Router
+from workbench.presets import Router
 from workbench.spec import MoESpec
 from workbench.registry import experts_for
 from workbench.store.pack import PARTS, _align, _nbytes, expert_kinds, expert_shapes   # the pack's own read plan
@@ -245,10 +245,9 @@ class _Simulation:
         self.plan = plan or read_plan(spec, preset.storage.layout.value, experts_for(preset.storage.experts, compute.engine))
         item = self.plan.item or slot_bytes(compute.engine, spec, preset.storage)
         n_experts = spec.num_experts * len(spec.moe_layers)
-        self.budget_bytes = Budget(budget).nbytes(item, n_experts)
-        self.cache = ExpertCache(Budget(budget).slots(item, n_experts), item, spec.moe_layers,
-                                 policy=preset.cache.policy, scope=preset.cache.scope.value,
-                                 min_slots_per_layer=spec.top_k, params=dict(preset.params))
+        self.cache_plan = CachePlan.of(preset, spec, budget, item)
+        self.budget_bytes = self.cache_plan.budget_bytes
+        self.cache = self.cache_plan.cache()
         # a read that lands while the compute thread computes is dequantized at the contended speed, measured (GIL
         # waits included, so the switch-interval model is then off unless asked for)
         self.shared_cpu = shared_cpu
@@ -274,8 +273,8 @@ class _Simulation:
             for L in self.spec.moe_layers:
                 for e in range(self.spec.num_experts):
                     self.cache.pin((L, e), landed)
-        elif self.preset.cache.warm or self.preset.cache.hot:
-            pinned, warm = start_set(self.cache, self.drive.usage, self.preset.cache.warm, self.preset.cache.hot)
+        elif (start := self.cache_plan.start(self.cache, self.drive.usage)) is not None:
+            pinned, warm = start
             for k in pinned:
                 self.cache.pin(k, landed)
             for k in warm:
@@ -485,9 +484,8 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
     (the first experts decoding asks for, as many as fit), so that the bound holds whatever the prompt left.
     engine: whose cache the budget buys slots in (engines.slot_bytes), for a budget in bytes; item: what one
     expert costs there, where a pack says (ReadPlan.item)."""
-    slots = Budget(budget).slots(item or slot_bytes(engine, spec, preset.storage),
-                                 spec.num_experts * len(spec.moe_layers))
-    per_layer = preset.cache.scope is CacheScope.PER_LAYER
+    cache = CachePlan.of(preset, spec, budget, item or slot_bytes(engine, spec, preset.storage))
+    per_layer = cache.scope == "per_layer"
 
     pos = _Position()
     drive.route(spec.moe_layers[0], np.zeros((prompt, 1)), pos.step(0, "prefill"))      # the prompt's rows come first
@@ -496,7 +494,7 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
         ctx = pos.step(step)
         for L in spec.moe_layers:
             seq += [(L, int(e)) for e in sorted(set(drive.route(L, np.zeros((1, 1)), ctx)[0].reshape(-1)))]
-    return belady_of(seq, slots // len(spec.moe_layers) if per_layer else slots, per_layer, initial)
+    return belady_of(seq, cache.per_pool, per_layer, initial)
 
 
 def belady_of(seq: list, cap: int, per_layer: bool = False, initial=()) -> dict:

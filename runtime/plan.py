@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 from engines import default_engine, engine_class, slot_bytes
 from workbench.edge0.artifacts import edge0_dir, edge0_dir_of, served_bytes
+from workbench.cache import CachePlan
 from workbench.host import peak_rss_bytes
 from workbench.memory import check_fits, memory_needs, tensor_shapes
 from workbench.presets import Budget, Preset, get_preset
@@ -34,9 +35,11 @@ class Plan:
     engine: str
     slot_bytes: int             # what one expert costs in the engine's cache: the budget's unit
     budget: str                 # as given (0.25, 96MiB, all)
-    budget_bytes: int
-    slots: int
+    cache: CachePlan            # the expert cache every clock builds: slots, policy, scope, start
     memory: dict                # workbench.memory.memory_needs
+
+    budget_bytes = property(lambda self: self.cache.budget_bytes)
+    slots = property(lambda self: self.cache.slots)
 
     @property
     def experts(self) -> int:
@@ -75,8 +78,7 @@ def plan(model: str, preset: str | Preset = "on_demand", budget: str | None = No
                           speculative=p.execution.speculative, adapter_bytes=adapters, scope=p.cache.scope.value)
     if check and resident is not None:      # llama.cpp's own GGUF: its weights are not the pack's to count
         check_fits(memory, f"{pack.path} at --budget {text}")
-    n = spec.num_experts * len(spec.moe_layers)
-    return Plan(model, p, pack, spec, engine, cost, text, b.nbytes(cost, n), b.slots(cost, n), memory)
+    return Plan(model, p, pack, spec, engine, cost, text, CachePlan.of(p, spec, text, cost), memory)
 
 
 def _unconverted(model: str, config: Path | None, p: Preset, engine: str | None):

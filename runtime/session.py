@@ -17,7 +17,6 @@ from engines import engine_class
 from engines.base import Hooks
 from workbench.arena import SlotArena
 from workbench.atomic import atomic_write
-from workbench.cache import ExpertCache, start_set
 from runtime.capture import RoutingCapture
 from workbench.io import drop_page_cache, slot_readers
 from workbench.devices import open_reader
@@ -64,8 +63,7 @@ class Session:
         s = self.spec = self.pack.spec
         self.tokenizer = tokenizer_for(self.pack)
         cls = engine_class(plan.engine)
-        self.cache = ExpertCache(plan.slots, plan.slot_bytes, s.moe_layers, policy=p.cache.policy,
-                                 scope=p.cache.scope.value, min_slots_per_layer=s.top_k, params=dict(p.params))
+        self.cache = plan.cache.cache()
         self.reader = open_reader(self.pack.data_paths, device, direct=direct, # device: emulated flash
                                   workers=workers or (slot_readers() if cls.slot_arena and not device else None))
         self.device = getattr(self.reader, "profile", None)
@@ -90,8 +88,7 @@ class Session:
             predictor = make_predictor(p.prefetch, setup, dict(p.params))
             router_hook, hook_deltas = self._routing(predictor, w, setup)
         # what the run starts with, decided once, before the arena takes the pools' sizes (a hot store re-divides them)
-        self.start = start_set(self.cache, usage, p.cache.warm, p.cache.hot) \
-            if (p.cache.warm or p.cache.hot) and not plan.all_resident else None
+        self.start = None if plan.all_resident else plan.cache.start(self.cache, usage)
         self.arena = SlotArena(self.pack, self.cache) if cls.slot_arena else None
         self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution.order.value,
                                        raw=cls.raw_experts, arena=self.arena)

@@ -13,6 +13,7 @@ A guess's prefetch (`reserve(..., spare=n)`) may be told not to evict an expert 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from workbench.designs import Evictable, Policy, policy_class
 from workbench.errors import WorkbenchError
@@ -179,6 +180,44 @@ class ExpertCache:
         if layer is None:
             return [k for p in self._distinct for k in p]
         return [k for k in self.pools[layer] if k[0] == layer]
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """A run's expert cache, decided once for every clock (the Session's, the simulator's, replay's, Belady's bound):
+    the slots a budget buys at what one expert costs, the policy and scope, and what it starts with (start_set)."""
+    slots: int
+    slot_bytes: int
+    budget_bytes: int
+    layers: tuple
+    top_k: int
+    policy: str = "lru"
+    scope: str = "global"
+    params: tuple = ()
+    warm: bool = False
+    hot: float = 0.0
+
+    @classmethod
+    def of(cls, preset, spec, budget, slot_bytes: int) -> "CachePlan":
+        """preset: a workbench.presets.Preset (its cache knobs); budget: its text (0.25, 96MiB, all)."""
+        from workbench.presets import Budget
+        n = spec.num_experts * len(spec.moe_layers)
+        b, c = Budget(str(budget)), preset.cache
+        return cls(b.slots(slot_bytes, n), slot_bytes, b.nbytes(slot_bytes, n), tuple(spec.moe_layers), spec.top_k,
+                   c.policy, c.scope.value, tuple(preset.params), c.warm, c.hot)
+
+    @property
+    def per_pool(self) -> int:
+        """The slots of one pool: a layer's (per_layer scope) or the global pool's (Belady's bound sizes it so)."""
+        return self.slots // len(self.layers) if self.scope == "per_layer" else self.slots
+
+    def cache(self) -> ExpertCache:
+        return ExpertCache(self.slots, self.slot_bytes, list(self.layers), policy=self.policy, scope=self.scope,
+                           min_slots_per_layer=self.top_k, params=dict(self.params))
+
+    def start(self, cache: ExpertCache, usage: dict) -> tuple[list, list] | None:
+        """(pinned, warm) the run starts with (start_set), or None: nothing."""
+        return start_set(cache, usage, self.warm, self.hot) if (self.warm or self.hot) else None
 
 
 def warm_set(cache: ExpertCache, usage: dict) -> list[tuple[int, int]]:
