@@ -54,6 +54,7 @@ class ExpertCache:
         self._policy = {L: self.policies[id(self.pools[L])] for L in layers}
         # a policy's hooks are called only where it has them (LRU's recency is the pools' own order)
         self._hits = cls.hit is not Policy.hit
+        self._check = hasattr(cls, "ref")       # a design's own: its victim is checked (the built-ins are tested)
         self._tracks = any(getattr(cls, m) is not getattr(Policy, m) for m in ("inserted", "removed", "demoted"))
         self.pinned: set = set()
         self.slots_used = 0                 # experts held, all pools (kept as they change: reserve runs per read)
@@ -92,10 +93,9 @@ class ExpertCache:
         return self._pool(key).get(key)
 
     def _victim(self, pool: OrderedDict, layer: int, protect, spare: int = 0):
-        pinned = self.pinned
-        evictable = Evictable(pool, lambda k, v: k in protect or k in pinned or _in_flight(v))
+        evictable = Evictable(pool, protect, self.pinned, _in_flight)
         victim = self._policy[layer].victim(evictable, self.steps)
-        if victim is not None and victim not in evictable:
+        if self._check and victim is not None and victim not in evictable:
             raise WorkbenchError(f"cache policy {self.policy}: its victim {victim} is not an expert that may leave "
                                  f"the pool now")
         if spare and victim is not None and self.used.get(victim, -spare) > self.steps - spare:

@@ -172,7 +172,9 @@ def predictor_class(name: str) -> type:
 def policy_class(name: str) -> type:
     if is_ref(name):
         cls = _check_class(load(name), Policy, name, {"victim": 2, "hit": 2, "inserted": 2, "removed": 1})
-        return _guarded(cls, Policy, name, ("__init__", "hit", "inserted", "removed", "demoted", "victim"))
+        guarded = _guarded(cls, Policy, name, ("__init__", "hit", "inserted", "removed", "demoted", "victim"))
+        guarded.ref = name          # the cache checks that such a policy's victim may go
+        return guarded
     if name not in POLICIES:
         raise WorkbenchError(f"cache_policy {name!r}: choose one of {', '.join(POLICIES)} or path/to/file.py:Name")
     return load(POLICIES[name])

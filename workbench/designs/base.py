@@ -66,17 +66,19 @@ class Evictable:
     """The experts of one pool that may leave it now (not pinned, not in use by the current layer, not a read in
     flight): iterate least recently used first, `newest()` most recently used first, `key in evictable`."""
 
-    def __init__(self, pool, blocked: Callable):
-        self.pool, self.blocked = pool, blocked
+    def __init__(self, pool, protect, pinned, flying: Callable):
+        self.pool, self.protect, self.pinned, self.flying = pool, protect, pinned, flying
 
     def __iter__(self) -> Iterator:
-        return (k for k, v in self.pool.items() if not self.blocked(k, v))
+        protect, pinned, flying = self.protect, self.pinned, self.flying
+        return (k for k, v in self.pool.items() if k not in protect and k not in pinned and not flying(v))
 
     def newest(self) -> Iterator:
-        return (k for k in reversed(self.pool) if not self.blocked(k, self.pool[k]))
+        return (k for k in reversed(self.pool) if k in self)
 
     def __contains__(self, key) -> bool:
-        return key in self.pool and not self.blocked(key, self.pool[key])
+        return (key in self.pool and key not in self.protect and key not in self.pinned
+                and not self.flying(self.pool[key]))
 
 
 class Policy:
