@@ -224,7 +224,7 @@ class Session:
                  peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode,
                  reader_workers=self.reader.workers, read_retries=self.reader.retries, threads=self.engine.threads,
                  per_layer=tel.per_layer("decode"),
-                 expert_disk_bytes=self.pack.expert_nbytes, expert_mem_bytes=self.slot_bytes, **self.labels())
+                 expert_disk_bytes=self.pack.mean_expert_bytes, expert_mem_bytes=self.slot_bytes, **self.labels())
         return s
 
     def config(self) -> dict:

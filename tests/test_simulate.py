@@ -584,6 +584,7 @@ def test_a_gguf_is_profiled_on_ggmls_kernels_and_simulated_on_its_own_blocks(nex
     assert res["expert_disk_bytes"] == pytest.approx(np.mean(per_layer))
     with open_session(str(next_gguf), "on_demand", "0.5") as s:
         assert res["cache_slots"] == s.cache.capacity[sp.moe_layers[0]]
+        assert s.summary()["expert_disk_bytes"] == pytest.approx(res["expert_disk_bytes"])   # one meaning
 
 
 def test_below_every_expert_the_streaming_run_holds_less_than_the_first_and_no_room_is_refused(monkeypatch):

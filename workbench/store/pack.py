@@ -406,6 +406,13 @@ class Pack:
         return self.expert_layer_kinds.get(layer, self.expert_kinds)
 
     @property
+    def mean_expert_bytes(self) -> float:
+        """What reading one expert takes from disk, the mean over the MoE layers (a GGUF's layers may hold different
+        blocks): the one meaning of `expert_disk_bytes` in every record (bench's, simulate's)."""
+        layers = self.spec.moe_layers
+        return sum(sum(n for _, n in self.expert_reads(L, 0)) for L in layers) / len(layers)
+
+    @property
     def total_expert_bytes(self) -> int:
         return self.header["experts"].get("total_nbytes", self.expert_nbytes * self.num_expert_total)
 
