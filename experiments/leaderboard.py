@@ -58,6 +58,8 @@ def run(traces: list[str], designs=BUILTIN + FIELD, budgets=BUDGETS, devices=DEV
     (default: every core), each a design's budgets in turn."""
     from engines import default_engine
     from experiments.compute_profile import measure_compute
+    from experiments.routing_trace import TraceDrive
+    from experiments.simulate import decode_accesses
     from experiments.traces import read_trace
     from workbench import devices as D
     from workbench.presets import get_preset
@@ -79,7 +81,8 @@ def run(traces: list[str], designs=BUILTIN + FIELD, budgets=BUDGETS, devices=DEV
                                          "trace's shape, or --compute FILE)")
         n = tokens or len(tr["ids"]) - prompt - skip + 1
         eng = prof.engine if prof else (engine or default_engine())
-        jobs += [(str(path), tr, spec, d, budgets, profiles, prof, n, prompt, skip, eng) for d in designs]
+        seq = decode_accesses(TraceDrive(str(path), spec, None, trace=tr, skip=skip), spec, prompt, n)
+        jobs += [(str(path), tr, spec, d, budgets, profiles, prof, n, prompt, skip, eng, seq) for d in designs]
     rows = []
     for got in _map(_design_rows, jobs, workers):
         rows += got
@@ -110,7 +113,7 @@ def _design_rows(job) -> list[Row]:
     from experiments.routing_trace import TraceDrive
     from experiments.simulate import belady, replay_run, simulable, simulate_run
     from workbench.presets import get_preset
-    path, tr, spec, name, budgets, profiles, prof, n, prompt, skip, eng = job
+    path, tr, spec, name, budgets, profiles, prof, n, prompt, skip, eng, seq = job
     sized = not str(tr["meta"].get("expert_size", "")).startswith("unknown")     # import_trace.UNSIZED: no bytes
     p, why = simulable_or_none(get_preset(name), simulable)
     rows = []
@@ -133,7 +136,7 @@ def _design_rows(job) -> list[Row]:
                 raise
             rows.append(_not_run(path, name, b, str(e)))
             continue
-        bound = belady(drive, spec, p, b, prompt, n, initial=res.pop("cache_at_decode"), engine=eng)
+        bound = belady(drive, spec, p, b, prompt, n, initial=res.pop("cache_at_decode"), engine=eng, accesses=seq)
         sim = {dev.name: simulate_run(fresh(), spec, p, b, dev, prof, n, prompt, dev.queue_depth,
                                       shared_cpu=prof.reader_holds_gil, split=not prof.reader_holds_gil)["tok_s"]
                for dev in (profiles if prof else ())}

@@ -476,17 +476,22 @@ def replay_run(drive, spec: MoESpec, preset, budget: str, tokens: int, prompt: i
 
 
 def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, initial=(),
-           engine: str = "numpy", item: int = 0) -> dict:
+           engine: str = "numpy", item: int = 0, accesses: list | None = None) -> dict:
     """Optimal replacement with perfect foresight (Belady's MIN) over the same decode accesses: the fewest experts
     any policy must read at this budget. Its hit rate bounds demand fetching; a prefetching design can show a higher
     hit rate (a prefetch is a read that lands in time), never fewer reads. initial: the experts in memory when
     decoding starts (the prompt's, a warm set), as the design had them; None: the best start any policy could have
     (the first experts decoding asks for, as many as fit), so that the bound holds whatever the prompt left.
     engine: whose cache the budget buys slots in (engines.slot_bytes), for a budget in bytes; item: what one
-    expert costs there, where a pack says (ReadPlan.item)."""
+    expert costs there, where a pack says (ReadPlan.item). accesses: decode_accesses of the same window, if known."""
     cache = CachePlan.of(preset, spec, budget, item or slot_bytes(engine, spec, preset.storage))
-    per_layer = cache.scope == "per_layer"
+    seq = accesses if accesses is not None else decode_accesses(drive, spec, prompt, tokens)
+    return belady_of(seq, cache.per_pool, cache.scope == "per_layer", initial)
 
+
+def decode_accesses(drive, spec: MoESpec, prompt: int, tokens: int) -> list:
+    """The (layer, expert) a trace's decode steps ask for, in order, after `prompt` rows (any design's: the trace
+    routes; Belady's bound is over them)."""
     pos = _Position()
     drive.route(spec.moe_layers[0], np.zeros((prompt, 1)), pos.step(0, "prefill"))      # the prompt's rows come first
     seq = []
@@ -494,7 +499,7 @@ def belady(drive, spec: MoESpec, preset, budget: str, prompt: int, tokens: int, 
         ctx = pos.step(step)
         for L in spec.moe_layers:
             seq += [(L, int(e)) for e in sorted(set(drive.route(L, np.zeros((1, 1)), ctx)[0].reshape(-1)))]
-    return belady_of(seq, cache.per_pool, per_layer, initial)
+    return seq
 
 
 def belady_of(seq: list, cap: int, per_layer: bool = False, initial=()) -> dict:
