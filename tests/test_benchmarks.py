@@ -17,8 +17,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py"))
-TESTED = {"before_after", "full_size", "kernels", "ladders", "pack_formats", "peer", "regimes", "server_limits", "server_load",
-          "targets"}
+TESTED = {"before_after", "forced_text", "full_size", "kernels", "ladders", "pack_formats", "peer", "regimes",
+          "server_limits", "server_load", "targets"}
 
 
 def run(script: str, *args, timeout: float = 1800) -> str:
@@ -248,3 +248,19 @@ def test_before_after(tmp_path):
         od, les = rows[("on_demand", t)], rows[("les", t)]
         assert od[6] == "1.00" and float(les[6]) == pytest.approx(float(les[5]) / float(od[5]), abs=0.02)
         assert f"- {t}: lowest of floor" in md
+
+
+@pytest.mark.slow
+def test_forced_text_on_a_made_checkpoint(tmp_path, monkeypatch):
+    """Free against forced text on a made checkpoint: a row each, the Markdown's numbers the JSON's, each gap to the
+    real trace's LRU its own difference."""
+    from workbench.shapes import make_model
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    model = make_model("qwen3-30b-a3b", layers=2, out=tmp_path / "m", experts=8)
+    run("forced_text", "--models", model, "--budgets", "0.5", "--tokens", 4, "--out", tmp_path)
+    res = json.loads((tmp_path / "forced_text.json").read_text())
+    md = (tmp_path / "forced_text.md").read_text()
+    assert command_line(md) == res["command"]
+    assert [r["text"].split(":")[0] for r in res["rows"]] == ["forced text", "free"]
+    for r, cells in zip(res["rows"], rows_of(md, "m")):
+        assert same(r["off_by"], r["hit_rate"] - r["real_lru"]) and cells[3] == f"{r['hit_rate']:.3f}"
