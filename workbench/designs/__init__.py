@@ -2,6 +2,7 @@
 
     PREDICTORS   name -> its Predictor's reference (lookahead, history, oracle, shuffled, prerouter, coactivation)
     POLICIES     name -> its Policy's reference    (lru, lfu, lfu_aging, s3fifo, least_stale)
+    ROUTERS      name -> its Router's reference    (cache_bias: smol_bias's)
     load(ref)    "path/to/mine.py:Name" or "package.module:Name" -> the object it names
 
 Every built-in is found here the way a design of your own is: by its name in the preset's knobs
@@ -20,8 +21,8 @@ import numpy as np
 from workbench.designs.base import Design, Evictable, Policy, Predictor, Router, Setup
 from workbench.errors import WorkbenchError
 
-__all__ = ["Design", "Evictable", "Policy", "Predictor", "Router", "Setup", "ROUTERS", "router_class", "PREDICTORS", "POLICIES", "load", "policy_class",
-           "predictor_class", "is_ref", "ref_of", "make_predictor"]
+__all__ = ["Design", "Evictable", "Policy", "Predictor", "Router", "Setup", "PREDICTORS", "POLICIES", "ROUTERS", "load",
+           "predictor_class", "policy_class", "router_class", "make_predictor", "is_ref", "ref_of", "short"]
 
 
 # The built-ins, by reference: found as a design of your own is (load), so that none has a private path
