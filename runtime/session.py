@@ -47,7 +47,7 @@ class Session:
                  trace: dict | None = None, weights: dict | None = None, deltas: dict | None = None,
                  device: str | None = None, drive=None, threads: int | None = None, text: Text | None = None):
         """The parts of a planned run (runtime.plan), wired together; open_session is the way in.
-        usage: expert use per layer (usage_profile) for a design that warm-starts or draws from the marginals.
+        usage: expert use per layer (`usage`) for a design that warm-starts or draws from the marginals.
         weights: replacements for some of the pack's non-expert weights (a merged adapter); deltas: projection
         deltas added to the preset's (an unmerged adapter). Both for experiments on adapters (Edge0's ladder).
         device: a device profile (data/devices) whose flash the reads emulate. drive: routing and predictions
@@ -288,9 +288,8 @@ def usage(pack: Pack) -> dict:
     path = cache_dir() / "profiles" / f"{pack.content_id()}.json"
     if path.exists():
         return {int(k): v for k, v in json.loads(path.read_text()).items()}
-    from workbench.textdata import heldout_ids
-    counts = usage_profile(pack.path, heldout_ids(tokenizer_for(pack), "tinystories",
-                                                  min(512, pack.spec.max_position_embeddings)))
+    counts = {L: np.bincount(idx.reshape(-1), minlength=pack.spec.num_experts).tolist()
+              for L, idx in heldout_routing(pack).items()}       # the one prefill of the held-out text
     atomic_write(path, json.dumps(counts))
     return counts
 
@@ -338,10 +337,3 @@ def prefills(pack: Pack, windows, keep: tuple[str, ...] = ()):
             s.engine.reset()
             s.step(list(map(int, ids)), "prefill")
             yield cap.take_all(("idx", *keep))
-
-
-def usage_profile(pack_path, ids: list[int]) -> dict:
-    """Count expert use per layer over `ids` (one prefill, exact routing, streamed: `prefills`)."""
-    pack = Pack(pack_path)
-    [got] = prefills(pack, [ids])
-    return {L: np.bincount(idx.reshape(-1), minlength=pack.spec.num_experts).tolist() for L, idx in got["idx"].items()}

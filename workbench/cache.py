@@ -49,9 +49,9 @@ class ExpertCache:
                 f"--budget of {slots} expert slots of {item_bytes} bytes is below one layer's top-k: need at least "
                 f"{min_slots_per_layer} slots{' per layer' if scope == 'per_layer' else ''}, the budget gives {per_layer}")
         own = {k: v for k, v in (params or {}).items() if k in cls.params}
-        self.policies = {id(p): cls(self.capacity[next(L for L in layers if self.pools[L] is p)], len(layers), **own)
-                         for p in self._distinct}
-        self._policy = {L: self.policies[id(self.pools[L])] for L in layers}
+        one = {id(p): cls(self.capacity[next(L for L in layers if self.pools[L] is p)], len(layers), **own)
+               for p in self._distinct}                  # a policy per pool
+        self._policy = {L: one[id(self.pools[L])] for L in layers}
         # a policy's hooks are called only where it has them (LRU's recency is the pools' own order)
         self._hits = cls.hit is not Policy.hit
         self._check = hasattr(cls, "ref")       # a design's own: its victim is checked (the built-ins are tested)

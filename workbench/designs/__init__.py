@@ -158,27 +158,31 @@ def _named(self, m: str, args: tuple, named):
     return named
 
 
-def predictor_class(name: str) -> type:
-    """The Predictor a preset's predictor text names (its kind, before any ':' arguments, or a reference)."""
+def _part(name: str, base: type, registry: dict, knob: str, methods: dict, check=None) -> type:
+    """The class a part's text names: a registered built-in by its kind (the text before any ':' arguments), or a
+    design's own by reference, checked for the interface's methods and guarded (each raise one line, `ref` set)."""
     if is_ref(name):
-        cls = _check_class(load(name), Predictor, name, {"predict": 2})
-        return type(cls.__name__, (_guarded(cls, Predictor, name, ("__init__", "predict"), _named),),
-                    {"ref": name, "__module__": cls.__module__})
+        cls = _check_class(load(name), base, name, methods)
+        guarded = _guarded(cls, base, name, ("__init__", *methods, *(("demoted",) if base is Policy else ())), check)
+        guarded.ref = name          # a design's own: what it returns is checked (the cache: that its victim may go)
+        return guarded
     kind = str(name).split(":")[0]
-    if kind not in PREDICTORS:
-        raise WorkbenchError(f"predictor {name!r}: choose one of {', '.join(PREDICTORS)} or path/to/file.py:Name")
-    return load(PREDICTORS[kind])
+    if kind not in registry:
+        raise WorkbenchError(f"{knob} {name!r}: choose one of {', '.join(registry)} or path/to/file.py:Name")
+    return load(registry[kind])
+
+
+def predictor_class(name: str) -> type:
+    """The Predictor a preset's predictor text names."""
+    return _part(name, Predictor, PREDICTORS, "predictor", {"predict": 2}, _named)
 
 
 def policy_class(name: str) -> type:
-    if is_ref(name):
-        cls = _check_class(load(name), Policy, name, {"victim": 2, "hit": 2, "inserted": 2, "removed": 1})
-        guarded = _guarded(cls, Policy, name, ("__init__", "hit", "inserted", "removed", "demoted", "victim"))
-        guarded.ref = name          # the cache checks that such a policy's victim may go
-        return guarded
-    if name not in POLICIES:
-        raise WorkbenchError(f"cache_policy {name!r}: choose one of {', '.join(POLICIES)} or path/to/file.py:Name")
-    return load(POLICIES[name])
+    return _part(name, Policy, POLICIES, "cache_policy", {"victim": 2, "hit": 2, "inserted": 2, "removed": 1})
+
+
+def router_class(name: str) -> type:
+    return _part(name, Router, ROUTERS, "routing", {"route": 3}, _routed)
 
 
 def _routed(self, m: str, args: tuple, out):
@@ -198,17 +202,6 @@ def _routed(self, m: str, args: tuple, out):
         raise WorkbenchError(f"{self.ref}: route at layer {layer} chose expert {int(idx.max())}: the model has "
                              f"experts 0..{spec.num_experts - 1}")
     return idx.astype(np.int64), w.astype(np.float32)
-
-
-def router_class(name: str) -> type:
-    if is_ref(name):
-        cls = _check_class(load(name), Router, name, {"route": 3})
-        return type(cls.__name__, (_guarded(cls, Router, name, ("__init__", "route"), _routed),),
-                    {"ref": name, "__module__": cls.__module__})
-    kind = str(name).split(":")[0]
-    if kind not in ROUTERS:
-        raise WorkbenchError(f"routing {name!r}: choose one of {', '.join(ROUTERS)} or path/to/file.py:Name")
-    return load(ROUTERS[kind])
 
 
 def params_of(*classes) -> dict:
