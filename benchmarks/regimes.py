@@ -276,7 +276,7 @@ def smol_misses(tokens):
             s = simulate(TRACE, rung, str(pool * len(spec.moe_layers) * item), "ufs22-phone", tokens=tokens, compute=cp,
                          record=False)
             rows.append({"rung": rung.name, "miss_rate": 1 - s["hit_rate"], "belady_miss_rate": 1 - s["belady_hit_rate"],
-                         "tok_s": s["tok_s"], "pool": f"{s['cache_slots']} of {spec.num_experts} per layer ({why})"})
+                         "tok_s": s["tok_s"], "pool": f"{s['pool_slots']} of {spec.num_experts} per layer ({why})"})
     return {"device": "ufs22-phone", "paper_pool_fraction": 56 / 512, "paper": SMOL_PAPER, "tokens": tokens, "rows": rows}
 
 

@@ -11,14 +11,6 @@ from workbench.runs import write_run
 from runtime.session import Session, open_session
 from workbench.errors import WorkbenchError
 
-SUMMARY_KEYS = ("tok_s", "prefill_tok_s", "hit_rate", "late_rate", "miss_rate", "hits", "late", "misses", "bytes_read",
-                "bytes_read_per_token", "flash_wait_s",
-                "flash_wait_per_token_s", "dequant_s", "compute_s", "router_s", "other_s", "decode_s",
-                "prefetch_recall", "prefetch_precision", "prefetch_issued", "prefetch_wasted", "wasted_bytes",
-                "queue_s", "device_s", "completion_s", "submit_s", "handoff_s", "python_s", "demand_reads_taken",
-                "read_submit_s", "read_queue_s", "read_device_s", "read_landed_s")
-
-
 WARMUP_TEXT = "The lighthouse keeper counted ships"      # not a prompt any measurement uses
 
 
@@ -48,16 +40,10 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
     r = session.reader.stats()
     fl = floor_tok_s(session.pack, (s["compute_s"] + s["router_s"]) / n, s["bytes_read_per_token"], disk,
                      size=r["bytes_read"] // r["reads"] if r["reads"] else None, depth=session.reader.workers)
-    res = {k: s[k] for k in SUMMARY_KEYS}
-    res.update(fl, cache_bytes=s["cache_peak_bytes"], budget_bytes=s["budget_bytes"], peak_rss_bytes=s["peak_rss_bytes"],
-               reader_mode=s["reader_mode"], reader_workers=s["reader_workers"], read_retries=s["read_retries"],
-               threads=s["threads"],
-               achieved_over_floor=s["tok_s"] / fl["floor_tok_s"], expert_mem_bytes=s["expert_mem_bytes"],
-               cache_slots=session.cache.slots,
-               per_layer=s["per_layer"], tokens=len(out["tokens"]), decode_steps=s["decode_steps"], text=out["text"],
-               engine=session.engine.name, device=s["device"], emulated=s["emulated"], random_weights=s["random_weights"],
-               routing_trace=s["routing_trace"], start="warm" if warm else "cold", page_cache_dropped=page_cache,
-               text_source=s["text"], text_check=text_check(session, out))
+    res = {**s, **fl, "achieved_over_floor": s["tok_s"] / fl["floor_tok_s"], "cache_bytes": s["cache_peak_bytes"],
+           "tokens": len(out["tokens"]), "text": out["text"], "engine": session.engine.name,
+           "start": "warm" if warm else "cold", "page_cache_dropped": page_cache, "text_source": s["text"],
+           "text_check": text_check(session, out)}
     if session.preset.prefetch.predictor is Predictor.PREROUTER:     # Edge0: what its prediction staged and dropped
         from workbench.edge0.serve import edge0_counters
         res.update(edge0_counters(session))

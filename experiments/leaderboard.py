@@ -136,15 +136,14 @@ def _design_rows(job) -> list[Row]:
                 raise
             rows.append(_not_run(path, name, b, str(e)))
             continue
-        bound = belady(drive, spec, p, b, prompt, n, initial=res.pop("cache_at_decode"), engine=eng, accesses=seq)
+        bound = belady(drive, spec, p, b, prompt, n, initial=res.at_decode, engine=eng, accesses=seq)
         sim = {dev.name: simulate_run(fresh(), spec, p, b, dev, prof, n, prompt, dev.queue_depth,
-                                      shared_cpu=prof.reader_holds_gil, split=not prof.reader_holds_gil)["tok_s"]
+                                      shared_cpu=prof.reader_holds_gil, split=not prof.reader_holds_gil).summary.tok_s
                for dev in (profiles if prof else ())}
-        steps, bh = max(1, res["decode_steps"]), bound["belady_hit_rate"]
-        rows.append(Row(path, name, b, res["cache_slots"], res["hit_rate"], res["late_rate"],
-                        res["experts_read"] / steps, res["bytes_read_per_token"] if sized else None, bh,
-                        res["hit_rate"] / bh if bh else float("nan"), res["recall"], res["precision"], sim,
-                        drive.source.get("prediction")))
+        r, bh = res.summary.record(), bound["belady_hit_rate"]
+        rows.append(Row(path, name, b, r["pool_slots"], r["hit_rate"], r["late_rate"], r["experts_read_per_token"],
+                        r["bytes_read_per_token"] if sized else None, bh, r["hit_rate"] / bh if bh else float("nan"),
+                        r["prefetch_recall"], r["prefetch_precision"], sim, drive.source.get("prediction")))
     return rows
 
 

@@ -50,6 +50,7 @@ its tok/s assumes every miss read is hidden behind compute at the device's peak 
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import math
@@ -69,7 +70,8 @@ from workbench.spec import MoESpec
 from workbench.registry import experts_for
 from workbench.store.pack import PARTS, _align, _nbytes, expert_kinds, expert_shapes   # the pack's own read plan
 from workbench.schedule import LayerStep, Schedule
-from workbench.telemetry import LayerEvent, Telemetry, prediction_rates, rates
+from workbench.summary import Memory, Reads, RunSummary, TimeSplit
+from workbench.telemetry import LayerEvent, Telemetry
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,6 @@ class _Clock:
         self.ends: list[float] = []
 
     def _work_at(self, t: float) -> int:
-        import bisect
         i = bisect.bisect_right(self.starts, t) - 1
         return i if i >= 0 and t < self.ends[i] else -1
 
@@ -242,6 +243,7 @@ class _Simulation:
                  workers: int, plan: ReadPlan | None, shared_cpu: bool, switch_s: float | None, split: bool,
                  readers=None):
         self.drive, self.spec, self.preset, self.profile = drive, spec, preset, compute
+        self.instant = device is INSTANT
         self.plan = plan or read_plan(spec, preset.storage.layout.value, experts_for(preset.storage.experts, compute.engine))
         item = self.plan.item or slot_bytes(compute.engine, spec, preset.storage)
         n_experts = spec.num_experts * len(spec.moe_layers)
@@ -305,18 +307,23 @@ class _Simulation:
         """Submit reads of `keys` (slots reserved): the compute thread pays the issue, the pool reads them in merged
         runs; returns the bytes read."""
         c = self.profile
-        self.work(c.issue_call_s + c.issue_s * len(keys), slowed=False)     # submits follow each other at once
         groups = [(g, b) for L in sorted({k[0] for k in keys})
                   for g, b in [([(L, e) for e in run], nb)
                                for run, nb in self.plan.reads([k[1] for k in keys if k[0] == L], L)]]
-        ready = self.pool.submit(self.clock.now, groups)
-        if c.after_issue_s:     # the compute thread's work once the submit's reads have landed is that much slower
-            heapq.heappush(self.slowed, (max(ready[k][0] for k in keys), c.after_issue_s))
-        for k in keys:
-            self.cache.set(k, _Read(ready[k][0], self.clock, ready[k][1], c.dequant_s, self.busy))
+        if self.instant:        # replay's clock: the reads land as they are issued, and nothing else happens
+            for k in keys:
+                self.cache.set(k, _Read(self.clock.now, self.clock))
+        else:
+            self.work(c.issue_call_s + c.issue_s * len(keys), slowed=False)     # submits follow each other at once
+            ready = self.pool.submit(self.clock.now, groups)
+            if c.after_issue_s:     # the compute thread's work once the reads have landed is that much slower
+                heapq.heappush(self.slowed, (max(ready[k][0] for k in keys), c.after_issue_s))
+            for k in keys:
+                self.cache.set(k, _Read(ready[k][0], self.clock, ready[k][1], c.dequant_s, self.busy))
+        nbytes = sum(b for _, b in groups)
         if counted:
-            self.n["bytes"] += sum(b for _, b in groups)
-        return sum(b for _, b in groups)
+            self.n["bytes"] += nbytes
+        return nbytes
 
     def block(self, until: float, ev: LayerEvent):
         """The compute thread blocks until `until`; having slept, it runs again a wake-up later."""
@@ -329,25 +336,21 @@ class _Simulation:
     # ------------------------------------------------------------ the run's steps
 
     def prefill(self, prompt: int):
-        """Every routed expert of the prompt rows, read and landed before decoding starts (untimed)."""
-        cache, clock = self.cache, self.clock
+        """The prompt's rows through the schedule as the engine's prefill runs them (a layer's routed experts as one
+        row, the predictor asked as the engine asks it). Untimed: decoding's clock and bytes start after it."""
         ctx = self.pos.step(0, "prefill")
         for L in self.spec.moe_layers:
             idx = self.drive.route(L, np.zeros((prompt, 1)), ctx)[0]
-            keys = [(L, int(e)) for e in sorted(set(idx.reshape(-1).tolist())) if (L, int(e)) not in cache]
-            for k in keys:
-                if not cache.reserve(k, None):
-                    break
-            keys = [k for k in keys if cache.peek(k) is None and k in cache]
-            if keys:
-                self.submit(keys, False)
-            clock.now = max([clock.now] + [cache.peek(k).ready for k in cache.keys(L)
-                                           if isinstance(cache.peek(k), _Read)])
-        at_decode = list(cache.keys())                   # what any policy starts decoding with (Belady too)
-        for k in at_decode:
-            if isinstance(ent := cache.peek(k), _Read):
-                ent.taken = True                         # taken in while the prompt ran
+            ev = LayerEvent(token=-1, layer=L, phase="prefill", routed=[], predicted=[], hit=[])
+            st = self.schedule.begin_layer(L, [set(idx.reshape(-1).tolist())], [0], ev)
+            if self.predictor is not None:
+                self.schedule.name(0, self.predictor.predict(L, {**ctx, "routed": idx}),
+                                   getattr(self.predictor, "certain", False))
+            self.schedule.run_layer(st)
+            self.counts.add_event(ev)
+        at_decode = list(self.cache.keys())              # what any policy starts decoding with (Belady too)
         self.pool.dequants, self.slowed = [], []          # the prompt's dequants and slowdown are over by then
+        self.n.update(bytes=0, wait=0.0)
         return at_decode
 
     def decode_step(self, step: int, drafts: int) -> int:
@@ -420,27 +423,27 @@ class _Simulation:
     def evicted(self, keys: list):
         pass
 
-    def result(self, steps: int, decode_s: float, at_decode: list) -> dict:
-        n, layers = self.n, self.counts.per_layer("decode")
-        hits, late, misses = (sum(r[k] for r in layers) for k in ("hits", "late", "misses"))
-        recall, precision = prediction_rates(layers)
-        return {"tok_s": steps / decode_s if decode_s > 0 else float("inf"), **rates(hits, late, misses),
-                "hits": hits, "late": late, "misses": misses, "bytes_read": n["bytes"],
-                "bytes_read_per_token": n["bytes"] / max(1, steps),
-                "flash_wait_s": n["wait"], "flash_wait_per_token_s": n["wait"] / max(1, steps), "decode_s": decode_s,
-                "decode_steps": steps, "prefetch_issued": self.counts.prefetch_issued,
-                "prefetch_used": self.counts.prefetch_used,
-                "prefetch_wasted": self.counts.prefetch_wasted, "recall": recall, "precision": precision,
-                "experts_read": self.counts.demand_reads + self.counts.prefetch_issued, "spec_steps": n["spec_steps"],
-                "spec_accepted": n["spec_accepted"], "budget_bytes": self.budget_bytes,
-                "cache_slots": self.cache.capacity[self.spec.moe_layers[0]], "cache_at_decode": at_decode,
-                "per_layer": layers}
+    def result(self, steps: int, decode_s: float) -> RunSummary:
+        c = self.cache
+        memory = Memory(self.budget_bytes, c.slots, min(c.capacity.values()), self.plan.disk_bytes, c.item_bytes)
+        time = None if self.instant else TimeSplit(decode_s, self.n["wait"], decode_s - self.n["wait"])
+        return RunSummary("instant" if self.instant else "simulated", steps, steps,
+                          Reads.of(self.counts, self.n["bytes"]), memory, time)
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """A simulated run: its record, what it started decoding with (Belady's start too), its drafts."""
+    summary: RunSummary
+    at_decode: list
+    spec_steps: int = 0
+    spec_accepted: int = 0
 
 
 def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
                  tokens: int, prompt: int = 4, workers: int = 1, plan: ReadPlan | None = None,
                  shared_cpu: bool = True, switch_s: float | None = None, split: bool = True,
-                 readers=None) -> dict:
+                 readers=None) -> Simulated:
     """Prefill `prompt` trace rows (reads only, untimed), then decode `tokens - 1` steps on the virtual clock,
     as `bench` measures: tok_s counts decode steps only. shared_cpu: the numpy engine's dequant (reader threads)
     and compute (its own thread) hold one GIL: a dequant that starts while the compute thread works delays that
@@ -459,7 +462,8 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
         accepted = sim.decode_step(step, min(n_spec, steps - produced) if n_spec else 0)
         produced = min(steps, produced + accepted + 1)
         step += accepted + 1
-    return sim.result(steps, sim.clock.now - t_decode, at_decode)
+    return Simulated(sim.result(steps, sim.clock.now - t_decode), at_decode, sim.n["spec_steps"],
+                     sim.n["spec_accepted"])
 
 
 
@@ -468,7 +472,7 @@ INSTANT = DeviceProfile("instant", "every read lands at once (replay)", latency_
 
 
 def replay_run(drive, spec: MoESpec, preset, budget: str, tokens: int, prompt: int, engine: str,
-               plan: ReadPlan | None = None) -> dict:
+               plan: ReadPlan | None = None) -> Simulated:
     """simulate_run on the clock replay runs on: every read lands at once and nothing takes time (no compute, no
     wake-ups), so what a design serves from memory, reads and prefetches is its schedule's alone."""
     return simulate_run(drive, spec, preset, budget, INSTANT, ComputeProfile(0.0, 0.0, 0.0, 0.0, engine=engine),
@@ -609,9 +613,10 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
         if pack.spec.to_dict() == spec.to_dict():
             p, plan = p.with_(**dict(zip(("layout", "experts", "rest"), storage))), pack_plan(pack, compute.engine)
     plan = plan or read_plan(spec, p.storage.layout.value, experts_for(p.storage.experts, compute.engine))
-    res = simulate_run(drive, spec, p, budget, dev, run_compute, tokens, prompt, workers, plan=plan,
+    sim = simulate_run(drive, spec, p, budget, dev, run_compute, tokens, prompt, workers, plan=plan,
                        shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil, readers=readers)
-    bound = belady(drive, spec, p, budget, prompt, tokens, initial=res.pop("cache_at_decode"), engine=compute.engine,
+    res = sim.summary.record()
+    bound = belady(drive, spec, p, budget, prompt, tokens, initial=sim.at_decode, engine=compute.engine,
                    item=plan.item)
     compute_s = res["decode_steps"] * (len(spec.moe_layers) * (compute.dense_s + compute.router_s
                                                                 + spec.top_k * compute.expert_s) + compute.other_s)
@@ -619,8 +624,8 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     bound["belady_tok_s"] = res["decode_steps"] / max(compute_s, miss_bytes / dev.peak_bw)
     res.update(bound, simulated=True, emulated=False, device=dev.describe(), preset=p.name, budget=budget,
                shape=shape, shape_note=note, spec=spec.to_dict(), reader_workers=workers,
-               compute_profile=dataclasses.asdict(compute), routing_trace=drive.source, tokens=tokens, prompt=prompt, skip=skip,
-               expert_disk_bytes=plan.disk_bytes)
+               compute_profile=dataclasses.asdict(compute), routing_trace=drive.source, tokens=tokens, prompt=prompt,
+               skip=skip, spec_steps=sim.spec_steps, spec_accepted=sim.spec_accepted)
     res["device"]["emulated"] = False
     res["device"]["simulated"] = True
     from experiments.calibration import UNCALIBRATED, label
@@ -685,13 +690,9 @@ def replay(path, presets=REPLAYED, budget: str | None = None, tokens: int | None
         drive = TraceDrive(path, spec, str(p.prefetch) or None, trace=tr, skip=skip, recall=p.prefetch.recall,
                            params=dict(p.params))
         res = replay_run(drive, spec, p, b, tokens, prompt, engine)
-        steps = max(1, res["decode_steps"])
-        bound = belady(drive, spec, p, b, prompt, tokens, initial=res.pop("cache_at_decode"), engine=engine)
-        rows.append({"preset": p.name, "budget": b, **{k: res[k] for k in (
-            "hit_rate", "late_rate", "miss_rate", "recall", "precision", "cache_slots", "budget_bytes",
-            "prefetch_issued", "prefetch_wasted", "experts_read")},
-            "misses_per_token": res["misses"] / steps, "prefetch_per_token": res["prefetch_issued"] / steps,
-            "reads_per_token": res["experts_read"] / steps, "belady_hit_rate": bound["belady_hit_rate"]})
+        bound = belady(drive, spec, p, b, prompt, tokens, initial=res.at_decode, engine=engine)
+        rows.append({"preset": p.name, "budget": b, **{k: v for k, v in res.summary.record().items() if k != "per_layer"},
+                     "belady_hit_rate": bound["belady_hit_rate"]})
     return {"trace": str(path), "engine": meta.get("engine"), "model": meta.get("gguf") or meta.get("model"),
             "trace_tokens": len(tr["ids"]), "tokens": tokens, "prompt": prompt, "skip": skip, "cache_engine": engine,
             "clock": "instant: every read lands at once (no timing)",
@@ -708,7 +709,7 @@ def table(res: dict) -> str:
              f"{'miss/tok':>9} {'prefetch/tok':>12}"]
     for r in res["presets"]:
         f = lambda v: "" if v is None else f"{v:.3f}"
-        lines.append(f"{short(r['preset']):16} {r['budget']:>8} {r['cache_slots']:6d} {r['hit_rate']:6.3f} "
-                     f"{r['belady_hit_rate']:7.3f} {f(r['recall']):>7} {f(r['precision']):>9} "
+        lines.append(f"{short(r['preset']):16} {r['budget']:>8} {r['pool_slots']:6d} {r['hit_rate']:6.3f} "
+                     f"{r['belady_hit_rate']:7.3f} {f(r['prefetch_recall']):>7} {f(r['prefetch_precision']):>9} "
                      f"{r['misses_per_token']:9.2f} {r['prefetch_per_token']:12.2f}")
     return "\n".join(lines)

@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import inspect
 import io
 import json
 import time
@@ -32,6 +31,7 @@ from workbench.errors import WorkbenchError
 from runtime.speculative import speculative_decode
 from runtime.text import Text, run_text
 from workbench.store.pack import Pack
+from workbench.summary import Memory, Reads, RunSummary, TimeSplit
 from workbench.telemetry import Telemetry, TokenRecord
 
 
@@ -216,16 +216,24 @@ class Session:
     def reset_telemetry(self):
         self.tel.clear()
 
-    def summary(self, tel: Telemetry | None = None) -> dict:
-        """The session's numbers, from its telemetry or from `tel` (a copy taken under the telemetry's lock)."""
+    def run_summary(self, tel: Telemetry | None = None) -> RunSummary:
+        """The run's typed record (workbench.summary), from its telemetry or from `tel` (a copy taken under the
+        telemetry's lock)."""
         tel = tel or self.tel
-        s = tel.summary()
-        s.update(cache_bytes=self.cache.bytes, cache_peak_bytes=self.cache.peak_bytes, budget_bytes=self.budget_bytes,
-                 peak_rss_bytes=peak_rss_bytes(), reader_mode=self.reader.mode,
-                 reader_workers=self.reader.workers, read_retries=self.reader.retries, threads=self.engine.threads,
-                 per_layer=tel.per_layer("decode"),
-                 expert_disk_bytes=self.pack.mean_expert_bytes, expert_mem_bytes=self.slot_bytes, **self.labels())
-        return s
+        m = tel.summary()
+        return RunSummary("measured", m["decode_steps"], m["produced"], Reads.of(tel, m["decode_bytes_read"]),
+                          Memory(self.budget_bytes, self.cache.slots, min(self.cache.capacity.values()),
+                                 self.pack.mean_expert_bytes, self.slot_bytes),
+                          TimeSplit(m["decode_s"], m["flash_wait_s"], m["compute_s"], m["router_s"], m["dequant_s"],
+                                    m["other_s"]))
+
+    def summary(self, tel: Telemetry | None = None) -> dict:
+        """The run record's numbers: run_summary's, what the clock measured beside them, and the run's labels."""
+        tel = tel or self.tel
+        return {**tel.summary(), **self.run_summary(tel).record(), "cache_bytes": self.cache.bytes,
+                "cache_peak_bytes": self.cache.peak_bytes, "peak_rss_bytes": peak_rss_bytes(),
+                "reader_mode": self.reader.mode, "reader_workers": self.reader.workers,
+                "read_retries": self.reader.retries, "threads": self.engine.threads, **self.labels()}
 
     def config(self) -> dict:
         return {"model": self.model, "pack": str(self.pack_path), "pack_id": self.pack.content_id(),
@@ -257,7 +265,9 @@ class Session:
 
 def open_session(model: str = "demo", preset: str | Preset = "on_demand", budget=None, *,
                  prompt="Once upon a time", tokens: int = 64, drive=None, engine: str | None = None,
-                 progress: bool = False, text: str | None = None, **kw) -> Session:
+                 progress: bool = False, text: str | None = None, direct: bool = True, workers: int | None = None,
+                 device: str | None = None, threads: int | None = None, weights: dict | None = None,
+                 deltas: dict | None = None, trace: dict | None = None, **knobs) -> Session:
     """The way to open a Session: every verb, bench, the evaluations, sweep cells and dashboard workers. Its plan
     (runtime.plan) first, then what the design needs ahead: the usage profile it warms from, the oracle's trace
     captured from what it will decode (`tokens` greedy tokens after `prompt`), unless `drive` routes and predicts
@@ -265,22 +275,19 @@ def open_session(model: str = "demo", preset: str | Preset = "on_demand", budget
     prefills, a server's requests): the oracle has no future to replay and names nothing.
     text: what the run decodes (runtime.text.run_text: None, forced text on a made checkpoint and free otherwise;
     "free"; a corpus or file): the session's `text`, which generate_text decodes and the oracle's trace follows.
-    kw: Session's (device, direct, weights, ...) and preset knobs by their flat names (Preset.with_)."""
-    knobs = {k: kw.pop(k) for k in list(kw) if k not in WIRING}      # the preset checks them (Preset.with_)
+    direct ... trace: the Session's. knobs: preset knobs by their flat names, which Preset.with_ checks."""
     pl = plan(model, preset, budget, engine, progress, **knobs)
     p = pl.preset
+    run = None
     if prompt is not None:
         src = pl.pack.header.get("source", {}).get("path")
-        kw["text"] = run_text(text, random_label(src) if src else None, tokenizer_for(pl.pack), prompt, tokens,
-                              pl.pack.path)
-    if p.prefetch.predictor is Predictor.ORACLE and drive is None and kw.get("trace") is None:
-        kw["trace"] = {} if prompt is None else oracle_trace(model, p, prompt, tokens, budget, kw["text"])
-    if drive is None and (p.cache.warm or p.cache.hot or p.prefetch.predictor is Predictor.SHUFFLED):
-        kw["usage"] = usage(pl.pack)
-    return Session(pl, drive=drive, **kw)
-
-
-WIRING = set(inspect.signature(Session.__init__).parameters) - {"self", "plan"}    # what open_session passes on
+        run = run_text(text, random_label(src) if src else None, tokenizer_for(pl.pack), prompt, tokens, pl.pack.path)
+    if p.prefetch.predictor is Predictor.ORACLE and drive is None and trace is None:
+        trace = {} if prompt is None else oracle_trace(model, p, prompt, tokens, budget, run)
+    use = usage(pl.pack) if drive is None and (p.cache.warm or p.cache.hot or p.prefetch.predictor is
+                                               Predictor.SHUFFLED) else None
+    return Session(pl, direct=direct, workers=workers, usage=use, trace=trace, weights=weights, deltas=deltas,
+                   device=device, drive=drive, threads=threads, text=run)
 
 
 def usage(pack: Pack) -> dict:

@@ -57,7 +57,7 @@ def test_a_design_in_a_file_runs_in_bench_simulate_replay_and_the_leaderboard(mi
     monkeypatch.setenv("WORKBENCH_RUNS", str(tmp_path / "runs"))
     rows = {r["preset"]: r for r in run_json("replay", TRACE, "--preset", "les", "--design", mine,
                                              "--budget", "0.25")["presets"]}
-    assert set(rows) == {"les", mine} and 0 < rows[mine]["hit_rate"] <= 1 and rows[mine]["recall"] > 0
+    assert set(rows) == {"les", mine} and 0 < rows[mine]["hit_rate"] <= 1 and rows[mine]["prefetch_recall"] > 0
     sim = run_json("simulate", "--trace", TRACE, "--design", mine, "--budget", "0.25", "--compute", compute,
                    "--tokens", "16", "--no-record")
     assert sim["simulated"] and sim["preset"] == mine and sim["tok_s"] > 0

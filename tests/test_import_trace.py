@@ -219,11 +219,11 @@ def test_on_demand_on_the_imported_trace_hits_as_an_independent_per_layer_lru(qw
     hits, routed = lru_hits(acc, cap)
     replayed = replay(str(QWEN), ["on_demand"], budget, tokens=tokens, prompt=prompt,
                       knobs={"cache_scope": "per_layer"})["presets"][0]
-    assert replayed["cache_slots"] == cap
+    assert replayed["pool_slots"] == cap
     assert abs(replayed["hit_rate"] - hits / routed) < 0.01, (replayed["hit_rate"], hits / routed)
     cp = ComputeProfile(dense_s=1e-4, router_s=1e-5, expert_s=1e-4, dequant_s=1e-5)
     sim = run(str(QWEN), preset, budget, "ufs22-phone", tokens=tokens, prompt=prompt, compute=cp, record=False)
-    assert sim["cache_slots"] == cap and sim["hits"] + sim["late"] + sim["misses"] == routed
+    assert sim["pool_slots"] == cap and sim["hits"] + sim["late"] + sim["misses"] == routed
     assert abs(sim["hit_rate"] - hits / routed) < 0.01, (sim["hit_rate"], hits / routed)
 
 
@@ -289,7 +289,7 @@ def test_replay_runs_every_preset_on_the_imported_trace_and_says_its_lookahead_i
     res = json.loads(capsys.readouterr().out)
     rows = {r["preset"]: r for r in res["presets"]}
     assert res["routing_check"] is None and set(rows) == {"on_demand", "les", "smol", "oracle"}
-    assert rows["oracle"]["recall"] == 1.0 and abs(rows["les"]["recall"] - 0.77) < 0.03
+    assert rows["oracle"]["prefetch_recall"] == 1.0 and abs(rows["les"]["prefetch_recall"] - 0.77) < 0.03
     assert rows["on_demand"]["hit_rate"] <= rows["les"]["hit_rate"] + rows["les"]["late_rate"]
 
 

@@ -289,7 +289,7 @@ def test_replay_of_a_numpy_trace(q3, tmp_path):
     assert back["ids"] == ids and np.array_equal(back["topk"], tr["topk"])
     res = replay(out, ["on_demand", "les", "oracle"], "0.5")
     d = {r["preset"]: r for r in res["presets"]}
-    assert d["oracle"]["recall"] == 1.0 and d["on_demand"]["recall"] is None and 0 < d["les"]["recall"] <= 1
+    assert d["oracle"]["prefetch_recall"] == 1.0 and d["on_demand"]["prefetch_recall"] is None and 0 < d["les"]["prefetch_recall"] <= 1
     assert d["oracle"]["hit_rate"] >= d["on_demand"]["hit_rate"]
     assert all(0.0 <= r["hit_rate"] <= 1.0 for r in res["presets"])
     assert replay(out, ["on_demand"], "all")["presets"][0]["hit_rate"] > d["on_demand"]["hit_rate"]
@@ -650,7 +650,7 @@ def test_cli_verbs(q3, exported, tmp_path, capsys):
                  "--tokens", "48", "--out", str(tmp_path / "t.parquet"))
     assert t["tokens"] == 48 and t["rows"] == 96
     rep = run("replay", str(tmp_path / "t.parquet"), "--preset", "les", "--budget", "0.5")
-    assert [r["preset"] for r in rep["presets"]] == ["les"] and rep["presets"][0]["recall"] > 0
+    assert [r["preset"] for r in rep["presets"]] == ["les"] and rep["presets"][0]["prefetch_recall"] > 0
     b = run("bench", "--engine", "llamacpp", "--model", str(exported["f16"]), "--tokens", "4", "--no-record")
     assert b["engine"] == "llamacpp" and b["tok_s"] > 0 and b["peak_rss_bytes"] > 0 and b["mode"] == "cold"
     assert b["n_gpu_layers"] == 0 and b["page_cache_dropped"] == "posix_fadvise(DONTNEED)"      # Linux: the CPU

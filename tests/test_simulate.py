@@ -18,6 +18,12 @@ MS = 1e-3
 KB = 4096                                            # one aligned expert read in the plans below
 
 
+def sim(*a, **kw) -> dict:
+    """simulate_run's record (workbench.summary.RunSummary.record), with its drafts' counts."""
+    r = simulate_run(*a, **kw)
+    return {**r.summary.record(), "spec_steps": r.spec_steps, "spec_accepted": r.spec_accepted}
+
+
 class Drive:
     """A routing trace in miniature: rows of {layer: experts}, and what a predictor named per (row, layer)."""
 
@@ -64,7 +70,7 @@ def test_one_layer_two_reads_on_demand_wait_all():
     with one in flight, so shares the 1 ms/KB peak: 1 + 2 = 3 ms. wait_all waits to 3.5 ms, then computes 2 x 0.25."""
     drive = Drive([{0: [1, 3]}, {0: [0, 2]}])              # row 0 is the prompt (read before the clock starts)
     p = get_preset("on_demand").with_(layout="contiguous")
-    res = simulate_run(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, CPU, tokens=2, prompt=1, workers=2, plan=PLAN)
+    res = sim(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, CPU, tokens=2, prompt=1, workers=2, plan=PLAN)
     assert res["decode_s"] == pytest.approx(0.5 * MS + 3 * MS + 0.5 * MS, abs=1e-12)
     assert res["flash_wait_s"] == pytest.approx(3 * MS, abs=1e-12)
     assert (res["hits"], res["misses"], res["bytes_read"]) == (0, 2, 2 * KB)
@@ -79,7 +85,7 @@ def test_a_large_read_goes_to_the_readers_in_pieces_as_reads_into_slots_do(split
     dev = DeviceProfile("hand", "hand", latency_s=1 * MS, read_bw=512 * 1024 / MS, peak_bw=1024 * 1024 / MS,
                         queue_depth=2)
     big = ReadPlan("contiguous", (349525, 349525, 349526))          # 1 MiB aligned: one read
-    res = simulate_run(Drive([{0: [1]}, {0: [0]}]), spec(k=1), get_preset("on_demand").with_(layout="contiguous"),
+    res = sim(Drive([{0: [1]}, {0: [0]}]), spec(k=1), get_preset("on_demand").with_(layout="contiguous"),
                        str(2 * 4 * 3 * 64 * 64), dev, CPU, tokens=2, prompt=1, workers=2, plan=big, split=split)
     assert res["flash_wait_s"] == pytest.approx(ms * MS, abs=1e-12)
     assert res["decode_s"] == pytest.approx(0.5 * MS + ms * MS + 0.25 * MS, abs=1e-12)
@@ -93,7 +99,7 @@ def test_an_issue_costs_its_call_before_its_reads_start_and_slows_the_compute_af
     cpu = dataclasses.replace(CPU, issue_call_s=0.1 * MS, after_issue_s=0.3 * MS)
     drive = Drive([{0: [1, 3]}, {0: [0, 2]}])
     p = get_preset("on_demand").with_(layout="contiguous")
-    res = simulate_run(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1, workers=2, plan=PLAN)
+    res = sim(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1, workers=2, plan=PLAN)
     assert res["decode_s"] == pytest.approx(0.5 * MS + 0.1 * MS + 3 * MS + 0.5 * MS + 0.3 * MS, abs=1e-12)
     assert res["flash_wait_s"] == pytest.approx(3 * MS, abs=1e-12)
 
@@ -105,7 +111,7 @@ def test_what_an_issue_costs_after_its_call_falls_once_its_reads_have_landed():
     2.6 - 0.85 ms and the token ends at 2.6 + 0.25 + 0.3."""
     cpu = dataclasses.replace(CPU, issue_call_s=0.1 * MS, after_issue_s=0.3 * MS)
     p = get_preset("on_demand").with_(layout="contiguous", execution="ready_first")
-    res = simulate_run(Drive([{0: [0, 1]}, {0: [0, 2]}]), spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2,
+    res = sim(Drive([{0: [0, 1]}, {0: [0, 2]}]), spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2,
                        prompt=1, workers=2, plan=PLAN)
     assert (res["hits"], res["misses"]) == (1, 1)
     assert res["flash_wait_s"] == pytest.approx(2.6 * MS - 0.85 * MS, abs=1e-12)
@@ -127,7 +133,7 @@ def test_submits_follow_each_other_and_only_the_compute_after_them_is_slowed():
     drive = Drive([{0: [0, 2], 1: [2, 0]}, {0: [0, 1], 1: [2, 3]}], named=[{}, {1: [3]}])
     _Simulation.submit = issue
     try:
-        simulate_run(drive, spec(layers=2), get_preset("oracle").with_(budget="all"), str(8 * 4 * 3 * 64 * 64 - 1),
+        sim(drive, spec(layers=2), get_preset("oracle").with_(budget="all"), str(8 * 4 * 3 * 64 * 64 - 1),
                      DEV, cpu, tokens=2, prompt=1, workers=2, plan=PLAN)
     finally:
         _Simulation.submit = submit
@@ -156,12 +162,12 @@ def test_a_wait_that_blocks_costs_one_wake_up_and_a_landed_read_none():
     cpu = dataclasses.replace(CPU, wake_s=0.2 * MS)
     drive = Drive([{0: [1, 3]}, {0: [0, 2]}])
     p = get_preset("on_demand").with_(layout="contiguous")
-    res = simulate_run(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1, workers=2, plan=PLAN)
+    res = sim(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1, workers=2, plan=PLAN)
     assert res["decode_s"] == pytest.approx(0.5 * MS + 3.2 * MS + 0.5 * MS, abs=1e-12)
     assert res["flash_wait_s"] == pytest.approx(3.2 * MS, abs=1e-12)
     cpu = dataclasses.replace(cpu, router_s=1 * MS)
     drive = Drive([{0: [0, 2], 1: [2, 0]}, {0: [0, 1], 1: [2, 3]}], named=[{}, {1: [3]}])
-    res = simulate_run(drive, spec(layers=2), get_preset("oracle").with_(budget="all"), str(8 * 4 * 3 * 64 * 64 - 1),
+    res = sim(drive, spec(layers=2), get_preset("oracle").with_(budget="all"), str(8 * 4 * 3 * 64 * 64 - 1),
                        DEV, cpu, tokens=2, prompt=1, workers=2, plan=PLAN)
     assert res["decode_s"] == pytest.approx(4.95 * MS, abs=1e-12)
     assert res["flash_wait_s"] == pytest.approx(1.95 * MS, abs=1e-12)
@@ -174,7 +180,7 @@ def test_each_read_costs_the_compute_thread_its_take_in_once_and_a_cached_expert
     cpu = dataclasses.replace(CPU, land_s=0.1 * MS)
     drive = Drive([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 2]}])
     p = get_preset("on_demand").with_(layout="contiguous")
-    res = simulate_run(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=3, prompt=1, workers=2, plan=PLAN)
+    res = sim(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, cpu, tokens=3, prompt=1, workers=2, plan=PLAN)
     assert res["decode_s"] == pytest.approx(0.5 * MS + 3 * MS + 0.2 * MS + 0.5 * MS + 1.0 * MS, abs=1e-12)
     assert res["flash_wait_s"] == pytest.approx(3 * MS, abs=1e-12)
     assert (res["hits"], res["misses"]) == (2, 2)
@@ -184,7 +190,7 @@ def test_adjacent_experts_merge_into_one_read_as_the_reader_merges_them():
     """Experts 0 and 1 are adjacent in the pack: one 8 KB read, alone: 1 + 2 ms, from 0.5 ms."""
     drive = Drive([{0: [2, 3]}, {0: [0, 1]}])
     p = get_preset("on_demand").with_(layout="contiguous")
-    res = simulate_run(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, CPU, tokens=2, prompt=1, workers=2, plan=PLAN)
+    res = sim(drive, spec(), p, str(2 * 4 * 3 * 64 * 64), DEV, CPU, tokens=2, prompt=1, workers=2, plan=PLAN)
     assert res["decode_s"] == pytest.approx(0.5 * MS + 3 * MS + 0.5 * MS, abs=1e-12)
     assert res["bytes_read"] == 2 * KB
 
@@ -200,12 +206,12 @@ def test_ready_first_computes_the_hit_while_the_miss_arrives_and_a_prefetch_hide
     cpu = dataclasses.replace(CPU, router_s=1 * MS)
     drive = Drive([{0: [0, 2], 1: [2, 0]}, {0: [0, 1], 1: [2, 3]}], named=[{}, {1: [3]}])
     p = get_preset("oracle").with_(budget="all")
-    res = simulate_run(drive, s, p, str(8 * 4 * 3 * 64 * 64 - 1), DEV, cpu, tokens=2, prompt=1, workers=2, plan=PLAN)
+    res = sim(drive, s, p, str(8 * 4 * 3 * 64 * 64 - 1), DEV, cpu, tokens=2, prompt=1, workers=2, plan=PLAN)
     assert res["decode_s"] == pytest.approx(4.75 * MS, abs=1e-12)
     assert res["flash_wait_s"] == pytest.approx(1.75 * MS, abs=1e-12)
     assert res["prefetch_issued"] == 1 and res["prefetch_used"] == 1
     assert [(r["hits"], r["late"], r["misses"]) for r in res["per_layer"]] == [(1, 0, 1), (2, 0, 0)]
-    res = simulate_run(drive, s, p, str(8 * 4 * 3 * 64 * 64 - 1), DEV, cpu, tokens=2, prompt=1, workers=1, plan=PLAN)
+    res = sim(drive, s, p, str(8 * 4 * 3 * 64 * 64 - 1), DEV, cpu, tokens=2, prompt=1, workers=1, plan=PLAN)
     assert res["decode_s"] == pytest.approx(5.25 * MS, abs=1e-12)
     assert res["flash_wait_s"] == pytest.approx(2.25 * MS, abs=1e-12)
     assert [(r["hits"], r["late"], r["misses"]) for r in res["per_layer"]] == [(1, 0, 1), (1, 1, 0)]   # 3 is late
@@ -221,7 +227,7 @@ def test_a_read_that_lands_while_the_compute_thread_works_waits_for_the_gil():
     p = get_preset("les")
     cpu = dataclasses.replace(CPU, expert_s=3 * MS, dequant_s=1 * MS)
     budget = str(3 * 4 * 3 * 64 * 64)
-    run = lambda c, switch: simulate_run(Drive(drive.rows), spec(), p, budget, DEV, c, tokens=2, prompt=1, workers=1,
+    run = lambda c, switch: sim(Drive(drive.rows), spec(), p, budget, DEV, c, tokens=2, prompt=1, workers=1,
                                          plan=PLAN, switch_s=switch)
     gil = run(cpu, 5 * MS)
     assert (gil["decode_s"], gil["flash_wait_s"]) == (pytest.approx(7.5 * MS, abs=1e-12), pytest.approx(1 * MS, abs=1e-12))
@@ -237,10 +243,10 @@ def test_a_read_landing_mid_compute_dequantizes_at_the_measured_contended_speed(
     4.5; the compute thread waits 1 ms, computes 1 -> 8.5. A read that lands while the thread waits is unaffected."""
     drive = Drive([{0: [0, 2]}, {0: [0, 1]}])
     cpu = dataclasses.replace(CPU, expert_s=3 * MS, dequant_s=1 * MS, dequant_busy_s=3 * MS)
-    res = simulate_run(drive, spec(), get_preset("les"), str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1,
+    res = sim(drive, spec(), get_preset("les"), str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1,
                        workers=1, plan=PLAN)
     assert res["decode_s"] == pytest.approx(8.5 * MS, abs=1e-12) and res["flash_wait_s"] == pytest.approx(1 * MS, abs=1e-12)
-    idle = simulate_run(Drive(drive.rows), spec(), get_preset("on_demand").with_(layout="contiguous"),
+    idle = sim(Drive(drive.rows), spec(), get_preset("on_demand").with_(layout="contiguous"),
                         str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1, workers=1, plan=PLAN)
     assert idle["decode_s"] == pytest.approx(0.5 * MS + 3 * MS + 2 * 3 * MS, abs=1e-12)   # wait_all: read 2 + dequant 1
 
@@ -325,7 +331,7 @@ def test_speculative_verification_reads_the_batchs_union_once_and_computes_each_
             return [99], 1
     drive = Speculative([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 1]}])
     p = get_preset("on_demand").with_(layout="contiguous", speculative=1)
-    res = simulate_run(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, CPU, tokens=3, prompt=1, workers=2, plan=PLAN)
+    res = sim(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, CPU, tokens=3, prompt=1, workers=2, plan=PLAN)
     assert res["decode_s"] == pytest.approx(5 * MS, abs=1e-12)
     assert res["tok_s"] == pytest.approx(2 / (5 * MS))
     assert res["flash_wait_s"] == pytest.approx(3 * MS, abs=1e-12)
@@ -343,7 +349,7 @@ def test_a_batchs_further_rows_cost_what_the_engine_measures_for_them():
     drive = Speculative([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 1]}])
     p = get_preset("on_demand").with_(layout="contiguous", speculative=1)
     cpu = dataclasses.replace(CPU, row_s=0.2 * MS)
-    res = simulate_run(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=3, prompt=1, workers=2, plan=PLAN)
+    res = sim(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=3, prompt=1, workers=2, plan=PLAN)
     assert res["decode_s"] == pytest.approx(4.7 * MS, abs=1e-12)
 
 
@@ -353,7 +359,7 @@ def test_gil_free_readers_check_a_read_beside_the_work_without_taking_its_time()
     its own speed: ready at 3.5, exactly when the hit is done. No wait, no delay: 1 computes 3.5 -> 6.5."""
     drive = Drive([{0: [0, 2]}, {0: [0, 1]}])
     cpu = dataclasses.replace(CPU, expert_s=3 * MS, dequant_s=1 * MS, dequant_busy_s=3 * MS, reader_holds_gil=False)
-    res = simulate_run(drive, spec(), get_preset("les"), str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1,
+    res = sim(drive, spec(), get_preset("les"), str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=2, prompt=1,
                        workers=1, plan=PLAN, shared_cpu=cpu.reader_holds_gil)
     assert res["decode_s"] == pytest.approx(6.5 * MS, abs=1e-12) and res["flash_wait_s"] == pytest.approx(0, abs=1e-12)
 
@@ -399,7 +405,7 @@ def test_a_byte_budget_holds_the_experts_the_packed_engines_cache_holds(preset):
     assert slot_bytes("packed", pack.spec, st) == slot
     p = get_preset(preset).with_(predictor=None, cache_scope="global", warm=False)
     drive = Drive([{L: [0, 1, 2, 3] for L in pack.spec.moe_layers}] * 3)
-    res = simulate_run(drive, pack.spec, p, str(6 * slot), DEV, dataclasses.replace(CPU, engine="packed"), tokens=2,
+    res = sim(drive, pack.spec, p, str(6 * slot), DEV, dataclasses.replace(CPU, engine="packed"), tokens=2,
                        prompt=1, workers=2, plan=plan)
     assert res["cache_slots"] == 6
 
@@ -488,12 +494,12 @@ def test_a_full_size_trace_simulates_every_access_once():
     cpu = dataclasses.replace(CPU, dense_s=1 * MS, router_s=0.05 * MS, expert_s=0.1 * MS, land_s=0.02 * MS)
     pre = get_preset("on_demand").with_(layout="native")
     budget = str(4 * 2**30)
-    res = simulate_run(Drive(rows), big, pre, budget, dev, cpu, tokens=tokens, prompt=1, workers=4, plan=plan)
+    run = simulate_run(Drive(rows), big, pre, budget, dev, cpu, tokens=tokens, prompt=1, workers=4, plan=plan)
+    res = run.summary.record()
     steps = tokens - 1
     assert res["hits"] + res["late"] + res["misses"] == steps * layers * k
     assert 0 < res["hit_rate"] < 1 and res["bytes_read"] > 0
-    bound = belady(Drive(rows), big, pre, budget, prompt=1, tokens=tokens, initial=res["cache_at_decode"],
-                   item=plan.item)
+    bound = belady(Drive(rows), big, pre, budget, prompt=1, tokens=tokens, initial=run.at_decode, item=plan.item)
     assert bound["accesses"] == steps * layers * k
     assert res["experts_read"] >= bound["belady_misses"] and res["hit_rate"] <= bound["belady_hit_rate"] + 1e-12
 
@@ -583,7 +589,7 @@ def test_a_gguf_is_profiled_on_ggmls_kernels_and_simulated_on_its_own_blocks(nex
     per_layer = [sum(n for _, n in pack.expert_reads(L, 0)) for L in sp.moe_layers]
     assert res["expert_disk_bytes"] == pytest.approx(np.mean(per_layer))
     with open_session(str(next_gguf), "on_demand", "0.5") as s:
-        assert res["cache_slots"] == s.cache.capacity[sp.moe_layers[0]]
+        assert res["pool_slots"] == s.cache.capacity[sp.moe_layers[0]]
         assert s.summary()["expert_disk_bytes"] == pytest.approx(res["expert_disk_bytes"])   # one meaning
 
 

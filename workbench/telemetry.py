@@ -210,40 +210,29 @@ class Telemetry:
         return out
 
     def summary(self) -> dict:
+        """What the clock measured: decode's time split, prefill, reads' latencies, drafts. What the schedule counted
+        (hits, reads, prefetches) is workbench.summary.Reads.of(this)."""
         dec = [t for t in self.tokens if t.phase == "decode"]
         pre = [t for t in self.tokens if t.phase == "prefill"]
-        layers = self.per_layer("decode")
-        hits, late, misses = (sum(r[k] for r in layers) for k in ("hits", "late", "misses"))
-        recall, precision = prediction_rates(layers)
         wall = sum(t.wall_s for t in dec)
+        produced = sum(t.produced for t in dec)
         s = dict(
-            decode_steps=len(dec),
-            tok_s=sum(t.produced for t in dec) / wall if wall > 0 else 0.0,
+            decode_steps=len(dec), produced=produced,
+            tok_s=produced / wall if wall > 0 else 0.0,
             prefill_tokens=sum(t.n_tokens for t in pre),
             prefill_tok_s=sum(t.n_tokens for t in pre) / max(1e-12, sum(t.wall_s for t in pre)) if pre else 0.0,
-            **rates(hits, late, misses), hits=hits, late=late, misses=misses,
-            bytes_read=sum(t.bytes_read for t in dec),
-            bytes_read_per_token=sum(t.bytes_read for t in dec) / max(1, len(dec)),
+            decode_bytes_read=sum(t.bytes_read for t in dec),
             decode_s=wall,
-            flash_wait_s=sum(t.flash_wait_s for t in dec),
-            dequant_s=sum(t.dequant_s for t in dec),
-            compute_s=sum(t.compute_s for t in dec),
-            router_s=sum(t.router_s for t in dec),
-            other_s=sum(t.other_s for t in dec),
-            prefetch_recall=recall, prefetch_precision=precision,
-            prefetch_issued=self.prefetch_issued, prefetch_used=self.prefetch_used,
-            prefetch_wasted=self.prefetch_wasted, wasted_bytes=self.wasted_bytes,
+            wasted_bytes=self.wasted_bytes,
         )
-        for k in ("queue_s", "device_s", "completion_s", "submit_s", "handoff_s", "python_s"):
+        for k in ("flash_wait_s", "dequant_s", "compute_s", "router_s", "other_s",
+                  "queue_s", "device_s", "completion_s", "submit_s", "handoff_s", "python_s"):
             s[k] = sum(getattr(t, k) for t in dec)
         taken = [e for e in self.events if e.phase == "decode" and e.reads_taken]
         n = sum(e.reads_taken for e in taken)
         s["demand_reads_taken"] = n
         for k in ("submit", "queue", "device", "landed"):       # a demand read's latency, mean seconds a read
             s[f"read_{k}_s"] = sum(getattr(e, f"read_{k}_s") for e in taken) / n if n else 0.0
-        produced = max(1, sum(t.produced for t in dec))
-        s["flash_wait_per_token_s"] = s["flash_wait_s"] / produced
-        s["bytes_read_per_token"] = s["bytes_read"] / produced
         if self.spec_steps:
             s["spec_accept_rate"] = self.spec_accepted / max(1, self.spec_proposed)
             s["tokens_per_target_step"] = (self.spec_accepted + self.spec_steps) / self.spec_steps
