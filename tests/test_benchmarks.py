@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py"))
 TESTED = {"before_after", "forced_text", "full_size", "kernels", "ladders", "pack_formats", "peer", "regimes",
-          "server_limits", "server_load", "targets"}
+          "run_setup", "server_limits", "server_load", "targets"}
 
 
 def run(script: str, *args, timeout: float = 1800) -> str:
@@ -251,6 +251,21 @@ def test_before_after(tmp_path):
 
 
 @pytest.mark.slow
+def test_run_setup_on_the_demo_and_its_trace(tmp_path):
+    """bench on a trace against replay of it: a row per design and budget, the Markdown's numbers the JSON's, each
+    difference its own, the count within 0.01 as the rows say."""
+    out = tmp_path / "agree.md"
+    run("run_setup", "--model", "demo", "--trace", "data/traces/demo-tinystories-256.parquet", "--designs",
+        "on_demand,les", "--budgets", "0.25", "--tokens", 8, "--out", out)
+    res, md = json.loads(out.with_suffix(".json").read_text()), out.read_text()
+    assert command_line(md) == res["command"]
+    assert [(r["design"], r["budget"]) for r in res["rows"]] == [("on_demand", "0.25"), ("les", "0.25")]
+    for r in res["rows"]:
+        assert same(r["diff"], r["bench_hit_plus_late"] - r["replay_hit"])
+        assert rows_of(md, r["design"])[0][5] == f"{r['diff']:+.4f}"
+    assert f"{sum(abs(r['diff']) <= 0.01 for r in res['rows'])} of 2 within 0.01" in md
+
+
 def test_forced_text_on_a_made_checkpoint(tmp_path, monkeypatch):
     """Free against forced text on a made checkpoint: a row each, the Markdown's numbers the JSON's, each gap to the
     real trace's LRU its own difference."""
