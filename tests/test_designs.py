@@ -132,6 +132,25 @@ def test_lfu_with_aging_forgets_an_old_burst():
     assert aging.last_evicted == [(0, 1)]       # halved every 2 hits: 1 has 0, 2 has 1
 
 
+@pytest.mark.parametrize("policy", ["lfu", "lfu_aging", "s3fifo"])
+def test_a_cold_start_starts_the_policy_anew(policy):
+    """What a policy counted before a cold start (bench's warm-up) is not the measured run's: after clear() the
+    cache evicts as a new cache does on the same requests."""
+    def run(c):
+        fill(c, [1, 2, 3])
+        for k in (1, 2, 2, 3):
+            c.get((0, k))
+        fill(c, [4, 5])
+        return list(c.last_evicted), sorted(c.keys())
+    used = cache_of(policy, 3)
+    fill(used, [5, 4, 6])
+    for _ in range(4):
+        used.get((0, 5))
+        used.get((0, 4))
+    assert sorted(used.clear()) == [(0, 4), (0, 5), (0, 6)] and not used.keys()
+    assert run(used) == run(cache_of(policy, 3))
+
+
 def test_s3fifo_keeps_an_expert_asked_again_through_a_scan_that_flushes_lru():
     evicted = {}
     for policy in ("lru", "s3fifo"):

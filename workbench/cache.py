@@ -48,10 +48,9 @@ class ExpertCache:
             raise WorkbenchError(
                 f"--budget of {slots} expert slots of {item_bytes} bytes is below one layer's top-k: need at least "
                 f"{min_slots_per_layer} slots{' per layer' if scope == 'per_layer' else ''}, the budget gives {per_layer}")
-        own = {k: v for k, v in (params or {}).items() if k in cls.params}
-        one = {id(p): cls(self.capacity[next(L for L in layers if self.pools[L] is p)], len(layers), **own)
-               for p in self._distinct}                  # a policy per pool
-        self._policy = {L: one[id(self.pools[L])] for L in layers}
+        self._cls, self._own = cls, {k: v for k, v in (params or {}).items() if k in cls.params}
+        self._policy_capacity = dict(self.capacity)      # what each policy is told (before a hot store's share)
+        self._new_policies()
         # a policy's hooks are called only where it has them (LRU's recency is the pools' own order)
         self._hits = cls.hit is not Policy.hit
         self._check = hasattr(cls, "ref")       # a design's own: its victim is checked (the built-ins are tested)
@@ -63,6 +62,23 @@ class ExpertCache:
         self.last_evicted: list = []        # the keys the latest reserve() evicted (their memory is free again)
         self.steps = 0                      # layer steps so far (step()); used[key]: the step it was last used at
         self.used: dict = {}
+
+    def _new_policies(self):
+        one = {id(p): self._cls(self._policy_capacity[next(L for L in self.pools if self.pools[L] is p)],
+                                len(self.pools), **self._own) for p in self._distinct}     # a policy per pool
+        self._policy = {L: one[id(self.pools[L])] for L in self.pools}
+
+    def clear(self) -> list:
+        """A cold start: every expert but the pinned ones leaves and each pool's policy starts anew (what it counted
+        before, an LFU's uses, an S3-FIFO's ghosts, is not the next run's). Returns the keys that left."""
+        keys = [k for k in self.keys() if k not in self.pinned]
+        for k in keys:
+            self.drop(k)
+        self._new_policies()
+        if self._tracks:
+            for k in self.keys():
+                self._policy[k[0]].inserted(k, self.steps)
+        return keys
 
     def _pool(self, key) -> OrderedDict:
         return self.pools[key[0]]

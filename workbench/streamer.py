@@ -146,15 +146,13 @@ class ExpertStreamer:
 
     def empty(self):
         """Forget every expert that is not pinned (a cold start): reads still in flight land first, then every
-        slot but the pinned ones is free, and no prefetch is outstanding."""
+        slot but the pinned ones is free, the cache's policy starts anew and no prefetch is outstanding."""
         flying = [(k, v) for k in self.cache.keys() if isinstance(v := self.cache.peek(k), IN_FLIGHT)]
         if flying:
             self._wait([v for _, v in flying], flying[0][0], every=True)
             for _, v in flying:
                 v.done()                    # settled: its reader's jobs are free again
-        keys = [k for k in self.cache.keys() if k not in self.cache.pinned]
-        for k in keys:
-            self.cache.drop(k)
+        keys = self.cache.clear()
         if self.arena is not None:
             self.arena.release(keys)
         self.schedule.forget()
