@@ -218,6 +218,7 @@ class Schedule:
                 for k in keys:
                     self.prefetched[k] = (nbytes // len(keys), token)
                 self.counts.prefetch_issued += len(keys)
+                st.ev.prefetched += len(keys)
                 st.ev.issue_s += self.clock.now() - t1
                 st.ev.issues += 1
                 st.ev.issued += len(keys)

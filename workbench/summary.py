@@ -22,8 +22,8 @@ class Reads:
     late: int                   # asked for while its read was in flight
     misses: int
     bytes_read: int
-    experts_read: int           # on demand and prefetched
-    prefetch_issued: int
+    experts_read: int           # on demand and prefetched, while decoding (as bytes_read)
+    prefetch_issued: int        # while decoding
     prefetch_used: int
     prefetch_wasted: int
     recall: float | None        # of the predictor, over the layers it named experts for; None: it named nothing
@@ -35,7 +35,8 @@ class Reads:
         """From what a schedule counted (Telemetry: the session's, or the simulator's counts)."""
         layers = tel.per_layer("decode")
         hits, late, misses = (sum(r[k] for r in layers) for k in ("hits", "late", "misses"))
-        return cls(hits, late, misses, bytes_read, tel.demand_reads + tel.prefetch_issued, tel.prefetch_issued,
+        decode = [e for e in tel.events if e.phase == "decode"]
+        return cls(hits, late, misses, bytes_read, sum(e.issued for e in decode), sum(e.prefetched for e in decode),
                    tel.prefetch_used, tel.prefetch_wasted, *prediction_rates(layers), tuple(layers))
 
 

@@ -59,6 +59,7 @@ class LayerEvent:
     issue_s: float = 0.0        # issuing reads (slots reserved and claimed, submits): demand ones in other, the
     issues: int = 0             # predictor's in router_s; issues: submits, issued: experts
     issued: int = 0
+    prefetched: int = 0         # of issued, the predictor's (for this layer or later ones)
     take_s: float = 0.0         # taking landed reads in (settled, crc compared, the cache entry made the slot)
     taken: int = 0
     submit_s: float = 0.0       # of issue_s, the demand reads' (in other)
