@@ -197,12 +197,16 @@ class Routing:
 
     @classmethod
     def parse(cls, text: str) -> "Routing":
-        """exact | cache_bias:BETA | prerouter[:nolora] | a Router of your own (path/to/file.py:Name)"""
+        """exact | cache_bias:BETA | prerouter[:nolora] | top_k | drop_misses | a Router of your own
+        (path/to/file.py:Name)"""
         from workbench.designs import is_ref, router_class
         if is_ref(text):
             router_class(str(text))             # loads, or one line
             return cls(str(text))
         kind, *args = str(text).split(":")
+        from workbench.designs import ROUTERS
+        if kind in ROUTERS and kind not in {r.value for r in Router} and not args:
+            return cls(kind)                    # a registered Router (workbench.designs.lossy's levers)
         kind = _enum(Router, kind, "routing")
         try:
             if kind is Router.CACHE_BIAS and len(args) == 1:
@@ -213,7 +217,8 @@ class Routing:
             return cls(kind, lora=args != ["nolora"])
         if kind is Router.EXACT and not args:
             return cls(kind)
-        raise WorkbenchError(f"routing {text!r}: choose exact, cache_bias:BETA or prerouter[:nolora]")
+        raise WorkbenchError(f"routing {text!r}: choose exact, cache_bias:BETA, prerouter[:nolora], top_k or "
+                             f"drop_misses")
 
     def __str__(self):
         if self.router is Router.CACHE_BIAS:

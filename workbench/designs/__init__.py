@@ -2,7 +2,7 @@
 
     PREDICTORS   name -> its Predictor's reference (lookahead, history, oracle, shuffled, prerouter, coactivation)
     POLICIES     name -> its Policy's reference    (lru, lfu, lfu_aging, s3fifo, least_stale)
-    ROUTERS      name -> its Router's reference    (cache_bias: smol_bias's)
+    ROUTERS      name -> its Router's reference    (cache_bias: smol_bias's; top_k, drop_misses: the lossy levers)
     load(ref)    "path/to/mine.py:Name" or "package.module:Name" -> the object it names
 
 Every built-in is found here the way a design of your own is: by its name in the preset's knobs
@@ -41,7 +41,11 @@ POLICIES = {
     "s3fifo": "workbench.designs.s3fifo:S3FIFO",
     "least_stale": "workbench.designs.least_stale:LeastStale",
 }
-ROUTERS = {"cache_bias": "workbench.routing:CacheBias"}
+ROUTERS = {
+    "cache_bias": "workbench.routing:CacheBias",
+    "top_k": "workbench.designs.lossy:TopK",
+    "drop_misses": "workbench.designs.lossy:DropMisses",
+}
 
 
 def is_ref(text: str) -> bool:
@@ -194,10 +198,10 @@ def _routed(self, m: str, args: tuple, out):
         idx, w = (np.asarray(a) for a in out)
     except (TypeError, ValueError):
         raise WorkbenchError(f"{self.ref}: route returned {type(out).__name__}, not (experts, weights)") from None
-    want = (np.asarray(logits).shape[0], spec.top_k)
-    if idx.shape != want or w.shape != want:
+    rows = np.asarray(logits).shape[0]
+    if idx.ndim != 2 or idx.shape[0] != rows or not 1 <= idx.shape[1] <= spec.top_k or w.shape != idx.shape:
         raise WorkbenchError(f"{self.ref}: route at layer {layer} returned experts {idx.shape} and weights {w.shape}, "
-                             f"not rows x top-k {want}")
+                             f"not rows x (1 to top-k) ({rows}, {spec.top_k})")
     if idx.min() < 0 or idx.max() >= spec.num_experts:
         raise WorkbenchError(f"{self.ref}: route at layer {layer} chose expert {int(idx.max())}: the model has "
                              f"experts 0..{spec.num_experts - 1}")

@@ -1,0 +1,81 @@
+"""The lossy levers (workbench.designs.lossy): routers any design takes, each the exact router at its neutral value,
+bit for bit, and each reading fewer experts when set."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from test_bad_input import assert_one_line_error, cli
+from runtime.session import open_session
+from workbench.designs import Setup
+from workbench.designs.lossy import DropMisses, TopK
+
+PROMPT, FORCED = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]
+
+
+def logits_of(preset: str, budget: str, **knobs) -> np.ndarray:
+    """Prefill PROMPT, then decode FORCED one token at a time: every step's logits."""
+    with open_session("demo", preset, budget, prompt=None, **knobs) as s:
+        out = [s.step(PROMPT, "prefill")]
+        out += [s.step([t], "decode") for t in FORCED]
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("knobs", [{"routing": "top_k"}, {"routing": "top_k", "k": "4"},
+                                   {"routing": "top_k", "mass": "1.0"}, {"routing": "drop_misses", "keep": "4"}],
+                         ids=["top_k", "k=4", "mass=1", "drop keep=4"])
+def test_each_lever_at_its_neutral_value_is_the_exact_router_bit_for_bit(knobs):
+    exact = logits_of("on_demand", "0.1")
+    assert np.array_equal(logits_of("on_demand", "0.1", **knobs), exact)
+
+
+def router(cls, held=(), top_k=4, **params):
+    """A lever on a 2-layer spec whose exact router gives experts 3, 1, 0, 2 with weights .4, .3, .2, .1."""
+    spec = SimpleNamespace(top_k=top_k, moe_layers=[0, 1], num_experts=8)
+    exact = lambda layer, logits, bias=None: (np.array([[3, 1, 0, 2]]), np.array([[.4, .3, .2, .1]], np.float32))
+    return cls(Setup(spec, exact=exact), {(1, e) for e in held}, **params)
+
+
+def test_top_k_keeps_the_best_and_the_rows_weight():
+    idx, w = router(TopK, k=2).route(1, np.zeros((1, 8)), {})
+    assert idx.tolist() == [[3, 1]] and np.allclose(w, [[.4 / .7, .3 / .7]])
+    idx, w = router(TopK, mass=0.85).route(1, np.zeros((1, 8)), {})     # .4 + .3 + .2 reach .9 of 1.0
+    assert idx.tolist() == [[3, 1, 0]] and np.isclose(w.sum(), 1.0)
+
+
+def test_drop_misses_skips_what_is_not_in_memory_beyond_the_first_keep():
+    r = router(DropMisses, held=[0])
+    idx, w = r.route(1, np.zeros((1, 8)), {"phase": "decode"})
+    assert idx.tolist() == [[3, 0]] and np.allclose(w, [[.4 / .6, .2 / .6]])     # 3 kept as the first; 1, 2 missed
+    assert router(DropMisses, held=[0], keep=2).route(1, np.zeros((1, 8)), {"phase": "decode"})[0].tolist() == \
+        [[3, 1, 0]]
+    for ctx, layer, params in (({"phase": "prefill"}, 1, {}), ({"phase": "decode"}, 0, {"from_layer": 1})):
+        assert router(DropMisses, **params).route(layer, np.zeros((1, 8)), ctx)[0].tolist() == [[3, 1, 0, 2]]
+
+
+def test_dropping_misses_reads_fewer_experts_than_its_design():
+    from experiments.bench import bench
+    base = bench("demo", "les", "0.1", tokens=16, record=False)
+    drop = bench("demo", "les", "0.1", tokens=16, record=False, routing="drop_misses")
+    assert drop["experts_read_per_token"] < 0.5 * base["experts_read_per_token"]
+    routed = lambda r: sum(x["routed"] for x in r["per_layer"])
+    assert routed(drop) < routed(base)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--set", "routing=top_k", "--set", "k=9"], "k=9 is outside 0..4"),
+    (["--set", "routing=top_k", "--set", "mass=1.5"], "mass=1.5 is outside (0, 1]"),
+    (["--set", "routing=drop_misses", "--set", "keep=0"], "keep=0 is outside 1..4"),
+    (["--set", "routing=drop_misses", "--set", "from_layer=9"], "from_layer=9 is outside"),
+])
+def test_a_lever_out_of_range_is_one_line(args, says, tmp_path):
+    res = cli("bench", "--model", "demo", "--preset", "les", "--tokens", "2", "--no-record", *args)
+    assert_one_line_error(res, says)
+
+
+def test_a_trace_refuses_a_lever_in_one_line():
+    res = cli("replay", "data/traces/demo-tinystories-256.parquet", "--preset", "les", "--set",
+              "routing=drop_misses")
+    assert_one_line_error(res, "routing")
