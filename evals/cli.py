@@ -48,14 +48,23 @@ def _teacher_flags(p):
                                                         "directory a GGUF --model was made from")
 
 
+def _decode_flag(p):
+    p.add_argument("--decode", action="store_true", help="the student decodes each window a token a step, as "
+                   "decoding does (a lever that acts while decoding, drop_misses, acts only so)")
+
+
 @command("eval teacher", "KL, top-1, ppl and routing agreement against the teacher preset", running, flash,
-         _text_flags(4), _record_flags, _teacher_flags)
+         _text_flags(4), _record_flags, _teacher_flags, _decode_flag, flags("set"))
 def cmd_teacher(args):
     from evals.common import emulated
     from evals.teacher import run
-    r = run(args.model, args.preset, args.budget, args.data, args.ctx, args.chunks, args.stride,
+    from experiments.cli import knobs_of
+    from workbench.presets import get_preset
+    preset = get_preset(args.preset).with_(**knobs_of(args.set)) if args.set else args.preset
+    r = run(args.model, preset, args.budget, args.data, args.ctx, args.chunks, args.stride,
             progress=not args.quiet, record=not args.no_record, engine=args.engine, direct=not args.page_cache,
-            device=args.device, teacher_budget=args.teacher_budget, teacher_model=args.teacher_model)
+            device=args.device, teacher_budget=args.teacher_budget, teacher_model=args.teacher_model,
+            decode=args.decode)
     ra = " ".join(f"{a:.3f}" for a in r["routing_agreement"])
     emit(args, r, f"{emulated(r)}{r['preset']} vs teacher on {r['data']} ({r['tokens']} tokens):\n"
                   f"  KL {r['kl']:.6f} +/- {r['kl_stderr']:.6f}  top-1 {r['top1']:.4f}\n"

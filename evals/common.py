@@ -31,6 +31,15 @@ def forward(session, ids) -> np.ndarray:
     return session.step(list(map(int, ids)), "prefill")
 
 
+def decoded(session, ids) -> np.ndarray:
+    """Logits (T, V) of `ids` from an empty KV cache, one token a step as decoding runs them: what a lever that acts
+    while decoding (drop_misses: the experts not in memory then) does to the output shows here, not in `forward`."""
+    session.engine.reset()
+    out = [session.step([int(ids[0])], "prefill")]
+    out += [session.step([int(t)], "decode") for t in ids[1:]]
+    return np.concatenate(out)
+
+
 def trim_telemetry(session, keep: int = 20000):
     """Long evaluations and servers must not grow the session's telemetry lists without bound
     (live views read the bounded `ring`)."""

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from evals.common import RoutingCapture, forward, mean_stderr, routing_overlap, text_ids
+from evals.common import RoutingCapture, decoded, forward, mean_stderr, routing_overlap, text_ids
 from evals.ppl import tokens_needed, window_nll, windows
 from workbench.errors import WorkbenchError
 
@@ -42,7 +42,9 @@ class TeacherTrace:
             cap.remove()
 
 
-def compare(student, trace: TeacherTrace, progress: bool = True) -> dict:
+def compare(student, trace: TeacherTrace, progress: bool = True, decode: bool = False) -> dict:
+    """decode: the student runs each window one token a step (evals.common.decoded), as decoding does; else in one
+    forward, as the teacher does."""
     from tqdm import tqdm
     s = student.spec
     if (s.vocab_size, list(s.moe_layers)) != (trace.vocab, trace.layers):
@@ -58,7 +60,7 @@ def compare(student, trace: TeacherTrace, progress: bool = True) -> dict:
         for (b, e, first), (t_nll, t_lp, t_route) in tqdm(list(zip(trace.wins, trace.items)),
                                                           desc=f"student {student.preset.name}", unit="chunk",
                                                           disable=not progress):
-            s_nll, s_lp = window_nll(forward(student, ids[b:e]), ids, b, first, e)
+            s_nll, s_lp = window_nll((decoded if decode else forward)(student, ids[b:e]), ids, b, first, e)
             s_route = cap.take()
             t_lp64 = t_lp.astype(np.float64)
             s_lp = s_lp.astype(np.float32).astype(np.float64)   # the teacher's are stored as float32: round alike
@@ -92,19 +94,35 @@ def compare(student, trace: TeacherTrace, progress: bool = True) -> dict:
         "tokens": int(kl.size), "routed_tokens": int(sum(len(o) for o in overlap[trace.layers[0]])) if trace.layers else 0,
         "chunks": len(trace.wins), "ctx": trace.n_ctx, "stride": trace.stride,
         "method": "llama.cpp" if trace.stride is None else "strided", "seconds": time.perf_counter() - t0,
+        "student_forward": "decoded: one token a step" if decode else "one forward a window",
     }
+
+
+def teacher_trace(model: str, data: str = "wikitext2", n_ctx: int = 512, chunks: int | None = 4,
+                  stride: int | None = None, progress: bool = True, engine: str | None = None, direct: bool = True,
+                  budget=None) -> TeacherTrace:
+    """The teacher's side on `data`'s tokens, once for any number of students (run's `trace`)."""
+    from runtime.session import open_session
+    from workbench.host import peak_rss_bytes
+    with open_session(model, "teacher", budget, prompt=None, engine=engine, direct=direct) as t:
+        need = tokens_needed(n_ctx, chunks, stride)
+        ids = text_ids(t.tokenizer, data, need)
+        ids = ids[:need] if need else ids
+        trace = TeacherTrace(t, ids, n_ctx, chunks, stride, progress, data)
+    trace.peak_rss_bytes = peak_rss_bytes()         # the high-water mark of the process through the teacher
+    return trace
 
 
 def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: int = 512, chunks: int | None = 4,
         stride: int | None = None, progress: bool = True, record: bool = True, engine: str | None = None,
         direct: bool = True, trace: TeacherTrace | None = None, device: str | None = None,
-        teacher_budget=None, teacher_model: str | None = None) -> dict:
+        teacher_budget=None, teacher_model: str | None = None, decode: bool = False) -> dict:
     """device: the preset's reads emulate that device's flash (the teacher, the reference, reads this machine's).
     The teacher runs first and alone, its log-probs kept per window, then the student: the two are never in memory
     together. teacher_budget (default: the teacher's own, every expert): a teacher bigger than memory streams too;
     it routes exactly, so its logits are the all-resident teacher's at any budget. teacher_model (default: model):
     the teacher's checkpoint, where the student's is another (a GGUF made from a bf16 directory, whose own teacher
-    would be its quantized self)."""
+    would be its quantized self). decode: the student decodes each window a token a step (compare)."""
     from evals.common import record as write_record
     from runtime.session import open_session
     from workbench.host import peak_rss_bytes
@@ -112,15 +130,10 @@ def run(model: str, preset: str, budget=None, data: str = "wikitext2", n_ctx: in
     if isinstance(preset, str):
         get_preset(preset)                  # an unknown preset is refused before the teacher runs
     if trace is None:
-        with open_session(teacher_model or model, "teacher", teacher_budget, prompt=None, engine=engine,
-                          direct=direct) as t:
-            need = tokens_needed(n_ctx, chunks, stride)
-            ids = text_ids(t.tokenizer, data, need)
-            ids = ids[:need] if need else ids
-            trace = TeacherTrace(t, ids, n_ctx, chunks, stride, progress, data)
-        trace.peak_rss_bytes = peak_rss_bytes()         # the high-water mark of the process through the teacher
+        trace = teacher_trace(teacher_model or model, data, n_ctx, chunks, stride, progress, engine, direct,
+                              teacher_budget)
     with open_session(model, preset, budget, prompt=None, engine=engine, direct=direct, device=device) as s:
-        res = compare(s, trace, progress)
+        res = compare(s, trace, progress, decode)
         res.update(model=model, preset=s.preset.name, budget=s.budget_text, data=trace.data, teacher_pack=trace.pack_id,
                    teacher_model=teacher_model or model, teacher_budget=teacher_budget,
                    teacher_peak_rss_bytes=getattr(trace, "peak_rss_bytes", None), peak_rss_bytes=peak_rss_bytes(),

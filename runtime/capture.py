@@ -25,8 +25,10 @@ class RoutingCapture:
                 idx, weights = self.prev(layer, logits, ctx)
             else:
                 idx, weights = route(spec, logits, w.get(f"layers.{layer}.router_bias"))
-            rec = {"layer": layer, "phase": ctx["phase"], "token": engine.token_index,
-                   "idx": np.array(idx, dtype=np.int32, copy=True)}
+            ids = np.array(idx, dtype=np.int32, copy=True)
+            if ids.shape[-1] < spec.top_k:      # a lever computed fewer (workbench.designs.lossy): -1 for the rest
+                ids = np.pad(ids, ((0, 0), (0, spec.top_k - ids.shape[-1])), constant_values=-1)
+            rec = {"layer": layer, "phase": ctx["phase"], "token": engine.token_index, "idx": ids}
             for k in keep:
                 rec[k] = np.array(logits if k == "logits" else ctx[k], dtype=np.float32, copy=True)
             self.records.append(rec)

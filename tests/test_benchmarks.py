@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py"))
-TESTED = {"before_after", "forced_text", "full_size", "kernels", "ladders", "pack_formats", "peer", "regimes",
+TESTED = {"before_after", "forced_text", "full_size", "kernels", "ladders", "lossy", "pack_formats", "peer", "regimes",
           "run_setup", "server_limits", "server_load", "targets"}
 
 
@@ -251,6 +251,28 @@ def test_before_after(tmp_path):
 
 
 @pytest.mark.slow
+def test_lossy_levers_priced_on_the_demo(tmp_path):
+    """Each arm's speed and its quality against the teacher: a row per arm and budget, the Markdown's numbers the
+    JSON's, each ratio to les its own, a per-layer pool below its top-k not run and said so, a lever that acts only
+    while decoding not scored by lm-eval and said so, the others paired with the teacher item by item."""
+    out = tmp_path / "lossy.md"
+    run("lossy", "--arms", "les,les + drop_misses,les + top_k k=3,smol_bias (cache bias)", "--budgets", "0.1",
+        "--rounds", 1, "--tokens", 4, "--chunks", 1, "--limit", 4, "--lm-budget", "0.25", "--out", out)
+    res, md = json.loads(out.with_suffix(".json").read_text()), out.read_text()
+    assert command_line(md) == res["command"]
+    rows = {r["arm"]: r for r in res["rows"]}
+    assert "below one layer's top-k" in rows["smol_bias (cache bias)"]["not_run"]
+    les = rows["les"]
+    for arm in ("les", "les + drop_misses", "les + top_k k=3"):
+        r = rows[arm]
+        assert same(r["over_les"], r["tok_s"] / les["tok_s"]) and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"]
+        assert rows_of(md, arm)[0][1] == f"{r['tok_s']:.1f}" and rows_of(md, arm)[0][6].startswith(f"{r['kl']:.4f}")
+    assert rows["les + top_k k=3"]["experts_computed_per_token"] < les["experts_computed_per_token"]
+    assert rows["les + drop_misses"]["kl"] > les["kl"]            # it dropped experts, and it shows
+    assert res["tasks"]["les + drop_misses"] is None and "not measured" in rows_of(md, "les + drop_misses")[-1][1]
+    assert res["tasks"]["les + top_k k=3"]["tinystories_ending"]["paired"]["n"] == 4
+
+
 def test_run_setup_on_the_demo_and_its_trace(tmp_path):
     """bench on a trace against replay of it: a row per design and budget, the Markdown's numbers the JSON's, each
     difference its own, the count within 0.01 as the rows say."""
