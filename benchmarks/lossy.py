@@ -39,8 +39,8 @@ ARMS = {
     "les + top_k k=3": ("les", {"routing": "top_k", "k": "3"}),
     "les + top_k k=2": ("les", {"routing": "top_k", "k": "2"}),
     "les + top_k mass=0.8": ("les", {"routing": "top_k", "mass": "0.8"}),
-    "smol_bias (cache bias)": ("smol_bias", {}),
-    "smol (q2 experts + cache bias)": ("smol", {}),
+    "smol_bias (q2 experts + cache bias)": ("smol_bias", {}),
+    "smol (q2 experts)": ("smol", {}),
 }
 
 

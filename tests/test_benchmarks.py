@@ -256,12 +256,12 @@ def test_lossy_levers_priced_on_the_demo(tmp_path):
     JSON's, each ratio to les its own, a per-layer pool below its top-k not run and said so, a lever that acts only
     while decoding not scored by lm-eval and said so, the others paired with the teacher item by item."""
     out = tmp_path / "lossy.md"
-    run("lossy", "--arms", "les,les + drop_misses,les + top_k k=3,smol_bias (cache bias)", "--budgets", "0.1",
+    run("lossy", "--arms", "les,les + drop_misses,les + top_k k=3,smol_bias (q2 experts + cache bias)", "--budgets", "0.1",
         "--rounds", 1, "--tokens", 4, "--chunks", 1, "--limit", 4, "--lm-budget", "0.25", "--out", out)
     res, md = json.loads(out.with_suffix(".json").read_text()), out.read_text()
     assert command_line(md) == res["command"]
     rows = {r["arm"]: r for r in res["rows"]}
-    assert "below one layer's top-k" in rows["smol_bias (cache bias)"]["not_run"]
+    assert "below one layer's top-k" in rows["smol_bias (q2 experts + cache bias)"]["not_run"]
     les = rows["les"]
     for arm in ("les", "les + drop_misses", "les + top_k k=3"):
         r = rows[arm]

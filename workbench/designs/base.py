@@ -114,8 +114,9 @@ class Policy:
 
 class Router:
     """Changes the routing, and so the model's output (its quality cost is measured: evals): route(layer, logits,
-    ctx) -> (experts, weights), rows x top-k, in place of the exact router. `cache` is the run's expert cache (what
-    is in memory: cache.keys(layer), cache.peek(key)); `exact` is the model's own router, with a bias if given."""
+    ctx) -> (experts, weights), rows x top-k or fewer columns (the levers: workbench.designs.lossy), in place of the
+    exact router. `cache` is the run's expert cache (what is in memory: cache.keys(layer), cache.peek(key)); `exact`
+    is the model's own router, with a bias if given."""
     params: dict = {}
     changes_output = True
 
