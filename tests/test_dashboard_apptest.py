@@ -472,6 +472,31 @@ def test_quality_page_tables_and_perplexity():
     assert at.get("vega_lite_chart") and len(at.expander) == 2
 
 
+def test_quality_page_draws_the_lossy_levers_price_from_their_results():
+    """results/lossy.json as shipped: at the budget picked, one point per arm that ran, its tok/s and KL the file's."""
+    import json
+
+    import pyarrow as pa
+    from dashboards import lossy_view as LV
+    res = json.loads(LV.RESULTS.read_text())
+    at = ok(app(QUALITY))
+    assert at.selectbox(key="lossy_budget").options == res["budgets"]
+    at.selectbox(key="lossy_budget").set_value("0.5").run()
+    chart = at.get("vega_lite_chart")[0]
+    data = pa.ipc.open_stream(chart.proto.datasets[0].data.data).read_all().to_pandas()
+    want = {r["arm"]: (r["tok_s"], r["kl"]) for r in res["rows"] if r["budget"] == "0.5" and "not_run" not in r}
+    assert {a: (t, k) for a, t, k in zip(data["arm"], data["tok_s"], data["kl"])} == want
+
+
+def test_quality_page_says_which_lossy_result_it_cannot_read(tmp_path, monkeypatch):
+    from dashboards import lossy_view as LV
+    bad = tmp_path / "lossy.json"
+    bad.write_text('{"rows": [{"arm": "les"}]}')
+    monkeypatch.setattr(LV, "RESULTS", bad)
+    at = ok(app(QUALITY))
+    assert any(str(bad) in w.value and "not a lossy-levers result" in w.value for w in at.warning)
+
+
 def test_quality_page_marks_significant_paired_differences():
     common = {"model": "demo", "eval": "lm", "tasks": ["tinystories_cloze"]}
     ids = list(range(200))

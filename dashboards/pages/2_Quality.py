@@ -10,6 +10,8 @@ import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from dashboards import common as C  # noqa: E402
+from dashboards import lossy_view as LV  # noqa: E402
+from workbench.errors import WorkbenchError  # noqa: E402
 from workbench.runs import runs_dir  # noqa: E402
 
 try:    # the eval verbs' own table (newest record per model, preset, budget and metric; change from the teacher)
@@ -33,6 +35,20 @@ def flat(summary: dict) -> dict:
             out.update({f"{k}.{kk}": vv for kk, vv in C.scalars(v).items()})
     return out
 
+
+if LV.RESULTS.exists():
+    try:
+        lossy, ldf = LV.read(LV.RESULTS)
+    except WorkbenchError as e:
+        st.warning(str(e))
+    else:
+        st.subheader("What each lossy lever buys and costs")
+        budget = st.selectbox("budget", lossy["budgets"], key="lossy_budget",
+                              index=lossy["budgets"].index("0.25") if "0.25" in lossy["budgets"] else 0)
+        st.altair_chart(LV.pareto_chart(ldf[ldf["budget"] == budget]), width="stretch", height=360)
+        st.caption(f"`{lossy['command']}` ({lossy['created']}) · speed over {lossy['rounds']} alternating cold rounds "
+                   f"(median, min-max), KL on {lossy['quality_tokens']} held-out tokens decoded a token a step. "
+                   f"Dashed: the Pareto front. les (a square) changes nothing but its experts' quantization.")
 
 records = C.record_configs("eval")
 if not records:
