@@ -216,11 +216,11 @@ class Session:
     def reset_telemetry(self):
         self.tel.clear()
 
-    def run_summary(self, tel: Telemetry | None = None) -> RunSummary:
+    def run_summary(self, tel: Telemetry | None = None, measured: dict | None = None) -> RunSummary:
         """The run's typed record (workbench.summary), from its telemetry or from `tel` (a copy taken under the
-        telemetry's lock)."""
+        telemetry's lock); measured: that telemetry's summary() where the caller has it already."""
         tel = tel or self.tel
-        m = tel.summary()
+        m = measured or tel.summary()
         return RunSummary("measured", m["decode_steps"], m["produced"], Reads.of(tel, m["decode_bytes_read"]),
                           Memory(self.budget_bytes, self.cache.slots, min(self.cache.capacity.values()),
                                  self.pack.mean_expert_bytes, self.slot_bytes),
@@ -230,7 +230,8 @@ class Session:
     def summary(self, tel: Telemetry | None = None) -> dict:
         """The run record's numbers: run_summary's, what the clock measured beside them, and the run's labels."""
         tel = tel or self.tel
-        return {**tel.summary(), **self.run_summary(tel).record(), "cache_bytes": self.cache.bytes,
+        m = tel.summary()
+        return {**m, **self.run_summary(tel, m).record(), "cache_bytes": self.cache.bytes,
                 "cache_peak_bytes": self.cache.peak_bytes, "peak_rss_bytes": peak_rss_bytes(),
                 "reader_mode": self.reader.mode, "reader_workers": self.reader.workers,
                 "read_retries": self.reader.retries, "threads": self.engine.threads, **self.labels()}
