@@ -39,6 +39,7 @@ ARMS = {
     "les + top_k k=3": ("les", {"routing": "top_k", "k": "3"}),
     "les + top_k k=2": ("les", {"routing": "top_k", "k": "2"}),
     "les + top_k mass=0.8": ("les", {"routing": "top_k", "mass": "0.8"}),
+    "les + top_k k=4 first half, 2 after": ("les", {"routing": "top_k", "k": "4,4,4,4,2,2,2,2"}),
     "smol_bias (q2 experts + cache bias)": ("smol_bias", {}),
     "smol (q2 experts)": ("smol", {}),
 }
@@ -52,7 +53,7 @@ def preset_of(arm: str):
     return get_preset(design).with_(**knobs) if knobs else get_preset(design)
 
 
-def speed(model, arms, budgets, rounds, tokens, log) -> dict:
+def speed(model, arms, budgets, rounds, tokens, log, device=None) -> dict:
     """{(arm, budget): [bench results, a round each]}, arms alternating within each round, every run cold."""
     out = {(a, b): [] for a in arms for b in budgets}
     for r in range(rounds):
@@ -62,7 +63,7 @@ def speed(model, arms, budgets, rounds, tokens, log) -> dict:
                 if isinstance(out[(a, b)], str):
                     continue
                 try:
-                    res = bench(model, design, b, tokens=tokens, **knobs)
+                    res = bench(model, design, b, tokens=tokens, device=device, **knobs)
                 except WorkbenchError as e:         # a per-layer pool below a layer's top-k at a small budget
                     out[(a, b)] = str(e)
                     log(f"{a} @{b}: not run: {e}")
@@ -81,22 +82,33 @@ def row(arm, budget, runs, quality, ref) -> dict:
             "bytes_read_per_token": statistics.median(r["bytes_read_per_token"] for r in runs),
             "hit_rate": statistics.median(r["hit_rate"] for r in runs), "experts_computed_per_token": computed,
             "decode_steps": steps, "runs": [r.get("run") for r in runs],
-            **{k: quality[k] for k in ("kl", "kl_stderr", "top1", "top1_stderr", "ppl", "ppl_ratio")}}
+            "random_weights": runs[0].get("random_weights"),
+            "dropped_fraction": statistics.median(r["dropped_fraction"] for r in runs),
+            "dropped_by_layer": {x["layer"]: statistics.median(y["dropped_fraction"] for r in runs for y in r["per_layer"]
+                                                               if y["layer"] == x["layer"]) for x in runs[0]["per_layer"]},
+            **{k: quality[k] if quality else None for k in ("kl", "kl_stderr", "top1", "top1_stderr", "ppl", "ppl_ratio")}}
 
 
 def pareto(rows: list[dict]) -> list[str]:
     """The arms no other arm beats on both tok/s and KL."""
-    rows = [r for r in rows if "not_run" not in r]
+    rows = [r for r in rows if "not_run" not in r and r["kl"] is not None]
     return [r["arm"] for r in rows if not any(o["tok_s"] > r["tok_s"] and o["kl"] < r["kl"] for o in rows)]
 
 
 def markdown(res: dict) -> str:
+    where = f", EMULATED {res['device']} (this machine's reads made to take that device's time)" if res.get("device") \
+        else ""
+    unscored = res.get("random_weights")
     md = [f"# What each lossy lever buys and costs\n\n`{res['command']}`\n",
-          f"{res['model']}, {res['engine'] or 'the default engine'}; speed over {res['rounds']} alternating cold "
-          f"rounds of {res['tokens']} tokens (median, min-max); quality against the full-precision teacher on "
+          f"{res['model']}{f' (RANDOM weights: {unscored})' if unscored else ''}, {res['engine'] or 'the default engine'}"
+          f"{where}; speed over {res['rounds']} alternating cold "
+          f"rounds of {res['tokens']} tokens (median, min-max); " + (
+              "quality not measured: a made checkpoint's random weights have no teacher whose output means anything, so "
+              "only the speed is; the demo's table (results/lossy.md) prices the same levers in quality.\n" if unscored
+              else f"quality against the full-precision teacher on "
           f"{res['quality_tokens']} held-out tokens of {res['data']} (KL(teacher || arm) and top-1 agreement per "
           f"token, with standard errors; the arm decodes the text a token a step). les is the lossless design: its KL is "
-          f"its quantized experts' alone.\n"]
+          f"its quantized experts' alone.\n")]
     for b in res["budgets"]:
         md += [f"## Budget {b}\n", "| arm | tok/s | min-max | x les | KB read/token | experts computed/token | KL | "
                "top-1 | ppl (x teacher) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -104,11 +116,24 @@ def markdown(res: dict) -> str:
             if "not_run" in r:
                 md.append(f"| {r['arm']} | not run: {r['not_run']} ||||||||")
                 continue
-            md.append(f"| {r['arm']} | {r['tok_s']:.1f} | {r['tok_s_min']:.1f}-{r['tok_s_max']:.1f} | "
+            quality = "not measured (random weights) | | " if r["kl"] is None else (
+                f"{r['kl']:.4f} ± {r['kl_stderr']:.4f} | {r['top1']:.3f} ± {r['top1_stderr']:.3f} | {r['ppl']:.3f} "
+                f"({r['ppl_ratio']:.3f}) |")
+            md.append(f"| {r['arm']} | {r['tok_s']:.2f} | {r['tok_s_min']:.2f}-{r['tok_s_max']:.2f} | "
                       f"{r['over_les']:.2f} | {r['bytes_read_per_token'] / 1e3:.0f} | "
-                      f"{r['experts_computed_per_token']:.1f} | {r['kl']:.4f} ± {r['kl_stderr']:.4f} | "
-                      f"{r['top1']:.3f} ± {r['top1_stderr']:.3f} | {r['ppl']:.3f} ({r['ppl_ratio']:.3f}) |")
-        md += ["", f"Pareto front (tok/s against KL): {', '.join(res['pareto'][b])}.", ""]
+                      f"{r['experts_computed_per_token']:.1f} | " + quality)
+        if not unscored:
+            md += ["", f"Pareto front (tok/s against KL): {', '.join(res['pareto'][b])}."]
+        md.append("")
+        lossy = [r for r in res["rows"] if r["budget"] == b and r.get("dropped_fraction")]
+        if lossy:
+            layers = list(lossy[0]["dropped_by_layer"])
+            md += [f"Of the model's top-k choices, the fraction each lever left out, by MoE layer (median over the "
+                   f"rounds), at budget {b}:\n", "| arm | all | " + " | ".join(f"L{L}" for L in layers) + " |",
+                   "|---|---:|" + "---:|" * len(layers)]
+            md += [f"| {r['arm']} | {r['dropped_fraction']:.3f} | " + " | ".join(
+                f"{r['dropped_by_layer'][L]:.3f}" for L in layers) + " |" for r in lossy]
+            md.append("")
     if res["tasks"]:
         md += [f"## lm-eval at budget {res['lm_budget']}, paired with the teacher item by item\n",
                f"Tasks {', '.join(res['task_names'])}, limit {res['limit']} items each; each cell: the arm's score, "
@@ -141,6 +166,7 @@ def main():
     ap.add_argument("--limit", type=int, default=200, help="lm-eval items per task")
     ap.add_argument("--lm-budget", default="0.25")
     ap.add_argument("--engine", default=None)
+    ap.add_argument("--device", default=None, help="a device profile to emulate (data/devices: ufs22-phone)")
     ap.add_argument("--out", required=True, help="FILE.md (and FILE.json beside it)")
     a = ap.parse_args()
     arms, budgets = a.arms.split(","), a.budgets.split(",")
@@ -148,8 +174,9 @@ def main():
         if arm not in ARMS:
             raise SystemExit(f"error: --arms: {arm!r} is not one of {', '.join(ARMS)}")
     t0 = time.time()
-    runs = speed(a.model, arms, budgets, a.rounds, a.tokens, print)
-    trace = teacher_trace(a.model, a.data, a.ctx, a.chunks, progress=False, engine=a.engine)
+    runs = speed(a.model, arms, budgets, a.rounds, a.tokens, print, a.device)
+    unscored = next((r[0].get("random_weights") for r in runs.values() if not isinstance(r, str)), None)
+    trace = None if unscored else teacher_trace(a.model, a.data, a.ctx, a.chunks, progress=False, engine=a.engine)
     rows = []
     for b in budgets:
         ref = statistics.median(r["tok_s"] for r in runs[("les", b)]) if ("les", b) in runs else None
@@ -157,11 +184,11 @@ def main():
             if isinstance(runs[(arm, b)], str):
                 rows.append({"arm": arm, "budget": b, "not_run": runs[(arm, b)]})
                 continue
-            q = teacher_run(a.model, preset_of(arm), b, trace=trace, progress=False, record=False, engine=a.engine,
-                            decode=True)
+            q = None if unscored else teacher_run(a.model, preset_of(arm), b, trace=trace, progress=False,
+                                                  record=False, engine=a.engine, decode=True)
             rows.append(row(arm, b, runs[(arm, b)], q, ref))
     tasks, names = {}, []
-    if a.tasks:
+    if a.tasks and not unscored:
         names = [t.removesuffix("_local") for t in local_task_names(a.tasks.split(","))]
         scored = lambda p: lm_run(a.model, p, a.lm_budget, a.tasks, a.limit, record=False, engine=a.engine,
                                   progress=False, per_item=True)["results"]
@@ -179,8 +206,9 @@ def main():
                                                      "paired": paired(gold[task]["items"][metric], m["items"][metric])}
             tasks[arm] = cells
     command = " ".join(["python", "benchmarks/lossy.py"] + sys.argv[1:])
-    res = {"command": command, "model": a.model, "engine": a.engine, "budgets": budgets, "rounds": a.rounds,
-           "tokens": a.tokens, "data": a.data, "quality_tokens": q["tokens"],
+    res = {"command": command, "model": a.model, "engine": a.engine, "device": a.device, "random_weights": unscored,
+           "budgets": budgets, "rounds": a.rounds, "tokens": a.tokens, "data": a.data,
+           "quality_tokens": None if unscored else q["tokens"],
            "rows": rows, "pareto": {b: pareto([r for r in rows if r["budget"] == b]) for b in budgets},
            "tasks": tasks, "task_names": names, "limit": a.limit, "lm_budget": a.lm_budget,
            "arms": {arm: ARMS[arm] for arm in arms}, "seconds": time.time() - t0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import multiprocessing
+import queue
 import secrets
 import threading
 import time
@@ -100,11 +101,16 @@ class DesignRun:
     _init_locks: dict = {}          # one per stored form of a model: its conversion and usage profile are made once
 
     def __init__(self, model: str, design: str, budget: str, prompt: str, tokens: int, device: str | None = None,
-                 routing_trace: str | None = None, knobs: dict | None = None):
+                 routing_trace: str | None = None, knobs: dict | None = None, judged: bool = False,
+                 lever: dict | None = None):
+        """judged: the teacher scores each token as it comes (evals.live.Verdict, on a thread of this process: the
+        worker's pipe never waits for it), from the model's own text only. lever: a lossy lever's knobs
+        (workbench.designs.lossy) set on the design besides `knobs`, named in its heading."""
         self.id = secrets.token_hex(4)
         self.device = device            # an emulated device's profile name (data/devices), or None: this machine
         self.routing_trace = routing_trace   # routing replayed from a trace (a make-model checkpoint's real shape)
-        self.knobs = dict(knobs or {})      # preset knobs set on the design (bench's --set)
+        self.lever = dict(lever or {})
+        self.knobs = {**(knobs or {}), **self.lever}      # preset knobs set on the design (bench's --set)
         self.model, self.design, self.prompt, self.tokens = model, design, prompt, int(tokens)
         # a design whose preset keeps every expert resident ("all") is the ceiling: the budget does not apply
         self.budget = budget_for(get_preset(design), budget)
@@ -113,14 +119,23 @@ class DesignRun:
         self._final: Snapshot | None = None
         self._last: Snapshot | None = None
         self._stop_at: float | None = None     # when Stop was asked (time.monotonic)
+        self.judged = judged and routing_trace is None
+        self.verdict, self.verdict_note = None, None       # evals.live.Verdict once the teacher reads the prompt
+        self._judge_q: queue.SimpleQueue = queue.SimpleQueue()
         ctx = multiprocessing.get_context("spawn")       # a fresh interpreter: no locks forked from the server's threads
         self._conn, child = ctx.Pipe(duplex=False)
         self._stop = ctx.Event()
         self.process = ctx.Process(target=worker.run_design, name=f"workbench-{design}-{self.id}", daemon=True,
                                    args=(child, self._stop, model, design, self.budget, prompt, self.tokens, device,
-                                         routing_trace, self.knobs))
+                                         routing_trace, self.knobs, self.judged))
         self._child = child
         self.thread = threading.Thread(target=self._listen, name=f"workbench-{design}-{self.id}", daemon=True)
+
+    @property
+    def name(self) -> str:
+        """The design's name on the page: its preset's (or file's), with the lever set on it."""
+        from workbench.designs import short
+        return short(self.design) + (f" + {lever_label(self.lever)}" if self.lever else "")
 
     @property
     def active(self) -> bool:
@@ -152,10 +167,15 @@ class DesignRun:
         kind, *rest = msg
         if kind == "status":
             self.status = rest[0]
+        elif kind == "prompt":
+            self._judge_q.put(("prompt", rest[0]))
+            threading.Thread(target=self._judge, name=f"workbench-judge-{self.id}", daemon=True).start()
         elif kind == "token":
             self.text, self.generated = rest[0], self.generated + 1
             if rest[1] is not None:
                 self._last = Snapshot(*rest[1])
+            if rest[2:] and rest[2] is not None:
+                self._judge_q.put(("token", *rest[2]))
         elif kind == "done":
             self.text, self.summary, self._final, self.record = rest[0], rest[1], Snapshot(*rest[2]), Path(rest[3])
             self.status = "done"
@@ -172,6 +192,26 @@ class DesignRun:
                 self.process.terminate()
                 return ("stopped", None)
         return self._conn.recv()
+
+    def _judge(self):
+        """The teacher's verdict, token by token, behind the design; it ends with the run (or on a one-line error)."""
+        from evals.live import Verdict
+        try:
+            with self._init_locks.setdefault((self.model, get_preset("teacher").storage), threading.Lock()):
+                verdict = Verdict(self.model)
+            while True:
+                kind, *args = self._judge_q.get()
+                if kind == "end":
+                    break
+                if kind == "prompt":
+                    verdict.start(args[0])
+                    self.verdict = verdict
+                else:
+                    verdict.add(*args)
+            verdict.close()
+        except Exception as e:     # noqa: BLE001 - one line in the design's column
+            self.verdict_note = str(e) if isinstance(e, WorkbenchError) else \
+                f"the teacher failed: {type(e).__name__}: {e}"
 
     def _listen(self):
         storage = get_preset(self.design).storage
@@ -190,6 +230,7 @@ class DesignRun:
             if self.active:
                 self.error, self.status = f"{self.design}: its process ended without a result", "error"
         finally:
+            self._judge_q.put(("end",))
             self._conn.close()
             if self.process.pid is not None:
                 self.process.join(timeout=10)
@@ -202,19 +243,33 @@ KEEP = 48
 MAX_RUNS = 8        # design processes at once on this server: every page, session and visitor together
 
 
+# the lossy levers the live page sets beside each design (workbench.designs.lossy; their price: results/lossy.md)
+LEVERS = {"drop_misses": {"routing": "drop_misses"}, "drop_misses keep=2": {"routing": "drop_misses", "keep": "2"},
+          "top_k k=3": {"routing": "top_k", "k": "3"}, "top_k k=2": {"routing": "top_k", "k": "2"}}
+
+
+def lever_label(lever: dict) -> str:
+    return next((n for n, k in LEVERS.items() if k == lever), ", ".join(f"{k}={v}" for k, v in lever.items()))
+
+
 def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens: int, device: str | None = None,
-               routing_trace: str | None = None, knobs: dict | None = None) -> list[str]:
+               routing_trace: str | None = None, knobs: dict | None = None, lever: str | None = None) -> list[str]:
     """Start one process per design (knobs: preset knobs set on each, checked here); refused, in one line, when that
-    would run more than MAX_RUNS at once."""
+    would run more than MAX_RUNS at once. lever: a name of LEVERS: beside each design the same design with that
+    lever, and every run judged by the teacher as it goes (its running KL and top-1 agreement)."""
     from workbench.presets import with_each
-    with_each([get_preset(d) for d in designs], knobs or {})    # a design that does not load, a knob none has, a
-                                                                # value refused: one line, before any start
+    if lever is not None and lever not in LEVERS:
+        raise WorkbenchError(f"lever {lever!r}: choose one of {', '.join(LEVERS)}")
+    arms = [(d, None) for d in designs] + [(d, LEVERS[lever]) for d in designs if lever]
+    for lv in {None, lever}:     # a design that does not load, a knob none has, a value refused: one line, first
+        with_each([get_preset(d) for d in designs], {**(knobs or {}), **LEVERS.get(lv, {})})
     with _RUNS_LOCK:
         busy = sum(r.active and not r.stopping for r in _RUNS.values())
-        if busy + len(designs) > MAX_RUNS:
+        if busy + len(arms) > MAX_RUNS:
             raise WorkbenchError(f"busy: {busy} designs are running on this machine and at most {MAX_RUNS} run at "
                                  f"once; stop some or wait for them to finish")
-        runs = [DesignRun(model, d, budget, prompt, tokens, device, routing_trace, knobs) for d in designs]
+        runs = [DesignRun(model, d, budget, prompt, tokens, device, routing_trace, knobs, judged=lever is not None,
+                          lever=lv) for d, lv in arms]
         _RUNS.update((r.id, r) for r in runs)
         old = [k for k, r in _RUNS.items() if not r.active]
         for k in old[: max(0, len(_RUNS) - KEEP)]:

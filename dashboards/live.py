@@ -24,7 +24,6 @@ from dashboards import common as C  # noqa: E402
 from dashboards import kiosk as K  # noqa: E402
 from dashboards import model_size as M  # noqa: E402
 from dashboards import rounds as R  # noqa: E402
-from workbench.designs import short  # noqa: E402
 from workbench.presets import PRESETS, get_preset  # noqa: E402
 from workbench.errors import WorkbenchError  # noqa: E402
 
@@ -64,9 +63,9 @@ def design_numbers(run: C.DesignRun, refreshed: str):
     """One layout from the first redraw to the last (placeholders while the design starts): the page does not
     reflow, and so re-lay out every chart below, when the first token lands."""
     snap = run.snapshot()
-    st.subheader(short(run.design), help=get_preset(run.design).description)
-    st.markdown(f"**{short(run.design)} · tokens: {run.generated}** / {run.tokens} · {run.status}")
-    st.caption(f"{short(run.design)} · {refreshed}")
+    st.subheader(run.name, help=get_preset(run.design).description)
+    st.markdown(f"**{run.name} · tokens: {run.generated}** / {run.tokens} · {run.status}")
+    st.caption(f"{run.name} · {refreshed}")
     if run.error:
         st.error(run.error)
     if snap is None and not run.active:
@@ -82,18 +81,38 @@ def design_numbers(run: C.DesignRun, refreshed: str):
     for row in range(0, len(items), 2):
         for col, (label, value) in zip(st.columns(2), items[row:row + 2]):
             col.metric(label, value)
+    if run.judged:
+        verdict_numbers(run)
     st.progress(min(1.0, s.get("cache_bytes", 0) / max(1, s.get("budget_bytes", 0))),
                 text=f"expert cache {shown['cache MiB']} of {shown['budget MiB']} MiB budget · "
                      f"process peak RSS {shown['peak RSS MiB']} MiB")
     if snap is None:
         return
-    state.numbers[run.design] = {"run_id": run.id, "status": run.status, "shown": shown, "tokens": run.generated,
+    state.numbers[run.name] = {"run_id": run.id, "status": run.status, "shown": shown, "tokens": run.generated,
                                  **{k: s.get(k) for k in C.NUMBER_KEYS}}
     if run.record:
-        state.records[run.design] = str(run.record)
+        state.records[run.name] = str(run.record)
         st.success(f"run record: `{run.record}`")
     elif run.status == "stopped":
         st.warning("stopped before the end: no run record written")
+
+
+def verdict_numbers(run: C.DesignRun):
+    """The teacher's running verdict on the design's tokens (evals.live): KL(teacher || design) and top-1 agreement,
+    the teacher fed the design's own text."""
+    v = run.verdict
+    if run.verdict_note:
+        st.caption(f"not judged: {run.verdict_note}")
+        return
+    if v is None or not v.n:
+        st.caption("the teacher reads the prompt ..." if run.status != "done" or run.generated else "not judged")
+        return
+    kl, top1 = st.columns(2)
+    kl.metric("KL vs teacher", f"{v.kl:.4f}", help="KL(teacher || design) a token, the running mean ± its standard "
+              f"error: ± {v.kl_stderr:.4f}")
+    top1.metric("top-1 vs teacher", f"{v.top1:.1%}")
+    st.caption(f"the teacher's verdict on {v.n} of {run.generated} tokens (full precision, every expert resident, fed "
+               "this design's text; it runs in the page's process, on the same cores)")
 
 
 def charts_view(ids: list[str]):
@@ -107,7 +126,7 @@ def charts_view(ids: list[str]):
         with col:
             for name, (_, _, height) in C.LIVE_CHARTS.items():
                 st.vega_lite_chart(C.chart_data(name, snap), C.chart_spec(name), width="stretch", height=height,
-                                   alt=f"{run.design}: {name} chart")
+                                   alt=f"{run.name}: {name} chart")
                 if C.legend_html(name):
                     st.html(C.legend_html(name))
                 if name == "layers":
@@ -130,7 +149,7 @@ def shape_model(shape: str, trace: str | None) -> tuple[str, str]:
     return str(p.path), p.trace
 
 
-def start(model, designs, budget, prompt, tokens, device=None, routing_trace=None, shape=None, knobs=""):
+def start(model, designs, budget, prompt, tokens, device=None, routing_trace=None, shape=None, knobs="", lever=None):
     C.stop_runs(state.run_ids)
     state.run_ids, state.numbers, state.records = [], {}, {}
     try:
@@ -144,7 +163,10 @@ def start(model, designs, budget, prompt, tokens, device=None, routing_trace=Non
         C.check_inputs(model, designs, budget, prompt, tokens)
         from experiments.cli import knobs_of
         sets = knobs_of([k.strip() for k in knobs.split(",") if k.strip()])
-        state.run_ids = C.start_runs(model, designs, budget, prompt, tokens, device, routing_trace, sets)
+        if lever and (shape or routing_trace):
+            raise WorkbenchError("a lossy lever beside the designs needs the model's own weights and routing: "
+                                 "not a model size or a routing trace")
+        state.run_ids = C.start_runs(model, designs, budget, prompt, tokens, device, routing_trace, sets, lever)
     except WorkbenchError as e:
         st.error(str(e))
 
@@ -176,6 +198,10 @@ def sidebar():
         knobs = st.text_input("preset knobs", "", key="knobs", placeholder="KNOB=VALUE, ...",
                               help="set on every design, as bench's --set: e.g. lookahead_recall=0.66, "
                                    "cache_policy=lfu (the names a run record's config gives them)")
+        lever = st.selectbox("lossy lever beside each design", ["none"] + list(C.LEVERS), key="lever",
+                             help="each design runs twice, as it is and with this lever (workbench.designs.lossy), "
+                                  "and the teacher judges every token of both: running KL and top-1 agreement "
+                                  "(its price over held-out text: results/lossy.md)")
         prompt = st.text_area("prompt", "Once upon a time", key="prompt", height=80)
         tokens = st.number_input("tokens", min_value=1, max_value=2048, value=64, step=8, key="tokens")
         from workbench.devices import names
@@ -192,7 +218,7 @@ def sidebar():
     device, shape = None if flash == THIS_MACHINE else flash, None if size == M.DEMO else size
     designs = designs + [d.strip() for d in mine.split(",") if d.strip()] if LOCAL else designs
     return ((model.strip(), designs, budget.strip(), prompt, int(tokens), device, trace.strip() or None, shape,
-             knobs) if pressed else None)
+             knobs, None if lever == "none" else lever) if pressed else None)
 
 
 @st.fragment(run_every=1.0)

@@ -31,7 +31,8 @@ def read(path: Path = RESULTS) -> tuple[dict, pd.DataFrame]:
 
 
 def pareto_chart(df: pd.DataFrame) -> alt.LayerChart:
-    """One budget's arms: tok/s against KL (lower left: slow and exact; upper right: fast and lossy)."""
+    """One budget's arms: tok/s against KL (lower left: slow and exact; upper right: fast and lossy), the gray
+    vertical line at the lossless designs' KL (their quantization's: no lever's)."""
     base = alt.Chart(df).encode(x=alt.X("kl:Q", title="KL(teacher || arm), nats a token"),
                                 y=alt.Y("tok_s:Q", title="tok/s (median)", scale=alt.Scale(zero=False)))
     front = base.transform_filter(alt.datum.front).mark_line(color="gray", strokeDash=[4, 3]).encode(order="kl:Q")
@@ -41,4 +42,5 @@ def pareto_chart(df: pd.DataFrame) -> alt.LayerChart:
         shape=alt.Shape("lossless:N", legend=None),
         tooltip=["arm", alt.Tooltip("tok_s:Q", format=".1f"), alt.Tooltip("over_les:Q", format=".2f", title="x les"),
                  alt.Tooltip("kl:Q", format=".4f"), alt.Tooltip("top1:Q", format=".3f")])
-    return front + spread + points
+    lossless = alt.Chart(df).transform_filter(alt.datum.lossless).mark_rule(color="gray").encode(x="kl:Q")
+    return lossless + front + spread + points

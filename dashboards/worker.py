@@ -4,7 +4,9 @@ Each design gets its own interpreter, so one design's Python (routing, the strea
 does not hold the GIL another design needs. The process sends what the page shows through a pipe:
 
     ("status", "starting" | "running")
-    ("token", text so far, telemetry or None)         telemetry at most every SNAPSHOT_S, the numbers the page draws
+    ("prompt", token ids)                             judged runs: the text the teacher reads first (evals.live)
+    ("token", text so far, telemetry or None, judged)  telemetry at most every SNAPSHOT_S, the numbers the page draws;
+                                                      judged: (token id, the logits it was chosen from) or None
     ("done", text, summary, telemetry, record path)
     ("stopped", telemetry or None) | ("error", one line, telemetry or None)
 
@@ -40,8 +42,9 @@ def telemetry(s) -> tuple:
 
 
 def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens: int, device, routing_trace,
-               knobs: dict | None = None):
-    """The process's body: a Session, generate, write the run record; every outcome is a message."""
+               knobs: dict | None = None, judged: bool = False):
+    """The process's body: a Session, generate, write the run record; every outcome is a message. judged: send each
+    token's logits, for the page's teacher (dashboards.common.DesignRun) to score."""
     from workbench.host import lower_priority
     lower_priority(WORKER_NICE)         # every thread (some start while the process imports); later ones inherit it
     s = None
@@ -54,6 +57,9 @@ def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens:
         s = open_session(model, design, budget, prompt=prompt, tokens=tokens, drive=drive(routing_trace),
                          device=device, **(knobs or {}))
         conn.send(("status", "running"))
+        judged = judged and s.text.forced is None and not s.preset.execution.speculative
+        if judged:
+            conn.send(("prompt", s.encode(prompt)))
         last = [0.0]
 
         def on_token(session, token_id, text):
@@ -61,7 +67,8 @@ def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens:
             due = now - last[0] >= SNAPSHOT_S
             if due:
                 last[0] = now
-            conn.send(("token", text, telemetry(session) if due else None))
+            conn.send(("token", text, telemetry(session) if due else None,
+                       (token_id, session.logits[-1].astype("float32")) if judged else None))
             if stop.is_set():
                 raise _Stopped()
 

@@ -373,7 +373,8 @@ class _Simulation:
         self.work(one + (len(batch) - 1) * (one if c.row_s is None else c.row_s))
         routed = [set(int(e) for e in self.drive.route(L, np.zeros((1, 1)), self.pos.step(b))[0].reshape(-1))
                   for b in batch]
-        ev = LayerEvent(token=batch[0], layer=L, phase="decode", routed=[], predicted=[], hit=[])
+        ev = LayerEvent(token=batch[0], layer=L, phase="decode", routed=[], predicted=[], hit=[],
+                        chosen=sum(map(len, routed)))
         st = self.schedule.begin_layer(L, routed, list(batch), ev)
         for i, b in enumerate(batch if self.predictor is not None else ()):
             ctx = {**self.pos.step(b), "routed": np.array(sorted(routed[i]))[None]}

@@ -165,6 +165,7 @@ class Session:
         compute = (e.dense_compute_s - dense0) + sum(v.compute_s for v in evs)
         tel.add_token(TokenRecord.of(evs, wall, compute, token=e.token_index, phase=phase, n_tokens=len(ids),
                                      bytes_read=self.reader.bytes_read - bytes0, cache_bytes=self.cache.bytes))
+        self.logits = logits        # the last step's: what an on_token callback's token was chosen from
         return logits
 
     def generate_text(self, prompt, tokens: int, on_token=None) -> dict:

@@ -266,11 +266,26 @@ def test_lossy_levers_priced_on_the_demo(tmp_path):
     for arm in ("les", "les + drop_misses", "les + top_k k=3"):
         r = rows[arm]
         assert same(r["over_les"], r["tok_s"] / les["tok_s"]) and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"]
-        assert rows_of(md, arm)[0][1] == f"{r['tok_s']:.1f}" and rows_of(md, arm)[0][6].startswith(f"{r['kl']:.4f}")
+        assert rows_of(md, arm)[0][1] == f"{r['tok_s']:.2f}" and rows_of(md, arm)[0][6].startswith(f"{r['kl']:.4f}")
     assert rows["les + top_k k=3"]["experts_computed_per_token"] < les["experts_computed_per_token"]
     assert rows["les + drop_misses"]["kl"] > les["kl"]            # it dropped experts, and it shows
     assert res["tasks"]["les + drop_misses"] is None and "not measured" in rows_of(md, "les + drop_misses")[-1][1]
     assert res["tasks"]["les + top_k k=3"]["tinystories_ending"]["paired"]["n"] == 4
+    assert les["dropped_fraction"] == 0 and rows["les + top_k k=3"]["dropped_fraction"] == 0.25
+    dropped = rows_of(md, "les + drop_misses")[1]           # the table of what each lever left out, layer by layer
+    assert dropped[1] == f"{rows['les + drop_misses']['dropped_fraction']:.3f}" and len(dropped) == 2 + 8
+
+
+def test_lossy_levers_on_the_emulated_phone_measure_speed_and_say_why_not_quality(tmp_path):
+    from workbench.shapes import make_model
+    made = make_model("qwen3-30b-a3b", layers=2, out=tmp_path / "m", experts=16)
+    out = tmp_path / "phone.md"
+    run("lossy", "--model", made, "--device", "ufs22-phone", "--arms", "les,les + drop_misses", "--budgets", "0.25",
+        "--rounds", 1, "--tokens", 3, "--out", out)
+    res, md = json.loads(out.with_suffix(".json").read_text()), out.read_text()
+    assert res["device"] == "ufs22-phone" and res["random_weights"] and "EMULATED ufs22-phone" in md
+    assert all(r["kl"] is None and r["tok_s"] > 0 for r in res["rows"]) and not res["tasks"]
+    assert "not measured (random weights)" in rows_of(md, "les + drop_misses")[0][6] and "Pareto" not in md
 
 
 def test_run_setup_on_the_demo_and_its_trace(tmp_path):

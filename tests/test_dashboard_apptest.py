@@ -701,3 +701,29 @@ def test_a_design_from_a_file_runs_beside_the_presets_and_only_on_this_machine(r
     bound("0.0.0.0")
     at = app(LIVE)
     assert at.text_input(key="design_file").disabled        # a visitor cannot type one
+
+
+def test_a_lossy_lever_runs_beside_each_design_and_the_teacher_judges_every_token(runs_root):
+    """The lever picked in the sidebar runs beside each design from the same prompt, and the teacher scores every
+    token of both as it comes: the lossless design near its quantization's KL, the lever further from the teacher."""
+    at = app(LIVE)
+    at.selectbox(key="lever").set_value("drop_misses")
+    at = start(at, ["les"], tokens=16, budget="0.1")
+    runs = C.get_runs(at.session_state["run_ids"])
+    assert [r.name for r in runs] == ["les", "les + drop_misses"] and all(r.judged for r in runs)
+    assert runs[1].knobs == {"routing": "drop_misses"} and runs[0].knobs == {}
+    poll(at, lambda a: finished(a) and all(r.verdict_note or (r.verdict and r.verdict.n == 16) for r in runs))
+    assert not any(r.verdict_note for r in runs), [r.verdict_note for r in runs]
+    exact, lossy = (r.verdict for r in runs)
+    assert exact.kl < lossy.kl and lossy.top1 <= exact.top1
+    shown = {m.label: m.value for m in at.metric}
+    assert "KL vs teacher" in shown and "top-1 vs teacher" in shown
+    assert sum("the teacher's verdict on 16 of 16 tokens" in c.value for c in at.caption) == 2
+
+
+def test_a_lossy_lever_needs_the_models_own_routing(runs_root):
+    at = app(LIVE)
+    at.selectbox(key="lever").set_value("top_k k=2")
+    at.text_input(key="routing_trace").set_value("data/traces/demo-tinystories-256.parquet")
+    at = start(at, ["les"], tokens=2)
+    assert "needs the model's own weights and routing" in errors(at) and not at.session_state["run_ids"]

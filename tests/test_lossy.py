@@ -45,6 +45,12 @@ def test_top_k_keeps_the_best_and_the_rows_weight():
     assert idx.tolist() == [[3, 1, 0]] and np.isclose(w.sum(), 1.0)
 
 
+def test_top_k_may_name_a_k_per_layer():
+    r = router(TopK, k="2,3")
+    assert r.route(0, np.zeros((1, 8)), {})[0].tolist() == [[3, 1]]
+    assert r.route(1, np.zeros((1, 8)), {})[0].tolist() == [[3, 1, 0]]
+
+
 def test_drop_misses_skips_what_is_not_in_memory_beyond_the_first_keep():
     r = router(DropMisses, held=[0])
     idx, w = r.route(1, np.zeros((1, 8)), {"phase": "decode"})
@@ -62,10 +68,23 @@ def test_dropping_misses_reads_fewer_experts_than_its_design():
     assert drop["experts_read_per_token"] < 0.5 * base["experts_read_per_token"]
     routed = lambda r: sum(x["routed"] for x in r["per_layer"])
     assert routed(drop) < routed(base)
+    assert base["dropped_fraction"] == 0 and all(x["dropped_fraction"] == 0 for x in base["per_layer"])
+    per_layer = [x["dropped_fraction"] for x in drop["per_layer"]]
+    assert 0 < drop["dropped_fraction"] <= 0.75 and max(per_layer) <= 0.75     # keep=1 of top-4: at most 3 of 4
+    assert min(per_layer) < max(per_layer) or len(per_layer) == 1
+
+
+def test_a_top_k_per_layer_leaves_out_what_it_says_layer_by_layer():
+    from experiments.bench import bench
+    ks = "4,2,4,2,4,2,4,2"          # the demo's 8 MoE layers
+    r = bench("demo", "les", "0.25", tokens=6, record=False, routing="top_k", k=ks)
+    assert [x["dropped_fraction"] for x in r["per_layer"]] == [0.0 if k == "4" else 0.5 for k in ks.split(",")]
 
 
 @pytest.mark.parametrize("args,says", [
     (["--set", "routing=top_k", "--set", "k=9"], "k=9 is outside 0..4"),
+    (["--set", "routing=top_k", "--set", "k=2,3"], "k=2,3 names 2 values; give one, or one per MoE layer"),
+    (["--set", "routing=top_k", "--set", "k=two"], "k=two is not a number"),
     (["--set", "routing=top_k", "--set", "mass=1.5"], "mass=1.5 is outside (0, 1]"),
     (["--set", "routing=drop_misses", "--set", "keep=0"], "keep=0 is outside 1..4"),
     (["--set", "routing=drop_misses", "--set", "from_layer=9"], "from_layer=9 is outside"),

@@ -30,6 +30,7 @@ FIGURES = {
     "regimes": {"regimes_calibration", "regimes_les_ladder", "regimes_ufs35b", "regimes_full_size"},
     "sweep_grid": {"sweep_tok_s", "sweep_kl"},
     "designs_leaderboard": {"leaderboard_hit_rate", "leaderboard_of_belady"},
+    "lossy_levers": {"lossy_pareto"},
 }
 PARAMETERS = ("MODEL", "BUDGET", "TOKENS", "ROUNDS", "SMALL")
 
@@ -41,7 +42,7 @@ def read(name: str):
 # the results/ tables whose numbers a notebook's figures show too: `make figures` remakes both
 SHARES = {"les_ablation": ["results/ladders.md"], "smol_pager": ["results/ladders.md"],
           "regimes": ["results/regimes.md"], "edge0_prerouter": [], "sweep_grid": [], "where_time_goes": [],
-          "designs_leaderboard": []}
+          "designs_leaderboard": [], "lossy_levers": []}
 MAX_NOTEBOOK_BYTES = 2_000_000      # reviewable: tables and charts, not megabytes of per-token data
 
 

@@ -178,6 +178,8 @@ class ExpertStreamer:
         ev = LayerEvent(token=token if phase == "decode" else -1, layer=layer, phase=phase,
                         routed=[], predicted=[], hit=[], t_start=t0)
         ctx["routed"] = idx
+        ev.chosen = int((idx >= 0).sum())
+        ev.dropped = idx.shape[0] * self.pack.spec.top_k - ev.chosen
         ev.router_s = time.perf_counter() - t0
         st = self.schedule.begin_layer(layer, [set(idx.ravel().tolist())], [token], ev)
         if predictor is not None:

@@ -51,6 +51,8 @@ class LayerEvent:
     hit: list[bool]             # per routed expert: already in memory when the layer asked
     late: int = 0               # of the routed experts not hit: prefetches still in flight (the rest are misses)
     bytes_read: int = 0         # bytes the reader transferred for this layer's misses
+    chosen: int = 0             # (row, expert) choices the routing made (rows x the columns it returned)
+    dropped: int = 0            # of the model's top-k choices, those the routing left out (a lossy lever)
     wait_s: float = 0.0         # compute thread blocked on reads (flash wait)
     dequant_s: float = 0.0      # the part of the blocked time spent dequantizing
     compute_s: float = 0.0
@@ -189,7 +191,8 @@ class Telemetry:
             if phase and ev.phase != phase:
                 continue
             r = rows.setdefault(ev.layer, dict(layer=ev.layer, hits=0, late=0, misses=0, bytes_read=0, wait_s=0.0,
-                                               compute_s=0.0, predicted=0, predicted_used=0, routed=0))
+                                               compute_s=0.0, predicted=0, predicted_used=0, routed=0,
+                                               dropped=0, chosen=0))
             h = sum(ev.hit)
             r["hits"] += h
             r["late"] += ev.late
@@ -201,12 +204,16 @@ class Telemetry:
             r["predicted"] += len(ev.predicted)
             r["predicted_used"] += used
             r["routed"] += len(ev.routed)
+            r["dropped"] += ev.dropped
+            r["chosen"] += ev.chosen
         out = []
         for L in sorted(rows):
             r = rows[L]
             r.update(rates(r["hits"], r["late"], r["misses"]))
             r["recall"] = r["predicted_used"] / r["routed"] if r["predicted"] else None
             r["precision"] = r["predicted_used"] / r["predicted"] if r["predicted"] else None
+            asked = r["dropped"] + r["chosen"]
+            r["dropped_fraction"] = r["dropped"] / asked if asked else 0.0
             out.append(r)
         return out
 

@@ -27,19 +27,29 @@ def kept(idx: np.ndarray, w: np.ndarray, n: int) -> tuple:
 
 class TopK(Router):
     """The best `k` of the router's top-k (0: all of them), or the fewest whose weights reach `mass` of the top-k's
-    (1.0: all; a batch keeps the most any row needs)."""
-    params = {"k": 0, "mass": 1.0}
+    (1.0: all; a batch keeps the most any row needs). `k` may name one value per MoE layer ("4,4,3,2,..."): WARP's
+    table of reduced top-k per layer."""
+    params = {"k": "0", "mass": 1.0}
 
     def __init__(self, setup, cache, **params):
         super().__init__(setup, cache, **params)
-        if not 0 <= self.k <= self.spec.top_k:
-            raise WorkbenchError(f"routing top_k: k={self.k} is outside 0..{self.spec.top_k} (the model's top-k)")
+        layers, top = self.spec.moe_layers, self.spec.top_k
+        try:
+            ks = [int(v) for v in str(self.k).split(",")]
+        except ValueError:
+            raise WorkbenchError(f"routing top_k: k={self.k} is not a number or one per MoE layer") from None
+        if len(ks) not in (1, len(layers)):
+            raise WorkbenchError(f"routing top_k: k={self.k} names {len(ks)} values; give one, or one per MoE layer "
+                                 f"({len(layers)})")
+        if bad := [v for v in ks if not 0 <= v <= top]:
+            raise WorkbenchError(f"routing top_k: k={bad[0]} is outside 0..{top} (the model's top-k)")
+        self.ks = dict(zip(layers, ks * len(layers) if len(ks) == 1 else ks))
         if not 0.0 < self.mass <= 1.0:
             raise WorkbenchError(f"routing top_k: mass={self.mass:g} is outside (0, 1]")
 
     def route(self, layer, logits, ctx):
         idx, w = self.exact(layer, logits)
-        n = self.k or idx.shape[1]
+        n = self.ks[layer] or idx.shape[1]
         if self.mass < 1.0:
             share = np.cumsum(w, 1) / w.sum(1, keepdims=True)
             n = min(n, int((share < self.mass - 1e-6).sum(1).max()) + 1)
