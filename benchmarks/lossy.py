@@ -39,7 +39,7 @@ ARMS = {
     "les + top_k k=3": ("les", {"routing": "top_k", "k": "3"}),
     "les + top_k k=2": ("les", {"routing": "top_k", "k": "2"}),
     "les + top_k mass=0.8": ("les", {"routing": "top_k", "mass": "0.8"}),
-    "les + top_k k=4 first half, 2 after": ("les", {"routing": "top_k", "k": "4,4,4,4,2,2,2,2"}),
+    "les + top_k k=4 first half then 2": ("les", {"routing": "top_k", "k": "4,4,4,4,2,2,2,2"}),
     "smol_bias (q2 experts + cache bias)": ("smol_bias", {}),
     "smol (q2 experts)": ("smol", {}),
 }
@@ -116,7 +116,7 @@ def markdown(res: dict) -> str:
             if "not_run" in r:
                 md.append(f"| {r['arm']} | not run: {r['not_run']} ||||||||")
                 continue
-            quality = "not measured (random weights) | | " if r["kl"] is None else (
+            quality = "not measured (random weights) | | |" if r["kl"] is None else (
                 f"{r['kl']:.4f} ± {r['kl_stderr']:.4f} | {r['top1']:.3f} ± {r['top1_stderr']:.3f} | {r['ppl']:.3f} "
                 f"({r['ppl_ratio']:.3f}) |")
             md.append(f"| {r['arm']} | {r['tok_s']:.2f} | {r['tok_s_min']:.2f}-{r['tok_s_max']:.2f} | "

@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dashboards import kiosk as K
+from dashboards.common import LEVERS
 from dashboards import model_size as M
 from workbench.errors import WorkbenchError
 
@@ -39,6 +40,8 @@ def args_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=None, help="an emulated device's flash (data/devices)")
     ap.add_argument("--designs", default="", help="comma-separated presets shown every round (default: two "
                                                   "comparisons in turn)")
+    ap.add_argument("--lever", default=None, help="a lossy lever run beside each design (at most 2 designs a round), "
+                    "the teacher judging every token of both: " + ", ".join(LEVERS))
     ap.add_argument("--tokens", type=int, default=48, help="tokens a round generates (1-2048)")
     ap.add_argument("--pause", type=float, default=6.0, help="seconds between rounds")
     ap.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
@@ -78,12 +81,16 @@ def booth_from(a) -> K.Booth:
         raise WorkbenchError(f"--designs {', '.join(unknown)}: not presets (choose among {', '.join(PRESETS)})")
     if len(designs) > K.MAX_DESIGNS:
         raise WorkbenchError(f"--designs: at most {K.MAX_DESIGNS} in a round")
+    if a.lever and a.lever not in LEVERS:
+        raise WorkbenchError(f"--lever {a.lever!r}: choose one of {', '.join(LEVERS)}")
+    if a.lever and (a.trace or a.shape):
+        raise WorkbenchError("--lever: a lever needs the model's own weights and routing, not --trace or --shape")
     if not 1 <= a.tokens <= 2048:
         raise WorkbenchError(f"--tokens {a.tokens}: between 1 and 2048")
     if a.pause < 0:
         raise WorkbenchError(f"--pause {a.pause:g}: not negative")
     return K.Booth(model=model, models=models, trace=trace, traces=traces, shape=a.shape, device=a.device,
-                   designs=designs, tokens=a.tokens, pause=a.pause)
+                   designs=designs, tokens=a.tokens, pause=a.pause, lever=a.lever)
 
 
 def steps(booth: K.Booth) -> list[tuple[str, object]]:

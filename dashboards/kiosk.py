@@ -38,6 +38,7 @@ class Booth:
     shape: str | None = None
     device: str | None = None
     designs: tuple = ()                  # () alternates the two comparisons of common.booth_round
+    lever: str | None = None             # a lossy lever (common.LEVERS) beside each design, the teacher judging both
     tokens: int = 48
     pause: float = 6.0
     status: str | None = None            # the preparation's status file (None: nothing to wait for)
@@ -118,7 +119,8 @@ def check_path(path: str, what: str, booth: Booth | None = None):
 
 def settings(query, booth: Booth) -> tuple[dict, list[str]]:
     """A booth round's settings: the operator's program, with what the URL picks from the allow-list
-    (designs, tokens, pause, model, trace, shape, device). The notes say what was ignored, and why."""
+    (designs, tokens, pause, model, trace, shape, device, lever). The notes say what was ignored, and why."""
+    from dashboards.common import LEVERS
     from workbench.devices import names
     notes: list[str] = []
 
@@ -165,4 +167,11 @@ def settings(query, booth: Booth) -> tuple[dict, list[str]]:
             cfg["model"], cfg["routing_trace"] = str(plan.path), plan.trace
         except WorkbenchError as e:
             notes.append(f"shape={shape!r} ignored ({e}); the model is {M.shown(cfg['model'])}")
+    cfg["lever"] = pick("lever", list(LEVERS), booth.lever)
+    if cfg["lever"] and cfg["routing_trace"]:
+        notes.append(f"lever={cfg['lever']!r} ignored: a lever needs the model's own weights and routing, not a trace")
+        cfg["lever"] = None
+    if cfg["lever"] and len(cfg["designs"]) > MAX_DESIGNS // 2:
+        notes.append(f"designs: the first {MAX_DESIGNS // 2} shown (each runs twice beside its lever)")
+        cfg["designs"] = cfg["designs"][:MAX_DESIGNS // 2]
     return cfg, notes

@@ -5,7 +5,7 @@
 Booth mode, unattended, a kiosk (dashboards/kiosk.py, docs/booth.md): `make booth` (python -m dashboards.booth)
 prepares what it will show, then every page of its server is the booth. On a plain page, ?booth=1 in the URL
 (optional: &designs=on_demand,les &tokens=48 &pause=6 &model=demo &trace=NAME &device=ufs22-phone
-&shape=qwen3.6-35b-a3b; names from the allow-list only, never paths; without designs it alternates between two
+&shape=qwen3.6-35b-a3b &lever=drop_misses; names from the allow-list only, never paths; without designs it alternates between two
 comparisons; a shape replaces the model, as the sidebar's model size does, once it is made; what is not on the
 allow-list is ignored, with a caption). A visitor can Start and Stop the comparison shown, nothing else.
 

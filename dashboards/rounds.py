@@ -44,9 +44,11 @@ class Loop:
     def _next(self) -> bool:
         cfg = self.cfg
         prompt, designs = C.booth_round(self.round + 1, cfg["model"])
+        designs, lever = cfg["designs"] or designs, cfg.get("lever")
         try:
-            ids = C.start_runs(cfg["model"], cfg["designs"] or designs, "0.25", prompt, cfg["tokens"], cfg["device"],
-                               cfg["routing_trace"])
+            # beside a lever each design runs twice and the teacher judges both: two designs a round
+            ids = C.start_runs(cfg["model"], designs[:2] if lever else designs, "0.25", prompt,
+                               cfg["tokens"], cfg["device"], cfg["routing_trace"], lever=lever)
         except WorkbenchError as e:
             self.waiting = str(e)
             return False

@@ -727,3 +727,14 @@ def test_a_lossy_lever_needs_the_models_own_routing(runs_root):
     at.text_input(key="routing_trace").set_value("data/traces/demo-tinystories-256.parquet")
     at = start(at, ["les"], tokens=2)
     assert "needs the model's own weights and routing" in errors(at) and not at.session_state["run_ids"]
+
+
+def test_booth_shows_a_lever_beside_its_designs_judged_by_the_teacher():
+    at = ok(app(LIVE, booth="1", designs="on_demand,les,smol", lever="top_k k=2", tokens="3", pause="600"))
+    captions = [c.value for c in at.caption]
+    assert "designs: the first 2 shown (each runs twice beside its lever)" in captions
+    runs = C.get_runs(at.session_state["run_ids"])
+    assert [(r.name, r.judged) for r in runs] == [("on_demand", True), ("les", True), ("on_demand + top_k k=2", True),
+                                                  ("les + top_k k=2", True)]
+    at = ok(app(LIVE, booth="1", designs="les", lever="all of them", trace="demo-tinystories-256", tokens="2"))
+    assert any(c.value.startswith("lever='all of them' ignored: not one this booth shows") for c in at.caption)
