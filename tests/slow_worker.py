@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 
-def run_design(conn, stop, model, design, budget, prompt, tokens, device, routing_trace, knobs=None, step_s=60.0):
+def run_design(conn, stop, model, design, budget, prompt, tokens, device, routing_trace, knobs=None, judged=False,
+               step_s=60.0):
     conn.send(("status", "starting"))
     conn.send(("status", "running"))
     conn.send(("token", " Once", None))

@@ -24,8 +24,9 @@ def logits_of(preset: str, budget: str, **knobs) -> np.ndarray:
 
 
 @pytest.mark.parametrize("knobs", [{"routing": "top_k"}, {"routing": "top_k", "k": "4"},
+                                   {"routing": "top_k", "k": ",".join(["4"] * 8)},
                                    {"routing": "top_k", "mass": "1.0"}, {"routing": "drop_misses", "keep": "4"}],
-                         ids=["top_k", "k=4", "mass=1", "drop keep=4"])
+                         ids=["top_k", "k=4", "k=4 per layer", "mass=1", "drop keep=4"])
 def test_each_lever_at_its_neutral_value_is_the_exact_router_bit_for_bit(knobs):
     exact = logits_of("on_demand", "0.1")
     assert np.array_equal(logits_of("on_demand", "0.1", **knobs), exact)
