@@ -244,9 +244,11 @@ class Session:
                 **self.labels()}
 
     def labels(self) -> dict:
-        """What goes wherever a number goes: emulated flash (the device profile), random weights (make-model), and
-        routing replayed from a trace."""
+        """What goes wherever a number goes: emulated flash (the device profile), random weights (make-model),
+        routing replayed from a trace, and whether the preset's routing changes the model's output (a lossy lever,
+        smol's bias, Edge0's prerouter: its quality is the teacher's to judge)."""
         return {"device": self.device.describe() if self.device else None, "emulated": self.device is not None,
+                "changes_output": not self.preset.exact,
                 "random_weights": self.random_weights, "routing_trace": self.drive.source if self.drive else None,
                 "text": self.text.label}
 

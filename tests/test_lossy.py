@@ -99,3 +99,9 @@ def test_a_trace_refuses_a_lever_in_one_line():
     res = cli("replay", "data/traces/demo-tinystories-256.parquet", "--preset", "les", "--set",
               "routing=drop_misses")
     assert_one_line_error(res, "routing")
+
+
+def test_a_run_with_a_lever_says_it_changes_the_output():
+    from experiments.bench import bench
+    assert bench("demo", "les", "0.25", tokens=2, record=False, routing="top_k", k="2")["changes_output"] is True
+    assert bench("demo", "les", "0.25", tokens=2, record=False)["changes_output"] is False
