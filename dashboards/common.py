@@ -167,6 +167,8 @@ class DesignRun:
         kind, *rest = msg
         if kind == "status":
             self.status = rest[0]
+        elif kind == "unjudged":
+            self.verdict_note = rest[0]
         elif kind == "prompt":
             self._judge_q.put(("prompt", rest[0]))
             threading.Thread(target=self._judge, name=f"workbench-judge-{self.id}", daemon=True).start()
@@ -260,6 +262,9 @@ def start_runs(model: str, designs: list[str], budget: str, prompt: str, tokens:
     from workbench.presets import with_each
     if lever is not None and lever not in LEVERS:
         raise WorkbenchError(f"lever {lever!r}: choose one of {', '.join(LEVERS)}")
+    if lever is not None and routing_trace:
+        raise WorkbenchError("a lossy lever beside the designs needs the model's own weights and routing: not a "
+                             "model size or a routing trace")
     arms = [(d, None) for d in designs] + [(d, LEVERS[lever]) for d in designs if lever]
     for lv in {None, lever}:     # a design that does not load, a knob none has, a value refused: one line, first
         with_each([get_preset(d) for d in designs], {**(knobs or {}), **LEVERS.get(lv, {})})

@@ -163,9 +163,6 @@ def start(model, designs, budget, prompt, tokens, device=None, routing_trace=Non
         C.check_inputs(model, designs, budget, prompt, tokens)
         from experiments.cli import knobs_of
         sets = knobs_of([k.strip() for k in knobs.split(",") if k.strip()])
-        if lever and (shape or routing_trace):
-            raise WorkbenchError("a lossy lever beside the designs needs the model's own weights and routing: "
-                                 "not a model size or a routing trace")
         state.run_ids = C.start_runs(model, designs, budget, prompt, tokens, device, routing_trace, sets, lever)
     except WorkbenchError as e:
         st.error(str(e))

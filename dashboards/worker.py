@@ -5,6 +5,7 @@ does not hold the GIL another design needs. The process sends what the page show
 
     ("status", "starting" | "running")
     ("prompt", token ids)                             judged runs: the text the teacher reads first (evals.live)
+    ("unjudged", why)                                 a run asked to be judged that cannot be
     ("token", text so far, telemetry or None, judged)  telemetry at most every SNAPSHOT_S, the numbers the page draws;
                                                       judged: (token id, the logits it was chosen from) or None
     ("done", text, summary, telemetry, record path)
@@ -57,7 +58,11 @@ def run_design(conn, stop, model: str, design: str, budget, prompt: str, tokens:
         s = open_session(model, design, budget, prompt=prompt, tokens=tokens, drive=drive(routing_trace),
                          device=device, **(knobs or {}))
         conn.send(("status", "running"))
-        judged = judged and s.text.forced is None and not s.preset.execution.speculative
+        why = "forced text" if s.text.forced is not None else \
+            "speculative steps verify drafts in batches" if s.preset.execution.speculative else None
+        if judged and why:
+            conn.send(("unjudged", why))
+        judged = judged and why is None
         if judged:
             conn.send(("prompt", s.encode(prompt)))
         last = [0.0]

@@ -721,6 +721,15 @@ def test_a_lossy_lever_runs_beside_each_design_and_the_teacher_judges_every_toke
     assert sum("the teacher's verdict on 16 of 16 tokens" in c.value for c in at.caption) == 2
 
 
+def test_a_run_that_cannot_be_judged_says_why(runs_root):
+    at = app(LIVE)
+    at.selectbox(key="lever").set_value("top_k k=2")
+    at.text_input(key="knobs").set_value("speculative=2")
+    at = start(at, ["les"], tokens=3)
+    poll(at, finished)
+    assert sum("not judged: speculative steps verify drafts in batches" in c.value for c in at.caption) == 2
+
+
 def test_a_lossy_lever_needs_the_models_own_routing(runs_root):
     at = app(LIVE)
     at.selectbox(key="lever").set_value("top_k k=2")
