@@ -2,8 +2,9 @@
 
     python benchmarks/lossy.py --model demo --budgets 0.1,0.25,0.5 --rounds 3 --out results/lossy.md
 
-Every arm is a design with a lever set (workbench.designs.lossy: drop_misses, top_k; smol's cache bias and q2 experts
-as they ship) beside its lossless design (les). Speed: `bench`, each arm cold, the arms alternating within a round,
+Every arm is a design with a lever set (workbench.designs.lossy: drop_misses, top_k, low_on_miss, low_by_hotness;
+smol's cache bias and q2 experts as they ship) beside its lossless design (les). A low tier's resident q2 copies are
+memory beside the budget: their MiB are in the table. Speed: `bench`, each arm cold, the arms alternating within a round,
 the median over rounds with min-max. Quality, on the same tokens for every arm: KL(teacher || arm), top-1
 agreement and perplexity on held-out text (`eval teacher`'s method, the teacher computed once), and at one budget
 (--lm-budget) lm-eval tasks scored item by item and paired with the teacher (bootstrap intervals). The held-out
@@ -40,12 +41,14 @@ ARMS = {
     "les + top_k k=2": ("les", {"routing": "top_k", "k": "2"}),
     "les + top_k mass=0.8": ("les", {"routing": "top_k", "mass": "0.8"}),
     "les + top_k k=4 first half then 2": ("les", {"routing": "top_k", "k": "4,4,4,4,2,2,2,2"}),
+    "les + low_on_miss (q2 tier)": ("les", {"routing": "low_on_miss"}),
+    "les + low_by_hotness hottest=0.5 (q2 tier)": ("les", {"routing": "low_by_hotness", "hottest": "0.5"}),
     "smol_bias (q2 experts + cache bias)": ("smol_bias", {}),
     "smol (q2 experts)": ("smol", {}),
 }
 
 
-DECODE_ONLY = {"drop_misses"}      # routers that act on decode steps only (workbench.designs.lossy)
+DECODE_ONLY = {"drop_misses", "low_on_miss"}      # routers that act on decode steps only (workbench.designs.lossy)
 
 
 def preset_of(arm: str):
@@ -76,7 +79,7 @@ def speed(model, arms, budgets, rounds, tokens, log, device=None) -> dict:
 def row(arm, budget, runs, quality, ref) -> dict:
     tok = [r["tok_s"] for r in runs]
     steps = sum(r["decode_steps"] for r in runs) / len(runs)
-    computed = statistics.median(sum(x["routed"] for x in r["per_layer"]) / max(1, r["decode_steps"]) for r in runs)
+    computed = statistics.median(sum(x["routed"] + x["low"] for x in r["per_layer"]) / max(1, r["decode_steps"]) for r in runs)
     return {"arm": arm, "budget": budget, "tok_s": statistics.median(tok), "tok_s_min": min(tok), "tok_s_max": max(tok),
             "tok_s_rounds": tok, "over_les": statistics.median(tok) / ref if ref else None,
             "bytes_read_per_token": statistics.median(r["bytes_read_per_token"] for r in runs),
@@ -84,6 +87,7 @@ def row(arm, budget, runs, quality, ref) -> dict:
             "decode_steps": steps, "runs": [r.get("run") for r in runs],
             "random_weights": runs[0].get("random_weights"),
             "dropped_fraction": statistics.median(r["dropped_fraction"] for r in runs),
+            "low_fraction": statistics.median(r["low_fraction"] for r in runs), "low_tier_bytes": runs[0]["low_tier_bytes"],
             "dropped_by_layer": {x["layer"]: statistics.median(y["dropped_fraction"] for r in runs for y in r["per_layer"]
                                                                if y["layer"] == x["layer"]) for x in runs[0]["per_layer"]},
             **{k: quality[k] if quality else None for k in ("kl", "kl_stderr", "top1", "top1_stderr", "ppl", "ppl_ratio")}}
@@ -110,18 +114,20 @@ def markdown(res: dict) -> str:
           f"token, with standard errors; the arm decodes the text a token a step). les is the lossless design: its KL is "
           f"its quantized experts' alone.\n")]
     for b in res["budgets"]:
-        md += [f"## Budget {b}\n", "| arm | tok/s | min-max | x les | KB read/token | experts computed/token | KL | "
-               "top-1 | ppl (x teacher) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        md += [f"## Budget {b}\n", "| arm | tok/s | min-max | x les | KB read/token | experts computed/token | from q2 tier "
+               "(MiB held) | KL | top-1 | ppl (x teacher) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in (r for r in res["rows"] if r["budget"] == b):
             if "not_run" in r:
-                md.append(f"| {r['arm']} | not run: {r['not_run']} ||||||||")
+                md.append(f"| {r['arm']} | not run: {r['not_run']} |||||||||")
                 continue
             quality = "not measured (random weights) | | |" if r["kl"] is None else (
                 f"{r['kl']:.4f} ± {r['kl_stderr']:.4f} | {r['top1']:.3f} ± {r['top1_stderr']:.3f} | {r['ppl']:.3f} "
                 f"({r['ppl_ratio']:.3f}) |")
             md.append(f"| {r['arm']} | {r['tok_s']:.2f} | {r['tok_s_min']:.2f}-{r['tok_s_max']:.2f} | "
                       f"{r['over_les']:.2f} | {r['bytes_read_per_token'] / 1e3:.0f} | "
-                      f"{r['experts_computed_per_token']:.1f} | " + quality)
+                      f"{r['experts_computed_per_token']:.1f} | " + (
+                          f"{r['low_fraction']:.2f} ({r['low_tier_bytes'] / 2**20:.1f}) | " if r.get("low_tier_bytes")
+                          else "| ") + quality)
         if not unscored:
             md += ["", f"Pareto front (tok/s against KL): {', '.join(res['pareto'][b])}."]
         md.append("")

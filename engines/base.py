@@ -7,7 +7,10 @@ at construction and never set from outside:
   predictor    predictor.predict(layer, ctx) -> {target: experts} to read ahead (workbench.predict)
   router_hook  router_hook(layer, logits, ctx) -> (ids, weights), in place of the exact router
   deltas       {projection name: x -> delta} added to x @ W.T (an unmerged adapter: Edge0's LoRA)
-An engine declares what it can do: `takes_hooks` (False: it is refused hooks, not handed ones it ignores)
+  low          the router's low tier (workbench.low_tier.LowTier): the resident low-precision copies of the
+               experts whose choices the router hook marks (its third array), computed in place of a read
+An engine declares what it can do: `takes_hooks` (False: it is refused hooks, not handed ones it ignores),
+`computes_low` (False: it is refused a low tier)
 `raw_experts` (the streamer hands it each expert part's encoded bytes instead of f32 arrays),
 `slot_arena` (the cache's memory is a slot arena, workbench/arena.py, that reads land in) and `resident_bytes`
 (what its non-expert weights take in memory beside the expert cache, which the session's memory guard adds to
@@ -31,9 +34,10 @@ class Hooks:
     predictor: object = None
     router_hook: Callable | None = None
     deltas: dict = field(default_factory=dict)
+    low: object = None
 
     def __bool__(self):
-        return self.predictor is not None or self.router_hook is not None or bool(self.deltas)
+        return self.predictor is not None or self.router_hook is not None or bool(self.deltas) or self.low is not None
 
 
 def split_kv_b(spec, kv_b):
@@ -61,6 +65,7 @@ class Engine(ABC):
     name: str
     threads: int | None = None      # the cores its kernels share, where it chooses them
     takes_hooks = True
+    computes_low = False
     raw_experts = False
     slot_arena = False
 
@@ -69,6 +74,10 @@ class Engine(ABC):
             self.refuse_hooks()
         self.pack, self.spec, self.streamer, self.tel = pack, pack.spec, streamer, telemetry
         self.predictor, self.router_hook, self.deltas = hooks.predictor, hooks.router_hook, dict(hooks.deltas)
+        if hooks.low is not None and not self.computes_low:
+            raise WorkbenchError(f"--engine {self.name} computes no low tier (low_on_miss, low_by_hotness): run them "
+                                 f"with --engine packed or numpy")
+        self.low = hooks.low
         self.token_index = 0
         self.prompt_end = 0                     # pos after the last prefill
         self.dense_compute_s = 0.0              # attention, norms, dense MLPs, head: compute outside the MoE layers

@@ -238,19 +238,25 @@ class Decoder(GatedDeltaNet, Engine):
 
     def moe(self, i: int, x, h, phase: str):
         """Route (the router hook, else the exact router), let the streamer bring the experts in (its predictor's
-        prefetches started first), and let the backend's expert-compute object compute and sum them; the shared
+        prefetches started first), and let the backend's expert-compute object compute and sum them (those the
+        router marks for the low tier from their low-precision copies, while the reads are in flight); the shared
         expert is added here."""
         s, p = self.spec, f"layers.{i}."
         t0 = time.perf_counter()
         ctx = {"x": self.to_numpy(x), "h": self.to_numpy(h), "logits": self.to_numpy(self.linear(x, p + "router")),
                "phase": phase, "engine": self}
-        idx, weights = self.route(i, ctx["logits"], ctx)
-        step = self.streamer.begin_layer(i, idx, self.token_index, ctx, self.predictor, t0)
+        idx, weights, *low = self.route(i, ctx["logits"], ctx)
+        low = low[0] if low else None           # the choices computed from the low tier (a router's third array)
+        if low is not None and self.low is None:
+            raise WorkbenchError(f"layer {i}: the router marked choices for a low tier, and it declares none (its "
+                                 f"`low`: q2 or q3)")
+        step = self.streamer.begin_layer(i, idx, self.token_index, ctx, self.predictor, t0, low)
         compute = self.experts.begin(i, x, idx, weights)
-        self.streamer.run_layer(step, compute)
+        lows = sorted(set(idx[low].tolist())) if low is not None else []
+        self.streamer.run_layer(step, compute, (lambda: self.experts.compute_low(lows)) if lows else None)
         t0 = time.perf_counter()
         ev = step.ev
-        out = self.experts.combine(step.needed)
+        out = self.experts.combine(sorted({*step.needed, *lows}) if lows else step.needed)
         if s.shared_expert_size:
             y = self.dense_mlp(x, p + "shared.")
             if s.shared_expert_gate:

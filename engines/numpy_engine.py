@@ -11,6 +11,7 @@ from threadpoolctl import threadpool_limits
 
 from engines.base import Hooks, dense_weights
 from engines.decoder import Decoder
+from workbench.errors import WorkbenchError
 from workbench.store.pack import Pack
 from workbench.streamer import ExpertStreamer
 from workbench.telemetry import Telemetry
@@ -22,14 +23,24 @@ class NumpyExperts:
 
     def begin(self, layer: int, x, idx, weights):
         """compute(experts, their f32 weights) for the streamer, called on each batch as it arrives."""
-        self.x, self.contrib = x, {}
+        self.layer, self.x, self.contrib = layer, x, {}
 
         def compute(es, ews):
             for e, ew in zip(es, ews):
                 rows, slot = np.nonzero(idx == e)
                 self.contrib[e] = (rows, self.decoder.mlp(x[rows], ew["gate"], ew["up"], ew["down"])
                                    * weights[rows, slot][:, None])
+        self.compute = compute
         return compute
+
+    def compute_low(self, es):
+        """Experts `es` from the low tier's copies, dequantized."""
+        low = self.decoder.low
+        for e in es:
+            if not low.holds(self.layer, e):
+                raise WorkbenchError(f"layer {self.layer}: the router marked expert {e} for the low tier, which does "
+                                     f"not hold it (its low_experts())")
+        self.compute(es, [low.weights(self.layer, e) for e in es])
 
     def combine(self, needed):
         out = np.zeros_like(self.x)
@@ -41,6 +52,7 @@ class NumpyExperts:
 
 class NumpyEngine(Decoder):
     name = "numpy"
+    computes_low = True
 
     @classmethod
     def resident_bytes(cls, pack) -> int:

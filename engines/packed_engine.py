@@ -130,33 +130,51 @@ class PackedExperts:
     def __init__(self, decoder: Decoder, pack: Pack, arena):
         self.decoder, self.arena, s = weakref.proxy(decoder), arena, decoder.spec   # the decoder holds these
         self.d, self.ff = s.hidden_size, s.moe_intermediate_size
-        self.kernels = {L: layer_kernel(pack, L, arena.layouts[L][1]) for L in s.moe_layers}
-        self.heads = {L: pack.expert_heads(L) if self.kernels[L][0] else kernel_heads(pack, L) for L in s.moe_layers}
-        self.scales = {L: K.SCALES.get(K.affine_of(pack.kinds_of(L)["gate"])[1], K.F16) if not self.kernels[L][0]
-                       else None for L in s.moe_layers}
+        self.kernels = {L: kernel_of(pack, L, arena.layouts[L][1]) for L in s.moe_layers}
+        self.low = low = decoder.low        # the router's low tier: its copies computed from its own blocks
+        self.low_kernels = {L: kernel_of(low.pack, L, low.layouts[L][1]) for L in low.blocks} if low else {}
 
     def begin(self, i: int, x, idx, weights):
         """compute(experts, slot offsets) for the streamer: one kernel call per batch, which picks the batch's
         (token, expert) pairs itself (no per-batch index arrays in Python)."""
-        self.k = k = idx.shape[1]          # the routing's top-k: a routing trace's may be less than the model's
-        flat = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
-        w = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
-        X = np.ascontiguousarray(x, dtype=np.float32)
-        self.Y = Y = np.empty((flat.shape[0], self.d), np.float32)
-        block = self.arena.blocks[i]
-        ggml, parts = self.kernels[i]
-        heads, scales = self.heads[i], self.scales[i]
+        self.i, self.k = i, idx.shape[1]    # the routing's top-k: a routing trace's may be less than the model's
+        self.flat = np.ascontiguousarray(idx, dtype=np.int64).reshape(-1)
+        self.w = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
+        self.X = np.ascontiguousarray(x, dtype=np.float32)
+        self.Y = np.empty((self.flat.shape[0], self.d), np.float32)
+        block, kernel = self.arena.blocks[i], self.kernels[i]
 
         def compute(es, offsets):
-            es, offsets = np.array(es, np.int64), np.array(offsets, np.int64)
-            if ggml:
-                G.moe_ready(block, es, offsets, flat, k, w, X, Y, parts, heads, self.d, self.ff)
-            else:
-                K.moe_ready(block, es, offsets, flat, k, w, X, Y, parts, heads, self.d, self.ff, scales)
+            self.run(block, kernel, np.array(es, np.int64), np.array(offsets, np.int64))
         return compute
+
+    def compute_low(self, es):
+        """The layer's pairs whose expert is one of `es`, from the low tier's copies."""
+        offsets = self.low.offsets(self.i, es) if self.i in self.low_kernels else np.full(len(es), -1)
+        if (offsets < 0).any():
+            raise WorkbenchError(f"layer {self.i}: the router marked expert {es[int(np.argmin(offsets))]} for the low "
+                                 f"tier, which does not hold it (its low_experts())")
+        self.run(self.low.blocks[self.i], self.low_kernels[self.i], np.array(es, np.int64), offsets)
+
+    def run(self, block, kernel, es, offsets):
+        ggml, parts, heads, scales = kernel
+        if ggml:
+            G.moe_ready(block, es, offsets, self.flat, self.k, self.w, self.X, self.Y, parts, heads, self.d, self.ff)
+        else:
+            K.moe_ready(block, es, offsets, self.flat, self.k, self.w, self.X, self.Y, parts, heads, self.d, self.ff,
+                        scales)
 
     def combine(self, needed):
         return self.Y.reshape(-1, self.k, self.d).sum(1)
+
+
+def kernel_of(pack: Pack, layer: int, offsets: dict) -> tuple:
+    """(whether ggml computes it, its parts table, where each expert's parts start past their slot regions, the
+    affine scales' dtype or None) of one layer's experts laid out in slots at `offsets` (layer_kernel)."""
+    ggml, parts = layer_kernel(pack, layer, offsets)
+    if ggml:
+        return ggml, parts, pack.expert_heads(layer), None
+    return ggml, parts, kernel_heads(pack, layer), K.SCALES.get(K.affine_of(pack.kinds_of(layer)["gate"])[1], K.F16)
 
 
 def kernel_heads(pack: Pack, layer: int) -> np.ndarray:
@@ -240,6 +258,7 @@ class ThreadChoice:
 
 class PackedEngine(Decoder):
     name = "packed"
+    computes_low = True
     slot_arena = True       # the session gives the cache a slot arena; the streamer reads into it
 
     @classmethod

@@ -14,7 +14,7 @@ import numpy as np
 
 from engines import engine_class
 from engines.base import Hooks
-from workbench.arena import SlotArena
+from workbench.arena import SlotArena, slot_bytes
 from workbench.atomic import atomic_write
 from runtime.capture import RoutingCapture
 from workbench.io import drop_page_cache, slot_readers
@@ -74,6 +74,7 @@ class Session:
             cls.refuse_hooks()                  # before building hooks from weights such an engine is not given
         w = {**cls.needed_weights(self.pack), **(weights or {})}
         self.drive = None
+        self.low_tier = None                    # a router's resident low-precision copies (workbench.low_tier)
         if drive:
             if why := trace_cannot_drive(p):
                 raise WorkbenchError(f"--routing-trace: preset {p.name} {why}")
@@ -92,7 +93,7 @@ class Session:
         self.arena = SlotArena(self.pack, self.cache) if cls.slot_arena else None
         self.streamer = ExpertStreamer(self.pack, self.cache, self.reader, self.tel, execution=p.execution.order.value,
                                        raw=cls.raw_experts, arena=self.arena)
-        hooks = Hooks(predictor, router_hook, {**hook_deltas, **(deltas or {})})
+        hooks = Hooks(predictor, router_hook, {**hook_deltas, **(deltas or {})}, self.low_tier)
         self.engine = cls(self.pack, self.streamer, self.tel, hooks, weights=w, **({"threads": threads} if threads else {}))
         self.reader_bytes0 = 0
         if plan.all_resident:
@@ -120,10 +121,25 @@ class Session:
             from workbench.designs import router_class
             params = {**({"beta": r.beta} if r.router is Router.CACHE_BIAS else {}), **dict(self.preset.params)}
             cls = router_class(str(r))
-            return cls(setup, self.cache, **{k: v for k, v in params.items() if k in cls.params}).route, {}
+            router = cls(setup, self.cache, **{k: v for k, v in params.items() if k in cls.params})
+            if router.low:
+                self.low_tier = self._low_tier(router)
+            return router.route, {}
         from workbench.edge0.serve import prerouter_routing     # Edge0: the head's prediction is the routing
         hook, self.lora = prerouter_routing(predictor, r.lora, self.spec, w, self.pack)
         return hook, self.lora.deltas() if self.lora else {}
+
+    def _low_tier(self, router):
+        """The router's low tier: its experts' copies at its precision, from the checkpoint's pack at it (written
+        once), read into memory now; refused in one line where the machine cannot hold it beside the run."""
+        from workbench.low_tier import LowTier, fits, low_pack
+        keys = router.low_experts()
+        if not keys:
+            return None
+        pack = low_pack(self.model, self.preset.storage, router.low, self.plan.engine)
+        fits(self.plan.memory["needed_bytes"] + len(keys) * slot_bytes(pack), f"{pack.path} ({router.low} copies of "
+             f"{len(keys)} experts)")
+        return LowTier(pack, keys)
 
     def warm_start(self):
         """What the design starts with (self.start: workbench.cache.start_set): its pinned hot store, and each
@@ -235,7 +251,8 @@ class Session:
         return {**m, **self.run_summary(tel, m).record(), "cache_bytes": self.cache.bytes,
                 "cache_peak_bytes": self.cache.peak_bytes, "peak_rss_bytes": peak_rss_bytes(),
                 "reader_mode": self.reader.mode, "reader_workers": self.reader.workers,
-                "read_retries": self.reader.retries, "threads": self.engine.threads, **self.labels()}
+                "read_retries": self.reader.retries, "threads": self.engine.threads,
+                "low_tier_bytes": self.low_tier.nbytes if self.low_tier else 0, **self.labels()}
 
     def config(self) -> dict:
         return {"model": self.model, "pack": str(self.pack_path), "pack_id": self.pack.content_id(),

@@ -256,7 +256,8 @@ def test_lossy_levers_priced_on_the_demo(tmp_path):
     JSON's, each ratio to les its own, a per-layer pool below its top-k not run and said so, a lever that acts only
     while decoding not scored by lm-eval and said so, the others paired with the teacher item by item."""
     out = tmp_path / "lossy.md"
-    run("lossy", "--arms", "les,les + drop_misses,les + top_k k=3,smol_bias (q2 experts + cache bias)", "--budgets", "0.1",
+    run("lossy", "--arms", "les,les + drop_misses,les + top_k k=3,smol_bias (q2 experts + cache bias),"
+        "les + low_on_miss (q2 tier)", "--budgets", "0.1",
         "--rounds", 1, "--tokens", 4, "--chunks", 1, "--limit", 4, "--lm-budget", "0.25", "--out", out)
     res, md = json.loads(out.with_suffix(".json").read_text()), out.read_text()
     assert command_line(md) == res["command"]
@@ -266,12 +267,17 @@ def test_lossy_levers_priced_on_the_demo(tmp_path):
     for arm in ("les", "les + drop_misses", "les + top_k k=3"):
         r = rows[arm]
         assert same(r["over_les"], r["tok_s"] / les["tok_s"]) and r["tok_s_min"] <= r["tok_s"] <= r["tok_s_max"]
-        assert rows_of(md, arm)[0][1] == f"{r['tok_s']:.2f}" and rows_of(md, arm)[0][6].startswith(f"{r['kl']:.4f}")
+        assert rows_of(md, arm)[0][1] == f"{r['tok_s']:.2f}" and rows_of(md, arm)[0][7].startswith(f"{r['kl']:.4f}")
     assert rows["les + top_k k=3"]["experts_computed_per_token"] < les["experts_computed_per_token"]
     assert rows["les + drop_misses"]["kl"] > les["kl"]            # it dropped experts, and it shows
     assert res["tasks"]["les + drop_misses"] is None and "not measured" in rows_of(md, "les + drop_misses")[-1][1]
     assert res["tasks"]["les + top_k k=3"]["tinystories_ending"]["paired"]["n"] == 4
     assert les["dropped_fraction"] == 0 and rows["les + top_k k=3"]["dropped_fraction"] == 0.25
+    low = rows["les + low_on_miss (q2 tier)"]              # misses computed from the resident q2 copies, not read
+    assert 0 < low["low_fraction"] <= 0.75 and low["dropped_fraction"] == 0 and low["low_tier_bytes"] > 0
+    assert low["bytes_read_per_token"] < les["bytes_read_per_token"] and res["tasks"]["les + low_on_miss (q2 tier)"] is None
+    assert rows_of(md, "les + low_on_miss (q2 tier)")[0][6] == \
+        f"{low['low_fraction']:.2f} ({low['low_tier_bytes'] / 2**20:.1f})"
     dropped = rows_of(md, "les + drop_misses")[1]           # the table of what each lever left out, layer by layer
     assert dropped[1] == f"{rows['les + drop_misses']['dropped_fraction']:.3f}" and len(dropped) == 2 + 8
 
@@ -285,7 +291,7 @@ def test_lossy_levers_on_the_emulated_phone_measure_speed_and_say_why_not_qualit
     res, md = json.loads(out.with_suffix(".json").read_text()), out.read_text()
     assert res["device"] == "ufs22-phone" and res["random_weights"] and "EMULATED ufs22-phone" in md
     assert all(r["kl"] is None and r["tok_s"] > 0 for r in res["rows"]) and not res["tasks"]
-    assert "not measured (random weights)" in rows_of(md, "les + drop_misses")[0][6] and "Pareto" not in md
+    assert "not measured (random weights)" in rows_of(md, "les + drop_misses")[0][7] and "Pareto" not in md
 
 
 def test_run_setup_on_the_demo_and_its_trace(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from test_bad_input import assert_one_line_error, cli
 from runtime.session import open_session
 from workbench.designs import Setup
-from workbench.designs.lossy import DropMisses, TopK
+from workbench.designs.lossy import DropMisses, LowByHotness, LowOnMiss, TopK
 
 PROMPT, FORCED = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]
 
@@ -25,18 +25,19 @@ def logits_of(preset: str, budget: str, **knobs) -> np.ndarray:
 
 @pytest.mark.parametrize("knobs", [{"routing": "top_k"}, {"routing": "top_k", "k": "4"},
                                    {"routing": "top_k", "k": ",".join(["4"] * 8)},
-                                   {"routing": "top_k", "mass": "1.0"}, {"routing": "drop_misses", "keep": "4"}],
-                         ids=["top_k", "k=4", "k=4 per layer", "mass=1", "drop keep=4"])
+                                   {"routing": "top_k", "mass": "1.0"}, {"routing": "drop_misses", "keep": "4"},
+                                   {"routing": "low_on_miss", "keep": "4"}, {"routing": "low_by_hotness", "hottest": "1"}],
+                         ids=["top_k", "k=4", "k=4 per layer", "mass=1", "drop keep=4", "low keep=4", "hottest=1"])
 def test_each_lever_at_its_neutral_value_is_the_exact_router_bit_for_bit(knobs):
     exact = logits_of("on_demand", "0.1")
     assert np.array_equal(logits_of("on_demand", "0.1", **knobs), exact)
 
 
-def router(cls, held=(), top_k=4, **params):
+def router(cls, held=(), top_k=4, usage=None, **params):
     """A lever on a 2-layer spec whose exact router gives experts 3, 1, 0, 2 with weights .4, .3, .2, .1."""
     spec = SimpleNamespace(top_k=top_k, moe_layers=[0, 1], num_experts=8)
     exact = lambda layer, logits, bias=None: (np.array([[3, 1, 0, 2]]), np.array([[.4, .3, .2, .1]], np.float32))
-    return cls(Setup(spec, exact=exact), {(1, e) for e in held}, **params)
+    return cls(Setup(spec, exact=exact, usage=usage), {(1, e) for e in held}, **params)
 
 
 def test_top_k_keeps_the_best_and_the_rows_weight():
@@ -105,3 +106,76 @@ def test_a_run_with_a_lever_says_it_changes_the_output():
     from experiments.bench import bench
     assert bench("demo", "les", "0.25", tokens=2, record=False, routing="top_k", k="2")["changes_output"] is True
     assert bench("demo", "les", "0.25", tokens=2, record=False)["changes_output"] is False
+
+
+def test_low_on_miss_marks_the_misses_for_the_low_tier_and_keeps_the_routing():
+    idx, w, low = router(LowOnMiss, held=[0]).route(1, np.zeros((1, 8)), {"phase": "decode"})
+    assert idx.tolist() == [[3, 1, 0, 2]] and np.allclose(w, [[.4, .3, .2, .1]])
+    assert low.tolist() == [[False, True, False, True]]        # 3 the first (kept), 0 held; 1 and 2 missed
+    assert len(router(LowOnMiss, held=[1, 0, 2]).route(1, np.zeros((1, 8)), {"phase": "decode"})) == 2
+
+
+def test_low_by_hotness_computes_the_least_used_experts_from_the_low_tier():
+    usage = {L: np.array([0, 9, 1, 8, 7, 6, 5, 4]) for L in (0, 1)}       # hottest: 1, 3, 4, 5
+    r = router(LowByHotness, usage=usage, hottest=0.5)
+    assert sorted(e for L, e in r.low_experts() if L == 1) == [0, 2, 6, 7]
+    idx, w, low = r.route(1, np.zeros((1, 8)), {"phase": "prefill"})
+    assert low.tolist() == [[False, False, True, True]]          # 3 and 1 hot, 0 and 2 cold
+    assert router(LowByHotness, usage=usage, hottest=1.0).low_experts() == []
+
+
+@pytest.mark.parametrize("engine,experts", [("packed", "g2"), ("numpy", "q2")])
+def test_every_expert_from_the_low_tier_is_the_run_on_the_low_pack_bit_for_bit(engine, experts):
+    """hottest=0: every routed expert computed from its resident copy, none read; the same logits as the pack at that
+    precision run whole, so each low-tier expert is computed from exactly its low-precision bytes."""
+    low = logits_of("on_demand", "0.1", engine=engine, routing="low_by_hotness", hottest="0")
+    assert np.array_equal(low, logits_of("on_demand", "0.1", engine=engine, experts=experts))
+    assert not np.array_equal(low, logits_of("on_demand", "0.1", engine=engine))
+    with open_session("demo", "on_demand", "0.1", prompt=None, engine=engine, routing="low_by_hotness", hottest="0") as s:
+        s.step(PROMPT, "prefill")
+        s.step([6], "decode")
+        assert s.reader.bytes_read == 0 and s.summary()["low_fraction"] == 1.0
+        assert s.summary()["low_tier_bytes"] == s.low_tier.nbytes > 0
+
+
+def test_low_on_miss_reads_fewer_experts_than_its_design_and_computes_as_many():
+    from experiments.bench import bench
+    base = bench("demo", "les", "0.1", tokens=16, record=False)
+    low = bench("demo", "les", "0.1", tokens=16, record=False, routing="low_on_miss")
+    assert low["experts_read_per_token"] < 0.5 * base["experts_read_per_token"]
+    assert low["dropped_fraction"] == 0 and 0 < low["low_fraction"] <= 0.75
+    assert low["low_tier_bytes"] > 0 and base["low_tier_bytes"] == 0 and low["changes_output"] is True
+    computed = lambda r: sum(x["routed"] + x["low"] for x in r["per_layer"]) / r["decode_steps"]
+    assert computed(low) == pytest.approx(computed(base), rel=0.25)     # every choice computed, by one copy or the other
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--set", "routing=low_on_miss", "--set", "low=q5"], "low=q5 is not a low tier's precision; choose q2 or q3"),
+    (["--set", "routing=low_by_hotness", "--set", "hottest=1.5"], "hottest=1.5 is outside [0, 1]"),
+    (["--set", "routing=low_on_miss", "--engine", "mlx"], "computes no low tier"),
+])
+def test_a_low_tier_out_of_range_is_one_line(args, says):
+    if "mlx" in args:
+        pytest.importorskip("mlx.core")
+    res = cli("bench", "--model", "demo", "--preset", "les", "--tokens", "2", "--no-record", *args)
+    assert_one_line_error(res, says)
+
+
+def test_a_low_tier_of_a_pack_given_as_the_model_is_refused_in_one_line():
+    from runtime.plan import plan
+    pack = plan("demo", "les", "0.25").pack.path          # a pack holds one precision: no checkpoint to convert
+    res = cli("bench", "--model", str(pack), "--preset", "les", "--tokens", "2", "--no-record", "--set",
+              "routing=low_on_miss")
+    assert_one_line_error(res, "needs the checkpoint it was converted from")
+
+
+def test_no_room_for_the_low_copy_is_one_line_and_writes_nothing(monkeypatch, tmp_path):
+    import shutil
+    from workbench import low_tier
+    from workbench.errors import WorkbenchError
+    from workbench.presets import get_preset
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(low_tier.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 4096))
+    with pytest.raises(WorkbenchError, match=r"no room for its q2 copy .* GiB free"):
+        low_tier.low_pack("demo", get_preset("les").storage, "q2", "packed")
+    assert not list((tmp_path / "cache").rglob("*.pack"))

@@ -197,7 +197,8 @@ class Routing:
 
     @classmethod
     def parse(cls, text: str) -> "Routing":
-        """exact | cache_bias:BETA | prerouter[:nolora] | top_k | drop_misses | a Router of your own
+        """exact | cache_bias:BETA | prerouter[:nolora] | top_k | drop_misses | low_on_miss | low_by_hotness | a Router
+        of your own
         (path/to/file.py:Name)"""
         from workbench.designs import is_ref, router_class
         if is_ref(text):
@@ -217,8 +218,8 @@ class Routing:
             return cls(kind, lora=args != ["nolora"])
         if kind is Router.EXACT and not args:
             return cls(kind)
-        raise WorkbenchError(f"routing {text!r}: choose exact, cache_bias:BETA, prerouter[:nolora], top_k or "
-                             f"drop_misses")
+        raise WorkbenchError(f"routing {text!r}: choose exact, cache_bias:BETA, prerouter[:nolora], top_k, "
+                             f"drop_misses, low_on_miss or low_by_hotness")
 
     def __str__(self):
         if self.router is Router.CACHE_BIAS:

@@ -126,12 +126,17 @@ class Schedule:
 
     # ------------------------------------------------------------ a layer runs
 
-    def run_layer(self, st: LayerStep):
+    def run_layer(self, st: LayerStep, low=None):
         """Bring every needed expert into memory and compute each batch in memory together (ready_first: what is
-        there, then each arrival; wait_all: one batch)."""
+        there, then each arrival; wait_all: one batch). low(): compute that needs no read (a low tier's experts),
+        done once the layer's reads are issued."""
         self.look_up(st)
         self.issue_demand(st)
         self.issue_named(st)
+        if low is not None:
+            t0 = self.clock.now()
+            low()
+            st.ev.compute_s += self.clock.now() - t0
         if not self.wait_all:
             self.compute(st)
         while st.pending or st.backlog or st.ready:

@@ -170,29 +170,31 @@ class ExpertStreamer:
 
     # ------------------------------------------------------------ one layer, scheduled (workbench.schedule)
 
-    def begin_layer(self, layer: int, idx, token: int, ctx: dict, predictor, t0: float) -> LayerStep:
+    def begin_layer(self, layer: int, idx, token: int, ctx: dict, predictor, t0: float, low=None) -> LayerStep:
         """A MoE layer routed to experts `idx` at `token` (the engine's token index): the schedule's step, with the
         predictor's names for later layers (read by run_layer after this layer's own misses). ctx: what the
-        predictor reads (x, h, logits: numpy; phase; engine); t0: when the router started."""
+        predictor reads (x, h, logits: numpy; phase; engine); t0: when the router started. low: the choices
+        computed from the low tier (bool, as idx), which are not brought in."""
         phase = ctx["phase"]
         ev = LayerEvent(token=token if phase == "decode" else -1, layer=layer, phase=phase,
                         routed=[], predicted=[], hit=[], t_start=t0)
         ctx["routed"] = idx
         ev.chosen = int((idx >= 0).sum())
         ev.dropped = idx.shape[0] * self.pack.spec.top_k - ev.chosen
+        ev.low = 0 if low is None else int(low.sum())
         ev.router_s = time.perf_counter() - t0
-        st = self.schedule.begin_layer(layer, [set(idx.ravel().tolist())], [token], ev)
+        st = self.schedule.begin_layer(layer, [set((idx.ravel() if low is None else idx[~low]).tolist())], [token], ev)
         if predictor is not None:
             t1 = time.perf_counter()
             self.schedule.name(token, predictor.predict(layer, ctx), getattr(predictor, "certain", False))
             ev.router_s += time.perf_counter() - t1
         return st
 
-    def run_layer(self, st: LayerStep, compute):
+    def run_layer(self, st: LayerStep, compute, low=None):
         """Bring every needed expert into memory and call compute(experts, their cache entries) on each batch
-        that is in memory together, as the schedule orders."""
+        that is in memory together, as the schedule orders; low(): the work that reads nothing (the low tier's)."""
         st.work = compute
-        self.schedule.run_layer(st)
+        self.schedule.run_layer(st, low)
 
     # ------------------------------------------------------------ the real clock (workbench.schedule.Clock)
 

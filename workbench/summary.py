@@ -30,6 +30,7 @@ class Reads:
     precision: float | None
     per_layer: tuple = ()       # Telemetry.per_layer rows
     dropped_fraction: float = 0.0     # of the model's top-k choices, those a lossy lever left out (per layer: rows)
+    low_fraction: float = 0.0         # of the choices made, those computed from the low tier's copy
 
     @classmethod
     def of(cls, tel: Telemetry, bytes_read: int) -> Reads:
@@ -37,10 +38,10 @@ class Reads:
         layers = tel.per_layer("decode")
         hits, late, misses = (sum(r[k] for r in layers) for k in ("hits", "late", "misses"))
         decode = [e for e in tel.events if e.phase == "decode"]
-        dropped, chosen = (sum(r[k] for r in layers) for k in ("dropped", "chosen"))
+        dropped, chosen, low = (sum(r[k] for r in layers) for k in ("dropped", "chosen", "low"))
         return cls(hits, late, misses, bytes_read, sum(e.issued for e in decode), sum(e.prefetched for e in decode),
                    tel.prefetch_used, tel.prefetch_wasted, *prediction_rates(layers), tuple(layers),
-                   dropped / (dropped + chosen) if dropped + chosen else 0.0)
+                   dropped / (dropped + chosen) if dropped + chosen else 0.0, low / chosen if chosen else 0.0)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class RunSummary:
                "budget_bytes": m.budget_bytes, "cache_slots": m.cache_slots,
                "pool_slots": m.pool_slots, "expert_disk_bytes": m.expert_disk_bytes,
                "expert_mem_bytes": m.expert_mem_bytes,
-               "dropped_fraction": r.dropped_fraction, "per_layer": list(r.per_layer)}
+               "dropped_fraction": r.dropped_fraction, "low_fraction": r.low_fraction, "per_layer": list(r.per_layer)}
         if (t := self.time) is not None:
             out.update(decode_s=t.decode_s, flash_wait_s=t.flash_wait_s, flash_wait_per_token_s=t.flash_wait_s / n,
                        compute_s=t.compute_s, router_s=t.router_s, dequant_s=t.dequant_s, other_s=t.other_s)

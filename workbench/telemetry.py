@@ -53,6 +53,7 @@ class LayerEvent:
     bytes_read: int = 0         # bytes the reader transferred for this layer's misses
     chosen: int = 0             # (row, expert) choices the routing made (rows x the columns it returned)
     dropped: int = 0            # of the model's top-k choices, those the routing left out (a lossy lever)
+    low: int = 0                # of the choices, those computed from the low tier's copy (low_on_miss, low_by_hotness)
     wait_s: float = 0.0         # compute thread blocked on reads (flash wait)
     dequant_s: float = 0.0      # the part of the blocked time spent dequantizing
     compute_s: float = 0.0
@@ -192,7 +193,7 @@ class Telemetry:
                 continue
             r = rows.setdefault(ev.layer, dict(layer=ev.layer, hits=0, late=0, misses=0, bytes_read=0, wait_s=0.0,
                                                compute_s=0.0, predicted=0, predicted_used=0, routed=0,
-                                               dropped=0, chosen=0))
+                                               dropped=0, chosen=0, low=0))
             h = sum(ev.hit)
             r["hits"] += h
             r["late"] += ev.late
@@ -206,6 +207,7 @@ class Telemetry:
             r["routed"] += len(ev.routed)
             r["dropped"] += ev.dropped
             r["chosen"] += ev.chosen
+            r["low"] += ev.low
         out = []
         for L in sorted(rows):
             r = rows[L]
@@ -214,6 +216,7 @@ class Telemetry:
             r["precision"] = r["predicted_used"] / r["predicted"] if r["predicted"] else None
             asked = r["dropped"] + r["chosen"]
             r["dropped_fraction"] = r["dropped"] / asked if asked else 0.0
+            r["low_fraction"] = r["low"] / r["chosen"] if r["chosen"] else 0.0
             out.append(r)
         return out
 

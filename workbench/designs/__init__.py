@@ -2,7 +2,8 @@
 
     PREDICTORS   name -> its Predictor's reference (lookahead, history, oracle, shuffled, prerouter, coactivation)
     POLICIES     name -> its Policy's reference    (lru, lfu, lfu_aging, s3fifo, least_stale)
-    ROUTERS      name -> its Router's reference    (cache_bias: smol_bias's; top_k, drop_misses: the lossy levers)
+    ROUTERS      name -> its Router's reference    (cache_bias: smol_bias's; top_k, drop_misses, low_on_miss,
+                 low_by_hotness: the lossy levers)
     load(ref)    "path/to/mine.py:Name" or "package.module:Name" -> the object it names
 
 Every built-in is found here the way a design of your own is: by its name in the preset's knobs
@@ -45,6 +46,8 @@ ROUTERS = {
     "cache_bias": "workbench.routing:CacheBias",
     "top_k": "workbench.designs.lossy:TopK",
     "drop_misses": "workbench.designs.lossy:DropMisses",
+    "low_on_miss": "workbench.designs.lossy:LowOnMiss",
+    "low_by_hotness": "workbench.designs.lossy:LowByHotness",
 }
 
 

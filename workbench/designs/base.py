@@ -116,9 +116,16 @@ class Router:
     """Changes the routing, and so the model's output (its quality cost is measured: evals): route(layer, logits,
     ctx) -> (experts, weights), rows x top-k or fewer columns (the levers: workbench.designs.lossy), in place of the
     exact router. `cache` is the run's expert cache (what is in memory: cache.keys(layer), cache.peek(key)); `exact`
-    is the model's own router, with a bias if given."""
+    is the model's own router, with a bias if given.
+    A router with a low tier (`low`: its precision, q2 or q3; workbench.low_tier) may return a third array, rows x
+    columns of bool: the choices computed from the tier's copy instead of read; the tier holds `low_experts()`."""
     params: dict = {}
     changes_output = True
+    low: str | None = None
+
+    def low_experts(self) -> list:
+        """The (layer, expert)s the low tier holds: every expert of every MoE layer, unless a router needs fewer."""
+        return [(L, e) for L in self.spec.moe_layers for e in range(self.spec.num_experts)]
 
     def __init__(self, setup: Setup, cache, **params):
         self.setup, self.spec, self.cache = setup, setup.spec, cache

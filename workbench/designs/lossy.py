@@ -7,6 +7,10 @@ them.
                 WARP keeps a table of reduced top-k settings checked by KL
     DropMisses  skip the routed experts not in memory: BigMoeOnEdge, Qwen3.6-35B-A3B on a 16 GB laptop, 4.8 tok/s
                 lossless against 7.3 dropping cold experts
+    LowOnMiss   compute a missed expert from a resident q2 copy instead of reading it: HOBBIT (mixed-precision
+                expert offloading, arXiv 2411.01433)
+    LowByHotness  the most used experts at the pack's precision, the rest from a resident q2 copy: HOBBIT's and
+                the field's precision by hotness
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import numpy as np
 
 from workbench.designs.base import Router
 from workbench.errors import WorkbenchError
+from workbench.low_tier import LOW
 
 
 def kept(idx: np.ndarray, w: np.ndarray, n: int) -> tuple:
@@ -72,12 +77,68 @@ class DropMisses(Router):
                                  f"0..{len(self.spec.moe_layers) - 1} (the model's MoE layers)")
         self.depth = {L: i for i, L in enumerate(self.spec.moe_layers)}
 
+    def missed(self, layer: int, idx: np.ndarray, ctx: dict) -> np.ndarray | None:
+        """Which of a decode step's choices are not in memory (past the first `keep`, from the `from_layer`-th MoE
+        layer on): rows x columns of bool, None where none is or the lever does not act."""
+        if ctx.get("phase") != "decode" or idx.shape[0] != 1 or self.depth[layer] < self.from_layer:
+            return None
+        cache, keep = self.cache, self.keep
+        m = np.array([[j >= keep and (layer, int(e)) not in cache for j, e in enumerate(idx[0])]])
+        return m if m.any() else None
+
     def route(self, layer, logits, ctx):
         idx, w = self.exact(layer, logits)
-        if ctx.get("phase") != "decode" or idx.shape[0] != 1 or self.depth[layer] < self.from_layer:
+        m = self.missed(layer, idx, ctx)
+        if m is None:
             return idx, w
-        held = [j for j, e in enumerate(idx[0]) if j < self.keep or (layer, int(e)) in self.cache]
-        if len(held) == idx.shape[1]:
-            return idx, w
-        order = held + [j for j in range(idx.shape[1]) if j not in held]
-        return kept(idx[:, order], w[:, order], len(held))
+        order = np.concatenate([np.flatnonzero(~m[0]), np.flatnonzero(m[0])])
+        return kept(idx[:, order], w[:, order], int((~m[0]).sum()))
+
+
+def low_precision(router) -> str:
+    if router.low not in LOW:
+        raise WorkbenchError(f"routing {type(router).__name__}: low={router.low} is not a low tier's precision; "
+                             f"choose {' or '.join(LOW)}")
+    return router.low
+
+
+class LowOnMiss(DropMisses):
+    """A routed expert not in memory when its layer routes is computed from its resident low-precision copy (the
+    low tier, workbench.low_tier) instead of read: HOBBIT's. `keep` and `from_layer` as drop_misses's."""
+    params = {**DropMisses.params, "low": "q2"}
+
+    def __init__(self, setup, cache, **params):
+        super().__init__(setup, cache, **params)
+        low_precision(self)
+
+    def route(self, layer, logits, ctx):
+        idx, w = self.exact(layer, logits)
+        m = self.missed(layer, idx, ctx)
+        return (idx, w) if m is None else (idx, w, m)
+
+
+class LowByHotness(Router):
+    """Precision by hotness: each layer's `hottest` share of its experts, the most used on held-out text, at the pack's
+    precision (streamed through the cache); the rest always computed from their resident low-precision copy (the
+    low tier holds only those). hottest=1: every expert at the pack's precision."""
+    params = {"hottest": 0.5, "low": "q2"}
+
+    def __init__(self, setup, cache, **params):
+        super().__init__(setup, cache, **params)
+        low_precision(self)
+        if not 0.0 <= self.hottest <= 1.0:
+            raise WorkbenchError(f"routing low_by_hotness: hottest={self.hottest:g} is outside [0, 1]")
+        E = self.spec.num_experts
+        usage = setup.usage or {L: np.bincount(np.asarray(t).ravel(), minlength=E) for L, t in setup.sample().items()}
+        n = round(self.hottest * E)
+        self.cold = {L: np.ones(E, bool) for L in self.spec.moe_layers}
+        for L in self.spec.moe_layers:
+            self.cold[L][np.argsort(-np.asarray(usage[L], np.float64), kind="stable")[:n]] = False
+
+    def low_experts(self):
+        return [(L, int(e)) for L, c in self.cold.items() for e in np.flatnonzero(c)]
+
+    def route(self, layer, logits, ctx):
+        idx, w = self.exact(layer, logits)
+        m = self.cold[layer][idx]
+        return (idx, w, m) if m.any() else (idx, w)
