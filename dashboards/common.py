@@ -247,7 +247,8 @@ MAX_RUNS = 8        # design processes at once on this server: every page, sessi
 
 # the lossy levers the live page sets beside each design (workbench.designs.lossy; their price: results/lossy.md)
 LEVERS = {"drop_misses": {"routing": "drop_misses"}, "drop_misses keep=2": {"routing": "drop_misses", "keep": "2"},
-          "top_k k=3": {"routing": "top_k", "k": "3"}, "top_k k=2": {"routing": "top_k", "k": "2"}}
+          "top_k k=3": {"routing": "top_k", "k": "3"}, "top_k k=2": {"routing": "top_k", "k": "2"},
+          "low_on_miss": {"routing": "low_on_miss"}}
 
 
 def lever_label(lever: dict) -> str:
