@@ -5,7 +5,7 @@ position (`pos`, tokens in its KV cache) and its token index (`token_index`: 0 a
 index of each decoded token after it; predictors, prefetches and telemetry key on it). Its hooks are given
 at construction and never set from outside:
   predictor    predictor.predict(layer, ctx) -> {target: experts} to read ahead (workbench.predict)
-  router_hook  router_hook(layer, logits, ctx) -> (ids, weights), in place of the exact router
+  router_hook  router_hook(layer, logits, ctx) -> (ids, weights[, low]), in place of the exact router
   deltas       {projection name: x -> delta} added to x @ W.T (an unmerged adapter: Edge0's LoRA)
   low          the router's low tier (workbench.low_tier.LowTier): the resident low-precision copies of the
                experts whose choices the router hook marks (its third array), computed in place of a read

@@ -22,9 +22,10 @@ class RoutingCapture:
 
         def hook(layer, logits, ctx):
             if self.prev is not None:
-                idx, weights = self.prev(layer, logits, ctx)
+                routed = self.prev(layer, logits, ctx)      # a low tier's router adds its marks: passed on
             else:
-                idx, weights = route(spec, logits, w.get(f"layers.{layer}.router_bias"))
+                routed = route(spec, logits, w.get(f"layers.{layer}.router_bias"))
+            idx = routed[0]
             ids = np.array(idx, dtype=np.int32, copy=True)
             if ids.shape[-1] < spec.top_k:      # a lever computed fewer (workbench.designs.lossy): -1 for the rest
                 ids = np.pad(ids, ((0, 0), (0, spec.top_k - ids.shape[-1])), constant_values=-1)
@@ -32,7 +33,7 @@ class RoutingCapture:
             for k in keep:
                 rec[k] = np.array(logits if k == "logits" else ctx[k], dtype=np.float32, copy=True)
             self.records.append(rec)
-            return idx, weights
+            return routed
 
         self.prev = engine.swap_router_hook(hook)
 

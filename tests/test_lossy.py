@@ -179,3 +179,15 @@ def test_no_room_for_the_low_copy_is_one_line_and_writes_nothing(monkeypatch, tm
     with pytest.raises(WorkbenchError, match=r"no room for its q2 copy .* GiB free"):
         low_tier.low_pack("demo", get_preset("les").storage, "q2", "packed")
     assert not list((tmp_path / "cache").rglob("*.pack"))
+
+
+def test_a_capture_of_the_routing_passes_the_low_tiers_marks_on():
+    """The teacher comparison and the oracle's trace wrap the router hook: what they record is the routing, and the
+    low tier still computes what the router marked."""
+    from runtime.capture import RoutingCapture
+    with open_session("demo", "on_demand", "0.1", prompt=None, routing="low_by_hotness", hottest="0") as s:
+        cap = RoutingCapture(s)
+        s.step(PROMPT, "prefill")
+        s.step([6], "decode")
+        assert s.reader.bytes_read == 0 and s.summary()["low_fraction"] == 1.0
+        assert all(a.shape == (len(PROMPT) + 1, s.spec.top_k) for a in cap.take().values())
