@@ -33,6 +33,7 @@ import os
 import struct
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,7 @@ def expert_shapes(d: int, ff: int) -> dict[str, tuple]:
     return {"gate": (ff, d), "up": (ff, d), "down": (d, ff)}
 EXPERT_KINDS = ("q2", "q3", "q4", "q8", "bf16", "raw", *ggml_blocks.BLOCKS)
 REST_KINDS = ("q4", "q8", "bf16", "raw")
+CONVERT_WINDOW = 64     # experts encoded at once (in parallel) before they are written
 # "raw" (GGUF sources only): keep the source's own blocks byte for byte, as kinds "gguf:<TYPE>" (e.g.
 # gguf:Q4_K), dequantized on load by the gguf package (workbench/models/gguf_model.py).
 # g2, g3, g4, g8 (any source): the experts quantized into ggml's own block types, kinds "gguf:<TYPE>" too
@@ -247,18 +249,29 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
             f.write(buf)
         layers = expert_info["layers"]
         items = [(int(i), e) for i in layers for e in range(model.spec.num_experts)]
-        bar = _progress(items, progress, "experts")
-        for i, e in bar:
-            w = model.expert_raw(i, e) if experts == "raw" else model.expert(i, e)
+
+        def encoded(item) -> dict:
+            i, e = item
+            if experts == "raw":
+                return model.expert_raw(i, e)                             # raw: the GGUF's bytes
             kinds = expert_info.get("layer_kinds", {}).get(str(i), expert_info["kinds"])
-            ent = layers[str(i)][e]
-            crc = 0
-            for p in PARTS:
-                buf = w[p] if experts == "raw" else _encode(w[p], kinds[p])   # raw: the GGUF's bytes
-                crc = zlib.crc32(buf, crc)
-                f.seek(ent["parts"][p][0])
-                f.write(buf)
-            ent["crc32"] = f"{crc & 0xFFFFFFFF:08x}"
+            w = model.expert(i, e)
+            return {p: _encode(w[p], kinds[p]) for p in PARTS}
+
+        bar = iter(_progress(items, progress, "experts"))
+        # quantizing is most of a conversion (ggml's Q2_K: ~11 M weights/s a core), and ggml's quantizer and numpy's
+        # large operations let go of the GIL: every core encodes, a window of experts at a time, written in order
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            for at in range(0, len(items), CONVERT_WINDOW):
+                window = items[at:at + CONVERT_WINDOW]
+                for (i, e), bufs in zip(window, pool.map(encoded, window)):
+                    next(bar, None)
+                    ent, crc = layers[str(i)][e], 0
+                    for p in PARTS:
+                        crc = zlib.crc32(bufs[p], crc)
+                        f.seek(ent["parts"][p][0])
+                        f.write(bufs[p])
+                    ent["crc32"] = f"{crc & 0xFFFFFFFF:08x}"
         hb = _header_bytes(header)
         f.seek(0)
         f.write(MAGIC + struct.pack("<IQI", FORMAT, len(hb), zlib.crc32(hb)) + hb)
