@@ -191,3 +191,11 @@ def test_a_capture_of_the_routing_passes_the_low_tiers_marks_on():
         s.step([6], "decode")
         assert s.reader.bytes_read == 0 and s.summary()["low_fraction"] == 1.0
         assert all(a.shape == (len(PROMPT) + 1, s.spec.top_k) for a in cap.take().values())
+
+
+def test_a_low_tier_the_memory_cannot_hold_is_one_line(monkeypatch):
+    from workbench import low_tier
+    from workbench.errors import WorkbenchError
+    monkeypatch.setattr(low_tier, "available_memory_bytes", lambda: 1 << 20)
+    with pytest.raises(WorkbenchError, match=r"its low tier needs \d+ MiB of memory, 1 MiB available"):
+        open_session("demo", "les", "0.1", prompt=None, routing="low_on_miss")

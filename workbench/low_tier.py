@@ -34,7 +34,7 @@ class LowTier:
         self.blocks: dict[int, np.ndarray] = {}       # layer -> its held experts' slots, end to end
         self.where: dict[int, np.ndarray] = {}        # layer -> per expert id, its slot's offset in the block, or -1
         for L, es in by_layer.items():
-            regions, parts = self.layouts[L] = slot_layout(pack, L)
+            regions, _ = self.layouts[L] = slot_layout(pack, L)
             slot = sum(n for _, n in regions)
             block = self.blocks[L] = aligned_empty(len(es) * slot)
             where = self.where[L] = np.full(pack.spec.num_experts, -1, np.int64)
