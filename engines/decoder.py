@@ -250,9 +250,11 @@ class Decoder(GatedDeltaNet, Engine):
         if low is not None and self.low is None:
             raise WorkbenchError(f"layer {i}: the router marked choices for a low tier, and it declares none (its "
                                  f"`low`: q2 or q3)")
+        lows = sorted(set(idx[low].tolist())) if low is not None else []
+        if lows:                                # an expert marked on any row is computed from the tier on every row
+            low = np.isin(idx, lows)
         step = self.streamer.begin_layer(i, idx, self.token_index, ctx, self.predictor, t0, low)
         compute = self.experts.begin(i, x, idx, weights)
-        lows = sorted(set(idx[low].tolist())) if low is not None else []
         self.streamer.run_layer(step, compute, (lambda: self.experts.compute_low(lows)) if lows else None)
         t0 = time.perf_counter()
         ev = step.ev

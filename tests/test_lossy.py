@@ -9,7 +9,7 @@ import pytest
 
 from test_bad_input import assert_one_line_error, cli
 from runtime.session import open_session
-from workbench.designs import Setup
+from workbench.designs import Router, Setup
 from workbench.designs.lossy import DropMisses, LowByHotness, LowOnMiss, TopK
 
 PROMPT, FORCED = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]
@@ -199,3 +199,44 @@ def test_a_low_tier_the_memory_cannot_hold_is_one_line(monkeypatch):
     monkeypatch.setattr(low_tier, "available_memory_bytes", lambda: 1 << 20)
     with pytest.raises(WorkbenchError, match=r"its low tier needs \d+ MiB of memory, 1 MiB available"):
         open_session("demo", "les", "0.1", prompt=None, routing="low_on_miss")
+
+
+class MarksFirstRow(Router):
+    """Marks the first row's best expert only (a design's own router: the test below)."""
+    low = "q2"
+
+    def route(self, layer, logits, ctx):
+        idx, w = self.exact(layer, logits)
+        mark = np.zeros(idx.shape, bool)
+        mark[0, 0] = True
+        return idx, w, mark
+
+
+class MarksEveryRow(MarksFirstRow):
+    def route(self, layer, logits, ctx):
+        idx, w, _ = super().route(layer, logits, ctx)
+        return idx, w, idx == idx[0, 0]
+
+
+def test_an_expert_marked_on_one_row_is_computed_from_the_low_tier_on_every_row():
+    one = logits_of("on_demand", "0.25", routing=f"{__file__}:MarksFirstRow")
+    assert np.array_equal(one, logits_of("on_demand", "0.25", routing=f"{__file__}:MarksEveryRow"))
+    assert not np.array_equal(one, logits_of("on_demand", "0.25"))
+
+
+class MarksBadly(MarksFirstRow):
+    def route(self, layer, logits, ctx):
+        idx, w, _ = super().route(layer, logits, ctx)
+        return idx, w, np.zeros(idx.shape[1])
+
+
+class MarksWithoutATier(MarksFirstRow):
+    low = None
+
+
+@pytest.mark.parametrize("name,says", [("MarksBadly", "for its low tier, not bool as its experts"),
+                                       ("MarksWithoutATier", r"not \(experts, weights\)$")])
+def test_a_routers_marks_that_do_not_fit_are_one_line(name, says):
+    from workbench.errors import WorkbenchError
+    with pytest.raises(WorkbenchError, match=says):
+        logits_of("on_demand", "0.25", routing=f"{__file__}:{name}")

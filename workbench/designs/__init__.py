@@ -193,14 +193,18 @@ def router_class(name: str) -> type:
 
 
 def _routed(self, m: str, args: tuple, out):
-    """What a router returned: (experts, weights), rows x top-k, experts of the model's (else one line)."""
+    """What a router returned: (experts, weights), rows x top-k, experts of the model's, and with a low tier its
+    marks, bool as the experts (else one line)."""
     if m != "route":
         return out
     spec, (layer, logits, _) = self.spec, args
     try:
-        idx, w = (np.asarray(a) for a in out)
+        idx, w, *low = (np.asarray(a) for a in out)
+        if len(low) > (1 if self.low else 0):
+            raise ValueError
     except (TypeError, ValueError):
-        raise WorkbenchError(f"{self.ref}: route returned {type(out).__name__}, not (experts, weights)") from None
+        raise WorkbenchError(f"{self.ref}: route returned {type(out).__name__}, not (experts, weights)"
+                             f"{', with marks for its low tier' if self.low else ''}") from None
     rows = np.asarray(logits).shape[0]
     if idx.ndim != 2 or idx.shape[0] != rows or not 1 <= idx.shape[1] <= spec.top_k or w.shape != idx.shape:
         raise WorkbenchError(f"{self.ref}: route at layer {layer} returned experts {idx.shape} and weights {w.shape}, "
@@ -208,7 +212,10 @@ def _routed(self, m: str, args: tuple, out):
     if idx.min() < 0 or idx.max() >= spec.num_experts:
         raise WorkbenchError(f"{self.ref}: route at layer {layer} chose expert {int(idx.max())}: the model has "
                              f"experts 0..{spec.num_experts - 1}")
-    return idx.astype(np.int64), w.astype(np.float32)
+    if low and (low[0].shape != idx.shape or low[0].dtype != bool):
+        raise WorkbenchError(f"{self.ref}: route at layer {layer} marked {low[0].shape} {low[0].dtype} for its low "
+                             f"tier, not bool as its experts {idx.shape}")
+    return (idx.astype(np.int64), w.astype(np.float32), *low)
 
 
 def params_of(*classes) -> dict:
