@@ -23,15 +23,15 @@ class NumpyExperts:
 
     def begin(self, layer: int, x, idx, weights):
         """compute(experts, their f32 weights) for the streamer, called on each batch as it arrives."""
-        self.layer, self.x, self.contrib = layer, x, {}
+        self.layer, self.x, self.idx, self.weights, self.contrib = layer, x, idx, weights, {}
+        return self.compute
 
-        def compute(es, ews):
-            for e, ew in zip(es, ews):
-                rows, slot = np.nonzero(idx == e)
-                self.contrib[e] = (rows, self.decoder.mlp(x[rows], ew["gate"], ew["up"], ew["down"])
-                                   * weights[rows, slot][:, None])
-        self.compute = compute
-        return compute
+    def compute(self, es, ews):
+        x, idx, weights = self.x, self.idx, self.weights
+        for e, ew in zip(es, ews):
+            rows, slot = np.nonzero(idx == e)
+            self.contrib[e] = (rows, self.decoder.mlp(x[rows], ew["gate"], ew["up"], ew["down"])
+                               * weights[rows, slot][:, None])
 
     def compute_low(self, es):
         """Experts `es` from the low tier's copies, dequantized."""
