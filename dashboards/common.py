@@ -31,11 +31,12 @@ RECENT = 40              # decode tokens shown in the per-token charts
 STOP_GRACE_S = 2.0       # a stopped design ends at its next token, or this long after Stop, whatever step it is in
 MiB = 2 ** 20
 # a token's time, split as telemetry.TokenRecord adds it up: flash wait is queue + device + completion, other is
-# submit + hand-off + Python
+# submit + hand-off + Python; draft, a speculative step's draft proposing its tokens
 PARTS = [("compute_s", "compute"), ("router_s", "router"), ("dequant_s", "dequant"), ("submit_s", "submit"),
          ("queue_s", "queue"), ("device_s", "device"), ("completion_s", "completion"), ("handoff_s", "hand-off"),
-         ("python_s", "Python")]
-PART_COLORS = ["#4c78a8", "#72b7b2", "#eeca3b", "#f58518", "#ff9da6", "#e45756", "#9d755d", "#b279a2", "#bab0ac"]
+         ("python_s", "Python"), ("draft_s", "draft")]
+PART_COLORS = ["#4c78a8", "#72b7b2", "#eeca3b", "#f58518", "#ff9da6", "#e45756", "#9d755d", "#b279a2", "#bab0ac",
+               "#54a24b"]
 BOOTH_PROMPTS = [
     "Once upon a time, there was a little girl named Lily.",
     "One day, a small dog found a big red ball in the park.",
@@ -327,6 +328,8 @@ def display_numbers(s: dict) -> dict[str, str]:
         "peak RSS MiB": _fmt(s, "peak_rss_bytes", ".0f", 1 / MiB),
         "cache MiB": _fmt(s, "cache_bytes", ".1f", 1 / MiB),
         "budget MiB": _fmt(s, "budget_bytes", ".1f", 1 / MiB),
+        **({"drafts accepted": _fmt(s, "spec_accept_rate", ".0%"),
+            "experts a step (x one token's)": _fmt(s, "union_growth", ".2f")} if "spec_steps" in s else {}),
     }
 
 

@@ -51,10 +51,10 @@ DRAFT = 4               # draft tokens recorded per position: LES's speculative 
 
 def drafts(ids: list[int], n: int = DRAFT) -> np.ndarray:
     """(T, n) int32: the prompt-lookup draft proposed after token t (context ids[:t+1]), -1 past its end."""
-    from runtime.speculative import prompt_lookup_draft
+    from runtime.speculative import PromptLookup
     out = np.full((len(ids), n), -1, np.int32)
     for t in range(len(ids)):
-        d = prompt_lookup_draft(list(ids[:t + 1]), n)
+        d = PromptLookup().propose(list(ids[:t + 1]), n)
         out[t, :len(d)] = d
     return out
 
@@ -263,15 +263,22 @@ class TraceDrive:
         wide = self.r * a[..., :, None] + np.arange(self.r)
         return np.where(a[..., :, None] < 0, -1, wide).reshape(*a.shape[:-1], -1)
 
-    def rows(self, engine, n: int) -> np.ndarray:
-        if n > 1 or engine.token_index == 0:           # prefill: trace rows skip..skip+P-1
+    def rows(self, engine, n: int, phase: str) -> np.ndarray:
+        """The trace rows of a forward's n tokens: a prefill's rows skip..skip+P-1; a decode's the rows after the
+        prompt at its tokens' places (a verification batch: its input token's and its drafts', in order)."""
+        if phase == "prefill":
             self.prompt_len = n
             return (self.skip + np.arange(n)) % self.T
-        return np.array([(self.skip + self.prompt_len - 1 + engine.token_index) % self.T])
+        return (self.skip + self.prompt_len - 1 + engine.token_index + np.arange(n)) % self.T
+
+    def next_ids(self, engine, n: int) -> list[int]:
+        """The trace's n tokens after the next decode's input token (a modelled draft's: runtime.speculative)."""
+        first = self.skip + self.prompt_len + engine.pos - engine.prompt_end
+        return [int(self.ids[(first + 1 + i) % self.T]) for i in range(n)]
 
     def route(self, layer: int, logits, ctx):
         """The router hook: the trace's experts for these tokens, and its mixing weights (uniform where it has none)."""
-        rows, j = self.rows(ctx["engine"], len(logits)), self.row_layer[layer]
+        rows, j = self.rows(ctx["engine"], len(logits), ctx["phase"]), self.row_layer[layer]
         idx = self.experts(self.topk[rows, j]).astype(np.int64)
         if self.weights is None:
             return idx, np.full(idx.shape, 1.0 / idx.shape[1], np.float32)
@@ -311,8 +318,9 @@ class _Recorded:
         if ctx["phase"] != "decode" or i >= len(self.moe) or (self.ahead and i < self.skip):
             return {}
         target = self.moe[i]
-        row = (self.d.rows(ctx["engine"], 1)[0] + self.ahead) % self.d.T
-        named = [int(e) for e in self.d.experts(self.table[row, self.d.row_layer[target]]) if e >= 0]
+        rows = (self.d.rows(ctx["engine"], len(ctx["routed"]), "decode") + self.ahead) % self.d.T
+        named = list(dict.fromkeys(int(e) for e in self.d.experts(self.table[rows, self.d.row_layer[target]]).reshape(-1)
+                                   if e >= 0))          # a verification batch: its rows' union
         return {(target, ctx["engine"].token_index + 1): named} if self.ahead else {target: named}
 
 

@@ -28,7 +28,8 @@ layer's). What is modelled is the clock it runs on:
                   reads have landed: not hidden behind them) and taking each read in (with computing on its
                   fresh bytes), measured in streaming runs of the engine
   speculative     (a preset with speculative n) a step verifies the input token and the trace's recorded draft
-                  (up to n tokens) in one batch: the layer reads the union of the batch's experts once; dense and
+                  (up to n tokens; with draft=modelled:A, the trace's next n tokens accepted as
+                  runtime.speculative.ModelledAcceptance draws, as a measured run draws them) in one batch: the layer reads the union of the batch's experts once; dense and
                   router are charged for one row plus the measured cost of each further row (row_s), expert
                   compute per (token, expert) pair; the accepted draft tokens
                   (where the trace's text continues with them) and the step's own token are produced
@@ -61,6 +62,7 @@ import numpy as np
 
 from engines import slot_bytes
 from experiments.compute_profile import ComputeProfile, measure_compute
+from runtime.speculative import ModelledAcceptance, modelled_acceptance
 from workbench.cache import CachePlan
 from workbench.devices import DeviceProfile
 from workbench.errors import WorkbenchError
@@ -243,6 +245,11 @@ class _Simulation:
                  workers: int, plan: ReadPlan | None, shared_cpu: bool, switch_s: float | None, split: bool,
                  readers=None):
         self.drive, self.spec, self.preset, self.profile = drive, spec, preset, compute
+        a = modelled_acceptance(preset.execution.draft) if preset.execution.speculative else None
+        self.acceptance = ModelledAcceptance(a) if a is not None else None       # else the trace's recorded drafts
+        if preset.execution.speculative and a is None and preset.execution.draft != "lookup":
+            raise WorkbenchError(f"draft={preset.execution.draft}: a simulated run replays the trace's recorded "
+                                 f"prompt-lookup drafts (draft=lookup) or a modelled acceptance (draft=modelled:A)")
         self.instant = device is INSTANT
         self.plan = plan or read_plan(spec, preset.storage.layout.value, experts_for(preset.storage.experts, compute.engine))
         item = self.plan.item or slot_bytes(compute.engine, spec, preset.storage)
@@ -356,7 +363,12 @@ class _Simulation:
     def decode_step(self, step: int, drafts: int) -> int:
         """One decode step: one token, or (speculative) the last token and up to `drafts` draft tokens verified in
         one batch. Returns the draft tokens accepted."""
-        draft, accepted = self.drive.draft(step, drafts) if drafts else ([], 0)
+        if not drafts:
+            draft, accepted = [], 0
+        elif self.acceptance is not None:         # the trace's next tokens, accepted as modelled (the same draws)
+            draft, accepted = [0] * drafts, self.acceptance.draw(drafts)
+        else:
+            draft, accepted = self.drive.draft(step, drafts)
         batch = range(step, step + len(draft) + 1)
         self.n["spec_steps"] += 1
         self.n["spec_accepted"] += accepted
@@ -626,7 +638,8 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
     res.update(bound, simulated=True, emulated=False, device=dev.describe(), preset=p.name, budget=budget,
                shape=shape, shape_note=note, spec=spec.to_dict(), reader_workers=workers,
                compute_profile=dataclasses.asdict(compute), routing_trace=drive.source, tokens=tokens, prompt=prompt,
-               skip=skip, spec_steps=sim.spec_steps, spec_accepted=sim.spec_accepted)
+               skip=skip, spec_steps=sim.spec_steps, spec_accepted=sim.spec_accepted,
+               modelled_acceptance=modelled_acceptance(p.execution.draft) if p.execution.speculative else None)
     res["device"]["emulated"] = False
     res["device"]["simulated"] = True
     from experiments.calibration import UNCALIBRATED, label

@@ -28,17 +28,21 @@ from workbench.routing import route
 from workbench.shapes import random_label
 from workbench.streamer import ExpertStreamer
 from workbench.errors import WorkbenchError
-from runtime.speculative import speculative_decode
+from runtime.speculative import make_draft, modelled_acceptance, speculative_decode
 from runtime.text import Text, run_text
 from workbench.store.pack import Pack
-from workbench.summary import Memory, Reads, RunSummary, TimeSplit
+from workbench.summary import Drafts, Memory, Reads, RunSummary, TimeSplit
 from workbench.telemetry import Telemetry, TokenRecord
 
 
 def trace_cannot_drive(p: Preset) -> str | None:
-    """Why a routing trace cannot drive preset p (None when it can): a trace replays exact routing, a token at a time."""
-    if p.routing.router is not Router.EXACT or p.execution.speculative:
-        return "changes routing or decodes speculatively; a trace replays exact routing one token at a time"
+    """Why a routing trace cannot drive preset p (None when it can): a trace replays exact routing, a token at a
+    time, or a verification batch over its next rows with a modelled acceptance (runtime.speculative)."""
+    if p.routing.router is not Router.EXACT:
+        return "changes routing; a trace replays exact routing"
+    if p.execution.speculative and modelled_acceptance(p.execution.draft) is None:
+        return (f"drafts with {p.execution.draft}, whose tokens a trace does not route: choose draft=modelled:A (a "
+                f"modelled acceptance)")
     return None
 
 
@@ -95,6 +99,7 @@ class Session:
                                        raw=cls.raw_experts, arena=self.arena)
         hooks = Hooks(predictor, router_hook, {**hook_deltas, **(deltas or {})}, self.low_tier)
         self.engine = cls(self.pack, self.streamer, self.tel, hooks, weights=w, **({"threads": threads} if threads else {}))
+        self.draft = make_draft(p.execution.draft, self, open_session) if p.execution.speculative else None
         self.reader_bytes0 = 0
         if plan.all_resident:
             self.streamer.load_resident([(L, e) for L in s.moe_layers for e in range(s.num_experts)])
@@ -170,16 +175,17 @@ class Session:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(map(int, ids))) if self.tokenizer else " ".join(map(str, ids))
 
-    def step(self, ids, phase: str) -> np.ndarray:
-        """One prefill or decode of `ids`; appends a TokenRecord whose time split adds up to its wall time."""
+    def step(self, ids, phase: str, draft_s: float = 0.0) -> np.ndarray:
+        """One prefill or decode of `ids`; appends a TokenRecord whose time split adds up to its wall time.
+        draft_s: the time the draft took proposing ids[1:] (a speculative step's), counted in its wall time."""
         e, tel = self.engine, self.tel
         n_ev, dense0, bytes0 = len(tel.events), e.dense_compute_s, self.reader.bytes_read
         t0 = time.perf_counter()
         logits = e.prefill(ids) if phase == "prefill" else e.decode(ids)
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 + draft_s
         evs = tel.events[n_ev:]
         compute = (e.dense_compute_s - dense0) + sum(v.compute_s for v in evs)
-        tel.add_token(TokenRecord.of(evs, wall, compute, token=e.token_index, phase=phase, n_tokens=len(ids),
+        tel.add_token(TokenRecord.of(evs, wall, compute, draft_s, token=e.token_index, phase=phase, n_tokens=len(ids),
                                      bytes_read=self.reader.bytes_read - bytes0, cache_bytes=self.cache.bytes))
         self.logits = logits        # the last step's: what an on_token callback's token was chosen from
         return logits
@@ -209,7 +215,7 @@ class Session:
             first = int(np.argmax(logits[-1])) if forced is None else int(forced[0])
             if on_token:
                 on_token(self, first, self.decode([first]))
-            out = speculative_decode(self, first, ids, tokens, self.preset.execution.speculative, on_token, stop,
+            out = speculative_decode(self, self.draft, first, ids, tokens, self.preset.execution.speculative, on_token, stop,
                                      forced=forced)
             return {"text": self.decode(out), "tokens": out, "prompt_tokens": len(ids),
                     "tok_s": self.tel.summary()["tok_s"], "forced": forced is not None}
@@ -242,7 +248,10 @@ class Session:
                           Memory(self.budget_bytes, self.cache.slots, min(self.cache.capacity.values()),
                                  self.pack.mean_expert_bytes, self.slot_bytes),
                           TimeSplit(m["decode_s"], m["flash_wait_s"], m["compute_s"], m["router_s"], m["dequant_s"],
-                                    m["other_s"]))
+                                    m["other_s"], m["draft_s"]),
+                          Drafts(self.draft.name, tel.spec_steps, tel.spec_proposed, tel.spec_accepted,
+                                 tel.union_growth(), getattr(self.draft, "acceptance", None))
+                          if self.draft and tel.spec_steps else None)
 
     def summary(self, tel: Telemetry | None = None) -> dict:
         """The run record's numbers: run_summary's, what the clock measured beside them, and the run's labels."""
@@ -274,6 +283,8 @@ class Session:
         Its record (telemetry, summary, the cache's bookkeeping) stays readable; nothing in it refers back to the
         session, so the rest goes when the session does, without waiting for a full garbage collection."""
         self.reader.close()
+        if self.draft is not None:
+            self.draft.close()
         if self.arena is not None:
             self.arena.close()
 

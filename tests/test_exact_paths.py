@@ -69,7 +69,7 @@ def test_speculative_verification_gives_plain_greedy_output(tiny_models):
 
 
 def test_prompt_lookup_draft_by_hand():
-    from runtime.speculative import prompt_lookup_draft
-    assert prompt_lookup_draft([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
-    assert prompt_lookup_draft([1, 2, 3, 4, 5], 3) == []
-    assert prompt_lookup_draft([7, 8, 7], 2) == [8, 7]
+    from runtime.speculative import PromptLookup
+    assert PromptLookup().propose([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert PromptLookup().propose([1, 2, 3, 4, 5], 3) == []
+    assert PromptLookup().propose([7, 8, 7], 2) == [8, 7]

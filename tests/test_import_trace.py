@@ -250,7 +250,7 @@ def test_the_drive_mixes_with_the_traces_router_weights(qwen):
 
     class Engine:
         token_index = 0
-    idx, w = d.route(3, np.zeros((5, 1)), {"engine": Engine()})
+    idx, w = d.route(3, np.zeros((5, 1)), {"engine": Engine(), "phase": "prefill"})
     np.testing.assert_array_equal(idx, qwen["topk"][:5, 3])
     np.testing.assert_array_equal(w, qwen["weights"][:5, 3])
     assert d.source["mixing_weights"] == "the trace's router weights"

@@ -177,11 +177,11 @@ def test_the_prerouter_is_recorded_as_edge0s_heads_name_it_one_token_ahead(edge0
 
 
 def test_the_recorded_drafts_are_prompt_lookups_and_a_drive_accepts_what_the_text_continues(edge0_trace):
-    from runtime.speculative import prompt_lookup_draft
+    from runtime.speculative import PromptLookup
     tr, spec = edge0_trace, MoESpec.from_dict(edge0_trace["meta"]["spec"])
     ids = tr["ids"]
     for t in range(len(ids)):
-        d = prompt_lookup_draft(ids[:t + 1], 4)
+        d = PromptLookup().propose(ids[:t + 1], 4)
         assert tr["drafts"][t].tolist() == d + [-1] * (4 - len(d))
     drive = TraceDrive("t", spec, None, trace=tr)
     drive.prompt_len = 1                         # decode step n's input token is trace row n

@@ -3,6 +3,13 @@
     python -m training.demo --out runs/train-demo --steps 700
     python -m training.demo --out runs/train-demo --export data/models/demo-moe
 
+The draft model speculative decoding verifies against the demo (runtime.speculative.DraftModel): the same family at
+a smaller size, trained on the same corpora with the demo's tokenizer.
+
+    python -m training.demo --size draft --tokenizer data/models/demo-moe/tokenizer.json --out runs/train-draft \
+        --steps 2000
+    python -m training.demo --out runs/train-draft --export data/models/demo-draft
+
 Seeded and resumable: a checkpoint (weights, optimizer, RNG, step) is written
 atomically every --ckpt-every steps and picked up on restart. The export is a
 Hugging Face directory (config.json, model.safetensors in bf16, tokenizer.json)
@@ -43,6 +50,10 @@ class DemoConfig:
     max_position_embeddings: int = 1024
     router_aux_loss_coef: float = 0.01
 
+
+SIZES = {"demo": DemoConfig(),
+         "draft": DemoConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)}
 
 # ---------------------------------------------------------------- tokenizer
 
@@ -100,11 +111,14 @@ def lr_at(step, total, peak, warmup=100):
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))))
 
 
-def train(out: Path, steps: int, minutes: float, batch: int, T: int, lr: float, seed: int, ckpt_every: int):
+def train(out: Path, steps: int, minutes: float, batch: int, T: int, lr: float, seed: int, ckpt_every: int,
+          size: str = "demo", tokenizer: Path | None = None):
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    c = DemoConfig()
+    c = SIZES[size]
     tok_path = out / "tokenizer.json"
+    if tokenizer and not tok_path.exists():
+        tok_path.write_bytes(tokenizer.read_bytes())
     if tok_path.exists():
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(str(tok_path))
@@ -201,13 +215,15 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--size", choices=SIZES, default="demo", help="the demo, or its draft model's size")
+    ap.add_argument("--tokenizer", type=Path, help="a tokenizer.json to train with (default: train one)")
     ap.add_argument("--export", type=Path, help="export the checkpoint in --out to this HF directory and exit")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     if a.export:
         export(a.out, a.export)
     else:
-        train(a.out, a.steps, a.minutes, a.batch, a.ctx, a.lr, a.seed, a.ckpt_every)
+        train(a.out, a.steps, a.minutes, a.batch, a.ctx, a.lr, a.seed, a.ckpt_every, a.size, a.tokenizer)
 
 
 if __name__ == "__main__":

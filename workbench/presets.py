@@ -9,8 +9,8 @@ Each field names the code that consumes it:
   prefetch   predictor, depth, width,    which later experts to read ahead (workbench.predict.make_predictor,
              skip_layers                 workbench.edge0.serve.make_prerouter)
   routing    router, beta, lora          who routes (Session._routing: exact, cache-aware bias, the prerouter)
-  execution  order, speculative          the streamer's order of compute (workbench.streamer.ExpertStreamer) and
-                                         draft tokens verified per step (runtime.speculative)
+  execution  order, speculative, draft   the streamer's order of compute (workbench.streamer.ExpertStreamer) and
+                                         draft tokens verified per step and what drafts them (runtime.speculative)
 
 `Preset.with_(layout=..., predictor="lookahead:1:2k", ...)` takes the flat knob names of `to_dict()` (the form
 run records keep) and parses them here.
@@ -233,6 +233,7 @@ class Routing:
 class Execution:
     order: Order = Order.WAIT_ALL               # workbench.streamer.ExpertStreamer.run_layer
     speculative: int = 0            # Session.generate -> runtime.speculative: drafts verified per step (0: none)
+    draft: str = "lookup"           # what drafts them (runtime.speculative.make_draft): lookup, or a draft model
 
 
 # flat knob name (run records, Session overrides) -> (concern, field, parse)
@@ -250,6 +251,7 @@ KNOBS = {
     "lookahead_recall": ("prefetch", "recall", lambda v: None if v is None else _number(v, "lookahead_recall")),
     "routing": ("routing", None, Routing.parse),
     "speculative": ("execution", "speculative", int),
+    "draft": ("execution", "draft", str),
 }
 
 

@@ -35,7 +35,8 @@ from workbench.store import ggml_blocks
 from workbench.store.pack import FORMAT, MAGIC, Pack, convert, open_model, planned_size
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = {"demo": REPO / "data" / "models" / "demo-moe"}
+MODELS = {"demo": REPO / "data" / "models" / "demo-moe",
+          "demo-draft": REPO / "data" / "models" / "demo-draft"}     # the demo's draft model (runtime.speculative)
 ANNOUNCE_BYTES = 2**30       # a pack this large is said (size, place) before it is written: minutes, not seconds
 GGUF_STORAGE = ("native", "raw", "raw")     # a GGUF's (or MLX layout's) own blocks where they lie: its index, no pack
 

@@ -182,6 +182,8 @@ class ExpertStreamer:
         ev.chosen = int((idx >= 0).sum())
         ev.dropped = idx.shape[0] * self.pack.spec.top_k - ev.chosen
         ev.low = 0 if low is None else int(low.sum())
+        first = idx[0] if low is None else idx[0][~low[0]]
+        ev.one = len(set(first[first >= 0].tolist()))
         ev.router_s = time.perf_counter() - t0
         st = self.schedule.begin_layer(layer, [set((idx.ravel() if low is None else idx[~low]).tolist())], [token], ev)
         if predictor is not None:

@@ -54,6 +54,28 @@ class TimeSplit:
     router_s: float | None = None
     dequant_s: float | None = None
     other_s: float | None = None
+    draft_s: float = 0.0        # a speculative run's draft proposing tokens (a draft model's forwards)
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """A speculative run's verification steps: what was drafted, what greedy decoding kept, what the batch cost."""
+    source: str                 # what drafted: lookup (prompt lookup), a draft model's path
+    steps: int                  # target forwards that verified drafts
+    proposed: int
+    accepted: int
+    union_growth: float         # distinct experts a step's batch routed to over its first token's (telemetry)
+    modelled: float | None = None     # a trace-driven run's modelled acceptance (runtime.speculative); None: real
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def record(self) -> dict:
+        return {"draft": self.source, "spec_steps": self.steps, "spec_proposed": self.proposed,
+                "spec_accepted": self.accepted, "spec_accept_rate": self.acceptance,
+                "tokens_per_target_step": (self.accepted + self.steps) / max(1, self.steps),
+                "union_growth": self.union_growth, "modelled_acceptance": self.modelled}
 
 
 @dataclass(frozen=True)
@@ -74,6 +96,7 @@ class RunSummary:
     reads: Reads
     memory: Memory
     time: TimeSplit | None = None     # None: the instant clock, where nothing takes time
+    drafts: Drafts | None = None      # None: one token a step
 
     @property
     def tok_s(self) -> float | None:
@@ -103,5 +126,8 @@ class RunSummary:
                "dropped_fraction": r.dropped_fraction, "low_fraction": r.low_fraction, "per_layer": list(r.per_layer)}
         if (t := self.time) is not None:
             out.update(decode_s=t.decode_s, flash_wait_s=t.flash_wait_s, flash_wait_per_token_s=t.flash_wait_s / n,
-                       compute_s=t.compute_s, router_s=t.router_s, dequant_s=t.dequant_s, other_s=t.other_s)
+                       compute_s=t.compute_s, router_s=t.router_s, dequant_s=t.dequant_s, other_s=t.other_s,
+                       draft_s=t.draft_s)
+        if self.drafts is not None:
+            out.update(self.drafts.record())
         return out

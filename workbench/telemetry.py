@@ -54,6 +54,7 @@ class LayerEvent:
     chosen: int = 0             # (row, expert) choices the routing made (rows x the columns it returned)
     dropped: int = 0            # of the model's top-k choices, those the routing left out (a lossy lever)
     low: int = 0                # of the choices, those computed from the low tier's copy (low_on_miss, low_by_hotness)
+    one: int = 0                # distinct experts the step's first token routed to (a batch's union: routed / one)
     wait_s: float = 0.0         # compute thread blocked on reads (flash wait)
     dequant_s: float = 0.0      # the part of the blocked time spent dequantizing
     compute_s: float = 0.0
@@ -123,6 +124,8 @@ class TokenRecord:
     text: str = ""
     late: int = 0
     produced: int = 1           # decode: tokens this step added to the output (speculative steps add more)
+    drafted: int = 0            # draft tokens this step verified after its first
+    draft_s: float = 0.0        # the draft's own time proposing them (in wall_s, not in other_s)
     # flash_wait_s split (LayerEvent.split_wait), and other_s: demand submits, hand-off (take_s), the rest
     queue_s: float = 0.0
     device_s: float = 0.0
@@ -132,17 +135,18 @@ class TokenRecord:
     python_s: float = 0.0
 
     @classmethod
-    def of(cls, events, wall_s: float, compute_s: float, **kw) -> "TokenRecord":
+    def of(cls, events, wall_s: float, compute_s: float, draft_s: float = 0.0, **kw) -> "TokenRecord":
         """A step's record from its layer events: the split adds up to wall_s (other_s and python_s what is left)."""
         router, dq, wait = (sum(getattr(v, k) for v in events) for k in ("router_s", "dequant_s", "wait_s"))
         queue, device, completion = (sum(getattr(v, k) for v in events) for k in ("queue_s", "device_s", "completion_s"))
         submit, handoff = sum(v.submit_s for v in events), sum(v.take_s for v in events)
-        other = max(0.0, wall_s - compute_s - router - dq - wait)
+        other = max(0.0, wall_s - draft_s - compute_s - router - dq - wait)
         hits, late = sum(sum(v.hit) for v in events), sum(v.late for v in events)
         return cls(wall_s=wall_s, compute_s=compute_s, router_s=router, dequant_s=dq, flash_wait_s=wait,
                    other_s=other, hits=hits, late=late, misses=sum(len(v.hit) for v in events) - hits - late,
                    queue_s=queue, device_s=device, completion_s=completion, submit_s=min(submit, other),
-                   handoff_s=min(handoff, other - min(submit, other)), python_s=max(0.0, other - submit - handoff), **kw)
+                   handoff_s=min(handoff, other - min(submit, other)), python_s=max(0.0, other - submit - handoff),
+                   draft_s=draft_s, **kw)
 
 
 @dataclass
@@ -236,7 +240,7 @@ class Telemetry:
             decode_s=wall,
             wasted_bytes=self.wasted_bytes,
         )
-        for k in ("flash_wait_s", "dequant_s", "compute_s", "router_s", "other_s",
+        for k in ("flash_wait_s", "dequant_s", "compute_s", "router_s", "other_s", "draft_s",
                   "queue_s", "device_s", "completion_s", "submit_s", "handoff_s", "python_s"):
             s[k] = sum(getattr(t, k) for t in dec)
         taken = [e for e in self.events if e.phase == "decode" and e.reads_taken]
@@ -247,7 +251,14 @@ class Telemetry:
         if self.spec_steps:
             s["spec_accept_rate"] = self.spec_accepted / max(1, self.spec_proposed)
             s["tokens_per_target_step"] = (self.spec_accepted + self.spec_steps) / self.spec_steps
+            s["union_growth"] = self.union_growth()
         return s
+
+    def union_growth(self, phase: str = "decode") -> float:
+        """Distinct experts a step's batch routed to over those its first token alone did, summed over layers: what
+        verifying drafts in one batch multiplies a step's expert demand by (1.0 without drafts)."""
+        evs = [e for e in self.events if e.phase == phase]
+        return sum(len(e.routed) for e in evs) / max(1, sum(e.one for e in evs))
 
     def event_rows(self) -> list[dict]:
         return [asdict(e) for e in self.events]
