@@ -28,12 +28,14 @@ BIAS_SWEEP = (0.005, 0.02, 0.05, 0.1, 0.25)
 BUDGETS = ("0.05", "0.1", "0.25", "0.5")
 
 
-def les_rungs():
+def les_rungs(draft: str = "lookup"):
+    """LES's ladder; its last rung verifies 4 drafts a step from `draft` (runtime.speculative: lookup, a draft model,
+    or on a routing trace modelled:A)."""
     base = get_preset("on_demand").with_(name="on_demand")
     look = base.with_(name="+lookahead", predictor="lookahead:1:k")
     sched = look.with_(name="+ready_first & contiguous", execution="ready_first", layout="contiguous")
     mixed = sched.with_(name="+mixed precision (q3/q4)", experts="q3", rest="q4")
-    spec = mixed.with_(name="+speculative verification", speculative=4)
+    spec = mixed.with_(name="+speculative verification", speculative=4, draft=draft)
     return [base, look, sched, mixed, spec]
 
 
@@ -77,8 +79,8 @@ def run_ladder(name: str, model: str = "demo", budget: str = "0.25", tokens: int
     the machine's CPUs, runs them round by round, and one run record per rung comes back."""
     from experiments.grid import AXES, Cell, Grid
     from experiments.sweep import run_grid
-    if name == "les":
-        rungs = [(p, budget) for p in les_rungs()]
+    if name == "les":                   # the demo's drafts come from its draft model, shipped beside it
+        rungs = [(p, budget) for p in les_rungs("demo-draft" if model == "demo" else "lookup")]
     elif name == "smol":
         rungs = [(p, budget) for p in smol_rungs()]
         quality_tokens = quality_tokens or 192

@@ -1,0 +1,83 @@
+"""Drafts verified in one batch (runtime.speculative): whatever drafts, greedy output is plain greedy decoding's, and
+the run record says what the drafts cost (their own time, the batch's union of experts) and what they saved."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from test_bad_input import assert_one_line_error, cli
+from runtime.session import open_session
+from workbench.registry import MODELS
+
+PROMPT = "Once upon a time, there was a little girl named Lily."
+
+
+def greedy(engine: str, tokens: int = 32, **knobs) -> tuple[list[int], dict]:
+    with open_session("demo", "les", "0.25", engine=engine, tokens=tokens, **knobs) as s:
+        out = s.generate(PROMPT, tokens)
+        return out["tokens"], s.summary()
+
+
+@pytest.mark.parametrize("engine", ["packed", "numpy"])
+@pytest.mark.parametrize("draft", ["demo-draft", "lookup"])
+def test_greedy_output_is_the_same_with_and_without_drafts(engine, draft):
+    plain, _ = greedy(engine)
+    drafted, s = greedy(engine, speculative=4, draft=draft)
+    assert drafted == plain
+    assert s["draft"] == draft and s["spec_steps"] < len(plain) - 1        # some drafts were accepted
+    assert s["tokens_per_target_step"] == (s["spec_accepted"] + s["spec_steps"]) / s["spec_steps"]
+
+
+def test_the_draft_models_time_is_in_the_steps_wall_time_and_its_own_part_of_the_split():
+    _, s = greedy("packed", speculative=4, draft="demo-draft")
+    assert s["draft_s"] > 0
+    parts = sum(s[k] for k in ("flash_wait_s", "compute_s", "router_s", "dequant_s", "other_s", "draft_s"))
+    assert parts == pytest.approx(s["decode_s"], rel=1e-6)
+    _, lookup = greedy("packed", speculative=4)
+    assert lookup["draft_s"] < s["draft_s"]
+
+
+def test_a_draft_that_is_the_target_is_accepted_and_the_batch_routes_to_more_experts_than_one_token():
+    """The demo drafting for itself agrees with its own greedy choice nearly always; verifying 4 drafts a step, each
+    layer's batch routes to the union of 5 tokens' experts, more than its first token's top-4 alone."""
+    _, s = greedy("packed", speculative=4, draft="demo")
+    assert s["spec_accept_rate"] > 0.8
+    assert 1.5 < s["union_growth"] <= 5.0
+    _, plain = greedy("packed")
+    assert "union_growth" not in plain and plain["draft_s"] == 0
+
+
+def test_forced_text_accepts_a_draft_token_only_where_it_is_the_text():
+    with open_session("demo", "les", "0.25", tokens=24, speculative=4, draft="demo-draft", text="tinystories") as s:
+        out = s.generate_text(None, 24)
+        assert out["tokens"] == list(s.text.forced[:24])
+
+
+def changed_tokenizer(tmp_path):
+    """The draft model with two of its tokenizer's token ids swapped: the same size, another vocabulary."""
+    dst = tmp_path / "other-draft"
+    shutil.copytree(MODELS["demo-draft"], dst)
+    tok = json.loads((dst / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = "the", "and"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
+    return dst
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line(tiny_models, tmp_path):
+    res = cli("bench", "--model", "demo", "--preset", "les", "--tokens", "4", "--no-record", "--set", "speculative=2",
+              "--set", f"draft={tiny_models['qwen3_moe']}")
+    assert_one_line_error(res, str(tiny_models["qwen3_moe"]), "vocabulary has", "tokens, the target's")
+    other = changed_tokenizer(tmp_path)
+    res = cli("bench", "--model", "demo", "--preset", "les", "--tokens", "4", "--no-record", "--set", "speculative=2",
+              "--set", f"draft={other}")
+    assert_one_line_error(res, str(other), "tokenizer is not the target's", "2 of 4096 tokens differ")
+
+
+def test_a_draft_model_that_does_not_exist_is_refused_in_one_line():
+    res = cli("bench", "--model", "demo", "--preset", "les", "--tokens", "4", "--no-record", "--set", "speculative=2",
+              "--set", "draft=no/such/model")
+    assert_one_line_error(res, "no/such/model", "no such model")
