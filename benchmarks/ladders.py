@@ -1,6 +1,8 @@
 """The ablation ladders on one model, written to results/ladders.{json,md} with the command that made them.
 
     python benchmarks/ladders.py --model demo --budget 0.25 --tokens 48 --rounds 3 [--only les,smol,cache]
+
+A ladder left out of --only keeps its last measurement in both files, with the command that made it.
 """
 from __future__ import annotations
 
@@ -25,11 +27,16 @@ def main(argv=None):
     a = ap.parse_args(argv)
     command = (f"python benchmarks/ladders.py --model {a.model} --budget {a.budget} --tokens {a.tokens} "
                f"--rounds {a.rounds} --only {a.only}")
-    out, md = {"command": command, "ladders": {}}, [f"# Ablation ladders, measured\n\n`{command}`\n"]
+    # the ladders not run now keep their last measurement, each with the command that made it
+    path = a.out / "ladders.json"
+    last = json.loads(path.read_text()) if path.exists() else {"ladders": {}}
+    kept = {n: {**r, "command": r.get("command", last.get("command"))} for n, r in last["ladders"].items()}
     for name in a.only.split(","):
-        res = run_ladder(name, model=a.model, budget=a.budget, tokens=a.tokens, rounds=a.rounds, progress=print)
-        out["ladders"][name] = res
-        md += [f"## {name}\n", "```", table(res), "```", ""]
+        kept[name] = {**run_ladder(name, model=a.model, budget=a.budget, tokens=a.tokens, rounds=a.rounds,
+                                   progress=print), "command": command}
+    out, md = {"ladders": kept}, ["# Ablation ladders, measured\n"]
+    for name, res in kept.items():
+        md += [f"## {name}\n", f"`{res['command']}`\n", "```", table(res), "```", ""]
         if name == "smol":
             md += ["Bias sweep: miss rate and perplexity on held-out TinyStories (teacher-forced decode, so the "
                    "cache and the bias evolve as in generation):\n", "| rung | held-out miss rate | held-out ppl |",

@@ -59,7 +59,7 @@ def heldout_agreement(target: str, draft: str, n_tokens: int = 1024, data: str =
             ids = heldout_ids(s.tokenizer, data, min(n_tokens, s.spec.max_position_embeddings))
             argmax[name] = np.argmax(s.step(ids, "prefill"), -1)
     same = argmax[target] == argmax[draft]
-    runs = {k: float(np.mean([same[i:i + k].all() for i in range(len(same) - k + 1)])) for k in (1, 2, 4)}
+    runs = {str(k): float(np.mean([same[i:i + k].all() for i in range(len(same) - k + 1)])) for k in (1, 2, 4)}
     return {"tokens": len(same), "data": data, "agreement": float(same.mean()), "all_of_k": runs}
 
 
@@ -145,7 +145,7 @@ def markdown(res: dict) -> str:
         md += [f"## The draft model's held-out acceptance\n",
                f"{res['draft']} against {res['model']} on {h['tokens']} held-out {h['data']} tokens, teacher-forced: "
                f"its next token is the target's greedy one at {h['agreement']:.3f} of positions; 2 in a row "
-               f"{h['all_of_k'][2]:.3f}, 4 in a row {h['all_of_k'][4]:.3f}.\n"]
+               f"{h['all_of_k']['2']:.3f}, 4 in a row {h['all_of_k']['4']:.3f}.\n"]
     md += [f"## Real drafts, measured\n",
            f"{res['model']}, {res['engine'] or 'the default engine'}{where}; {res['rounds']} alternating cold rounds of "
            f"{res['tokens']} tokens (median, min-max). Greedy output is plain greedy decoding's in every arm "
@@ -166,7 +166,7 @@ def markdown(res: dict) -> str:
                f"the stated probability while the ones before it were (seeded: every arm draws the same). Measured "
                f"here{where}, and simulated (experiments.simulate, this machine's compute profile) on this machine and "
                f"on {prof}.\n",
-               f"| arm | budget | tok/s measured | min-max | x les | tokens/step | experts a step (x one token's) | "
+               f"| arm | budget | tok/s measured{' (emulated)' if res['device'] else ''} | min-max | x les | tokens/step | experts a step (x one token's) | "
                f"KB read/token | simulated here | simulated {prof} |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in m["rows"]:
             md.append(f"| {r['arm']} | {r['budget']} | {r['tok_s']:.1f} | {r['tok_s_min']:.1f}-{r['tok_s_max']:.1f} | "
@@ -175,7 +175,8 @@ def markdown(res: dict) -> str:
                       f"{r['simulated'][prof]:.1f} |")
         md += ["", "The modelled acceptance above which 4 drafts a step beat les (interpolated between the swept "
                "points):", ""]
-        md += [f"- {b}: measured here {c['measured']}; simulated here {c['this-machine']}; simulated on {prof} "
+        measured = f"measured (EMULATED {res['device']})" if res["device"] else "measured here"
+        md += [f"- {b}: {measured} {c['measured']}; simulated here {c['this-machine']}; simulated on {prof} "
                f"{c[prof]}" for b, c in m["crossover"].items()]
     return "\n".join(md) + "\n"
 

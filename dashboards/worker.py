@@ -37,7 +37,8 @@ def telemetry(s) -> tuple:
     with tel.lock:
         tokens, ring, events = list(tel.tokens), list(tel.ring), list(tel.events)
         counters = dict(prefetch_issued=tel.prefetch_issued, prefetch_used=tel.prefetch_used,
-                        prefetch_wasted=tel.prefetch_wasted, wasted_bytes=tel.wasted_bytes)
+                        prefetch_wasted=tel.prefetch_wasted, wasted_bytes=tel.wasted_bytes,
+                        spec_steps=tel.spec_steps, spec_proposed=tel.spec_proposed, spec_accepted=tel.spec_accepted)
     copy = Telemetry(tel.num_layers, events=events, tokens=tokens, **counters)
     return tokens, ring, s.summary(copy)
 

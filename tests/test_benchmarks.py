@@ -61,11 +61,15 @@ def check_rungs(ladder: dict, rounds: int):
 
 @pytest.mark.slow
 def test_ladders(tmp_path):
-    run("ladders", "--model", "demo", "--tokens", 2, "--rounds", 1, "--only", "les,smol", "--out", tmp_path)
+    """Each ladder with the command that measured it; one left out of --only keeps its last measurement."""
+    run("ladders", "--model", "demo", "--tokens", 2, "--rounds", 1, "--only", "les", "--out", tmp_path)
+    les = json.loads((tmp_path / "ladders.json").read_text())["ladders"]["les"]
+    run("ladders", "--model", "demo", "--tokens", 2, "--rounds", 1, "--only", "smol", "--out", tmp_path)
     res, md = json.loads((tmp_path / "ladders.json").read_text()), (tmp_path / "ladders.md").read_text()
-    assert command_line(md) == res["command"] == ("python benchmarks/ladders.py --model demo --budget 0.25 "
-                                                  "--tokens 2 --rounds 1 --only les,smol")
-    assert list(res["ladders"]) == ["les", "smol"]
+    assert list(res["ladders"]) == ["les", "smol"] and res["ladders"]["les"] == les
+    assert command_line(md) == les["command"] == ("python benchmarks/ladders.py --model demo --budget 0.25 "
+                                                  "--tokens 2 --rounds 1 --only les")
+    assert res["ladders"]["smol"]["command"].endswith("--only smol") and f"`{res['ladders']['smol']['command']}`" in md
     for name, ladder in res["ladders"].items():
         assert ladder["ladder"] == name and ladder["rounds"] == 1 and f"## {name}\n" in md
         check_rungs(ladder, 1)

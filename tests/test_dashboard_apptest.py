@@ -747,3 +747,17 @@ def test_booth_shows_a_lever_beside_its_designs_judged_by_the_teacher():
                                                   ("les + top_k k=2", True)]
     at = ok(app(LIVE, booth="1", designs="les", lever="all of them", trace="demo-tinystories-256", tokens="2"))
     assert any(c.value.startswith("lever='all of them' ignored: not one this booth shows") for c in at.caption)
+
+
+def test_a_speculative_run_shows_what_its_drafts_were_accepted_and_cost(runs_root):
+    """Drafts from the demo's draft model: the page shows their acceptance and the batch's union growth, as the run
+    record has them, and the draft's own time is a part of each token's breakdown."""
+    at = app(LIVE)
+    at.text_input(key="knobs").set_value("speculative=2, draft=demo-draft")
+    at = poll(start(at, ["les"], tokens=8), finished)
+    shown = {m.label: m.value for m in at.metric}
+    summary = read_run(at.session_state["records"]["les"])["summary"]
+    assert shown["drafts accepted"] == format(summary["spec_accept_rate"], ".0%")
+    assert shown["experts a step (x one token's)"] == format(summary["union_growth"], ".2f")
+    assert summary["draft"] == "demo-draft" and summary["draft_s"] > 0
+    assert "draft" in {label for _, label in C.PARTS}
