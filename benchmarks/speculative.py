@@ -63,15 +63,16 @@ def heldout_agreement(target: str, draft: str, n_tokens: int = 1024, data: str =
     return {"tokens": len(same), "data": data, "agreement": float(same.mean()), "all_of_k": runs}
 
 
-def speed(model, arms, budgets, rounds, tokens, device, log, trace=None) -> dict:
+def speed(model, arms, budgets, rounds, tokens, device, log, trace=None, threads=None) -> dict:
     """{(arm, budget): [bench results, a round each]}, arms alternating within each round, every run cold, after one
     run that is not counted (the process's first pays for loading what every later one finds loaded)."""
-    bench(model, "les", budgets[0], tokens=8, device=device, record=False, routing_trace=trace)
+    bench(model, "les", budgets[0], tokens=8, device=device, record=False, routing_trace=trace, threads=threads)
     out = {(a, b): [] for a in arms for b in budgets}
     for r in range(rounds):
         for b in budgets:
             for a in arms:
-                res = bench(model, "les", b, tokens=tokens, device=device, record=False, routing_trace=trace, **arms[a])
+                res = bench(model, "les", b, tokens=tokens, device=device, record=False, routing_trace=trace,
+                            threads=threads, **arms[a])
                 out[(a, b)].append(res)
                 log(f"round {r + 1} {a} @{b}: {res['tok_s']:.1f} tok/s, {res['bytes_read_per_token'] / 1e3:.0f} KB/token")
     return out
@@ -108,12 +109,12 @@ def crossover(points: list[tuple[float, float]], ref: float) -> str:
     return f"> {pts[-1][0]:g} (no swept acceptance pays)"
 
 
-def modelled(model, trace, budgets, rounds, tokens, device, profile, log) -> dict:
+def modelled(model, trace, budgets, rounds, tokens, device, profile, log, acceptance=ACCEPTANCE, threads=None) -> dict:
     """Part 3: measured arms (this machine, or the emulated device) and the simulator's prediction of each."""
     arms = {"les": {}} | {f"les + 4 drafts, modelled acceptance {a:g}": {"speculative": N_DRAFT,
                                                                          "draft": f"modelled:{a:g}"}
-                          for a in ACCEPTANCE}
-    rows = rows_of(speed(model, arms, budgets, rounds, tokens, device, log, trace), arms, budgets)
+                          for a in acceptance}
+    rows = rows_of(speed(model, arms, budgets, rounds, tokens, device, log, trace, threads), arms, budgets)
     les = get_preset("les")
     pack = Pack(resolve_pack(model, *storage_for(model, les.storage, (), None)))
     # one profile for every simulated arm, measured on the model's own routing: a trace-driven measurement leaves
@@ -191,6 +192,8 @@ def main(argv=None):
     ap.add_argument("--device", default=None, help="a device profile whose flash the reads emulate")
     ap.add_argument("--routing-trace", default=None, metavar="T", help="part 3: modelled acceptance on this trace")
     ap.add_argument("--profile", default="ufs22-phone", help="part 3: the device profile simulated beside this machine")
+    ap.add_argument("--threads", type=int, default=None, help="the engine's threads (default: its own)")
+    ap.add_argument("--acceptance", default=",".join(map(str, ACCEPTANCE)), help="part 3: the modelled acceptances")
     ap.add_argument("--skip-real", action="store_true", help="part 3 only (a made checkpoint: no draft model)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "speculative.md")
     a = ap.parse_args(argv)
@@ -204,9 +207,11 @@ def main(argv=None):
         arms = {k: {**v, **({"draft": a.draft} if v.get("draft") == "demo-draft" else {})} for k, v in ARMS.items()}
         res["heldout"] = heldout_agreement(a.model, a.draft)
         log(f"held-out agreement: {res['heldout']}")
-        res["rows"] = rows_of(speed(a.model, arms, budgets, a.rounds, a.tokens, a.device, log), arms, budgets)
+        res["rows"] = rows_of(speed(a.model, arms, budgets, a.rounds, a.tokens, a.device, log, threads=a.threads), arms,
+                              budgets)
     if a.routing_trace:
-        res["modelled"] = modelled(a.model, a.routing_trace, budgets, a.rounds, a.tokens, a.device, a.profile, log)
+        res["modelled"] = modelled(a.model, a.routing_trace, budgets, a.rounds, a.tokens, a.device, a.profile, log,
+                                   [float(x) for x in a.acceptance.split(",")], a.threads)
     atomic_write(a.out.with_suffix(".json"), json.dumps(res, indent=1, default=str) + "\n")
     atomic_write(a.out, markdown(res))
     print(markdown(res))

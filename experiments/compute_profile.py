@@ -45,6 +45,8 @@ class ComputeProfile:
                                   # _reading_costs)
     row_s: float | None = None    # per MoE layer, dense + router time of each row of a batch after the first
                                   # (speculative verification); None: each row costs what one token does
+    expert_row_s: float | None = None     # per expert, each row of a batch after the first that routes to it (one
+                                          # kernel call computes an expert's rows); None: expert_s a row
     read_floor: dict | None = None  # this machine's reads as its readers served them in the streaming run
                                     # (devices.ServedReads: an idle reader's wake-up, a read's latency and bandwidth
                                     # alone and beside another): what reads take here at the least (_read_floor)
@@ -93,7 +95,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
                 s.generate_text(PROMPT, tokens)
                 formats, held, layout = _formats(s.pack), s.pack.quant["experts"], s.pack.layout
                 all_dec, all_evs = decode(s.tel)
-                row = None if routing_trace else _row_cost(s)
+                row, expert_row = (None, None) if routing_trace else _row_cost(s)
             else:                   # warmed up and started cold, as bench measures: first reads into fresh
                 s.generate([5, 6, 7, 8], tokens=4)      # buffers and first kernel calls are not a decode's
                 with _timed_reads(s.reader) as reads:   # three runs (a fit's point a token), each at the
@@ -147,6 +149,7 @@ def measure_compute(model: str, spec: MoESpec, experts: str, tokens: int = 16, e
         f"{'' if quiet[0] else ', so every token, its reads included'}")
     return ComputeProfile(dense_s=dense, router_s=router, expert_s=expert, dequant_s=deq, other_s=other, issue_s=issue,
                           issue_call_s=issue_call, after_issue_s=after_issue, land_s=land, row_s=row,
+                          expert_row_s=expert_row,
                           read_floor=_read_floor(reads, poll_ns),
                           reader_holds_gil=not (packed and slot_reads.runs_here()), engine=name,
                           dequant_busy_s=_contended(work[most], (lambda: kernel(d, ff, most)) if packed else lambda: mlp(
@@ -477,20 +480,31 @@ def _mlp_time(mlp, d: int, ff: int, reps: int = 20) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _row_cost(s, rows: int = 5, reps: int = 8) -> float:
-    """Per MoE layer, what each row after the first adds to a decode step's dense and router time (a speculative
-    batch of `rows`, the LES ladder's 1 + 4): decode steps of 1 and of `rows` tokens at the session's position, the
-    KV cache truncated back after each, medians."""
+def _row_cost(s, rows: int = 5, reps: int = 8) -> tuple[float, float | None]:
+    """What each row after the first adds to a decode step (a speculative batch of `rows`, the LES ladder's 1 + 4):
+    per MoE layer, to its dense and router time; per expert, to its compute where the row routes to an expert
+    another row does (the expert's rows in one kernel call). Decode steps of 1 and of `rows` distinct tokens at the
+    session's position, the KV cache truncated back after each, medians; the second None where no batch shared an
+    expert."""
     e, tel, nl = s.engine, s.tel, len(s.spec.moe_layers)
-    took = {1: [], rows: []}
+    took, per_expert, shared = {1: [], rows: []}, [], []
     for _ in range(reps):
         for n in took:
             pos, n_ev = e.pos, len(tel.events)
-            s.step([1] * n, "decode")
+            s.step(list(range(1, n + 1)), "decode")
             e.truncate(pos)
             evs, tok = tel.events[n_ev:], tel.tokens[-1]
             took[n].append((tok.compute_s - sum(v.compute_s for v in evs) + tok.router_s) / nl)
-    return max(0.0, (statistics.median(took[rows]) - statistics.median(took[1])) / (rows - 1))
+            distinct, pairs = sum(len(v.routed) for v in evs), sum(v.chosen for v in evs)
+            if n == 1:
+                per_expert.append(sum(v.compute_s for v in evs) / max(1, distinct))
+            elif pairs > distinct:
+                shared.append((sum(v.compute_s for v in evs), distinct, pairs - distinct))
+    row = max(0.0, (statistics.median(took[rows]) - statistics.median(took[1])) / (rows - 1))
+    if not shared:
+        return row, None
+    one = statistics.median(per_expert)
+    return row, max(0.0, statistics.median((moe - d * one) / extra for moe, d, extra in shared))
 
 
 def _issue_costs(stream_events) -> tuple[float, float]:

@@ -31,7 +31,7 @@ layer's). What is modelled is the clock it runs on:
                   (up to n tokens; with draft=modelled:A, the trace's next n tokens accepted as
                   runtime.speculative.ModelledAcceptance draws, as a measured run draws them) in one batch: the layer reads the union of the batch's experts once; dense and
                   router are charged for one row plus the measured cost of each further row (row_s), expert
-                  compute per (token, expert) pair; the accepted draft tokens
+                  compute per expert plus the measured cost of each further row it computes (expert_row_s); the accepted draft tokens
                   (where the trace's text continues with them) and the step's own token are produced
   prerouter       Edge0's heads, recorded in the trace, name the next token's experts (prefetched a token ahead)
 
@@ -429,7 +429,9 @@ class _Simulation:
         self.n["wait"] += wait
 
     def compute(self, st: LayerStep, es: list[int]):
-        t = sum(self.profile.expert_s * st.uses[e] for e in es)
+        c = self.profile
+        further = c.expert_s if c.expert_row_s is None else c.expert_row_s
+        t = sum(c.expert_s + further * (st.uses[e] - 1) for e in es)
         self.work(t)
         st.ev.compute_s += t
 
