@@ -45,6 +45,8 @@ ARMS = {                                     # arm -> knobs on les
     "les + prompt lookup, 4 a step": {"speculative": 4, "draft": "lookup"},
     "les + draft model, 2 a step": {"speculative": 2, "draft": "demo-draft"},
     "les + draft model, 4 a step": {"speculative": 4, "draft": "demo-draft"},
+    "les + MTP head, 2 a step": {"speculative": 2, "draft": "mtp"},
+    "les + MTP head, 4 a step": {"speculative": 4, "draft": "mtp"},
 }
 ACCEPTANCE = (0.3, 0.5, 0.7, 0.9)            # modelled, swept
 N_DRAFT = 4
@@ -61,6 +63,19 @@ def heldout_agreement(target: str, draft: str, n_tokens: int = 1024, data: str =
     same = argmax[target] == argmax[draft]
     runs = {str(k): float(np.mean([same[i:i + k].all() for i in range(len(same) - k + 1)])) for k in (1, 2, 4)}
     return {"tokens": len(same), "data": data, "agreement": float(same.mean()), "all_of_k": runs}
+
+
+def mtp_heldout_agreement(target: str, n_tokens: int = 1024, data: str = "tinystories") -> dict:
+    """Per position t of held-out text (teacher-forced): the MTP head's token from (the target's hidden state at t,
+    token t+1) equals the target's greedy token after t+1: the chance its first draft is accepted there."""
+    from runtime.speculative import MTPDraft
+    with open_session(target, "resident", None, prompt=None) as s:
+        ids = heldout_ids(s.tokenizer, data, min(n_tokens, s.spec.max_position_embeddings))
+        greedy = np.argmax(s.step(ids, "prefill"), -1)
+        head = MTPDraft(s).head
+        _, logits = head.forward(s.engine.to_numpy(s.engine.hidden)[:-1], ids[1:], 1)
+    same = np.argmax(logits, -1) == greedy[1:]
+    return {"tokens": int(same.size), "data": data, "agreement": float(same.mean())}
 
 
 def speed(model, arms, budgets, rounds, tokens, device, log, trace=None, threads=None) -> dict:
@@ -87,7 +102,8 @@ def row(arm, budget, runs, ref) -> dict:
             "bytes_read_per_token": med("bytes_read_per_token"), "spec_accept_rate": med("spec_accept_rate"),
             "tokens_per_target_step": med("tokens_per_target_step"), "union_growth": med("union_growth"),
             "draft_ms_per_token": statistics.median(1e3 * r["draft_s"] / p for r, p in zip(runs, produced)),
-            "modelled_acceptance": runs[0].get("modelled_acceptance"), "hit_rate": med("hit_rate")}
+            "modelled_acceptance": runs[0].get("modelled_acceptance"), "hit_rate": med("hit_rate"),
+            "random_weights": runs[0].get("random_weights")}
 
 
 def rows_of(runs: dict, arms, budgets) -> list[dict]:
@@ -147,7 +163,11 @@ def markdown(res: dict) -> str:
                f"{res['draft']} against {res['model']} on {h['tokens']} held-out {h['data']} tokens, teacher-forced: "
                f"its next token is the target's greedy one at {h['agreement']:.3f} of positions; 2 in a row "
                f"{h['all_of_k']['2']:.3f}, 4 in a row {h['all_of_k']['4']:.3f}.\n"]
-    md += [f"## Real drafts, measured\n",
+    if h := res.get("heldout_mtp"):
+        md += [f"The MTP head ({res['model']}'s own, mtp/mtp.safetensors) on {h['tokens']} held-out {h['data']} positions, "
+               f"teacher-forced: its token from the target's hidden state at t and token t+1 is the target's greedy "
+               f"token after t+1 at {h['agreement']:.3f} of positions (its first draft's acceptance there).\n"]
+    md += [] if not res["rows"] else [f"## Real drafts, measured\n",
            f"{res['model']}, {res['engine'] or 'the default engine'}{where}; {res['rounds']} alternating cold rounds of "
            f"{res['tokens']} tokens (median, min-max). Greedy output is plain greedy decoding's in every arm "
            f"(tests/test_drafts.py). KB read per produced token; the draft's time is in tok/s.\n",
@@ -162,6 +182,8 @@ def markdown(res: dict) -> str:
     if m := res.get("modelled"):
         prof = m["profile"]
         md += ["", f"## Modelled acceptance on real routing (MODELLED ACCEPTANCE: no draft runs)\n",
+               *([f"{res['model']}: RANDOM weights ({m['rows'][0]['random_weights']}): only its shape and disk are "
+                  f"the model's; what it routes to is the trace's.\n"] if m["rows"][0].get("random_weights") else []),
                f"Routing trace `{res['routing_trace']}`: each verification step of {N_DRAFT} drafts routes as the "
                f"trace's next rows (the union the batch reads is real routing's); each draft token is accepted with "
                f"the stated probability while the ones before it were (seeded: every arm draws the same). Measured "
@@ -206,7 +228,8 @@ def main(argv=None):
     if not a.skip_real:
         arms = {k: {**v, **({"draft": a.draft} if v.get("draft") == "demo-draft" else {})} for k, v in ARMS.items()}
         res["heldout"] = heldout_agreement(a.model, a.draft)
-        log(f"held-out agreement: {res['heldout']}")
+        res["heldout_mtp"] = mtp_heldout_agreement(a.model)
+        log(f"held-out agreement: {res['heldout']}, MTP head's {res['heldout_mtp']}")
         res["rows"] = rows_of(speed(a.model, arms, budgets, a.rounds, a.tokens, a.device, log, threads=a.threads), arms,
                               budgets)
     if a.routing_trace:

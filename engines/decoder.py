@@ -294,6 +294,7 @@ class Decoder(GatedDeltaNet, Engine):
                 self.dense_compute_s += clock() - t0
                 x = x + self.moe(i, xn, x, phase)
                 t0 = clock()
+        self.hidden, self.hidden_start = x, self.pos      # the last hidden states, before the final norm (MTP's input)
         self.pos += len(ids)
         logits = self.to_numpy(self.linear(self.rms_norm(x, W("norm")), "lm_head"))
         self.dense_compute_s += clock() - t0

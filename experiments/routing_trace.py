@@ -272,9 +272,10 @@ class TraceDrive:
         return (self.skip + self.prompt_len - 1 + engine.token_index + np.arange(n)) % self.T
 
     def next_ids(self, engine, n: int) -> list[int]:
-        """The trace's n tokens after the next decode's input token (a modelled draft's: runtime.speculative)."""
+        """The trace's n tokens after the next decode's input token (a modelled draft's: runtime.speculative); token 0
+        where the trace holds no token (an imported trace records routing only: the tokens fed do not route)."""
         first = self.skip + self.prompt_len + engine.pos - engine.prompt_end
-        return [int(self.ids[(first + 1 + i) % self.T]) for i in range(n)]
+        return [max(0, int(self.ids[(first + 1 + i) % self.T])) for i in range(n)]
 
     def route(self, layer: int, logits, ctx):
         """The router hook: the trace's experts for these tokens, and its mixing weights (uniform where it has none)."""

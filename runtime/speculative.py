@@ -7,6 +7,8 @@ A draft is anything with `propose(context, n) -> tokens` (and `close()`); the pr
                 followed it (no model)
     MODEL       a draft model with the target's tokenizer (a registered name, demo-draft; a directory, pack or
                 GGUF), all of it in memory, decoding greedily from the same context; its time is the step's draft_s
+    mtp         the checkpoint's own multi-token-prediction block (engines.mtp.MTPHead), chained: the target's last
+                hidden states and the accepted tokens feed it, and each of its own states the next draft token
     modelled:A  (a run a routing trace drives) the trace's next tokens, each accepted with probability A while every
                 one before it was (modelled acceptance); the batch routes as the trace's next rows, so the union it
                 reads is real routing's. Seeded: arms alternating in one run draw the same acceptances.
@@ -17,7 +19,9 @@ import time
 
 import numpy as np
 
+from engines.mtp import MTPHead
 from workbench.errors import WorkbenchError
+from workbench.models.mtp import load_mtp
 from workbench.registry import model_dir
 
 
@@ -90,6 +94,43 @@ class DraftModel:
 
     def close(self):
         self.session.close()
+
+
+class MTPDraft:
+    """The target's MTP block drafting from the target's own hidden states. After each verification, the block's KV
+    cache takes a row per position the target kept (the target's hidden state there and the next token) and forgets
+    its chained rows; it then drafts by chaining from its last state."""
+    name = "mtp"
+    accept = staticmethod(longest_prefix)
+
+    def __init__(self, target):
+        e = target.engine
+        if not hasattr(e, "hidden_start"):
+            raise WorkbenchError(f"--engine {e.name} gives no hidden states to draft from: draft=mtp runs on the "
+                                 f"packed, numpy or mlx engine")
+        w = load_mtp(model_dir(target.model))
+        self.engine = e
+        self.head = MTPHead(target.spec, w, lambda ids: e.to_numpy(e.embed(ids)),
+                            lambda x: e.to_numpy(e.linear(e.from_numpy(x), "lm_head")))
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        if n <= 0:
+            return []
+        e, head = self.engine, self.head
+        start, kept = e.hidden_start, e.pos - e.hidden_start       # the last forward's rows the target kept
+        if start == 0:
+            head.reset()
+        head.truncate(start + 1)
+        x, logits = head.forward(e.to_numpy(e.hidden)[:kept], context[start + 1:e.pos + 1], start + 1)
+        out = []
+        for i in range(n):
+            out.append(int(np.argmax(logits[-1])))
+            if i < n - 1:
+                x, logits = head.forward(x[-1:], out[-1:], e.pos + 1 + i)
+        return out
+
+    def close(self):
+        pass
 
 
 def same_vocabulary(draft, target, where, target_where):
@@ -169,6 +210,8 @@ def make_draft(source: str, target, open_session):
                              "draft=lookup or a draft model"))
     if modelled is not None:
         return ModelledDraft(modelled, target.drive, target.engine)
+    if source == "mtp":
+        return MTPDraft(target)
     return PromptLookup() if source == "lookup" else DraftModel(source, target, open_session)
 
 
