@@ -112,6 +112,7 @@ class Decoder(GatedDeltaNet, Engine):
         self.kv = [[xp.zeros((hk, 64, dk), dtype=xp.float32), xp.zeros((hv, 64, dv), dtype=xp.float32)]
                    for _ in range(self.spec.num_layers)]
         self.pos = 0
+        self.hidden, self.hidden_start = None, 0     # the last forward's hidden states (forward)
         self.reset_linear()
 
     def kv_room(self, i: int, end: int):
