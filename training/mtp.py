@@ -1,6 +1,6 @@
 """Train a multi-token-prediction (MTP) head for the demo model, the demo frozen, in torch on the CPU.
 
-    python -m training.mtp --model demo --out runs/train-mtp --steps 1500
+    python -m training.mtp --model demo --out runs/train-mtp --steps 1000 --windows 4096
     python -m training.mtp --model demo --out runs/train-mtp --export data/models/demo-moe/mtp/mtp.safetensors
 
 The head is Qwen3-Next's (transformers' and vLLM's names, `mtp.*`): the embedding of token t+1 and the model's last
@@ -142,8 +142,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=Path("data/models/demo-moe"))
     ap.add_argument("--out", type=Path, default=Path("runs/train-mtp"))
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--windows", type=int, default=1024, help="training windows whose hidden states are computed")
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--windows", type=int, default=4096, help="training windows whose hidden states are computed")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
