@@ -9,7 +9,8 @@ read timing) must be identical.
 Covered: every family (tiny_models), exact (all resident) and staged paths (a budget below all-resident,
 so experts stream through the slots, in waves at prefill), prefill then decode; expert precisions
 q2/q3/q4/q8/bf16 and a model whose parts mix q4 and bf16; the hooks (router_hook, predictors, deltas),
-speculative verification, `--engine mlx` on the CLI; greedy output on the demo model.
+speculative verification (drafts by prompt lookup, the demo's draft model and its MTP head), `--engine mlx` on the
+CLI; greedy output on the demo model.
 On Linux MLX runs on the CPU (mlx[cpu]), where it is slow: the models here are tiny.
 """
 from __future__ import annotations
@@ -147,6 +148,16 @@ def test_speculative_verification_and_generate(tiny_models):
             outs[engine] = s.generate([5, 9, 33, 71, 2, 18, 5, 9, 33], tokens=16)["tokens"]
             assert s.tel.spec_steps > 0
     assert outs["mlx"] == outs["numpy"]
+
+
+@pytest.mark.parametrize("draft", ["demo-draft", "mtp"])
+def test_a_draft_model_and_the_mtp_head_give_plain_greedy_output_on_mlx(draft):
+    outs = {}
+    for knobs in ({}, {"speculative": 2, "draft": draft}):
+        with open_session("demo", "les", "0.25", engine="mlx", tokens=10, **knobs) as s:
+            outs[bool(knobs)] = s.generate("Once upon a time", tokens=10)["tokens"]
+            assert (s.tel.spec_steps > 0) == bool(knobs)
+    assert outs[True] == outs[False]
 
 
 def test_cli_generate_with_engine_mlx(tiny_models, capsys):
