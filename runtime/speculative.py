@@ -2,7 +2,8 @@
 batched forward, which loads the union of the batch's experts once; the longest prefix greedy decoding would have
 produced is kept, plus the target's own next token, so the output is exactly plain greedy decoding's.
 
-A draft is anything with `propose(context, n) -> tokens` (and `close()`); the preset's `draft` knob names it:
+A draft is anything with `propose(context, n) -> tokens`, `accept(proposed, greedy) -> kept` and `close()`; the
+preset's `draft` knob names it:
     lookup      prompt lookup: the most recent earlier occurrence of the context's last n-gram, and the tokens that
                 followed it (no model)
     MODEL       a draft model with the target's tokenizer (a registered name, demo-draft; a directory, pack or
