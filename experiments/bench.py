@@ -35,7 +35,7 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
     page_cache = None if warm else session.cold_start()
     out = session.generate_text(prompt, tokens)
     s = session.summary()
-    n = max(1, s["decode_steps"])
+    n = max(1, s["produced"])              # per produced token, as bytes_read_per_token (a speculative step makes more)
     disk = session.device.as_probe() if session.device else probe()       # emulated: the profile's flash
     r = session.reader.stats()
     fl = floor_tok_s(session.pack, (s["compute_s"] + s["router_s"]) / n, s["bytes_read_per_token"], disk,
