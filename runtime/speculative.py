@@ -10,9 +10,10 @@ preset's `draft` knob names it:
                 GGUF), all of it in memory, decoding greedily from the same context; its time is the step's draft_s
     mtp         the checkpoint's own multi-token-prediction block (engines.mtp.MTPHead), chained: the target's last
                 hidden states and the accepted tokens feed it, and each of its own states the next draft token
-    modelled:A  (a run a routing trace drives) the trace's next tokens, each accepted with probability A while every
-                one before it was (modelled acceptance); the batch routes as the trace's next rows, so the union it
-                reads is real routing's. Seeded: arms alternating in one run draw the same acceptances.
+    modelled:A  (a run a routing trace drives, or one decoding forced text) the trace's or the text's next tokens,
+                each accepted with probability A while every one before it was (modelled acceptance); the batch
+                routes as the trace's next rows, or as the model routes the text's next tokens, so the union it reads
+                is that routing's. Seeded: arms alternating in one run draw the same acceptances.
 """
 from __future__ import annotations
 
@@ -189,15 +190,16 @@ def modelled_acceptance(source: str) -> float | None:
 
 
 class ModelledDraft:
-    """A routing trace's next tokens as the draft, accepted as ModelledAcceptance draws: no draft model runs, and
-    the verification batch routes as the trace's next rows (experiments.routing_trace.TraceDrive.rows)."""
+    """The run's own next tokens as the draft, accepted as ModelledAcceptance draws: no draft model runs. A routing
+    trace's next tokens, the verification batch routing as its next rows (experiments.routing_trace.TraceDrive.rows);
+    or forced text's, routed by the model. next_tokens(context, n): those tokens."""
 
-    def __init__(self, acceptance: float, drive, engine):
+    def __init__(self, acceptance: float, next_tokens):
         self.name, self.acceptance = f"modelled:{acceptance:g}", acceptance
-        self.model, self.drive, self.engine = ModelledAcceptance(acceptance), drive, engine
+        self.model, self.next_tokens = ModelledAcceptance(acceptance), next_tokens
 
     def propose(self, context: list[int], n: int) -> list[int]:
-        return self.drive.next_ids(self.engine, n)
+        return self.next_tokens(context, n)
 
     def accept(self, proposed: list[int], greedy) -> int:
         return self.model.draw(len(proposed))
@@ -208,14 +210,18 @@ class ModelledDraft:
 
 def make_draft(source: str, target, open_session):
     """The draft the preset's `draft` knob names, for the target Session; one line where it cannot draft for it."""
-    modelled = modelled_acceptance(source)
-    if (modelled is None) != (target.drive is None):
-        raise WorkbenchError(f"draft={source}: " + ("a routing trace decides what the verification batch routes to, "
-                             "so its acceptance is modelled: choose draft=modelled:A" if modelled is None else
-                             "a modelled acceptance replays a routing trace's tokens: give --routing-trace, or choose "
-                             "draft=lookup or a draft model"))
+    modelled, forced = modelled_acceptance(source), target.text.forced
+    if modelled is None and target.drive is not None:
+        raise WorkbenchError(f"draft={source}: a routing trace decides what the verification batch routes to, so its "
+                             f"acceptance is modelled: choose draft=modelled:A")
+    if modelled is not None and target.drive is None and forced is None:
+        raise WorkbenchError(f"draft={source}: a modelled acceptance drafts a routing trace's or forced text's tokens: "
+                             f"give --routing-trace or --text, or choose draft=lookup, mtp or a draft model")
     if modelled is not None:
-        return ModelledDraft(modelled, target.drive, target.engine)
+        if target.drive is not None:
+            return ModelledDraft(modelled, lambda context, n: target.drive.next_ids(target.engine, n))
+        fed = len(target.text.prompt)           # forced: the text's tokens after the context's are the draft
+        return ModelledDraft(modelled, lambda context, n: list(forced[len(context) - fed:len(context) - fed + n]))
     if source == "mtp":
         return MTPDraft(target)
     return PromptLookup() if source == "lookup" else DraftModel(source, target, open_session)

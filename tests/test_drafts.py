@@ -81,3 +81,26 @@ def test_a_draft_model_that_does_not_exist_is_refused_in_one_line():
     res = cli("bench", "--model", "demo", "--preset", "les", "--tokens", "4", "--no-record", "--set", "speculative=2",
               "--set", "draft=no/such/model")
     assert_one_line_error(res, "no/such/model", "no such model")
+
+
+def test_a_modelled_acceptance_drafts_the_forced_texts_next_tokens_and_keeps_the_text():
+    """modelled:A on forced text: the draft is the text's next tokens, accepted as seeded coin flips; the output is the
+    text whatever was accepted, and two runs draw the same acceptances."""
+    runs = []
+    for _ in range(2):
+        with open_session("demo", "les", "0.25", tokens=24, speculative=4, draft="modelled:0.7",
+                          text="tinystories") as s:
+            out = s.generate_text(None, 24)
+            assert out["tokens"] == list(s.text.forced[:24])
+            runs.append(s.summary())
+    assert runs[0]["modelled_acceptance"] == 0.7 and runs[0]["spec_steps"] < 23
+    assert [r["spec_accepted"] for r in runs] == [runs[0]["spec_accepted"]] * 2
+
+
+def test_a_modelled_acceptance_on_the_models_own_tokens_is_refused_in_one_line():
+    res = cli("bench", "--model", "demo", "--preset", "les", "--tokens", "4", "--no-record", "--set", "speculative=2",
+              "--set", "draft=modelled:0.5")
+    assert_one_line_error(res, "draft=modelled:0.5", "routing trace's or forced text's tokens")
+    res = cli("bench", "--model", "demo", "--preset", "les", "--tokens", "4", "--no-record", "--set", "speculative=2",
+              "--set", "draft=modelled:1.5", "--text", "tinystories")
+    assert_one_line_error(res, "modelled acceptance A in (0, 1]")
