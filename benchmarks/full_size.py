@@ -242,6 +242,17 @@ def main(argv=None):
                   f"{f('achieved_over_floor', '.2f')} | {'' if 'over_belady' not in r else format(r['over_belady'], '.2f')} | "
                   f"{m.get('threads', '')} | "
                   f"{format(m['peak_rss_bytes'] / m['info_run_bytes'], '.2f') if m.get('info_run_bytes') else ''} |")
+    spec = [r for r in rows[1:] if r["median_run"].get("spec_steps")]
+    md += [] if not spec else [
+        "", "Speculative arms (median run): drafts verified per step in one batch; the batch routes to more experts "
+        "than its first token (union growth), and bytes and tok/s count produced tokens. A modelled acceptance "
+        "(MODELLED: no draft runs) drafts the run's own next tokens, each accepted with that probability while the "
+        "ones before it were.", "",
+        "| design | budget | draft | accepted | tokens/step | union growth | MB read/produced token | tok/s |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+        *(f"| {label(r)} | {r['budget']} | {r['median_run']['draft']} | {r['median_run']['spec_accept_rate']:.2f} | "
+          f"{r['median_run']['tokens_per_target_step']:.2f} | {r['median_run']['union_growth']:.2f} | "
+          f"{r['median_run']['bytes_read_per_token'] / 1e6:.0f} | {r['tok_s']:.3f} |" for r in spec)]
     md += [] if not failed else ["", "Arms that did not run (their one-line reason):", "", *failed]
     md += [] if not bounds else [
         "", "Belady's bound per budget (MIN over on_demand's decode routing, its slots; reads at the best bandwidth "
