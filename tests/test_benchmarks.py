@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py"))
 TESTED = {"before_after", "forced_text", "full_size", "kernels", "ladders", "lossy", "pack_formats", "peer", "regimes",
-          "run_setup", "server_limits", "server_load", "targets"}
+          "run_setup", "server_limits", "server_load", "speculative", "targets"}
 
 
 def run(script: str, *args, timeout: float = 1800) -> str:
@@ -284,6 +284,30 @@ def test_lossy_levers_priced_on_the_demo(tmp_path):
         f"{low['low_fraction']:.2f} ({low['low_tier_bytes'] / 2**20:.1f})"
     dropped = rows_of(md, "les + drop_misses")[1]           # the table of what each lever left out, layer by layer
     assert dropped[1] == f"{rows['les + drop_misses']['dropped_fraction']:.3f}" and len(dropped) == 2 + 8
+
+
+def test_drafts_on_the_demo_real_and_modelled(tmp_path):
+    """The drafts' held-out acceptance, a row per real draft (lookup, the draft model, the MTP head) against les, and
+    on the demo's trace a row per modelled acceptance, measured and simulated, with where drafts start to pay: the
+    Markdown's numbers the JSON's, each ratio its own."""
+    out = tmp_path / "spec.md"
+    run("speculative", "--budgets", "0.25", "--rounds", 1, "--tokens", 6, "--acceptance", "0.5,0.9",
+        "--routing-trace", "data/traces/demo-tinystories-256.parquet", "--out", out)
+    res, md = json.loads(out.with_suffix(".json").read_text()), out.read_text()
+    assert command_line(md) == res["command"]
+    assert 0 < res["heldout"]["agreement"] < 1 and 0 < res["heldout_mtp"]["agreement"] < 1
+    assert f"{res['heldout_mtp']['agreement']:.3f} of positions" in md
+    for part in (res["rows"], res["modelled"]["rows"]):
+        les = next(r for r in part if r["arm"] == "les")
+        for r in part:
+            assert same(r["over_les"], r["tok_s"] / les["tok_s"])
+            assert f"{r['tok_s']:.1f}" in [row[2] for row in rows_of(md, r["arm"])]
+            assert (r["arm"] == "les") == (r["tokens_per_target_step"] is None)
+            assert r["arm"] == "les" or (r["tokens_per_target_step"] >= 1 and r["union_growth"] >= 1)
+    modelled = [r for r in res["modelled"]["rows"] if r["arm"] != "les"]
+    assert [r["modelled_acceptance"] for r in modelled] == [0.5, 0.9]
+    assert all(r["simulated"]["this-machine"] > 0 and r["simulated"]["ufs22-phone"] > 0 for r in modelled)
+    assert "MODELLED ACCEPTANCE" in md and f"- 0.25: measured here {res['modelled']['crossover']['0.25']['measured']}" in md
 
 
 def test_lossy_levers_on_the_emulated_phone_measure_speed_and_say_why_not_quality(tmp_path):
