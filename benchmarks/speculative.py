@@ -159,7 +159,7 @@ def markdown(res: dict) -> str:
     where = f", EMULATED {res['device']} (this machine's reads made to take that device's time)" if res["device"] else ""
     md = [f"# Drafts while streaming\n\n`{res['command']}` ({res['date']})\n"]
     if h := res.get("heldout"):
-        md += [f"## The draft model's held-out acceptance\n",
+        md += ["## The draft model's held-out acceptance\n",
                f"{res['draft']} against {res['model']} on {h['tokens']} held-out {h['data']} tokens, teacher-forced: "
                f"its next token is the target's greedy one at {h['agreement']:.3f} of positions; 2 in a row "
                f"{h['all_of_k']['2']:.3f}, 4 in a row {h['all_of_k']['4']:.3f}.\n"]
@@ -167,7 +167,7 @@ def markdown(res: dict) -> str:
         md += [f"The MTP head ({res['model']}'s own, mtp/mtp.safetensors) on {h['tokens']} held-out {h['data']} positions, "
                f"teacher-forced: its token from the target's hidden state at t and token t+1 is the target's greedy "
                f"token after t+1 at {h['agreement']:.3f} of positions (its first draft's acceptance there).\n"]
-    md += [] if not res["rows"] else [f"## Real drafts, measured\n",
+    md += [] if not res["rows"] else ["## Real drafts, measured\n",
            f"{res['model']}, {res['engine'] or 'the default engine'}{where}; {res['rounds']} alternating cold rounds of "
            f"{res['tokens']} tokens (median, min-max). Greedy output is plain greedy decoding's in every arm "
            f"(tests/test_drafts.py). KB read per produced token; the draft's time is in tok/s.\n",
@@ -181,7 +181,7 @@ def markdown(res: dict) -> str:
                   f"{r['draft_ms_per_token']:.2f} |")
     if m := res.get("modelled"):
         prof = m["profile"]
-        md += ["", f"## Modelled acceptance on real routing (MODELLED ACCEPTANCE: no draft runs)\n",
+        md += ["", "## Modelled acceptance on real routing (MODELLED ACCEPTANCE: no draft runs)\n",
                *([f"{res['model']}: RANDOM weights ({m['rows'][0]['random_weights']}): only its shape and disk are "
                   f"the model's; what it routes to is the trace's.\n"] if m["rows"][0].get("random_weights") else []),
                f"Routing trace `{res['routing_trace']}`: each verification step of {N_DRAFT} drafts routes as the "
