@@ -276,7 +276,8 @@ def main(argv=None):
            "| design | budget | compute | router | flash wait | other | floor: compute | floor: reads |",
            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows[1:]:
-        m, n = r["median_run"], max(1, r["median_run"]["decode_steps"])
+        m = r["median_run"]
+        n = max(1, m.get("produced") or m["decode_steps"])          # per produced token (a speculative step makes more)
         md.append(f"| {label(r)} | {r['budget']} | {1e3 * m['compute_s'] / n:.0f} | {1e3 * m['router_s'] / n:.0f} | "
                   f"{1e3 * m['flash_wait_s'] / n:.0f} | {1e3 * m['other_s'] / n:.0f} | "
                   f"{1e3 * m['floor_compute_s_per_token']:.0f} | {1e3 * m['floor_read_s_per_token']:.0f} |")
