@@ -96,12 +96,11 @@ def speed(model, arms, budgets, rounds, tokens, device, log, trace=None, threads
 def row(arm, budget, runs, ref) -> dict:
     tok = [r["tok_s"] for r in runs]
     med = lambda k: statistics.median(r[k] for r in runs) if all(r.get(k) is not None for r in runs) else None
-    produced = [max(1, r["decode_steps"] * r.get("tokens_per_target_step", 1.0)) for r in runs]
     return {"arm": arm, "budget": budget, "tok_s": statistics.median(tok), "tok_s_min": min(tok), "tok_s_max": max(tok),
             "tok_s_rounds": tok, "over_les": statistics.median(tok) / ref if ref else None,
             "bytes_read_per_token": med("bytes_read_per_token"), "spec_accept_rate": med("spec_accept_rate"),
             "tokens_per_target_step": med("tokens_per_target_step"), "union_growth": med("union_growth"),
-            "draft_ms_per_token": statistics.median(1e3 * r["draft_s"] / p for r, p in zip(runs, produced)),
+            "draft_ms_per_token": statistics.median(1e3 * r["draft_s"] / max(1, r["produced"]) for r in runs),
             "modelled_acceptance": runs[0].get("modelled_acceptance"), "hit_rate": med("hit_rate"),
             "random_weights": runs[0].get("random_weights")}
 

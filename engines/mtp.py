@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from engines.decoder import rope_table
+from engines.decoder import Decoder, rope_table
 from workbench.routing import route
 
 
 class MTPHead:
+    # the decoder's blocks, the same numpy code (engines/decoder.py): norms, rotary, the causal softmax, an MLP
+    xp = np
+    rms_norm, silu, rope, mlp = Decoder.rms_norm, Decoder.silu, Decoder.rope, Decoder.mlp
+    causal_softmax, from_numpy = Decoder.causal_softmax, Decoder.from_numpy
+
     def __init__(self, spec, w: dict[str, np.ndarray], embed, head):
         """w: the block's tensors (workbench.models.mtp.load_mtp); embed(ids) and head(x): the model's own, numpy in
         and out (the engine's: its kernels where it keeps the head encoded)."""
@@ -39,8 +44,7 @@ class MTPHead:
             self.K, self.V = self.K[:, :keep], self.V[:, :keep]
 
     def norm(self, x, name):
-        ms = (x * x).sum(-1, keepdims=True) / x.shape[-1]
-        return self.w[name] * (x / np.sqrt(ms + self.spec.rms_norm_eps))
+        return self.rms_norm(x, self.w[name])
 
     def forward(self, hidden: np.ndarray, ids, start: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows of (hidden at position p-1, token at p) for p = start .. start+T-1, after the cached ones (whose
@@ -67,14 +71,12 @@ class MTPHead:
         if p + "q_norm.weight" in w:
             q, k = self.norm(q, p + "q_norm.weight"), self.norm(k, p + "k_norm.weight")
         cos, sin = self.cos[start:start + T], self.sin[start:start + T]
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         self.K, self.V = np.concatenate([self.K, k], 1), np.concatenate([self.V, v], 1)
         S, rep = self.K.shape[1], s.num_heads // s.num_kv_heads
         att = (q.reshape(s.num_kv_heads, rep * T, s.head_dim) @ self.K.transpose(0, 2, 1)).reshape(
             s.num_kv_heads, rep, T, S) / np.float32(np.sqrt(s.head_dim))
-        future = np.arange(S)[None, :] > (S - T + np.arange(T))[:, None]
-        att = np.exp(np.where(future, -np.inf, att) - att.max(-1, keepdims=True))
-        att = att / att.sum(-1, keepdims=True)
+        att = self.causal_softmax(att, T)
         y = (att.reshape(s.num_kv_heads, rep * T, S) @ self.V).reshape(s.num_heads, T, s.head_dim)
         y = y.transpose(1, 0, 2).reshape(T, -1)
         if s.attn_output_gate:
@@ -87,22 +89,9 @@ class MTPHead:
         out = np.zeros_like(x)
         for r in range(x.shape[0]):
             for e, g in zip(idx[r], weights[r]):
-                gate, up, down = self.experts[e]
-                out[r] += g * (silu(x[r] @ gate.T) * (x[r] @ up.T)) @ down.T
+                out[r] += g * self.mlp(x[r], *self.experts[e])
         if p + "shared_expert.gate_proj.weight" in w:
-            y = silu(x @ w[p + "shared_expert.gate_proj.weight"].T) * (x @ w[p + "shared_expert.up_proj.weight"].T)
-            y = y @ w[p + "shared_expert.down_proj.weight"].T
+            y = self.mlp(x, *(w[f"{p}shared_expert.{n}_proj.weight"] for n in ("gate", "up", "down")))
             out = out + y / (1.0 + np.exp(-(x @ w[p + "shared_expert_gate.weight"].T)))
         return out
 
-
-def silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def rope(x, cos, sin):
-    """x: (heads, T, hd); a partial rotary passes the rest of each head through (rotate-half convention)."""
-    r = cos.shape[-1]
-    h = r // 2
-    rot = x[..., :r] * cos + np.concatenate([-x[..., h:r], x[..., :h]], -1) * sin
-    return np.concatenate([rot, x[..., r:]], -1) if r < x.shape[-1] else rot

@@ -29,10 +29,11 @@ layer's). What is modelled is the clock it runs on:
                   fresh bytes), measured in streaming runs of the engine
   speculative     (a preset with speculative n) a step verifies the input token and the trace's recorded draft
                   (up to n tokens; with draft=modelled:A, the trace's next n tokens accepted as
-                  runtime.speculative.ModelledAcceptance draws, as a measured run draws them) in one batch: the layer reads the union of the batch's experts once; dense and
-                  router are charged for one row plus the measured cost of each further row (row_s), expert
-                  compute per expert plus the measured cost of each further row it computes (expert_row_s); the accepted draft tokens
-                  (where the trace's text continues with them) and the step's own token are produced
+                  runtime.speculative.ModelledAcceptance draws, as a measured run draws them) in one batch: the
+                  layer reads the union of the batch's experts once; dense and router are charged for one row plus
+                  the measured cost of each further row (row_s), expert compute per expert plus the measured cost
+                  of each further row it computes (expert_row_s); the accepted draft tokens (where the trace's text
+                  continues with them) and the step's own token are produced
   prerouter       Edge0's heads, recorded in the trace, name the next token's experts (prefetched a token ahead)
 
   runs here       (this-machine, or --here: the device emulated on this machine) every read takes at least what

@@ -168,12 +168,6 @@ class ModelledAcceptance:
         flips = self.rng.random(n) < self.acceptance
         return int(n if flips.all() else np.argmin(flips))
 
-    @staticmethod
-    def expected_tokens(acceptance: float, n: int) -> float:
-        """Tokens a verification step of n drafts produces on average: (1 - a^(n+1)) / (1 - a)."""
-        a = acceptance
-        return n + 1.0 if a >= 1 else (1 - a ** (n + 1)) / (1 - a)
-
 
 def modelled_acceptance(source: str) -> float | None:
     """A draft knob's modelled acceptance (modelled:A), None for a real draft; one line where A is not in (0, 1]."""

@@ -225,8 +225,8 @@ class Telemetry:
         return out
 
     def summary(self) -> dict:
-        """What the clock measured: decode's time split, prefill, reads' latencies, drafts. What the schedule counted
-        (hits, reads, prefetches) is workbench.summary.Reads.of(this)."""
+        """What the clock measured: decode's time split, prefill, reads' latencies. What the schedule counted (hits,
+        reads, prefetches) is workbench.summary.Reads.of(this); what drafts did, workbench.summary.Drafts."""
         dec = [t for t in self.tokens if t.phase == "decode"]
         pre = [t for t in self.tokens if t.phase == "prefill"]
         wall = sum(t.wall_s for t in dec)
@@ -248,10 +248,6 @@ class Telemetry:
         s["demand_reads_taken"] = n
         for k in ("submit", "queue", "device", "landed"):       # a demand read's latency, mean seconds a read
             s[f"read_{k}_s"] = sum(getattr(e, f"read_{k}_s") for e in taken) / n if n else 0.0
-        if self.spec_steps:
-            s["spec_accept_rate"] = self.spec_accepted / max(1, self.spec_proposed)
-            s["tokens_per_target_step"] = (self.spec_accepted + self.spec_steps) / self.spec_steps
-            s["union_growth"] = self.union_growth()
         return s
 
     def union_growth(self, phase: str = "decode") -> float:
