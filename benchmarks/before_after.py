@@ -7,8 +7,10 @@ subprocesses, REV's tree and this one one after the other, --rounds rounds (each
 on other text, then an empty cache and the file out of the page cache; with --routing-trace both route as the
 trace recorded, so that the two trees are asked for the same experts even where random weights make them generate
 different text). Prints, and appends to --out if given,
-a table of medians (min-max) of tok/s, achieved / floor and bytes read a token, and the checks of issue 52: every
-design at >= 0.7 of its floor, les >= on_demand and les's bytes <= 1.15x on_demand's at each budget.
+a table of medians (min-max) of tok/s, achieved / floor and bytes read a token, what the runtime spends beside
+compute (router + lookahead a token, issuing a read an expert: from each run's record, events.parquet), and the
+checks of issue 52: every design at >= 0.7 of its floor, les >= on_demand and les's bytes <= 1.15x on_demand's at
+each budget.
 """
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,18 +44,28 @@ def tree_of(rev: str) -> Path:
 
 
 def bench(tree: Path, model: str, design: str, budget: str, tokens: int, trace: str | None = None) -> dict:
-    """bench's JSON, or {"error": its last line} where the design cannot run there (a pager whose pools are
-    smaller than a layer's top-k)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    """bench's JSON with its record's issue_s and issued (decode events: the same numbers in either tree), or
+    {"error": its last line} where the design cannot run there (a pager whose pools are smaller than a layer's
+    top-k)."""
+    runs = tempfile.mkdtemp(prefix="before-after-runs-")
+    env = {**os.environ, "PYTHONPATH": str(tree), "WORKBENCH_RUNS": runs}
     p = subprocess.run([sys.executable, "-m", "workbench", "bench", "--model", model, "--preset", design, "--budget",
-                        budget, "--tokens", str(tokens), "--json", "--no-record"]
+                        budget, "--tokens", str(tokens), "--json"]
                        + (["--routing-trace", str(Path(trace).resolve())] if trace else []), cwd=tree, env=env,
                        capture_output=True, text=True)
     if p.returncode == 2:
         return {"error": (p.stderr.strip().splitlines() or ["exit 2"])[-1]}
     if p.returncode:
         raise SystemExit(f"{tree}: bench {design} {budget} failed: {p.stderr.strip().splitlines()[-1:]}")
-    return json.loads(p.stdout)
+    out = json.loads(p.stdout)
+    ev = pq.read_table(next(Path(runs).glob("*/events.parquet")), columns=["phase", "issue_s", "issued"]).to_pylist()
+    subprocess.run(["rm", "-rf", runs], check=True)
+    ev = [e for e in ev if e["phase"] == "decode"]
+    n = max(1, out.get("produced", out["decode_steps"]))
+    out["issue_us"] = 1e6 * sum(e["issue_s"] for e in ev) / max(1, sum(e["issued"] for e in ev))
+    out["router_ms"] = 1e3 * out["router_s"] / n
+    out["other_ms"] = 1e3 * out["other_s"] / n
+    return out
 
 
 def main(argv=None):
@@ -88,12 +103,13 @@ def main(argv=None):
              f"{a.designs} --tokens {a.tokens} --rounds {a.rounds}"
              + (f" --routing-trace {a.routing_trace}" if a.routing_trace else "") + f"` (load average {min(loads):.1f}-{max(loads):.1f} "
              f"after each round, {os.cpu_count()} cores)\n",
-             "| budget | design | tree | tok/s (median, min-max) | of floor | KB read/tok | / on_demand's |",
-             "|---|---|---|---:|---:|---:|---:|"]
+             "| budget | design | tree | tok/s (median, min-max) | of floor | KB read/tok | / on_demand's | "
+             "router + lookahead ms/tok | other ms/tok | issue us/expert |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     checks = []
     cells = [c for c in cells if c not in failed]
     for d, b in failed:
-        lines.append(f"| {b} | {d} | | cannot run: {failed[(d, b)]} | | | |")
+        lines.append(f"| {b} | {d} | | cannot run: {failed[(d, b)]} | | | | | | |")
     for d, b in cells:
         for t in trees:
             runs = got[(t, d, b)]
@@ -101,7 +117,8 @@ def main(argv=None):
             kb = med(runs, "bytes_read_per_token")
             lines.append(f"| {b} | {d} | {t} | {med(runs, 'tok_s'):.1f} ({span(runs, 'tok_s')}) | "
                          f"{med(runs, 'achieved_over_floor'):.2f} | {kb / 1e3:.0f} | "
-                         f"{'' if not od else f'{kb / od:.2f}'} |")
+                         f"{'' if not od else f'{kb / od:.2f}'} | {med(runs, 'router_ms'):.2f} | "
+                         f"{med(runs, 'other_ms'):.2f} | {med(runs, 'issue_us'):.0f} |")
     for t in trees:
         floors = {(d, b): med(got[(t, d, b)], "achieved_over_floor") for d, b in cells}
         worst = min(floors, key=floors.get)

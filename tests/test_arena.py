@@ -23,17 +23,17 @@ def test_slots_are_the_cached_experts(tiny_models, knobs):
 def test_a_layers_demand_reads_are_queued_before_its_predictors_prefetches(tiny_models):
     with open_session(str(tiny_models["qwen3_moe"]), "on_demand", budget="0.25", engine="packed", execution="ready_first",
                  predictor="lookahead:1:2k") as s:
-        log, submit, begin_layer = [], s.reader.submit_into, s.streamer.begin_layer
+        log, submit, begin_layer = [], s.reader.submit_parts, s.streamer.begin_layer
 
-        def logged_submit(requests, priority=0, verify=None):
+        def logged_submit(keys, parts, checks, crcs, priority=0):
             log.append(priority)
-            return submit(requests, priority, verify)
+            return submit(keys, parts, checks, crcs, priority)
 
         def logged_begin_layer(*a):
             log.append("layer")
             return begin_layer(*a)
 
-        s.reader.submit_into, s.streamer.begin_layer = logged_submit, logged_begin_layer
+        s.reader.submit_parts, s.streamer.begin_layer = logged_submit, logged_begin_layer
         s.generate([1, 2, 3, 4], tokens=8)
     layers = "".join(str(x)[0] for x in log).split("l")     # per layer: the priorities of its submits, in order
     assert any("0" in x and "1" in x for x in layers), "no layer both demanded and prefetched: nothing was checked"

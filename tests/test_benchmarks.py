@@ -239,8 +239,8 @@ def test_server_limits(tmp_path):
 
 @pytest.mark.slow
 def test_before_after(tmp_path):
-    """This tree against a revision (here its own HEAD), alternating: a row per tree, design and budget, and the
-    checks computed from those rows."""
+    """This tree against a revision (here its own HEAD), alternating: a row per tree, design and budget, with what
+    issuing reads and the router cost from each run's record, and the checks computed from those rows."""
     out = tmp_path / "before_after.md"
     run("before_after", "--rev", "HEAD", "--model", "demo", "--budgets", "0.25", "--designs", "on_demand,les",
         "--tokens", 2, "--rounds", 1, "--out", out)
@@ -251,6 +251,7 @@ def test_before_after(tmp_path):
     for t in ("before (HEAD)", "after"):
         od, les = rows[("on_demand", t)], rows[("les", t)]
         assert od[6] == "1.00" and float(les[6]) == pytest.approx(float(les[5]) / float(od[5]), abs=0.02)
+        assert float(les[9]) > 0 and float(les[7]) > float(od[7])     # les's lookahead is in its router's time
         assert f"- {t}: lowest of floor" in md
 
 

@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-from workbench import slot_reads
+from workbench import io, slot_reads
 from workbench.io import ALIGN, Reader, aligned_empty
 from workbench.slot_reads import SlotReads
 
@@ -160,3 +160,58 @@ def test_a_spinning_reader_that_takes_an_id_wakes_a_sleeping_one_for_the_rest(tm
         # the spinning count after its write (then it writes one ticket per id: _queue's rule, a race by design)
         assert tickets in ([], [len(futs) * 2]), tickets
         assert ((r._slots.stats[:, 1] - before) >= 1).all()     # both readers read (4 MiB reads go in pieces)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_planner_makes_the_python_paths_reads_and_checks_the_same(tmp_path, seed):
+    """Experts of several buffers each (touching, overlapping and far apart in the file, some large enough to go
+    in pieces to both readers), checked runs within and across buffers, some crcs wrong: the compiled planner's
+    jobs are the Python path's reads (io.reads_of), and the GIL-free readers land the same bytes with the same
+    verdicts as Python threads do."""
+    rng = np.random.default_rng(seed)
+    path, data = _file(tmp_path, blocks=1024)
+    requests, checks, at = [], {}, 0
+    for k in range(int(rng.integers(3, 40))):
+        parts = []
+        for i in range(int(rng.integers(1, 4))):
+            at = max(0, at + int(rng.choice([0, 0, -1, 3])) * ALIGN)       # touching, overlapping, apart
+            n = int(rng.choice([1, 2, 5, 70, 140])) * ALIGN
+            if at + n > len(data):
+                at = 0
+            parts.append((at, aligned_empty(n)))
+            at += n
+        runs = [(i, a, min(a + int(rng.integers(1, 3 * ALIGN)), b.nbytes))
+                for i, (_, b) in enumerate(parts) for a in [int(rng.integers(0, b.nbytes))]]
+        crc = 0
+        for i, a, z in runs:
+            crc = zlib.crc32(data[parts[i][0] + a:parts[i][0] + z], crc)
+        requests.append((k, parts))
+        checks[k] = (runs, crc ^ (k % 5 == 0))                          # every fifth key's crc is wrong
+
+    ranges = [(off, off + b.nbytes, (off, b, k, i, 0)) for k, parts in requests for i, (off, b) in enumerate(parts)]
+    want, _ = io.reads_of(ranges, sum(b.nbytes for _, parts in requests for _, b in parts), 2)
+    with Reader(path, workers=2) as r:
+        futs = r.submit_into(requests, checks=checks)
+        slots = r._slots
+        got = sorted((int(slots._jobs[j, 0]), [tuple(int(x) for x in v) for v in slots._iov[j, :slots._jobs[j, 2]]])
+                     for f in futs.values() for j in f.jobs.tolist())
+        verdicts = {k: f.exception(30) is not None for k, f in futs.items()}
+        landed = {k: [b.copy() for _, b in parts] for k, parts in requests}
+    assert sorted(set(map(lambda g: (g[0], tuple(g[1])), got))) == sorted(
+        (start, tuple((slot_reads.address(m[1]), m[1].nbytes) for m in members)) for start, _, members in want)
+
+    class PythonThreads(Reader):
+        def _pread(self, buf, pos, need):           # any override sends reads to Python threads
+            return super()._pread(buf, pos, need)
+
+    for _, parts in requests:
+        for _, b in parts:
+            b[:] = 0
+    with PythonThreads(path, workers=2) as r:
+        futs = r.submit_into(requests, checks=checks)
+        assert {k: f.exception(30) is not None for k, f in futs.items()} == verdicts
+    assert verdicts == {k: k % 5 == 0 for k in verdicts}
+    for k, parts in requests:
+        for (off, b), was in zip(parts, landed[k]):
+            np.testing.assert_array_equal(b, was)
+            np.testing.assert_array_equal(b, data[off:off + b.nbytes])

@@ -15,8 +15,10 @@ finding the memory a newly reserved expert lands in is a pop from the pool's fre
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from workbench.io import ALIGN, aligned_empty
+from workbench.slot_reads import CHECK, PART, address
 from workbench.store.pack import PARTS, _nbytes, expert_kinds, expert_shapes
 
 
@@ -72,7 +74,6 @@ class SlotArena:
         self.blocks: dict[int, np.ndarray] = {}     # MoE layer -> its pool's block (n slots * slot_bytes)
         self._free: dict[int, list] = {}            # id(block) -> its free slots
         self.where: dict = {}                       # expert key -> byte offset of its slot in its layer's block
-        self._views: dict = {}                      # (id of a block, of a layout's regions, slot offset) -> buffers
         by_pool = {}
         for L in pack.spec.moe_layers:
             pool = cache.pools[L]
@@ -85,27 +86,83 @@ class SlotArena:
                 self._free[id(block)] = list(range(n - 1, -1, -1))
             self.blocks[L] = by_pool[id(pool)]
         self.nbytes = sum(b.nbytes for b in {id(b): b for b in self.blocks.values()}.values())
+        self._addresses = {L: address(b) for L, b in self.blocks.items()}
 
-    def claim(self, key) -> list[np.ndarray]:
-        """A slot for `key` (just reserved in the cache): the buffers its reads land in, one per read."""
+    def address(self, key) -> int:
+        """Where the slot of `key` (just reserved in the cache) starts in memory: its reads land at its layout's
+        region offsets past this."""
         base = self.where.get(key)              # read again while the cache still holds it: the same slot
         if base is None:
             free = self._free[id(self.blocks[key[0]])]
             if not free:
                 raise RuntimeError(f"expert {key}: every slot holds an expert the cache still has")
             base = self.where[key] = free.pop() * self.slot_bytes
-        block, regions = self.blocks[key[0]], self.layouts[key[0]][0]
-        at = (id(block), id(regions), base)
-        views = self._views.get(at)
-        if views is None:                       # made once per slot and layout: a claim is then a lookup
-            views = self._views[at] = [block[base + off:base + off + n] for off, n in regions]
-        return views
+        return self._addresses[key[0]] + base
 
     def close(self):
         """A closed session's arena: its blocks and every view of them let go, whoever still refers to the arena."""
-        self.blocks, self._views, self.where, self._free = {}, {}, {}, {}
+        self.blocks, self.where, self._free = {}, {}, {}
 
     def release(self, keys):
         """The cache evicted these experts: their slots are free."""
         for key in keys:
             self._free[id(self.blocks[key[0]])].append(self.where.pop(key) // self.slot_bytes)
+
+
+class ReadPlan:
+    """What reading each expert into its slot takes, worked out for every expert when the run opens, an array per
+    fact indexed by the expert's row (`row`): its reads' file offsets (a GGUF index's from the 4 KiB boundary before
+    its part: pack.expert_heads), the bytes each brings (its slot region; a GGUF index's read, to the 4 KiB boundary
+    after its part), the region of the slot each lands in, its crc runs (CHECK rows, past a GGUF part's head) and
+    crc32, and the bytes it reads. `reads` turns experts and their slots' addresses into the reader's rows."""
+
+    def __init__(self, pack, arena: SlotArena):
+        layers = pack.spec.moe_layers
+        n = max(len(pack.expert_layers[L]) for L in layers)
+        self.first = {L: i * n for i, L in enumerate(layers)}
+        width = max(len(pack.expert_reads(L, 0)) for L in layers)
+        self.offset, self.length, self.region = (np.zeros((len(layers) * n, width), np.int64) for _ in range(3))
+        self.crc, self.nbytes = np.full(len(layers) * n, -1, np.int64), np.zeros(len(layers) * n, np.int64)
+        self.cstart, runs = np.zeros(len(layers) * n + 1, np.int64), []
+        for L in layers:
+            regions, heads = arena.layouts[L][0], pack.expert_heads(L)
+            index = bool(heads.any())
+            for e in range(len(pack.expert_layers[L])):
+                g, reads = self.first[L] + e, pack.expert_reads(L, e)
+                check, self.crc[g] = pack.expert_check(L, e)
+                head = heads[e] if index else np.zeros(len(reads), np.int64)
+                for i, (off, nb) in enumerate(reads):
+                    self.offset[g, i], self.region[g, i] = off - head[i], regions[i][0]
+                    self.length[g, i] = -(-(head[i] + nb) // ALIGN) * ALIGN if index else regions[i][1]
+                self.nbytes[g] = sum(nb for _, nb in reads)
+                runs += [(i, a + head[i], z + head[i]) for i, a, z in check]
+                self.cstart[g + 1] = len(runs)
+            self.cstart[self.first[L] + len(pack.expert_layers[L]) + 1:self.first[L] + n + 1] = len(runs)
+        self.runs = np.array(runs, np.int64).reshape(-1, 3)
+
+    def row(self, key) -> int:
+        return self.first[key[0]] + key[1]
+
+    def reads(self, rows: np.ndarray, addresses: np.ndarray) -> tuple:
+        """The reader's PART and CHECK rows and crc32s (io.Reader.submit_parts) of the experts in `rows` into the
+        slots at `addresses`, and the bytes they read."""
+        return _reads(rows, addresses, self.offset, self.length, self.region, self.cstart, self.runs, self.crc,
+                      self.nbytes)
+
+
+@njit(cache=True)
+def _reads(rows, addresses, offset, length, region, cstart, runs, crc, nbytes):
+    parts = np.empty((rows.shape[0] * offset.shape[1], PART), np.int64)
+    checks = np.empty((cstart[rows + 1].sum() - cstart[rows].sum(), CHECK), np.int64)
+    p = c = 0
+    for k in range(rows.shape[0]):
+        g = rows[k]
+        for i in range(offset.shape[1]):
+            if length[g, i]:
+                parts[p, 0], parts[p, 1], parts[p, 2] = offset[g, i], length[g, i], addresses[k] + region[g, i]
+                parts[p, 3], parts[p, 4] = k, i
+                p += 1
+        for r in range(cstart[g], cstart[g + 1]):
+            checks[c, 0], checks[c, 1], checks[c, 2], checks[c, 3] = k, runs[r, 0], runs[r, 1], runs[r, 2]
+            c += 1
+    return parts[:p], checks, crc[rows], nbytes[rows].sum()

@@ -28,9 +28,9 @@ from functools import partial
 import numpy as np
 
 from workbench import host, slot_reads
-from workbench.slot_reads import IOV, SHARD_BITS, SHARD_MASK, ChecksumError, SlotRead, SlotReads, wait_for
+from workbench.slot_reads import ALIGN, IOV, SHARD_BITS, SHARD_MASK, SPLIT, ChecksumError, SlotRead, SlotReads  # noqa
+from workbench.slot_reads import wait_for
 
-ALIGN = 4096
 KiB, MiB = 1024, 1024 * 1024
 TRANSIENT = (errno.EIO, errno.EAGAIN)   # a read failing so is tried again, RETRIES times at most
 RETRIES = 3
@@ -100,10 +100,6 @@ def _merge(spans, gap: int, overlap: bool = True) -> list:
     return groups
 
 
-# A read of at least twice this goes to several readers at once, in pieces of at least this: flash reaches its
-# bandwidth only with reads in flight together (smolmaxxing's UFS 2.2: about 940 MB/s with 2-4 reads of 256 KB or
-# more, half of it for one), and these machines' virtio disks read their best from 256 KiB on (probe-disk).
-SPLIT = 256 * KiB
 
 
 def split_sizes(nbytes: int, workers: int) -> list[int]:
@@ -134,6 +130,22 @@ def _split(groups: list, workers: int) -> list:
                                for off, buf, key, i, at in members if off < b and off + buf.nbytes > a]])
             a = b
     return out
+
+
+def reads_of(ranges: list, total: int, workers: int) -> tuple[list, int]:
+    """(start, end, (offset, buf, key, buffer index, 0)) ranges into buffers -> ([start, end, members] reads, ranges
+    merged): touching ranges share a read, one of at least twice SPLIT goes in pieces to `workers` readers, and
+    none scatters into more than IOV buffers. (The GIL-free readers' compiled planner, slot_reads._plan_jobs,
+    makes the same reads.)"""
+    merged = _merge(ranges, 0, overlap=False)
+    groups = []
+    # no merged read can reach two pieces' size when all of them together do not (split_sizes)
+    for g in _split(merged, workers) if total >= 2 * SPLIT else merged:
+        members = g[2]
+        groups += [g] if len(members) <= IOV else [
+            [ms[0][0], ms[-1][0] + ms[-1][1].nbytes, ms] for ms in (members[at:at + IOV]
+                                                                   for at in range(0, len(members), IOV))]
+    return groups, len(ranges) - len(merged)
 
 
 def crc_of_runs(bufs, runs) -> int:
@@ -329,55 +341,56 @@ class Reader:
         A plain Reader reads them on GIL-free threads (workbench/slot_reads.py, where it runs: Linux on x86-64);
         a subclass that changes how a read is made (an emulated device, injected faults) on Python threads."""
         checks = checks or {}
-        t_submit = time.perf_counter_ns()
         slots = self._slots or (self._slot_reads() if self._reads_gil_free() else None)
-        native = slots is not None
-        room = (slots.CAPACITY // 2) if native else 0
-        if native and len(requests) > 1 and sum(len(parts) for _, parts in requests) * self.workers > room:
-            futures, turn, jobs = {}, [], 0         # at most half the job rows a submit (SlotReads.submit): in turns
-            for request in requests:
-                n = len(request[1]) * self.workers         # a part is read in one piece per reader at most
-                if turn and jobs + n > room:
-                    futures.update(self.submit_into(turn, priority, checks))
-                    turn, jobs = [], 0
-                turn.append(request)
-                jobs += n
-            futures.update(self.submit_into(turn, priority, checks))
+        if slots is not None:
+            keys, parts, rows, crcs = [], [], [], []
+            for k, (key, request) in enumerate(requests):
+                keys.append(key)
+                parts += [(off, buf.nbytes, slot_reads.address(buf), k, i) for i, (off, buf) in enumerate(request)]
+                runs, crc = checks.get(key) or ((), -1)
+                rows += [(k, *run) for run in runs]
+                crcs.append(crc)
+            futures = self.submit_parts(keys, np.array(parts, np.int64).reshape(-1, slot_reads.PART),
+                                        np.array(rows, np.int64).reshape(-1, slot_reads.CHECK), crcs, priority)
+            for key, request in requests:
+                futures[key].bufs = [b for _, b in request]
             return futures
+        t_submit = time.perf_counter_ns()
         futures, ranges, total = {}, [], 0
         for key, parts in requests:
-            bufs = [b for _, b in parts]
-            if native:
-                fut = SlotRead(slots, key, bufs, checks.get(key), priority, t_submit)
-            else:
-                fut = cf.Future()
-                fut.bufs, fut.left, fut.check = bufs, 0, checks.get(key)
-                fut.priority, fut.t_submit = priority, t_submit
-            futures[key] = fut
+            fut = futures[key] = cf.Future()
+            fut.bufs, fut.left, fut.check = [b for _, b in parts], 0, checks.get(key)
+            fut.priority, fut.t_submit = priority, t_submit
             for i, (off, buf) in enumerate(parts):
                 ranges.append((off, off + buf.nbytes, (off, buf, key, i, 0)))
                 total += buf.nbytes
-        merged = _merge(ranges, 0, overlap=False)
-        groups = []
-        # no merged read can reach two pieces' size when all of them together do not (split_sizes)
-        for g in _split(merged, self.workers) if total >= 2 * SPLIT else merged:      # at most IOV buffers a read
-            members = g[2]
-            groups += [g] if len(members) <= IOV else [
-                [ms[0][0], ms[-1][0] + ms[-1][1].nbytes, ms] for ms in (members[at:at + IOV]
-                                                                       for at in range(0, len(members), IOV))]
+        groups, merged = reads_of(ranges, total, self.workers)
         with self._lock:
-            self.merged += len(ranges) - len(merged)
-            if not native:
-                for _, _, members in groups:        # a key lands once each of its buffers (or their pieces) has
-                    for m in members:
-                        futures[m[2]].left += 1
-                self._queue([partial(self._read_group, g, futures) for g in groups], priority)
-                now = time.perf_counter_ns()
-                for fut in futures.values():
-                    fut.t_queued = now
-        if native:
-            slots.submit(groups, priority, futures)
+            self.merged += merged
+            for _, _, members in groups:        # a key lands once each of its buffers (or their pieces) has
+                for m in members:
+                    futures[m[2]].left += 1
+            self._queue([partial(self._read_group, g, futures) for g in groups], priority)
+            now = time.perf_counter_ns()
+            for fut in futures.values():
+                fut.t_queued = now
         return futures
+
+    def submit_parts(self, keys: list, parts: np.ndarray, checks: np.ndarray, crcs, priority: int = 0) -> dict:
+        """submit_into with the reads as arrays (slot_reads.SlotReads.submit: PART and CHECK rows, a key's parts
+        together, in key order). The caller holds the buffers, so a future's result is only whether the read is good.
+        Where reads go on Python threads (see submit_into), the addresses are made into buffers again."""
+        slots = self._slots or (self._slot_reads() if self._reads_gil_free() else None)
+        if slots is not None:
+            return slots.submit(keys, parts, checks, crcs, priority)
+        requests, chk = [], {}
+        for k, key in enumerate(keys):
+            mine = parts[parts[:, 3] == k]
+            bufs = [slot_reads.buffer_at(a, n) for _, n, a, _, _ in mine]
+            requests.append((key, list(zip(mine[:, 0].tolist(), bufs))))
+            if crcs[k] >= 0:
+                chk[key] = ([tuple(r) for r in checks[checks[:, 0] == k, 1:].tolist()], int(crcs[k]))
+        return self.submit_into(requests, priority, chk)
 
     def _reads_gil_free(self) -> bool:
         """Whether submit_into reads on the GIL-free readers: not where a subclass changes how a read is made

@@ -37,8 +37,13 @@ import numpy as np
 import llvmlite.binding as llvm
 from numba import njit, types
 
+ALIGN = 4096        # O_DIRECT reads start, end and land on these boundaries
 SHARD_BITS = 40     # a Reader of several files: an offset's file in the bits above, its byte offset (< 1 TiB) below
 SHARD_MASK = (1 << SHARD_BITS) - 1
+# A read of at least twice this goes to several readers at once, in pieces of at least this: flash reaches its
+# bandwidth only with reads in flight together (smolmaxxing's UFS 2.2: about 940 MB/s with 2-4 reads of 256 KB or
+# more, half of it for one), and these machines' virtio disks read their best from 256 KiB on (probe-disk).
+SPLIT = 256 * 1024
 IOV = 16            # buffers one job scatters into (a merged read of more is split)
 RUNS = 3 * IOV      # checked runs one job holds (an expert's three parts per buffer at most)
 QUEUED, DONE, RETRY = 1, 2, 3       # a job's state; RETRY: the read was not whole, Python reads it again
@@ -70,9 +75,7 @@ _lock = types.ExternalFunction("pthread_mutex_lock", _i32(_u64))
 _unlock = types.ExternalFunction("pthread_mutex_unlock", _i32(_u64))
 _yield = types.ExternalFunction("sched_yield", _i32())
 _poll = types.ExternalFunction("poll", _i32(_u64, _u64, _i32))
-if AVAILABLE:
-    crc32_combine = ctypes.CDLL(LIBZ).crc32_combine
-    crc32_combine.argtypes, crc32_combine.restype = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_long], ctypes.c_ulong
+_crc32_combine = types.ExternalFunction("crc32_combine", _u64(_u64, _u64, _i64))
 CLOCK_MONOTONIC, TIMER_ABSTIME = 1, 1      # time.perf_counter_ns's clock on Linux
 POLLIN = 1
 # the readers' idle row: readers polling the pipes now, at most, for how long; readers asleep on the tickets now
@@ -89,9 +92,14 @@ def emulation(profile) -> np.ndarray:
 
 
 @njit(cache=True)
-def _address(buf) -> int:
+def address(buf) -> int:
     """A buffer's address: numpy's buf.ctypes.data builds a ctypes object per call (2.0 us here; this 0.3 us)."""
     return buf.ctypes.data
+
+
+def buffer_at(addr: int, n: int) -> np.ndarray:
+    """The n bytes at addr, as an array (memory someone else holds)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * int(n)).from_address(int(addr)))
 
 
 @njit(cache=True, nogil=True)
@@ -216,6 +224,129 @@ def _serve(fds, tickets, demand, prefetch, done, jobs, state, stamps, depths, io
         state[j] = DONE if got == jobs[j, LEN] else RETRY
         _write(done, one.ctypes.data, 8)
 
+PART = 5            # a part's row: (file offset, bytes, buffer address, key, buffer index in the key's)
+CHECK = 4           # a checked run's row: (key, buffer index, start, end), a key's rows in crc order
+PIECE = 6           # a checked run's piece in a job: (key, place in crc order, start in its buffer, job, row, bytes)
+
+
+@njit(cache=True)
+def _plan_jobs(parts, checks, nkeys, workers, split, ends, free, nfree, refs, jobs, state, iov, runs):
+    """Jobs for `parts` of keys 0..nkeys-1 written into the rows of free job ids (free[:nfree], taken from the end;
+    enough of them: at most workers a part), as SlotReads.submit's docstring says. Returns (the job ids in file
+    order, (key, job) pairs sorted by key, pieces (PIECE) sorted by key and crc order, where each key's pairs and
+    pieces start, nfree left, reads merged)."""
+    n = parts.shape[0]
+    kstart = _starts(checks[:, 0], nkeys)
+    by_end = np.argsort(parts[:, 0] + parts[:, 1], kind="mergesort")
+    order = by_end[np.argsort(parts[by_end, 0], kind="mergesort")]        # by (start, end)
+    gstart, gend, gfirst = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n + 1, np.int64)
+    groups = 0
+    for i in range(n):          # touching ranges share a read; overlapping ones do not (a buffer each range)
+        p = order[i]
+        a, z = parts[p, 0], parts[p, 0] + parts[p, 1]
+        if groups and a == gend[groups - 1]:
+            gend[groups - 1] = z
+        else:
+            gstart[groups], gend[groups], gfirst[groups] = a, z, i
+            groups += 1
+    gfirst[groups] = n
+    pieces_split = parts[:, 1].sum() >= 2 * split
+    ids = np.empty(min(nfree, n * workers), np.int64)
+    pairs = np.empty((n * workers, 2), np.int64)                   # a part is in at most one piece a reader
+    pieces = np.empty((checks.shape[0] * workers, PIECE), np.int64)
+    nj = npair = npiece = 0
+    for g in range(groups):
+        size = gend[g] - gstart[g]
+        k = min(workers, size // split) if pieces_split else 1
+        step = size if k < 2 else (size + k * ALIGN - 1) // (k * ALIGN) * ALIGN
+        a = gstart[g]
+        while a < gend[g]:
+            b = min(a + step, gend[g])
+            j, niov, nrun, jstart = -1, 0, 0, a
+            for i in range(gfirst[g], gfirst[g + 1]):
+                p = order[i]
+                off, key, bi = parts[p, 0], parts[p, 3], parts[p, 4]
+                if off >= b or off + parts[p, 1] <= a:
+                    continue
+                lo, hi = max(off, a), min(off + parts[p, 1], b)
+                at = lo - off                                   # where this piece starts in its buffer
+                mine = 0
+                for c in range(kstart[key], kstart[key + 1]):
+                    if checks[c, 1] == bi and checks[c, 2] < at + hi - lo and checks[c, 3] > at:
+                        mine += 1
+                if j >= 0 and (niov == IOV or nrun + mine > RUNS):
+                    jobs[j, 0], jobs[j, 1], jobs[j, 2], jobs[j, 3] = jstart, _needed(jstart, lo, ends), niov, nrun
+                    j = -1
+                if j < 0:
+                    nfree -= 1
+                    j = free[nfree]
+                    ids[nj] = j
+                    nj += 1
+                    niov, nrun, jstart = 0, 0, lo
+                    state[j] = QUEUED
+                    refs[j] = 0
+                iov[j, niov, 0], iov[j, niov, 1] = parts[p, 2] + at, hi - lo
+                niov += 1
+                pairs[npair, 0], pairs[npair, 1] = key, j
+                npair += 1
+                for c in range(kstart[key], kstart[key + 1]):
+                    if checks[c, 1] == bi and checks[c, 2] < at + hi - lo and checks[c, 3] > at:
+                        ra, rz = max(checks[c, 2], at), min(checks[c, 3], at + hi - lo)
+                        runs[j, nrun, 0], runs[j, nrun, 1] = parts[p, 2] + ra, rz - ra
+                        pieces[npiece, 0], pieces[npiece, 1], pieces[npiece, 2] = key, c - kstart[key], ra
+                        pieces[npiece, 3], pieces[npiece, 4], pieces[npiece, 5] = j, nrun, rz - ra
+                        npiece += 1
+                        nrun += 1
+                end = hi
+            jobs[j, 0], jobs[j, 1], jobs[j, 2], jobs[j, 3] = jstart, _needed(jstart, end, ends), niov, nrun
+            a = b
+    pairs = pairs[:npair]
+    pairs = pairs[np.argsort(pairs[:, 0] * (1 << 32) + pairs[:, 1], kind="mergesort")]
+    keep = np.ones(npair, np.bool_)
+    for i in range(1, npair):
+        keep[i] = pairs[i, 0] != pairs[i - 1, 0] or pairs[i, 1] != pairs[i - 1, 1]
+    pairs = pairs[keep]
+    for i in range(pairs.shape[0]):
+        refs[pairs[i, 1]] += 1
+    pieces = pieces[:npiece]
+    pieces = pieces[np.argsort((pieces[:, 0] * RUNS * IOV + pieces[:, 1]) * (1 << 34) + pieces[:, 2], kind="mergesort")]
+    return ids[:nj], pairs, pieces, _starts(pairs[:, 0], nkeys), _starts(pieces[:, 0], nkeys), nfree, n - groups
+
+
+@njit(cache=True)
+def _starts(keys, nkeys):
+    """Where each key's rows start in rows sorted by key (and where the last ends)."""
+    return np.searchsorted(keys, np.arange(nkeys + 1))
+
+
+@njit(cache=True)
+def _release(jobs, stamps, refs, free, nfree):
+    """A settled key's jobs: each with no other key left is free again. Returns (nfree, its first read's start,
+    its last read's end)."""
+    t0, t1 = stamps[jobs[0], 0], stamps[jobs[0], 1]
+    for j in jobs:
+        t0, t1 = min(t0, stamps[j, 0]), max(t1, stamps[j, 1])
+        refs[j] -= 1
+        if refs[j] == 0:
+            free[nfree] = j
+            nfree += 1
+    return nfree, t0, t1
+
+
+@njit(cache=True)
+def _any(state, jobs, what) -> bool:
+    for j in jobs:
+        if state[j] == what:
+            return True
+    return False
+
+
+@njit(cache=True)
+def _needed(start, end, ends):
+    """Reader.needed: the bytes a read of [start, end) must bring (it may reach past its file's end, not start there)."""
+    size = (start & ~SHARD_MASK) + ends[start >> SHARD_BITS]
+    return end - start if start >= size else min(end, size) - start
+
 
 def wait_for(futures, timeout: float, every: bool, sleep) -> list:
     """The done ones of `futures` once any is done (every: all are), or at `timeout` seconds; sleep(seconds)
@@ -236,31 +367,25 @@ class ChecksumError(ValueError):
 
 
 class SlotRead:
-    """A key's read into its buffers: done once every job it is in is done; result() is its buffers, or raises
-    the read's error or a ChecksumError. Settled (crc compared, a Python retry run) by the first thread that asks."""
+    """A key's read into its buffers: done once every job it is in is done; result() is its buffers (None where the
+    caller gave addresses, not buffers), or raises the read's error or a ChecksumError. Settled (crc combined and
+    compared, a Python retry run) by the first thread that asks."""
 
-    __slots__ = ("reads", "key", "bufs", "check", "jobs", "runs", "t_submit", "t_queued", "t_start", "t_end", "priority",
-                 "settled", "error", "open")
+    __slots__ = ("reads", "key", "bufs", "crc", "jobs", "pieces", "t_submit", "t_queued", "t_start", "t_end",
+                 "priority", "settled", "error")
 
-    def __init__(self, reads, key, bufs, check, priority: int = 0, t_submit: int = 0):
-        self.reads, self.key, self.bufs, self.check = reads, key, bufs, check
+    def __init__(self, reads, key, crc: int, jobs, pieces, priority: int, t_submit: int):
+        self.reads, self.key, self.bufs, self.crc = reads, key, None, crc      # crc: -1, nothing to compare
+        self.jobs, self.pieces = jobs, pieces       # its job ids; its checked runs' pieces (PIECE rows)
         self.priority, self.t_submit, self.t_queued = priority, t_submit, 0     # ns: its submit began, its jobs queued
-        self.open = False                   # a submit has not made all of its jobs yet: not done, whatever they are
-        self.jobs: list[int] = []
-        # (place in crc order, start in its buffer, job, row, bytes) of each checked run, or piece of one
-        self.runs: list[tuple] = []
         self.t_start = self.t_end = 0       # ns (perf_counter_ns): its first read started, its last landed
         self.settled, self.error = False, None
 
     def done(self) -> bool:
         if self.settled:
             return True
-        if self.open:
+        if _any(self.reads._state, self.jobs, QUEUED):
             return False
-        state = self.reads.state
-        for j in self.jobs:
-            if state[j] == QUEUED:
-                return False
         self.reads.settle(self)
         return True
 
@@ -273,6 +398,15 @@ class SlotRead:
         if self.exception(timeout) is not None:
             raise self.error
         return self.bufs
+
+
+@njit(cache=True)
+def _combined_crc(runs, pieces) -> int:
+    """The crc32 of a key's checked runs from its pieces' crcs (the readers'), in crc order."""
+    crc = runs[pieces[0, 3], pieces[0, 4], 2]
+    for i in range(1, pieces.shape[0]):
+        crc = _crc32_combine(crc, runs[pieces[i, 3], pieces[i, 4], 2], pieces[i, 5])
+    return crc
 
 
 class SlotReads:
@@ -300,9 +434,10 @@ class SlotReads:
         self.jobs, self.state, self.stamps, self.depths, self.iov, self.runs = (
             memoryview(a).cast("B").cast(a.dtype.char) for a in (self._jobs, self._state, self._stamps, self._depths,
                                                                   self._iov, self._runs))
-        self.members: dict[int, list] = {}              # job -> the SlotReads in it not yet settled; the rest free
-        self.free = list(range(capacity - 1, -1, -1))
-        self.groups: dict[int, tuple] = {}              # job -> (start, end, buffers) for a Python retry
+        self._free, self.nfree = np.arange(capacity - 1, -1, -1, dtype=np.int64), capacity     # free[:nfree]
+        self._refs = np.zeros(capacity, np.int64)       # a job's keys not yet settled
+        self.unsettled: set[SlotRead] = set()
+        self.ends = np.array(reader.sizes, np.int64)    # each file's end (Reader.needed)
         self._lock = threading.RLock()         # the job rows' bookkeeping: submit and settle
         self.demand, demand_w = os.pipe()
         self.prefetch, prefetch_w = os.pipe()
@@ -326,30 +461,52 @@ class SlotReads:
                self._stamps, self._depths, self._iov, self._runs, self.stats[i], self.device, self.mutex, self.flight,
                self.idle)
 
-    def submit(self, groups, priority: int, futures: dict) -> None:
-        """groups: [start, end, [(offset, buf, key, index of buf in the key's, where buf starts in that buffer), ...]]
-        merged reads (a buffer split across reads is in each as a view of its piece), each at most IOV buffers and
-        RUNS checked runs; futures: key -> SlotRead. A key is open until its last group is a job: making room for
-        the rest must not settle it on the jobs it has so far (Reader.submit_into sends at most half the rows at a
-        time, so the other half belongs to keys that can settle)."""
-        last = {m[2]: g for g, (_, _, members) in enumerate(groups) for m in members}
-        for key in last:
-            futures[key].open = True
-        ids = []
+    @property
+    def free(self) -> list[int]:
+        return self._free[:self.nfree].tolist()
+
+    def submit(self, keys: list, parts: np.ndarray, checks: np.ndarray, crcs, priority: int) -> dict:
+        """Read parts (PART rows: file offset, bytes, buffer address, index in `keys`, buffer index in that key's)
+        into their buffers; checks: CHECK rows (key index, buffer index, start, end), each key's in crc order;
+        crcs: a key's crc32 over them, or -1. Returns key -> SlotRead. Parts whose ranges touch in the file are one
+        read (one preadv scattered into their buffers; ranges that overlap, as a GGUF's experts' 4 KiB-aligned
+        ranges can, are not), a read of at least twice SPLIT goes in pieces to several readers (io.split_sizes),
+        a read of more than IOV buffers or RUNS checked runs in several. At most half the job rows go to one turn
+        (keys whole), so a turn that waits for room waits on keys that can settle."""
+        t_submit = time.perf_counter_ns()
+        room = max(self.CAPACITY // 2 // len(self.stats), 1)     # parts a turn (a part: workers pieces at most)
+        if len(parts) <= room:
+            return self._turn(keys, parts, checks, crcs, priority, t_submit)
+        first = np.searchsorted(parts[:, 3], np.arange(len(keys) + 1))    # parts come grouped by key
+        kstart = np.searchsorted(checks[:, 0], np.arange(len(keys) + 1))
+        futures, k = {}, 0
+        while k < len(keys):
+            z = max(int(np.searchsorted(first, first[k] + room, "right")) - 1, k + 1)
+            turn = parts[first[k]:first[z]].copy(), checks[kstart[k]:kstart[z]].copy()
+            turn[0][:, 3] -= k
+            turn[1][:, 0] -= k
+            futures.update(self._turn(keys[k:z], *turn, crcs[k:z], priority, t_submit))
+            k = z
+        return futures
+
+    def _turn(self, keys, parts, checks, crcs, priority, t_submit) -> dict:
         with self._lock:
-            for g, (start, end, members) in enumerate(groups):
-                if not self.free:
-                    self._queue(ids, priority)
-                    ids = []
-                    self._make_room()
-                ids.append(self._job(start, end, members, futures))
-                for m in members:
-                    if last[m[2]] == g:
-                        futures[m[2]].open = False
-        self._queue(ids, priority)
+            self._make_room(min(len(parts) * len(self.stats), self.CAPACITY))
+            ids, pairs, pieces, jstart, pstart, self.nfree, merged = _plan_jobs(
+                parts, checks, len(keys), len(self.stats), SPLIT, self.ends, self._free, self.nfree, self._refs,
+                self._jobs, self._state, self._iov, self._runs)
+            futures = {}
+            for i, key in enumerate(keys):
+                futures[key] = SlotRead(self, key, int(crcs[i]), pairs[jstart[i]:jstart[i + 1], 1],
+                                        pieces[pstart[i]:pstart[i + 1]], priority, t_submit)
+            self.unsettled.update(futures.values())
+        with self.reader._lock:
+            self.reader.merged += merged
+        self._queue(ids.tolist(), priority)
         now = time.perf_counter_ns()
         for fut in futures.values():
-            fut.t_queued = fut.t_queued or now
+            fut.t_queued = now
+        return futures
 
     def _queue(self, ids, priority):
         data = array.array("i", ids).tobytes()
@@ -359,82 +516,48 @@ class SlotReads:
         if wake:
             os.eventfd_write(self.tickets, wake)
 
-    def _make_room(self):
-        """Every job row is taken: settle the done ones whose keys nobody asked about yet, else wait for one."""
-        while not self.free:
-            for j in [j for j in self.members if self.state[j] != QUEUED]:
-                for fut in list(self.members.get(j, ())):
-                    fut.done()
-            if not self.free:
+    def _make_room(self, need: int):
+        """Fewer than `need` job rows are free: settle the keys whose reads are done that nobody asked about yet,
+        else wait for a read to land."""
+        while self.nfree < need:
+            for fut in list(self.unsettled):
+                fut.done()
+            if self.nfree < need:
                 self._sleep(0.002)
-
-    def _job(self, start, end, members, futures) -> int:
-        j = self.free.pop()
-        iov, runs, nrun = self.iov, self.runs, 0
-        self.members[j] = mine = []
-        for i, (_, buf, key, b, p) in enumerate(members):          # p: where this buffer (or piece) starts in b
-            addr, n, at = _address(buf), buf.nbytes, (j * IOV + i) * 2
-            iov[at], iov[at + 1] = addr, n
-            fut = futures[key]
-            if j not in fut.jobs:
-                fut.jobs.append(j)
-                mine.append(fut)
-            for order, (chunk, a, z) in enumerate(fut.check[0] if fut.check else ()):
-                if chunk == b and a < p + n and z > p:            # the part of the run in this piece
-                    a, z = max(a, p), min(z, p + n)
-                    at = (j * RUNS + nrun) * 3
-                    runs[at], runs[at + 1] = addr + a - p, z - a
-                    fut.runs.append((order, a, j, nrun, z - a))
-                    nrun += 1
-        at = j * 4
-        self.jobs[at], self.jobs[at + 1], self.jobs[at + 2], self.jobs[at + 3] = (start, self.reader.needed(start, end),
-                                                                              len(members), nrun)
-        self.state[j] = QUEUED
-        self.groups[j] = (start, end, members)
-        return j
 
     def settle(self, fut: SlotRead) -> None:
         """A key whose jobs are all done: retry what did not read whole (Python path), compare its crc, free jobs."""
         with self._lock:
             if fut.settled:
                 return
+            jobs = fut.jobs
             try:
-                for j in fut.jobs:
-                    if self.state[j] == RETRY:
-                        self._retry(j)
-                if fut.check is not None:
-                    (_, _, j, r, _), *rest = sorted(fut.runs)      # in crc order, then file order
-                    crc = self.runs[(j * RUNS + r) * 3 + 2]
-                    for _, _, j, r, n in rest:
-                        crc = crc32_combine(crc, self.runs[(j * RUNS + r) * 3 + 2], n)
-                    if crc != fut.check[1]:
-                        raise ChecksumError(f"{self.reader.path}: crc32 of {fut.key!r} is {crc:08x}, "
-                                            f"not {fut.check[1]:08x}")
+                if _any(self._state, jobs, RETRY):
+                    for j in jobs[self._state[jobs] == RETRY]:
+                        self._retry(int(j))
+                if fut.crc >= 0 and (crc := _combined_crc(self._runs, fut.pieces)) != fut.crc:
+                    raise ChecksumError(f"{self.reader.path}: crc32 of {fut.key!r} is {crc:08x}, not {fut.crc:08x}")
             except BaseException as e:
                 fut.error = e
             fut.settled = True
-            fut.t_start = min(self.stamps[2 * j] for j in fut.jobs)
-            fut.t_end = max(self.stamps[2 * j + 1] for j in fut.jobs)
-            log = getattr(self.reader, "log", None)
-            for j in fut.jobs:
-                left = self.members[j]
-                left.remove(fut)
-                if not left:
-                    if log is not None:
-                        log.append((self.jobs[4 * j + LEN], self.depths[j], self.stamps[2 * j] / 1e9,
-                                    self.stamps[2 * j + 1] / 1e9))
-                    del self.members[j], self.groups[j]
-                    self.free.append(j)
+            self.unsettled.discard(fut)
+            if len(jobs):
+                was = self.nfree
+                self.nfree, fut.t_start, fut.t_end = _release(jobs, self._stamps, self._refs, self._free, self.nfree)
+                if (log := getattr(self.reader, "log", None)) is not None:
+                    log.extend((self.jobs[4 * j + LEN], self.depths[j], self.stamps[2 * j] / 1e9,
+                                self.stamps[2 * j + 1] / 1e9) for j in self._free[was:self.nfree].tolist())
 
     def _retry(self, j: int) -> None:
         """Read job j again on the Python path (its retries and errors), then its crcs."""
-        start, end, members = self.groups[j]
-        bufs = [m[1] for m in members]
+        start = self.jobs[4 * j + OFF]
+        bufs = [buffer_at(a, n) for a, n in self._iov[j, :self.jobs[4 * j + NIOV]]]
+        end = start + sum(b.nbytes for b in bufs)
         self.stamps[2 * j] = time.perf_counter_ns()
         got = self.reader._pread(bufs, start, end - start)
         if got < self.reader.needed(start, end):
             raise self.reader._eof_error(start, end - start, start + got)
-        for r in range(self.jobs[j * 4 + 3]):
+        for r in range(self.jobs[j * 4 + NRUN]):
             at = (j * RUNS + r) * 3
             self.runs[at + 2] = zlib.crc32((ctypes.c_char * self.runs[at + 1]).from_address(self.runs[at]))
         self.state[j] = DONE
@@ -484,5 +607,4 @@ class SlotReads:
     def close(self) -> None:
         for fd in (self.demand, self.prefetch, *self.writers, self.tickets, self.done_fd):
             os.close(fd)
-        self.members.clear()        # reads never settled (prefetches nobody asked for) refer back to these
-        self.groups.clear()
+        self.unsettled.clear()      # reads never settled (prefetches nobody asked for) refer back to these

@@ -14,9 +14,12 @@ import time
 from concurrent.futures import Future
 
 
+import numpy as np
+
+from workbench.arena import ReadPlan
 from workbench.cache import ExpertCache
 from workbench.errors import WorkbenchError
-from workbench.io import ALIGN, ChecksumError, Reader
+from workbench.io import ChecksumError, Reader
 from workbench.slot_reads import SlotRead
 from workbench.store.pack import Pack
 from workbench.schedule import LayerStep, Schedule
@@ -34,7 +37,7 @@ class ExpertStreamer:
         self.read_timeout = float(os.environ.get("WORKBENCH_READ_TIMEOUT", READ_TIMEOUT_S))
         self.raw = raw      # True: compute gets each part's encoded bytes, not f32 (an engine's raw_experts)
         self.arena = arena  # a SlotArena: reads land in slots, and an entry is its slot's offset
-        self._plan: dict = {}           # key -> what reading it into a slot takes (_plan_of)
+        self.plan = ReadPlan(pack, arena) if arena is not None else None    # what reading each expert takes
         self.schedule = Schedule(cache, self, telemetry, execution)
 
     # ------------------------------------------------------------ reads
@@ -105,35 +108,13 @@ class ExpertStreamer:
         return done
 
     def _issue_into_slots(self, keys, priority) -> int:
-        claim, plan = self.arena.claim, self._plan
-        requests, checks, total = [], {}, 0
-        for key in keys:
-            offsets, check, nbytes, lengths = plan.get(key) or self._plan_of(key)
-            bufs = claim(key)
-            if lengths:                         # a GGUF index's expert: its reads, not its slot regions
-                bufs = [b[:n] for b, n in zip(bufs, lengths)]
-            requests.append((key, list(zip(offsets, bufs))))
-            checks[key] = check                 # the crc, by the reader; nothing is decoded
-            total += nbytes
+        plan, address = self.plan, self.arena.address
+        rows = np.array([plan.row(key) for key in keys], np.int64)
+        parts, checks, crcs, nbytes = plan.reads(rows, np.array([address(key) for key in keys], np.int64))
         cache_set = self.cache.set
-        for key, fut in self.reader.submit_into(requests, priority, checks).items():
-            cache_set(key, fut)
-        return total
-
-    def _plan_of(self, key) -> tuple:
-        """(file offsets of its reads, its crc check, bytes read, read lengths or None) of an expert, worked out
-        once. A GGUF index's parts lie off the 4 KiB boundaries O_DIRECT reads start at: each read starts at the
-        boundary before its part and ends at the one after, and the crc runs start past it (pack.expert_heads)."""
-        reads = self.pack.expert_reads(*key)
-        check, lengths = self.pack.expert_check(*key), None
-        heads = self.pack.expert_heads(key[0])
-        if heads.any():             # a GGUF index's layer (slot regions sized for its largest read)
-            heads = heads[key[1]].tolist()
-            check = ([(i, a + heads[i], z + heads[i]) for i, a, z in check[0]], check[1])
-            lengths = [-(-(h + n) // ALIGN) * ALIGN for h, (_, n) in zip(heads, reads)]
-            reads = [(off - h, n) for h, (off, n) in zip(heads, reads)]
-        self._plan[key] = plan = ([off for off, _ in reads], check, sum(n for _, n in reads), lengths)
-        return plan
+        for key, fut in self.reader.submit_parts(keys, parts, checks, crcs, priority).items():
+            cache_set(key, fut)         # checked by the reader as it lands; nothing is decoded
+        return nbytes
 
     def _landed(self, key, fut):
         """What the cache holds once a read has landed: the arena's slot offset, or the decoded expert."""

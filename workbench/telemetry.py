@@ -243,6 +243,9 @@ class Telemetry:
         for k in ("flash_wait_s", "dequant_s", "compute_s", "router_s", "other_s", "draft_s",
                   "queue_s", "device_s", "completion_s", "submit_s", "handoff_s", "python_s"):
             s[k] = sum(getattr(t, k) for t in dec)
+        issuing = [e for e in self.events if e.phase == "decode" and e.issued]
+        s["issue_s"] = sum(e.issue_s for e in issuing)              # demand reads' and the predictor's
+        s["issue_per_expert_s"] = s["issue_s"] / max(1, sum(e.issued for e in issuing))
         taken = [e for e in self.events if e.phase == "decode" and e.reads_taken]
         n = sum(e.reads_taken for e in taken)
         s["demand_reads_taken"] = n
