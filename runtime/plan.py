@@ -75,10 +75,21 @@ def plan(model: str, preset: str | Preset = "on_demand", budget: str | None = No
     b = Budget(text)
     engine_class(engine)        # its module imported: this process's memory is a run's runtime
     memory = memory_needs(spec, shapes, b, cost, resident, engine, runtime_bytes=peak_rss_bytes(),
-                          speculative=p.execution.speculative, adapter_bytes=adapters, scope=p.cache.scope.value)
+                          speculative=p.execution.speculative, adapter_bytes=adapters, scope=p.cache.scope.value,
+                          draft_bytes=draft_bytes(p, engine))
     if check and resident is not None:      # llama.cpp's own GGUF: its weights are not the pack's to count
         check_fits(memory, f"{pack.path} at --budget {text}")
     return Plan(model, p, pack, spec, engine, cost, text, CachePlan.of(p, spec, text, cost), memory)
+
+
+def draft_bytes(p: Preset, engine: str) -> int:
+    """What the preset's draft model holds beside the target: its own plan's, all-resident on the target's engine
+    (runtime.speculative.DraftModel opens it so); 0 for drafts that are not a model (lookup, mtp, modelled:A)."""
+    from runtime.speculative import modelled_acceptance
+    d = p.execution.draft
+    if not p.execution.speculative or d in ("lookup", "mtp") or modelled_acceptance(d) is not None:
+        return 0
+    return plan(d, "resident", None, engine, convert=False, check=False).memory["needed_bytes"]
 
 
 def _unconverted(model: str, config: Path | None, p: Preset, engine: str | None):

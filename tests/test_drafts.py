@@ -104,3 +104,17 @@ def test_a_modelled_acceptance_on_the_models_own_tokens_is_refused_in_one_line()
     res = cli("bench", "--model", "demo", "--preset", "les", "--tokens", "4", "--no-record", "--set", "speculative=2",
               "--set", "draft=modelled:1.5", "--text", "tinystories")
     assert_one_line_error(res, "modelled acceptance A in (0, 1]")
+
+
+def test_a_draft_models_memory_is_in_the_plan_beside_the_targets():
+    """The memory plan (what the guard refuses by and `info` says) holds the draft model beside the target: its own
+    all-resident plan's bytes, counted with the weights; drafts that are not a model hold nothing there."""
+    from runtime.plan import plan
+    plain = plan("demo", "les", "0.25").memory
+    drafted = plan("demo", "les", "0.25", speculative=4, draft="demo-draft").memory
+    own = plan("demo-draft", "resident").memory["needed_bytes"]
+    assert drafted["draft_bytes"] == own > 0
+    assert drafted["needed_bytes"] == plain["needed_bytes"] + own
+    assert drafted["resident_bytes"] == plain["resident_bytes"] + own
+    for other in ("lookup", "mtp"):
+        assert plan("demo", "les", "0.25", speculative=4, draft=other).memory["draft_bytes"] == 0

@@ -99,13 +99,14 @@ def largest_budget(resident: int, all_experts: int, available: int | None) -> st
 
 def memory_needs(spec, tensor_shapes: dict, budget, slot_bytes: int, resident_bytes: int | None = None,
                  engine: str = "", context: int = 4096, runtime_bytes: int = 0, speculative: int = 0,
-                 adapter_bytes: int = 0, scope: str = "global") -> dict:
+                 adapter_bytes: int = 0, scope: str = "global", draft_bytes: int = 0) -> dict:
     """slot_bytes: what one expert costs in the engine's cache (engines.slot_bytes, a Session's slot_bytes);
     resident_bytes: what the non-expert weights take as the engine holds them (Engine.resident_bytes; f32 by
     default); engine: its name, for the description. run_bytes: what a run of `context` tokens holds at its peak:
     needed_bytes, the linear-attention checkpoints, the KV cache and `runtime_bytes` (the interpreter and its
     libraries: `info` counts its own, having loaded what a run loads). adapter_bytes: what the preset serves beside
-    the model (Edge0's heads and LoRA: workbench.edge0.artifacts.served_bytes), held with the weights. scope: the
+    the model (Edge0's heads and LoRA: workbench.edge0.artifacts.served_bytes), held with the weights; draft_bytes:
+    a draft model's (its own run's needed_bytes: all-resident beside the target), held likewise. scope: the
     preset's cache scope (per_layer: each layer's pool needs its top-k slots)."""
     d, ff = spec.hidden_size, spec.moe_intermediate_size
     elements = sum(math.prod(s) for s in tensor_shapes.values())
@@ -121,7 +122,7 @@ def memory_needs(spec, tensor_shapes: dict, budget, slot_bytes: int, resident_by
     # held (engines/hybrid.py): a decode step's start, a prompt's end, and each position of a step verifying
     # `speculative` drafts, the last of them the state being made
     states = linear_state * (3 + speculative)
-    resident = (4 * elements if resident_bytes is None else resident_bytes) + adapter_bytes
+    resident = (4 * elements if resident_bytes is None else resident_bytes) + adapter_bytes + draft_bytes
     all_experts = item * n_experts
     cache = budget.nbytes(item, n_experts)
     available = available_bytes()
@@ -130,7 +131,7 @@ def memory_needs(spec, tensor_shapes: dict, budget, slot_bytes: int, resident_by
     held = min(1.0, slots / n_experts) if n_experts else 1.0
     read = (1 - lru_hit_rate(held)) * spec.top_k * len(spec.moe_layers) * item
     return {
-        "resident_bytes": resident, "adapter_bytes": adapter_bytes, "resident_f32_bytes": 4 * elements, "resident_bf16_bytes": 2 * elements,
+        "resident_bytes": resident, "adapter_bytes": adapter_bytes, "draft_bytes": draft_bytes, "resident_f32_bytes": 4 * elements, "resident_bf16_bytes": 2 * elements,
         "shared_expert_bytes_f32": 4 * 3 * d * spec.shared_expert_size * len(spec.moe_layers),
         "experts": n_experts, "experts_bytes_by_precision": {k: v * n_experts for k, v in per_expert.items()},
         "cache_bytes": cache, "cache_budget": budget.text, "cache_slots": budget.slots(item, n_experts),
@@ -181,6 +182,7 @@ def describe(m: dict) -> str:
     ex = ", ".join(f"{k} {gib(v)}" for k, v in m["experts_bytes_by_precision"].items())
     avail = "unknown" if m["available_bytes"] is None else gib(m["available_bytes"])
     adapters = f", Edge0's heads and LoRA {gib(m['adapter_bytes'])} included" if m.get("adapter_bytes") else ""
+    adapters += f", the draft model's {gib(m['draft_bytes'])} included" if m.get("draft_bytes") else ""
     return (f"memory: resident non-expert weights {gib(m['resident_bytes'])} as the engine holds them{adapters} "
             f"({gib(m['resident_f32_bytes'])} f32, {gib(m['resident_bf16_bytes'])} bf16, shared experts included); {m['experts']} experts on disk: {ex}; expert cache at budget "
             f"{m['cache_budget']}: {gib(m['cache_bytes'])} ({m['cache_slots']} slots of {m['cache_slot_bytes']} bytes, "
