@@ -19,6 +19,7 @@ Three parts, each in FILE.md and FILE.json:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -124,17 +125,56 @@ def crossover(points: list[tuple[float, float]], ref: float) -> str:
     return f"> {pts[-1][0]:g} (no swept acceptance pays)"
 
 
-def modelled(model, trace, budgets, rounds, tokens, device, profile, log, acceptance=ACCEPTANCE, threads=None) -> dict:
+def compute_profile(model, tokens):
+    """One profile for every simulated arm, measured on the model's own routing: a trace-driven measurement leaves
+    out what each further row of a batch costs (row_s), which a verification step is made of."""
+    les = get_preset("les")
+    pack = Pack(resolve_pack(model, *storage_for(model, les.storage, (), None)))
+    return measure_compute(model, pack.spec, les.storage.experts, preset=les, tokens=tokens)
+
+
+def chain_acceptance(accepted_per_step: float, n: int) -> float:
+    """The per-token acceptance p of runtime.speculative.ModelledAcceptance (each of n drafts accepted with p while
+    the ones before it were) whose expected accepted drafts a step, p + p^2 + ... + p^n, is the measured mean."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** i for i in range(1, n + 1)) < accepted_per_step else (lo, mid)
+    return max(lo, 1e-3)
+
+
+def predicted(rows, runs, arms, trace, tokens, cp, wheres, model) -> None:
+    """The simulator's prediction of each real draft's run (rows' `predicted`: tok/s on each of `wheres`, and x les
+    on each): the trace's routing, the arm's measured acceptance as a chain acceptance of the same mean
+    accepted drafts a step, and its measured draft time a proposed token charged on the compute thread."""
+    les = get_preset("les")
+    for r in rows:
+        knobs = arms[r["arm"]]
+        got = runs[(r["arm"], r["budget"])]
+        if knobs:
+            steps = sum(x["spec_steps"] for x in got)
+            n, proposed = knobs["speculative"], sum(x["spec_proposed"] for x in got)
+            p = chain_acceptance(sum(x["spec_accepted"] for x in got) / max(1, steps), n)
+            preset = les.with_(speculative=n, draft=f"modelled:{p:.4f}")
+            c = dataclasses.replace(cp, draft_s=sum(x["draft_s"] for x in got) / max(1, proposed))
+            r["predicted_acceptance"] = p
+        else:
+            preset, c = les, cp
+        r["predicted"] = {w: simulate(trace, preset, r["budget"], w, tokens=tokens, model=model, compute=c,
+                                      record=False)["tok_s"] for w in wheres}
+    for r in rows:
+        ref = next(x for x in rows if x["budget"] == r["budget"] and not arms[x["arm"]])["predicted"]
+        r["predicted_over_les"] = {w: r["predicted"][w] / ref[w] for w in ref}
+
+
+def modelled(model, trace, budgets, rounds, tokens, device, profile, log, cp, acceptance=ACCEPTANCE,
+             threads=None) -> dict:
     """Part 3: measured arms (this machine, or the emulated device) and the simulator's prediction of each."""
     arms = {"les": {}} | {f"les + 4 drafts, modelled acceptance {a:g}": {"speculative": N_DRAFT,
                                                                          "draft": f"modelled:{a:g}"}
                           for a in acceptance}
     rows = rows_of(speed(model, arms, budgets, rounds, tokens, device, log, trace, threads), arms, budgets)
     les = get_preset("les")
-    pack = Pack(resolve_pack(model, *storage_for(model, les.storage, (), None)))
-    # one profile for every simulated arm, measured on the model's own routing: a trace-driven measurement leaves
-    # out what each further row of a batch costs (row_s), which a verification step is made of
-    cp = measure_compute(model, pack.spec, les.storage.experts, preset=les, tokens=tokens)
     sims = {}
     for b in budgets:
         for where in ("this-machine", profile):
@@ -171,13 +211,26 @@ def markdown(res: dict) -> str:
            f"{res['tokens']} tokens (median, min-max). Greedy output is plain greedy decoding's in every arm "
            f"(tests/test_drafts.py). KB read per produced token; the draft's time is in tok/s.\n",
            "| arm | budget | tok/s | min-max | x les | accepted | tokens/step | experts a step (x one token's) | "
-           "KB read/token | draft ms/token |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "KB read/token | draft ms/token |" + (f" predicted x les here | predicted x les {res['profile']} |"
+                                                 if "profile" in res else ""),
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if "profile" in res else "")]
     f = lambda x, fmt: "" if x is None else format(x, fmt)
     for r in res["rows"]:
         md.append(f"| {r['arm']} | {r['budget']} | {r['tok_s']:.1f} | {r['tok_s_min']:.1f}-{r['tok_s_max']:.1f} | "
                   f"{r['over_les']:.2f} | {f(r['spec_accept_rate'], '.2f')} | {f(r['tokens_per_target_step'], '.2f')} | "
                   f"{f(r['union_growth'], '.2f')} | {r['bytes_read_per_token'] / 1e3:.0f} | "
-                  f"{r['draft_ms_per_token']:.2f} |")
+                  f"{r['draft_ms_per_token']:.2f} |" + (f" {r['predicted_over_les']['this-machine']:.2f} | "
+                                                         f"{r['predicted_over_les'][res['profile']]:.2f} |"
+                                                         if "predicted_over_les" in r else ""))
+    if res["rows"] and "profile" in res:
+        measured = f"measured (EMULATED {res['device']})" if res["device"] else "measured here"
+        on = res["device"] or "this-machine"
+        md += ["", f"Predicted: experiments.simulate on the routing trace, each real draft as a chain acceptance with "
+               f"its measured mean accepted drafts a step and its measured draft time a proposed token (x les: over "
+               f"les simulated alike). {measured} against predicted on {on}, x les:", ""]
+        md += [f"- {r['arm']} @{r['budget']}: {r['over_les']:.2f} measured, {r['predicted_over_les'][on]:.2f} "
+               f"predicted ({100 * (r['predicted_over_les'][on] / r['over_les'] - 1):+.0f}%)"
+               for r in res["rows"] if r["arm"] != "les"]
     if m := res.get("modelled"):
         prof = m["profile"]
         md += ["", "## Modelled acceptance on real routing (MODELLED ACCEPTANCE: no draft runs)\n",
@@ -224,15 +277,20 @@ def main(argv=None):
     res = {"command": command, "model": a.model, "draft": a.draft, "engine": None, "device": a.device,
            "rounds": a.rounds, "tokens": a.tokens, "budgets": budgets, "routing_trace": a.routing_trace,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": []}
+    cp = compute_profile(a.model, a.tokens) if a.routing_trace else None
     if not a.skip_real:
         arms = {k: {**v, **({"draft": a.draft} if v.get("draft") == "demo-draft" else {})} for k, v in ARMS.items()}
         res["heldout"] = heldout_agreement(a.model, a.draft)
         res["heldout_mtp"] = mtp_heldout_agreement(a.model)
         log(f"held-out agreement: {res['heldout']}, MTP head's {res['heldout_mtp']}")
-        res["rows"] = rows_of(speed(a.model, arms, budgets, a.rounds, a.tokens, a.device, log, threads=a.threads), arms,
-                              budgets)
+        runs = speed(a.model, arms, budgets, a.rounds, a.tokens, a.device, log, threads=a.threads)
+        res["rows"] = rows_of(runs, arms, budgets)
+        if a.routing_trace:
+            wheres = dict.fromkeys(["this-machine", a.profile] + ([a.device] if a.device else []))
+            predicted(res["rows"], runs, arms, a.routing_trace, a.tokens, cp, list(wheres), a.model)
     if a.routing_trace:
-        res["modelled"] = modelled(a.model, a.routing_trace, budgets, a.rounds, a.tokens, a.device, a.profile, log,
+        res["profile"] = a.profile
+        res["modelled"] = modelled(a.model, a.routing_trace, budgets, a.rounds, a.tokens, a.device, a.profile, log, cp,
                                    [float(x) for x in a.acceptance.split(",")], a.threads)
     atomic_write(a.out.with_suffix(".json"), json.dumps(res, indent=1, default=str) + "\n")
     atomic_write(a.out, markdown(res))

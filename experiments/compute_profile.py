@@ -47,6 +47,8 @@ class ComputeProfile:
                                   # (speculative verification); None: each row costs what one token does
     expert_row_s: float | None = None     # per expert, each row of a batch after the first that routes to it (one
                                           # kernel call computes an expert's rows); None: expert_s a row
+    draft_s: float = 0.0      # per draft token proposed: a real draft's own time (a draft model's forward, an MTP
+                              # block's), measured in its run (benchmarks/speculative.py); 0: modelled drafts cost nothing
     read_floor: dict | None = None  # this machine's reads as its readers served them in the streaming run
                                     # (devices.ServedReads: an idle reader's wake-up, a read's latency and bandwidth
                                     # alone and beside another): what reads take here at the least (_read_floor)

@@ -33,7 +33,8 @@ layer's). What is modelled is the clock it runs on:
                   layer reads the union of the batch's experts once; dense and router are charged for one row plus
                   the measured cost of each further row (row_s), expert compute per expert plus the measured cost
                   of each further row it computes (expert_row_s); the accepted draft tokens (where the trace's text
-                  continues with them) and the step's own token are produced
+                  continues with them) and the step's own token are produced; a real draft's own time
+                  (compute.draft_s a draft token, measured in its run) is charged before the batch
   prerouter       Edge0's heads, recorded in the trace, name the next token's experts (prefetched a token ahead)
 
   runs here       (this-machine, or --here: the device emulated on this machine) every read takes at least what
@@ -370,6 +371,8 @@ class _Simulation:
             draft, accepted = [0] * drafts, self.acceptance.draw(drafts)
         else:
             draft, accepted = self.drive.draft(step, drafts)
+        if draft:
+            self.work(self.profile.draft_s * len(draft))        # the draft proposes before the batch is verified
         batch = range(step, step + len(draft) + 1)
         self.n["spec_steps"] += 1
         self.n["spec_accepted"] += accepted

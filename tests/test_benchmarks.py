@@ -289,8 +289,8 @@ def test_lossy_levers_priced_on_the_demo(tmp_path):
 
 def test_drafts_on_the_demo_real_and_modelled(tmp_path):
     """The drafts' held-out acceptance, a row per real draft (lookup, the draft model, the MTP head) against les, and
-    on the demo's trace a row per modelled acceptance, measured and simulated, with where drafts start to pay: the
-    Markdown's numbers the JSON's, each ratio its own."""
+    on the demo's trace a row per modelled acceptance, measured and simulated, with where drafts start to pay, and
+    each real draft's run predicted by the simulator: the Markdown's numbers the JSON's, each ratio its own."""
     out = tmp_path / "spec.md"
     run("speculative", "--budgets", "0.25", "--rounds", 1, "--tokens", 6, "--acceptance", "0.5,0.9",
         "--routing-trace", "data/traces/demo-tinystories-256.parquet", "--out", out)
@@ -309,6 +309,13 @@ def test_drafts_on_the_demo_real_and_modelled(tmp_path):
     assert [r["modelled_acceptance"] for r in modelled] == [0.5, 0.9]
     assert all(r["simulated"]["this-machine"] > 0 and r["simulated"]["ufs22-phone"] > 0 for r in modelled)
     assert "MODELLED ACCEPTANCE" in md and f"- 0.25: measured here {res['modelled']['crossover']['0.25']['measured']}" in md
+    for r in res["rows"]:                   # each real draft predicted by the simulator, x les its own
+        les = next(x for x in res["rows"] if x["arm"] == "les")
+        assert same(r["predicted_over_les"]["ufs22-phone"], r["predicted"]["ufs22-phone"] / les["predicted"]["ufs22-phone"])
+        if r["arm"] != "les":
+            assert 0 < r["predicted_acceptance"] <= 1
+            assert f"- {r['arm']} @0.25: {r['over_les']:.2f} measured, {r['predicted_over_les']['this-machine']:.2f}" \
+                   " predicted" in md
 
 
 def test_lossy_levers_on_the_emulated_phone_measure_speed_and_say_why_not_quality(tmp_path):

@@ -353,6 +353,19 @@ def test_a_batchs_further_rows_cost_what_the_engine_measures_for_them():
     assert res["decode_s"] == pytest.approx(4.7 * MS, abs=1e-12)
 
 
+def test_a_real_drafts_own_time_is_charged_before_its_batch_is_verified():
+    """The schedule above with a draft that takes 0.3 ms a proposed token (ComputeProfile.draft_s, measured in the
+    draft's run): the step starts 0.3 ms later, every event after it with it: 5.3 ms."""
+    class Speculative(Drive):
+        def draft(self, token_index, n):
+            return [99], 1
+    drive = Speculative([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 1]}])
+    p = get_preset("on_demand").with_(layout="contiguous", speculative=1)
+    cpu = dataclasses.replace(CPU, draft_s=0.3 * MS)
+    res = sim(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=3, prompt=1, workers=2, plan=PLAN)
+    assert res["decode_s"] == pytest.approx(5.3 * MS, abs=1e-12)
+
+
 def test_an_expert_two_rows_route_to_computes_its_second_row_at_the_measured_cost_of_a_further_row():
     """As above, with expert 0's second row costing 0.05 ms (ComputeProfile.expert_row_s: one kernel call computes
     an expert's rows) instead of a whole 0.25 ms: the union's 3 experts and one further row, 3.7 -> 4.5 ms."""
