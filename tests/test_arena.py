@@ -25,9 +25,9 @@ def test_a_layers_demand_reads_are_queued_before_its_predictors_prefetches(tiny_
                  predictor="lookahead:1:2k") as s:
         log, submit, begin_layer = [], s.reader.submit_parts, s.streamer.begin_layer
 
-        def logged_submit(keys, parts, checks, crcs, priority=0):
+        def logged_submit(keys, parts, checks, crcs, priority=0, owner=None):
             log.append(priority)
-            return submit(keys, parts, checks, crcs, priority)
+            return submit(keys, parts, checks, crcs, priority, owner)
 
         def logged_begin_layer(*a):
             log.append("layer")

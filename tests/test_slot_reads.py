@@ -1,9 +1,11 @@
 """The GIL-free readers (workbench/slot_reads.py): what a plain Reader does with reads into slots."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
+import weakref
 import zlib
 
 import numpy as np
@@ -215,3 +217,22 @@ def test_the_compiled_planner_makes_the_python_paths_reads_and_checks_the_same(t
         for (off, b), was in zip(parts, landed[k]):
             np.testing.assert_array_equal(b, was)
             np.testing.assert_array_equal(b, data[off:off + b.nbytes])
+
+
+def test_the_memory_a_read_lands_in_is_held_while_the_read_may_land(tmp_path):
+    """Reads go to the readers as addresses: the reader holds what owns that memory (a session's arena) until the
+    job's row is free for another read or the reader closes, so a session that lets go of its arena while a
+    prefetch is still landing does not have the memory freed under the read."""
+    path, data = _file(tmp_path)
+    with Reader(path, workers=1) as r:
+        buf = aligned_empty(4 * ALIGN)
+        owner = weakref.ref(buf.base if buf.base is not None else buf)
+        parts = np.array([[8 * ALIGN, 4 * ALIGN, slot_reads.address(buf), 0, 0]], np.int64)
+        fut = r.submit_parts(["k"], parts, np.zeros((0, slot_reads.CHECK), np.int64), [-1], owner=buf)["k"]
+        fut.result(10)
+        np.testing.assert_array_equal(buf, data[8 * ALIGN:12 * ALIGN])
+        del buf
+        gc.collect()
+        assert owner() is not None
+    gc.collect()
+    assert owner() is None

@@ -85,7 +85,8 @@ class SlotArena:
                 by_pool[id(pool)] = block
                 self._free[id(block)] = list(range(n - 1, -1, -1))
             self.blocks[L] = by_pool[id(pool)]
-        self.nbytes = sum(b.nbytes for b in {id(b): b for b in self.blocks.values()}.values())
+        self.memory = tuple({id(b): b for b in self.blocks.values()}.values())   # what reads land in: every block
+        self.nbytes = sum(b.nbytes for b in self.memory)
         self._addresses = {L: address(b) for L, b in self.blocks.items()}
 
     def address(self, key) -> int:
@@ -101,7 +102,7 @@ class SlotArena:
 
     def close(self):
         """A closed session's arena: its blocks and every view of them let go, whoever still refers to the arena."""
-        self.blocks, self.where, self._free = {}, {}, {}
+        self.blocks, self.where, self._free, self.memory = {}, {}, {}, ()
 
     def release(self, keys):
         """The cache evicted these experts: their slots are free."""

@@ -351,7 +351,8 @@ class Reader:
                 rows += [(k, *run) for run in runs]
                 crcs.append(crc)
             futures = self.submit_parts(keys, np.array(parts, np.int64).reshape(-1, slot_reads.PART),
-                                        np.array(rows, np.int64).reshape(-1, slot_reads.CHECK), crcs, priority)
+                                        np.array(rows, np.int64).reshape(-1, slot_reads.CHECK), crcs, priority,
+                                        owner=requests)
             for key, request in requests:
                 futures[key].bufs = [b for _, b in request]
             return futures
@@ -376,13 +377,15 @@ class Reader:
                 fut.t_queued = now
         return futures
 
-    def submit_parts(self, keys: list, parts: np.ndarray, checks: np.ndarray, crcs, priority: int = 0) -> dict:
+    def submit_parts(self, keys: list, parts: np.ndarray, checks: np.ndarray, crcs, priority: int = 0,
+                     owner=None) -> dict:
         """submit_into with the reads as arrays (slot_reads.SlotReads.submit: PART and CHECK rows, a key's parts
-        together, in key order). The caller holds the buffers, so a future's result is only whether the read is good.
-        Where reads go on Python threads (see submit_into), the addresses are made into buffers again."""
+        together, in key order); owner: what holds the memory at those addresses (kept alive while reads may land
+        there). A future's result is only whether the read is good: the buffers are the caller's. Where reads go
+        on Python threads (see submit_into), the addresses are made into buffers again."""
         slots = self._slots or (self._slot_reads() if self._reads_gil_free() else None)
         if slots is not None:
-            return slots.submit(keys, parts, checks, crcs, priority)
+            return slots.submit(keys, parts, checks, crcs, priority, owner)
         requests, chk = [], {}
         for k, key in enumerate(keys):
             mine = parts[parts[:, 3] == k]
@@ -390,7 +393,10 @@ class Reader:
             requests.append((key, list(zip(mine[:, 0].tolist(), bufs))))
             if crcs[k] >= 0:
                 chk[key] = ([tuple(r) for r in checks[checks[:, 0] == k, 1:].tolist()], int(crcs[k]))
-        return self.submit_into(requests, priority, chk)
+        futures = self.submit_into(requests, priority, chk)
+        for fut in futures.values():
+            fut.owner = owner           # its read's closure holds the future until it has landed
+        return futures
 
     def _reads_gil_free(self) -> bool:
         """Whether submit_into reads on the GIL-free readers: not where a subclass changes how a read is made

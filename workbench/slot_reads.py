@@ -436,6 +436,7 @@ class SlotReads:
                                                                   self._iov, self._runs))
         self._free, self.nfree = np.arange(capacity - 1, -1, -1, dtype=np.int64), capacity     # free[:nfree]
         self._refs = np.zeros(capacity, np.int64)       # a job's keys not yet settled
+        self._owners: list = [None] * capacity          # what holds a job's buffers' memory: kept while it may land
         self.unsettled: set[SlotRead] = set()
         self.ends = np.array(reader.sizes, np.int64)    # each file's end (Reader.needed)
         self._lock = threading.RLock()         # the job rows' bookkeeping: submit and settle
@@ -465,18 +466,20 @@ class SlotReads:
     def free(self) -> list[int]:
         return self._free[:self.nfree].tolist()
 
-    def submit(self, keys: list, parts: np.ndarray, checks: np.ndarray, crcs, priority: int) -> dict:
+    def submit(self, keys: list, parts: np.ndarray, checks: np.ndarray, crcs, priority: int, owner) -> dict:
         """Read parts (PART rows: file offset, bytes, buffer address, index in `keys`, buffer index in that key's)
         into their buffers; checks: CHECK rows (key index, buffer index, start, end), each key's in crc order;
         crcs: a key's crc32 over them, or -1. Returns key -> SlotRead. Parts whose ranges touch in the file are one
         read (one preadv scattered into their buffers; ranges that overlap, as a GGUF's experts' 4 KiB-aligned
         ranges can, are not), a read of at least twice SPLIT goes in pieces to several readers (io.split_sizes),
-        a read of more than IOV buffers or RUNS checked runs in several. At most half the job rows go to one turn
+        a read of more than IOV buffers or RUNS checked runs in several. owner: what holds the buffers' memory,
+        referred to until their jobs' rows are taken again (a session may let go of its arena while a prefetch
+        nobody asked for is still landing in it). At most half the job rows go to one turn
         (keys whole), so a turn that waits for room waits on keys that can settle."""
         t_submit = time.perf_counter_ns()
         room = max(self.CAPACITY // 2 // len(self.stats), 1)     # parts a turn (a part: workers pieces at most)
         if len(parts) <= room:
-            return self._turn(keys, parts, checks, crcs, priority, t_submit)
+            return self._turn(keys, parts, checks, crcs, priority, t_submit, owner)
         first = np.searchsorted(parts[:, 3], np.arange(len(keys) + 1))    # parts come grouped by key
         kstart = np.searchsorted(checks[:, 0], np.arange(len(keys) + 1))
         futures, k = {}, 0
@@ -485,11 +488,11 @@ class SlotReads:
             turn = parts[first[k]:first[z]].copy(), checks[kstart[k]:kstart[z]].copy()
             turn[0][:, 3] -= k
             turn[1][:, 0] -= k
-            futures.update(self._turn(keys[k:z], *turn, crcs[k:z], priority, t_submit))
+            futures.update(self._turn(keys[k:z], *turn, crcs[k:z], priority, t_submit, owner))
             k = z
         return futures
 
-    def _turn(self, keys, parts, checks, crcs, priority, t_submit) -> dict:
+    def _turn(self, keys, parts, checks, crcs, priority, t_submit, owner) -> dict:
         with self._lock:
             self._make_room(min(len(parts) * len(self.stats), self.CAPACITY))
             ids, pairs, pieces, jstart, pstart, self.nfree, merged = _plan_jobs(
@@ -500,9 +503,12 @@ class SlotReads:
                 futures[key] = SlotRead(self, key, int(crcs[i]), pairs[jstart[i]:jstart[i + 1], 1],
                                         pieces[pstart[i]:pstart[i + 1]], priority, t_submit)
             self.unsettled.update(futures.values())
+            ids = ids.tolist()
+            for j in ids:
+                self._owners[j] = owner
         with self.reader._lock:
             self.reader.merged += merged
-        self._queue(ids.tolist(), priority)
+        self._queue(ids, priority)
         now = time.perf_counter_ns()
         for fut in futures.values():
             fut.t_queued = now
@@ -608,3 +614,4 @@ class SlotReads:
         for fd in (self.demand, self.prefetch, *self.writers, self.tickets, self.done_fd):
             os.close(fd)
         self.unsettled.clear()      # reads never settled (prefetches nobody asked for) refer back to these
+        self._owners = [None] * len(self._owners)

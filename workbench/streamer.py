@@ -112,7 +112,7 @@ class ExpertStreamer:
         rows = np.array([plan.row(key) for key in keys], np.int64)
         parts, checks, crcs, nbytes = plan.reads(rows, np.array([address(key) for key in keys], np.int64))
         cache_set = self.cache.set
-        for key, fut in self.reader.submit_parts(keys, parts, checks, crcs, priority).items():
+        for key, fut in self.reader.submit_parts(keys, parts, checks, crcs, priority, self.arena.memory).items():
             cache_set(key, fut)         # checked by the reader as it lands; nothing is decoded
         return nbytes
 
