@@ -145,21 +145,22 @@ def chain_acceptance(accepted_per_step: float, n: int) -> float:
 
 def predicted(rows, runs, arms, trace, tokens, cp, wheres, model) -> None:
     """The simulator's prediction of each real draft's run (rows' `predicted`: tok/s on each of `wheres`, and x les
-    on each): the trace's routing, the arm's measured acceptance as a chain acceptance of the same mean
-    accepted drafts a step, and its measured draft time a proposed token charged on the compute thread."""
+    on each): the trace's routing; a draft model's or MTP head's measured acceptance as a chain acceptance of the
+    same mean accepted drafts a step, prompt lookup's drafts those of the trace's own text; each draft's measured
+    time a proposed token charged on the compute thread."""
     les = get_preset("les")
     for r in rows:
         knobs = arms[r["arm"]]
         got = runs[(r["arm"], r["budget"])]
+        preset, c = les, cp
         if knobs:
-            steps = sum(x["spec_steps"] for x in got)
-            n, proposed = knobs["speculative"], sum(x["spec_proposed"] for x in got)
-            p = chain_acceptance(sum(x["spec_accepted"] for x in got) / max(1, steps), n)
+            c = dataclasses.replace(cp, draft_s=sum(x["draft_s"] for x in got) / max(1, sum(x["spec_proposed"]
+                                                                                         for x in got)))
+            preset = les.with_(**knobs)             # prompt lookup: the trace's own text's lookup drafts, replayed
+        if knobs and knobs["draft"] != "lookup":
+            n, steps = knobs["speculative"], sum(x["spec_steps"] for x in got)
+            r["predicted_acceptance"] = p = chain_acceptance(sum(x["spec_accepted"] for x in got) / max(1, steps), n)
             preset = les.with_(speculative=n, draft=f"modelled:{p:.4f}")
-            c = dataclasses.replace(cp, draft_s=sum(x["draft_s"] for x in got) / max(1, proposed))
-            r["predicted_acceptance"] = p
-        else:
-            preset, c = les, cp
         r["predicted"] = {w: simulate(trace, preset, r["budget"], w, tokens=tokens, model=model, compute=c,
                                       record=False)["tok_s"] for w in wheres}
     for r in rows:
@@ -225,9 +226,9 @@ def markdown(res: dict) -> str:
     if res["rows"] and "profile" in res:
         measured = f"measured (EMULATED {res['device']})" if res["device"] else "measured here"
         on = res["device"] or "this-machine"
-        md += ["", f"Predicted: experiments.simulate on the routing trace, each real draft as a chain acceptance with "
-               f"its measured mean accepted drafts a step and its measured draft time a proposed token (x les: over "
-               f"les simulated alike). {measured} against predicted on {on}, x les:", ""]
+        md += ["", f"Predicted: experiments.simulate on the routing trace, a draft model or MTP head as a chain "
+               f"acceptance with its measured mean accepted drafts a step, prompt lookup as the lookup drafts of the "
+               f"trace's own text, each with its measured draft time a proposed token (x les: over les simulated alike). {measured} against predicted on {on}, x les:", ""]
         md += [f"- {r['arm']} @{r['budget']}: {r['over_les']:.2f} measured, {r['predicted_over_les'][on]:.2f} "
                f"predicted ({100 * (r['predicted_over_les'][on] / r['over_les'] - 1):+.0f}%)"
                for r in res["rows"] if r["arm"] != "les"]
