@@ -85,11 +85,9 @@ def plan(model: str, preset: str | Preset = "on_demand", budget: str | None = No
 def draft_bytes(p: Preset, engine: str) -> int:
     """What the preset's draft model holds beside the target: its own plan's, all-resident on the target's engine
     (runtime.speculative.DraftModel opens it so); 0 for drafts that are not a model (lookup, mtp, modelled:A)."""
-    from runtime.speculative import modelled_acceptance
-    d = p.execution.draft
-    if not p.execution.speculative or d in ("lookup", "mtp") or modelled_acceptance(d) is not None:
-        return 0
-    return plan(d, "resident", None, engine, convert=False, check=False).memory["needed_bytes"]
+    from runtime.speculative import draft_model
+    d = draft_model(p.execution.draft) if p.execution.speculative else None
+    return plan(d, "resident", None, engine, convert=False, check=False).memory["needed_bytes"] if d else 0
 
 
 def _unconverted(model: str, config: Path | None, p: Preset, engine: str | None):

@@ -202,6 +202,12 @@ class ModelledDraft:
         pass
 
 
+def draft_model(source: str) -> str | None:
+    """The model a draft knob names (a draft model's name or path), or None where it names another kind of draft
+    (lookup, mtp, modelled:A)."""
+    return None if source in ("lookup", "mtp") or modelled_acceptance(source) is not None else source
+
+
 def make_draft(source: str, target, open_session):
     """The draft the preset's `draft` knob names, for the target Session; one line where it cannot draft for it."""
     modelled, forced = modelled_acceptance(source), target.text.forced
@@ -218,7 +224,7 @@ def make_draft(source: str, target, open_session):
         return ModelledDraft(modelled, lambda context, n: list(forced[len(context) - fed:len(context) - fed + n]))
     if source == "mtp":
         return MTPDraft(target)
-    return PromptLookup() if source == "lookup" else DraftModel(source, target, open_session)
+    return DraftModel(source, target, open_session) if draft_model(source) else PromptLookup()
 
 
 def speculative_decode(session, draft, first: int, context: list[int], tokens: int, n_draft: int, on_token=None,

@@ -320,18 +320,24 @@ def test_compute_profile_is_measured_on_the_engine_that_runs():
         assert cp.issue_call_s + cp.issue_s > 0 and "budget 0.5" in cp.source     # its reads, in a streaming run
 
 
+def _one_drafted_step(cpu) -> dict:
+    """The schedule of the tests below: one layer, step 1 verifying its input token (experts 0, 2) and a one-token
+    draft (experts 0, 1) that is accepted, expert 1 cached by the prompt, room for 3 experts, two reader threads."""
+    class Speculative(Drive):
+        def draft(self, token_index, n):
+            return [99], 1
+    drive = Speculative([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 1]}])
+    p = get_preset("on_demand").with_(layout="contiguous", speculative=1)
+    return sim(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=3, prompt=1, workers=2, plan=PLAN)
+
+
 def test_speculative_verification_reads_the_batchs_union_once_and_computes_each_token_expert_pair():
     """LES's speculative rung, one layer: step 1 verifies its input token (row 1: experts 0, 2) and a one-token draft
     (row 2: experts 0, 1) in one batch, and the draft is accepted: 2 tokens in one step. The router runs per row:
     0 -> 1 ms. The union {0, 1, 2}: 1 is cached (prompt), 0 and 2 are read once each from 1 ms on two threads:
     1 -> 3 and (one in flight) 1 -> 4 ms (room for 3 experts: 2 evicts 3). wait_all waits to 4 ms, then computes
     4 (token, expert) pairs: -> 5 ms."""
-    class Speculative(Drive):
-        def draft(self, token_index, n):
-            return [99], 1
-    drive = Speculative([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 1]}])
-    p = get_preset("on_demand").with_(layout="contiguous", speculative=1)
-    res = sim(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, CPU, tokens=3, prompt=1, workers=2, plan=PLAN)
+    res = _one_drafted_step(CPU)
     assert res["decode_s"] == pytest.approx(5 * MS, abs=1e-12)
     assert res["tok_s"] == pytest.approx(2 / (5 * MS))
     assert res["flash_wait_s"] == pytest.approx(3 * MS, abs=1e-12)
@@ -343,39 +349,21 @@ def test_a_batchs_further_rows_cost_what_the_engine_measures_for_them():
     """The schedule above with each row after the first costing 0.2 ms of dense and router time (ComputeProfile.row_s,
     measured on the engine) instead of a whole token's 0.5 ms: the reads start at 0.7 ms, land at 2.7 and 3.7, and
     the 4 pairs are computed 3.7 -> 4.7 ms."""
-    class Speculative(Drive):
-        def draft(self, token_index, n):
-            return [99], 1
-    drive = Speculative([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 1]}])
-    p = get_preset("on_demand").with_(layout="contiguous", speculative=1)
-    cpu = dataclasses.replace(CPU, row_s=0.2 * MS)
-    res = sim(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=3, prompt=1, workers=2, plan=PLAN)
+    res = _one_drafted_step(dataclasses.replace(CPU, row_s=0.2 * MS))
     assert res["decode_s"] == pytest.approx(4.7 * MS, abs=1e-12)
 
 
 def test_a_real_drafts_own_time_is_charged_before_its_batch_is_verified():
     """The schedule above with a draft that takes 0.3 ms a proposed token (ComputeProfile.draft_s, measured in the
     draft's run): the step starts 0.3 ms later, every event after it with it: 5.3 ms."""
-    class Speculative(Drive):
-        def draft(self, token_index, n):
-            return [99], 1
-    drive = Speculative([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 1]}])
-    p = get_preset("on_demand").with_(layout="contiguous", speculative=1)
-    cpu = dataclasses.replace(CPU, draft_s=0.3 * MS)
-    res = sim(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=3, prompt=1, workers=2, plan=PLAN)
+    res = _one_drafted_step(dataclasses.replace(CPU, draft_s=0.3 * MS))
     assert res["decode_s"] == pytest.approx(5.3 * MS, abs=1e-12)
 
 
 def test_an_expert_two_rows_route_to_computes_its_second_row_at_the_measured_cost_of_a_further_row():
     """As above, with expert 0's second row costing 0.05 ms (ComputeProfile.expert_row_s: one kernel call computes
     an expert's rows) instead of a whole 0.25 ms: the union's 3 experts and one further row, 3.7 -> 4.5 ms."""
-    class Speculative(Drive):
-        def draft(self, token_index, n):
-            return [99], 1
-    drive = Speculative([{0: [1, 3]}, {0: [0, 2]}, {0: [0, 1]}])
-    p = get_preset("on_demand").with_(layout="contiguous", speculative=1)
-    cpu = dataclasses.replace(CPU, row_s=0.2 * MS, expert_row_s=0.05 * MS)
-    res = sim(drive, spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, cpu, tokens=3, prompt=1, workers=2, plan=PLAN)
+    res = _one_drafted_step(dataclasses.replace(CPU, row_s=0.2 * MS, expert_row_s=0.05 * MS))
     assert res["decode_s"] == pytest.approx(4.5 * MS, abs=1e-12)
 
 

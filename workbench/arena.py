@@ -131,7 +131,7 @@ class ReadPlan:
             for e in range(len(pack.expert_layers[L])):
                 g, reads = self.first[L] + e, pack.expert_reads(L, e)
                 check, self.crc[g] = pack.expert_check(L, e)
-                head = heads[e] if index else np.zeros(len(reads), np.int64)
+                head = heads[e]                 # zero in a pack
                 for i, (off, nb) in enumerate(reads):
                     self.offset[g, i], self.region[g, i] = off - head[i], regions[i][0]
                     self.length[g, i] = -(-(head[i] + nb) // ALIGN) * ALIGN if index else regions[i][1]

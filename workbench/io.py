@@ -100,15 +100,10 @@ def _merge(spans, gap: int, overlap: bool = True) -> list:
     return groups
 
 
-
-
 def split_sizes(nbytes: int, workers: int) -> list[int]:
     """The pieces (in file order, 4 KiB-aligned but the last) one read of `nbytes` is split into for `workers`
     readers: one piece a reader at most, none under SPLIT. The simulator splits its reads by the same rule."""
-    k = min(workers, nbytes // SPLIT)
-    if k < 2:
-        return [nbytes]
-    step = -(-nbytes // k // ALIGN) * ALIGN
+    step = slot_reads.split_step(nbytes, workers)
     return [min(step, nbytes - at) for at in range(0, nbytes, step)]
 
 
@@ -167,7 +162,7 @@ class Reader:
         self._direct = False                    # O_DIRECT: a short read off a block boundary is the end of the file
         self.cache = "page-cache"
         self.fds = self._open_all(direct)
-        self.sizes = [os.fstat(fd).st_size for fd in self.fds]   # a read into buffers may end past one (short)
+        self.ends = np.array([os.fstat(fd).st_size for fd in self.fds], np.int64)   # a read may end past one (short)
         self.mode = self.cache if host.has_preadv() else f"{self.cache}+pread"
         self._lock = threading.Lock()
         self._heap: list = []                   # the reader threads' queue: (priority, seq, job), demand reads first
@@ -287,10 +282,8 @@ class Reader:
                 time.sleep(0.01 * 2 ** attempt)
 
     def needed(self, start: int, end: int) -> int:
-        """The bytes a read of [start, end) into buffers must bring: it may reach past the end of its file (a
-        GGUF's last expert, read to the 4 KiB boundary after it), not start there."""
-        size = (start & ~SHARD_MASK) + self.sizes[start >> SHARD_BITS]      # its file's end, as an offset
-        return end - start if start >= size else min(end, size) - start
+        """slot_reads.needed of this reader's files."""
+        return int(slot_reads.needed(start, end, self.ends))
 
     def _eof_error(self, offset: int, length: int, file_end: int) -> EOFError:
         return EOFError(f"{self.paths[offset >> SHARD_BITS]}: read past end of file: offset={offset & SHARD_MASK} "
@@ -341,8 +334,7 @@ class Reader:
         A plain Reader reads them on GIL-free threads (workbench/slot_reads.py, where it runs: Linux on x86-64);
         a subclass that changes how a read is made (an emulated device, injected faults) on Python threads."""
         checks = checks or {}
-        slots = self._slots or (self._slot_reads() if self._reads_gil_free() else None)
-        if slots is not None:
+        if self._gil_free_readers() is not None:
             keys, parts, rows, crcs = [], [], [], []
             for k, (key, request) in enumerate(requests):
                 keys.append(key)
@@ -383,8 +375,7 @@ class Reader:
         together, in key order); owner: what holds the memory at those addresses (kept alive while reads may land
         there). A future's result is only whether the read is good: the buffers are the caller's. Where reads go
         on Python threads (see submit_into), the addresses are made into buffers again."""
-        slots = self._slots or (self._slot_reads() if self._reads_gil_free() else None)
-        if slots is not None:
+        if (slots := self._gil_free_readers()) is not None:
             return slots.submit(keys, parts, checks, crcs, priority, owner)
         requests, chk = [], {}
         for k, key in enumerate(keys):
@@ -397,6 +388,10 @@ class Reader:
         for fut in futures.values():
             fut.owner = owner           # its read's closure holds the future until it has landed
         return futures
+
+    def _gil_free_readers(self) -> SlotReads | None:
+        """The GIL-free readers where submit_into reads on them (started on first use), else None."""
+        return self._slots or (self._slot_reads() if self._reads_gil_free() else None)
 
     def _reads_gil_free(self) -> bool:
         """Whether submit_into reads on the GIL-free readers: not where a subclass changes how a read is made

@@ -230,7 +230,7 @@ PIECE = 6           # a checked run's piece in a job: (key, place in crc order, 
 
 
 @njit(cache=True)
-def _plan_jobs(parts, checks, nkeys, workers, split, ends, free, nfree, refs, jobs, state, iov, runs):
+def _plan_jobs(parts, checks, nkeys, workers, ends, free, nfree, refs, jobs, state, iov, runs):
     """Jobs for `parts` of keys 0..nkeys-1 written into the rows of free job ids (free[:nfree], taken from the end;
     enough of them: at most workers a part), as SlotReads.submit's docstring says. Returns (the job ids in file
     order, (key, job) pairs sorted by key, pieces (PIECE) sorted by key and crc order, where each key's pairs and
@@ -250,15 +250,13 @@ def _plan_jobs(parts, checks, nkeys, workers, split, ends, free, nfree, refs, jo
             gstart[groups], gend[groups], gfirst[groups] = a, z, i
             groups += 1
     gfirst[groups] = n
-    pieces_split = parts[:, 1].sum() >= 2 * split
+    pieces_split = parts[:, 1].sum() >= 2 * SPLIT
     ids = np.empty(min(nfree, n * workers), np.int64)
     pairs = np.empty((n * workers, 2), np.int64)                   # a part is in at most one piece a reader
     pieces = np.empty((checks.shape[0] * workers, PIECE), np.int64)
     nj = npair = npiece = 0
     for g in range(groups):
-        size = gend[g] - gstart[g]
-        k = min(workers, size // split) if pieces_split else 1
-        step = size if k < 2 else (size + k * ALIGN - 1) // (k * ALIGN) * ALIGN
+        step = split_step(gend[g] - gstart[g], workers if pieces_split else 1)
         a = gstart[g]
         while a < gend[g]:
             b = min(a + step, gend[g])
@@ -275,7 +273,7 @@ def _plan_jobs(parts, checks, nkeys, workers, split, ends, free, nfree, refs, jo
                     if checks[c, 1] == bi and checks[c, 2] < at + hi - lo and checks[c, 3] > at:
                         mine += 1
                 if j >= 0 and (niov == IOV or nrun + mine > RUNS):
-                    jobs[j, 0], jobs[j, 1], jobs[j, 2], jobs[j, 3] = jstart, _needed(jstart, lo, ends), niov, nrun
+                    jobs[j, 0], jobs[j, 1], jobs[j, 2], jobs[j, 3] = jstart, needed(jstart, lo, ends), niov, nrun
                     j = -1
                 if j < 0:
                     nfree -= 1
@@ -298,7 +296,7 @@ def _plan_jobs(parts, checks, nkeys, workers, split, ends, free, nfree, refs, jo
                         npiece += 1
                         nrun += 1
                 end = hi
-            jobs[j, 0], jobs[j, 1], jobs[j, 2], jobs[j, 3] = jstart, _needed(jstart, end, ends), niov, nrun
+            jobs[j, 0], jobs[j, 1], jobs[j, 2], jobs[j, 3] = jstart, needed(jstart, end, ends), niov, nrun
             a = b
     pairs = pairs[:npair]
     pairs = pairs[np.argsort(pairs[:, 0] * (1 << 32) + pairs[:, 1], kind="mergesort")]
@@ -342,10 +340,19 @@ def _any(state, jobs, what) -> bool:
 
 
 @njit(cache=True)
-def _needed(start, end, ends):
-    """Reader.needed: the bytes a read of [start, end) must bring (it may reach past its file's end, not start there)."""
+def needed(start, end, ends):
+    """The bytes a read of [start, end) into buffers must bring, `ends` each file's size: it may reach past the end of
+    its file (a GGUF's last expert, read to the 4 KiB boundary after it), not start there."""
     size = (start & ~SHARD_MASK) + ends[start >> SHARD_BITS]
     return end - start if start >= size else min(end, size) - start
+
+
+@njit(cache=True)
+def split_step(nbytes, workers):
+    """The piece (4 KiB-aligned) a read of `nbytes` is cut into for `workers` readers: one piece a reader at most,
+    none under SPLIT; nbytes itself where it stays whole (io.split_sizes lists the pieces)."""
+    k = min(workers, nbytes // SPLIT)
+    return nbytes if k < 2 else (nbytes + k * ALIGN - 1) // (k * ALIGN) * ALIGN
 
 
 def wait_for(futures, timeout: float, every: bool, sleep) -> list:
@@ -438,7 +445,6 @@ class SlotReads:
         self._refs = np.zeros(capacity, np.int64)       # a job's keys not yet settled
         self._owners: list = [None] * capacity          # what holds a job's buffers' memory: kept while it may land
         self.unsettled: set[SlotRead] = set()
-        self.ends = np.array(reader.sizes, np.int64)    # each file's end (Reader.needed)
         self._lock = threading.RLock()         # the job rows' bookkeeping: submit and settle
         self.demand, demand_w = os.pipe()
         self.prefetch, prefetch_w = os.pipe()
@@ -496,7 +502,7 @@ class SlotReads:
         with self._lock:
             self._make_room(min(len(parts) * len(self.stats), self.CAPACITY))
             ids, pairs, pieces, jstart, pstart, self.nfree, merged = _plan_jobs(
-                parts, checks, len(keys), len(self.stats), SPLIT, self.ends, self._free, self.nfree, self._refs,
+                parts, checks, len(keys), len(self.stats), self.reader.ends, self._free, self.nfree, self._refs,
                 self._jobs, self._state, self._iov, self._runs)
             futures = {}
             for i, key in enumerate(keys):
