@@ -43,7 +43,8 @@ def tree_of(rev: str) -> Path:
     return tree
 
 
-def bench(tree: Path, model: str, design: str, budget: str, tokens: int, trace: str | None = None) -> dict:
+def bench(tree: Path, model: str, design: str, budget: str, tokens: int, trace: str | None = None,
+          threads: int | None = None) -> dict:
     """bench's JSON with its record's issue_s and issued (decode events: the same numbers in either tree), or
     {"error": its last line} where the design cannot run there (a pager whose pools are smaller than a layer's
     top-k)."""
@@ -51,7 +52,8 @@ def bench(tree: Path, model: str, design: str, budget: str, tokens: int, trace: 
     env = {**os.environ, "PYTHONPATH": str(tree), "WORKBENCH_RUNS": runs}
     p = subprocess.run([sys.executable, "-m", "workbench", "bench", "--model", model, "--preset", design, "--budget",
                         budget, "--tokens", str(tokens), "--json"]
-                       + (["--routing-trace", str(Path(trace).resolve())] if trace else []), cwd=tree, env=env,
+                       + (["--routing-trace", str(Path(trace).resolve())] if trace else [])
+                       + (["--threads", str(threads)] if threads else []), cwd=tree, env=env,
                        capture_output=True, text=True)
     if p.returncode == 2:
         return {"error": (p.stderr.strip().splitlines() or ["exit 2"])[-1]}
@@ -63,6 +65,7 @@ def bench(tree: Path, model: str, design: str, budget: str, tokens: int, trace: 
     ev = [e for e in ev if e["phase"] == "decode"]
     n = max(1, out.get("produced", out["decode_steps"]))
     out["issue_us"] = 1e6 * sum(e["issue_s"] for e in ev) / max(1, sum(e["issued"] for e in ev))
+    out["compute_ms"] = 1e3 * out["compute_s"] / n
     out["router_ms"] = 1e3 * out["router_s"] / n
     out["other_ms"] = 1e3 * out["other_s"] / n
     return out
@@ -78,6 +81,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--routing-trace", metavar="FILE", help="both trees route as this trace recorded (the same "
                     "experts asked for, whatever text each generates)")
+    ap.add_argument("--threads", type=int, default=None, help="bench's --threads (default: the engine's choice)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     trees = {f"before ({a.rev})": tree_of(a.rev), "after": ROOT}
@@ -88,7 +92,7 @@ def main(argv=None):
     for r in range(a.rounds):
         for d, b in [c for c in cells if c not in failed]:
             for t, tree in trees.items():
-                x = bench(tree, a.model, d, b, a.tokens, a.routing_trace)
+                x = bench(tree, a.model, d, b, a.tokens, a.routing_trace, a.threads)
                 if "error" in x:
                     failed[(d, b)] = x["error"]
                     print(f"{t} {d} @{b}: {x['error']}")
@@ -101,15 +105,16 @@ def main(argv=None):
     span = lambda runs, k: f"{min(x[k] for x in runs):.1f}-{max(x[k] for x in runs):.1f}"
     lines = [f"`python benchmarks/before_after.py --rev {a.rev} --model {a.model} --budgets {a.budgets} --designs "
              f"{a.designs} --tokens {a.tokens} --rounds {a.rounds}"
-             + (f" --routing-trace {a.routing_trace}" if a.routing_trace else "") + f"` (load average {min(loads):.1f}-{max(loads):.1f} "
+             + (f" --routing-trace {a.routing_trace}" if a.routing_trace else "")
+             + (f" --threads {a.threads}" if a.threads else "") + f"` (load average {min(loads):.1f}-{max(loads):.1f} "
              f"after each round, {os.cpu_count()} cores)\n",
              "| budget | design | tree | tok/s (median, min-max) | of floor | KB read/tok | / on_demand's | "
-             "router + lookahead ms/tok | other ms/tok | issue us/expert |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "compute ms/tok | router + lookahead ms/tok | other ms/tok | issue us/expert |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     checks = []
     cells = [c for c in cells if c not in failed]
     for d, b in failed:
-        lines.append(f"| {b} | {d} | | cannot run: {failed[(d, b)]} | | | | | | |")
+        lines.append(f"| {b} | {d} | | cannot run: {failed[(d, b)]} | | | | | | | |")
     for d, b in cells:
         for t in trees:
             runs = got[(t, d, b)]
@@ -117,7 +122,8 @@ def main(argv=None):
             kb = med(runs, "bytes_read_per_token")
             lines.append(f"| {b} | {d} | {t} | {med(runs, 'tok_s'):.1f} ({span(runs, 'tok_s')}) | "
                          f"{med(runs, 'achieved_over_floor'):.2f} | {kb / 1e3:.0f} | "
-                         f"{'' if not od else f'{kb / od:.2f}'} | {med(runs, 'router_ms'):.2f} | "
+                         f"{'' if not od else f'{kb / od:.2f}'} | {med(runs, 'compute_ms'):.0f} | "
+                         f"{med(runs, 'router_ms'):.2f} | "
                          f"{med(runs, 'other_ms'):.2f} | {med(runs, 'issue_us'):.0f} |")
     for t in trees:
         floors = {(d, b): med(got[(t, d, b)], "achieved_over_floor") for d, b in cells}

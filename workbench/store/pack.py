@@ -32,11 +32,11 @@ import json
 import os
 import struct
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from isal import isal_zlib
 
 from workbench.atomic import atomic_path
 from workbench.chat import find_template
@@ -78,7 +78,7 @@ def _inside(offset, n, size: int) -> bool:
 
 
 def _crc(buf) -> str:
-    return f"{zlib.crc32(buf) & 0xFFFFFFFF:08x}"
+    return f"{isal_zlib.crc32(buf) & 0xFFFFFFFF:08x}"
 
 
 def tensor_kind(name: str, shape: tuple, rest: str) -> str:
@@ -268,13 +268,13 @@ def convert(src, dst, layout: str = "contiguous", experts: str = "q4", rest: str
                     next(bar, None)
                     ent, crc = layers[str(i)][e], 0
                     for p in PARTS:
-                        crc = zlib.crc32(bufs[p], crc)
+                        crc = isal_zlib.crc32(bufs[p], crc)
                         f.seek(ent["parts"][p][0])
                         f.write(bufs[p])
                     ent["crc32"] = f"{crc & 0xFFFFFFFF:08x}"
         hb = _header_bytes(header)
         f.seek(0)
-        f.write(MAGIC + struct.pack("<IQI", FORMAT, len(hb), zlib.crc32(hb)) + hb)
+        f.write(MAGIC + struct.pack("<IQI", FORMAT, len(hb), isal_zlib.crc32(hb)) + hb)
     return dst
 
 
