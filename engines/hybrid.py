@@ -66,6 +66,13 @@ class GatedDeltaNet:
     def l2norm(self, x):
         return x / self.xp.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
 
+    def delta_rule(self, S, q, k, v, beta, decay):
+        """One token's step on the state S (heads, key dim, value dim): (the new state, the heads' outputs)."""
+        S = S * decay[:, None, None]
+        delta = (v - (k[:, None, :] @ S)[:, 0]) * beta[:, None]
+        S = S + k[:, :, None] * delta[:, None, :]
+        return S, (q[:, None, :] @ S)[:, 0]
+
     def gated_delta_net(self, i: int, x):
         s, xp, W, p = self.spec, self.xp, self.W, f"layers.{i}."
         L, T = s.linear, x.shape[0]
@@ -86,10 +93,8 @@ class GatedDeltaNet:
         decay = xp.exp(-xp.exp(W(p + "lin_A_log")) * xp.logaddexp(self.scalar(0.0), self.linear(x, p + "lin_a") + W(p + "lin_dt_bias")))
         out = []
         for t in range(T):
-            S = S * decay[t][:, None, None]
-            delta = (v[t] - (k[t][:, None, :] @ S)[:, 0]) * beta[t][:, None]
-            S = S + k[t][:, :, None] * delta[:, None, :]
-            out.append((q[t][:, None, :] @ S)[:, 0])
+            S, o = self.delta_rule(S, q[t], k[t], v[t], beta[t], decay[t])
+            out.append(o)
             if (self.token_index > 0 and T <= CHECKPOINT_WINDOW) or t == T - 1:
                 state = (xp.array(xs[t + 1:t + K]), S)          # a copy: a view would hold all of the call's xs
                 self.checkpoint(i, self.pos + t + 1, state, last=t == T - 1)

@@ -350,6 +350,14 @@ class PackedEngine(Decoder):
         return G.top(w.buf, w.shape[0], w.shape[1], w.ggml, np.ascontiguousarray(h, dtype=np.float32), norm,
                      self.spec.rms_norm_eps, bias, k)
 
+    def delta_rule(self, S, q, k, v, beta, decay):
+        """The linear-attention step in one kernel call: numpy's took 2 ms a layer on the 80B's 32 heads of 128 x 128
+        (72 ms of a 450 ms token, py-spy), writing six arrays the state's size."""
+        f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
+        out, o = np.empty(S.shape, np.float32), np.empty(v.shape, np.float32)
+        K.delta_rule(f32(S), f32(q), f32(k), f32(v), f32(beta), f32(decay), out, o)
+        return out, o
+
     def rms_norm(self, x, w):
         """A decoded token's norm in one kernel call instead of numpy's five operations (a token has many norms)."""
         if x.ndim != 2 or x.shape[0] > KERNEL_ROWS or w.dtype != np.float32:

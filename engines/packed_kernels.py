@@ -377,3 +377,28 @@ def decode_attention(q, k, v, q_norm, k_norm, eps, norm, cos, sin, K, V, pos, sc
             p = att[s] / tot
             for j in range(hd):
                 y[hh, j] += p * Vg[s, j]
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def delta_rule(S, q, k, v, beta, decay, out, o):
+    """One token of the gated delta rule (engines/hybrid.py) in two passes over the state instead of numpy's six
+    arrays of its size: per value head h, out[h] = decay S[h] + k (beta (v - (decay S[h])^T k))^T, o[h] = out[h]^T q.
+    S, out: (heads, key dim, value dim); q, k: (heads, key dim); v, o: (heads, value dim); beta, decay: (heads,)."""
+    H, dk, dv = S.shape
+    kS = np.empty(dv, np.float32)
+    for h in range(H):
+        g = decay[h]
+        kS[:] = 0.0
+        for i in range(dk):
+            ki = k[h, i] * g
+            for j in range(dv):
+                kS[j] += ki * S[h, i, j]
+        for j in range(dv):
+            kS[j] = (v[h, j] - kS[j]) * beta[h]          # delta
+            o[h, j] = 0.0
+        for i in range(dk):
+            ki, qi = k[h, i], q[h, i]
+            for j in range(dv):
+                s = g * S[h, i, j] + ki * kS[j]
+                out[h, i, j] = s
+                o[h, j] += qi * s

@@ -97,6 +97,28 @@ def test_decode_attention_kernel_is_the_decoders(tiny_models, family):
                 np.testing.assert_allclose(a, b[:, :e.pos + 1], atol=1e-5, rtol=0)
 
 
+def test_delta_rule_kernel_is_the_decoders():
+    """The linear-attention step in one kernel call gives the decoder's numpy state and outputs, to float32
+    rounding, over a chain of tokens at the 80B's head shape (value heads 32, key and value dims 128) and with
+    uneven dims, q and k L2-normalised as the layer's; the state it was given is left as it was (a checkpoint may
+    hold it)."""
+    from engines.hybrid import GatedDeltaNet
+    from engines.packed_engine import PackedEngine
+    rng = np.random.default_rng(0)
+    for H, dk, dv in [(32, 128, 128), (3, 5, 7)]:
+        S = ref = rng.standard_normal((H, dk, dv)).astype(np.float32)
+        for _ in range(4):
+            q, k = (a / np.linalg.norm(a, axis=-1, keepdims=True) for a in rng.standard_normal((2, H, dk), np.float32))
+            v = rng.standard_normal((H, dv)).astype(np.float32)
+            beta, decay = rng.uniform(0, 1, (2, H)).astype(np.float32)
+            given, kept = S, S.copy()
+            S, o = PackedEngine.delta_rule(None, S, q, k, v, beta, decay)
+            ref, o_ref = GatedDeltaNet.delta_rule(None, ref, q, k, v, beta, decay)
+            np.testing.assert_array_equal(given, kept)
+            np.testing.assert_allclose(S, ref, atol=1e-5, rtol=1e-4)
+            np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("experts,rest,layout", [("q2", "q4", "contiguous"), ("q3", "q4", "native"),
                                                  ("q4", "q8", "native"), ("q8", "q4", "contiguous"),
                                                  ("bf16", "bf16", "contiguous")])
