@@ -25,7 +25,6 @@ from engines.mtp import MTPHead
 from workbench.errors import WorkbenchError
 from workbench.models.mtp import load_mtp
 from workbench.registry import model_dir
-from workbench.spec_hybrid import HYBRID
 
 
 def longest_prefix(proposed: list[int], greedy) -> int:
@@ -111,11 +110,11 @@ class MTPDraft:
         if not hasattr(e, "hidden_start"):
             raise WorkbenchError(f"--engine {e.name} gives no hidden states to draft from: draft=mtp runs on the "
                                  f"packed, numpy or mlx engine")
-        if target.spec.family in HYBRID or target.spec.attention == "mla":
-            raise WorkbenchError(f"{model_dir(target.model)}: draft=mtp computes an MTP block of the Qwen3-MoE kind (the "
-                                 f"demo's); a {target.spec.family} checkpoint's (its norms, its attention) is not checked "
-                                 f"against a reference here yet")
-        w = load_mtp(model_dir(target.model))
+        if target.spec.attention == "mla":
+            raise WorkbenchError(f"{model_dir(target.model)}: draft=mtp computes an MTP block with grouped-query "
+                                 f"attention (the demo's, Qwen3-Next's, Qwen3.5's); a {target.spec.family} block's latent "
+                                 f"attention is not written here")
+        w = load_mtp(model_dir(target.model), zero_centred=bool(target.spec.layer_types))
         self.engine = e
         self.head = MTPHead(target.spec, w, lambda ids: e.to_numpy(e.embed(ids)),
                             lambda x: e.to_numpy(e.linear(e.from_numpy(x), "lm_head")))

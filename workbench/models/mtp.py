@@ -1,8 +1,13 @@
 """A checkpoint's multi-token-prediction block (`mtp.*`: Qwen3-Next's, Qwen3.5/3.6's in Hugging Face files), read
 for drafting (engines.mtp.MTPHead, runtime.speculative.MTPDraft): from `mtp/mtp.safetensors` beside the model (the
 demo's, training/mtp.py: in a folder of its own, so the checkpoint's fingerprint, and its packs, stay as they were)
-or from the checkpoint's own shards. A GGUF's MTP blocks (llama.cpp's nextn) and an MLX
-directory's are not read as drafts: refused in one line, as is a checkpoint without MTP tensors.
+or from the checkpoint's own shards, in either expert layout (one tensor per expert, or transformers 5's fused
+`experts.gate_up_proj` and `experts.down_proj`). The hybrid family's norms are stored as w and used as 1 + w, as
+its layers' are (workbench.models.hf): the 1 is added here.
+
+Refused in one line: a checkpoint without MTP tensors; an MLX directory (mlx-lm's convert drops `mtp.*`, in its
+qwen3_next and qwen3_5 sanitize, so an MLX conversion holds none; one that was given them back holds them
+quantized, which is not read); a GGUF's nextn blocks or a pack.
 """
 from __future__ import annotations
 
@@ -12,13 +17,15 @@ import numpy as np
 
 from workbench.errors import WorkbenchError
 from workbench.models.hf import Shard
+from workbench.models.mlx_layout import is_mlx_layout
 
 PREFIX = "mtp."
 FILE = "mtp/mtp.safetensors"
 
 
-def load_mtp(path: Path) -> dict[str, np.ndarray]:
-    """The block's tensors by their names after `mtp.`, f32, with only its first layer (one block drafts)."""
+def load_mtp(path: Path, zero_centred: bool = False) -> dict[str, np.ndarray]:
+    """The block's tensors by their names after `mtp.`, f32, with only its first layer (one block drafts), experts
+    one tensor each. zero_centred: the checkpoint's norms are used as 1 + w (spec.layer_types: the hybrid family)."""
     path = Path(path)
     if path.suffix == ".gguf" or not path.is_dir():
         raise WorkbenchError(f"{path}: MTP drafts read a Hugging Face checkpoint's mtp.* tensors (or mtp.safetensors "
@@ -30,8 +37,22 @@ def load_mtp(path: Path) -> dict[str, np.ndarray]:
         for name in shard.header:
             if name.startswith(PREFIX) and not name.startswith(PREFIX + "layers.") or \
                     name.startswith(PREFIX + "layers.0."):
+                if name.endswith(".scales"):
+                    raise WorkbenchError(f"{f}: {name}: the MTP block is quantized (MLX's affine groups); draft=mtp "
+                                         f"reads it in float (bf16, f16 or f32), as the Hugging Face checkpoint holds it")
                 out[name[len(PREFIX):]] = shard.array(name)
     if "fc.weight" not in out:
-        raise WorkbenchError(f"{path}: no MTP layers (no mtp.fc.weight in its safetensors, no {FILE} beside it): "
+        why = (" (an MLX conversion: mlx-lm's convert drops a checkpoint's mtp.* tensors)" if is_mlx_layout(path)
+               else "")
+        raise WorkbenchError(f"{path}: no MTP layers (no mtp.fc.weight in its safetensors, no {FILE} beside it{why}): "
                              f"draft=mtp needs a checkpoint with a multi-token-prediction block")
+    experts = "layers.0.mlp.experts."
+    if (fused := out.pop(experts + "gate_up_proj", None)) is not None:
+        ff = fused.shape[1] // 2
+        down = out.pop(experts + "down_proj")
+        for e in range(fused.shape[0]):
+            out[f"{experts}{e}.gate_proj.weight"], out[f"{experts}{e}.up_proj.weight"] = fused[e, :ff], fused[e, ff:]
+            out[f"{experts}{e}.down_proj.weight"] = down[e]
+    if zero_centred:
+        out = {k: v + np.float32(1) if "norm" in k else v for k, v in out.items()}
     return out
