@@ -166,11 +166,14 @@ def _encode(a: np.ndarray, t: str, gname: str) -> np.ndarray:
     return gguf.quants.quantize(a, gguf.GGMLQuantizationType[t])
 
 
-def write_metadata(w, s, tokens, types, merges, name: str, file_type: int):
-    """The architecture's hyperparameters and the gpt2 vocabulary, as llama.cpp reads them for `s`."""
+def write_metadata(w, s, tokens, types, merges, name: str, file_type: int, mtp_layers: int = 0):
+    """The architecture's hyperparameters and the gpt2 vocabulary, as llama.cpp reads them for `s` (and its MTP
+    blocks after the main ones)."""
     w.add_name(name)
     w.add_file_type(file_type)
-    w.add_block_count(s.num_layers)
+    w.add_block_count(s.num_layers + mtp_layers)
+    if mtp_layers:
+        w.add_nextn_predict_layers(mtp_layers)
     w.add_context_length(s.max_position_embeddings)
     w.add_embedding_length(s.hidden_size)
     w.add_feed_forward_length(s.dense_intermediate_size or s.moe_intermediate_size * s.top_k)
@@ -220,7 +223,8 @@ def export_gguf(model, out, qtype: str = "f16", tokenizer_json: str | None = Non
         w = gguf.GGUFWriter(str(tmp), HYBRID_ARCH.get(s.family, "qwen3moe"))
         try:
             write_metadata(w, s, tokens, types, merges, name or Path(model.path).stem,
-                           gguf.LlamaFileType.MOSTLY_F16 if qtype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+                           gguf.LlamaFileType.MOSTLY_F16 if qtype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0,
+                           mtp_layers=int(any(g.startswith(f"blk.{s.num_layers}.") for g, *_ in plan)))
             for gname, shape, t, _ in plan:
                 raw = None if t in ("F32", "F16") else gguf.GGMLQuantizationType[t]
                 dt = np.float32 if t == "F32" else np.float16

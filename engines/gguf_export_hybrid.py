@@ -7,7 +7,8 @@ dt_bias, the conv kernel squeezed to (channels, K). qwen3next keeps b and a in o
 head as Qwen3-Next's checkpoint has them; qwen35moe has `ssm_beta` and `ssm_alpha`, and every value-head axis
 (v rows, z, b, a, A, dt, the conv's v channels, out's columns) tiled over the key heads
 (spec_hybrid.tile_value_heads). Full attention's q projection keeps its gate rows; the shared expert is
-`*_shexp` with its gate `ffn_gate_inp_shexp`; the post-attention norm is `post_attention_norm`. Norms arrive
+`*_shexp` with its gate `ffn_gate_inp_shexp`; the post-attention norm is `post_attention_norm`. A checkpoint's MTP
+block (`mtp.*`) is one more block, with `nextn.*` beside its own (`nextn_predict_layers` 1). Norms arrive
 here already as 1 + w (workbench/models/hf.py), as llama.cpp wants them; DeltaNet's own gated norm is plain.
 Qwen3.5's interleaved M-RoPE sections split the rotary pairs in three (Qwen3.5's own [11, 11, 10] for 32 pairs):
 on text every section sees the same position, so any split that covers every pair is plain RoPE, and llama.cpp
@@ -15,8 +16,12 @@ wants the split to fit the head.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
+from workbench.models.gguf_model import NEXTN
+from workbench.models.mtp import has_mtp, load_mtp
 from workbench.spec_hybrid import split_fused_projections, tile_value_heads
 
 ARCH = {"qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe",
@@ -96,7 +101,33 @@ def hybrid_plan(model, add, add_array, mat_type):
         for part in ("gate", "up", "down"):
             add(b + f"ffn_{part}_shexp.weight", p + f"shared.{part}")
         add(b + "ffn_gate_inp_shexp.weight", p + "shared_gate", True)
+    if mtp := mtp_block(model):
+        mtp_plan(s, mtp, add_array, mat_type)
     add("output_norm.weight", "norm", True)
+
+
+def mtp_block(model) -> dict[str, np.ndarray] | None:
+    """A Hugging Face checkpoint's MTP block (its norms as 1 + w), or None where it has none."""
+    path = Path(getattr(model, "path", ""))
+    return load_mtp(path, zero_centred=True) if path.is_dir() and has_mtp(path) else None
+
+
+def mtp_plan(s, mtp: dict, add_array, mat_type):
+    """The MTP block as llama.cpp's converter writes it: block num_layers, a full-attention block's tensors plus
+    nextn's (workbench.models.gguf_model.NEXTN, read back by the same names); norms, the router and the shared
+    expert's gate f32, as the main blocks'."""
+    b = f"blk.{s.num_layers}."
+    for gname, name in NEXTN.items():
+        if name is None:
+            continue
+        if "{}" in name:
+            shape = (s.num_experts, *mtp[name.format(0)].shape)
+            add_array(b + gname, shape, mat_type(shape),
+                      lambda name=name: np.stack([mtp[name.format(e)] for e in range(s.num_experts)]))
+            continue
+        a = mtp[name].reshape(-1) if name.endswith("shared_expert_gate.weight") else mtp[name]
+        f32 = a.ndim == 1 or name.endswith("mlp.gate.weight")
+        add_array(b + gname, a.shape, "F32" if f32 else mat_type(a.shape), lambda a=a: a)
 
 
 def hybrid_metadata(w, s):

@@ -76,17 +76,23 @@ def plan(model: str, preset: str | Preset = "on_demand", budget: str | None = No
     engine_class(engine)        # its module imported: this process's memory is a run's runtime
     memory = memory_needs(spec, shapes, b, cost, resident, engine, runtime_bytes=peak_rss_bytes(),
                           speculative=p.execution.speculative, adapter_bytes=adapters, scope=p.cache.scope.value,
-                          draft_bytes=draft_bytes(p, engine))
+                          draft_bytes=draft_bytes(p, engine, model))
     if check and resident is not None:      # llama.cpp's own GGUF: its weights are not the pack's to count
         check_fits(memory, f"{pack.path} at --budget {text}")
     return Plan(model, p, pack, spec, engine, cost, text, CachePlan.of(p, spec, text, cost), memory)
 
 
-def draft_bytes(p: Preset, engine: str) -> int:
-    """What the preset's draft model holds beside the target: its own plan's, all-resident on the target's engine
-    (runtime.speculative.DraftModel opens it so); 0 for drafts that are not a model (lookup, mtp, modelled:A)."""
+def draft_bytes(p: Preset, engine: str, model: str) -> int:
+    """What the preset's draft holds beside the target: a draft model its own plan's, all-resident on the target's
+    engine (runtime.speculative.DraftModel opens it so); the target's MTP block its float32 tensors
+    (engines.mtp.MTPHead holds them so); 0 for lookup and modelled:A."""
     from runtime.speculative import draft_model
-    d = draft_model(p.execution.draft) if p.execution.speculative else None
+    from workbench.models.mtp import mtp_bytes
+    if not p.execution.speculative:
+        return 0
+    if p.execution.draft == "mtp":
+        return mtp_bytes(model_dir(model))
+    d = draft_model(p.execution.draft)
     return plan(d, "resident", None, engine, convert=False, check=False).memory["needed_bytes"] if d else 0
 
 

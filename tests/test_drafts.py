@@ -9,7 +9,7 @@ import pytest
 
 from test_bad_input import assert_one_line_error, cli
 from runtime.session import open_session
-from workbench.registry import MODELS
+from workbench.registry import MODELS, model_dir
 
 PROMPT = "Once upon a time, there was a little girl named Lily."
 
@@ -106,9 +106,9 @@ def test_a_modelled_acceptance_on_the_models_own_tokens_is_refused_in_one_line()
     assert_one_line_error(res, "modelled acceptance A in (0, 1]")
 
 
-def test_a_draft_models_memory_is_in_the_plan_beside_the_targets():
+def test_a_drafts_memory_is_in_the_plan_beside_the_targets():
     """The memory plan (what the guard refuses by and `info` says) holds the draft model beside the target: its own
-    all-resident plan's bytes, counted with the weights; drafts that are not a model hold nothing there."""
+    all-resident plan's bytes, counted with the weights; the MTP block its float32 tensors; prompt lookup nothing."""
     from runtime.plan import plan
     plain = plan("demo", "les", "0.25").memory
     drafted = plan("demo", "les", "0.25", speculative=4, draft="demo-draft").memory
@@ -116,5 +116,8 @@ def test_a_draft_models_memory_is_in_the_plan_beside_the_targets():
     assert drafted["draft_bytes"] == own > 0
     assert drafted["needed_bytes"] == plain["needed_bytes"] + own
     assert drafted["resident_bytes"] == plain["resident_bytes"] + own
-    for other in ("lookup", "mtp"):
-        assert plan("demo", "les", "0.25", speculative=4, draft=other).memory["draft_bytes"] == 0
+    assert plan("demo", "les", "0.25", speculative=4, draft="lookup").memory["draft_bytes"] == 0
+    mtp = plan("demo", "les", "0.25", speculative=4, draft="mtp").memory
+    from workbench.models.mtp import load_mtp
+    assert mtp["draft_bytes"] == sum(a.nbytes for a in load_mtp(model_dir("demo")).values()) > 0
+    assert mtp["needed_bytes"] == plain["needed_bytes"] + mtp["draft_bytes"]

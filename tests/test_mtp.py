@@ -71,20 +71,28 @@ def test_a_checkpoint_without_mtp_layers_is_refused_in_one_line(tiny_models):
     assert_one_line_error(res, str(tiny_models["qwen3_moe"]), "no MTP layers")
 
 
-def qwen3_next_mtp_block(config):
-    """Qwen3-Next's MTP block put together from transformers' own modules, as the checkpoint's `mtp.*` names lay it
+# family -> (transformers' modeling module, its classes' prefix, its rotary embedding)
+MTP_FAMILIES = {"qwen3_next": ("qwen3_next", "Qwen3Next", "Qwen3NextRotaryEmbedding"),
+                "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5Moe", "Qwen3_5MoeTextRotaryEmbedding")}
+
+
+def hybrid_mtp_block(family: str, config):
+    """The family's MTP block put together from transformers' own modules, as the checkpoint's `mtp.*` names lay it
     out (vLLM's Qwen3NextMultiTokenPredictor): the pre-fc norms of the embedding and of the hidden state, `fc`, one
     full-attention decoder layer, the final norm. Returns (modules by mtp name, forward(embeds, hidden, positions))."""
-    from transformers.models.qwen3_next import modeling_qwen3_next as m
+    import importlib
+    module, prefix, rope = MTP_FAMILIES[family]
+    m = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    norm = getattr(m, prefix + "RMSNorm")
     d = config.hidden_size
     config._attn_implementation = "eager"
     full = config.layer_types.index("full_attention")
-    mods = torch.nn.ModuleDict({"pre_fc_norm_embedding": m.Qwen3NextRMSNorm(d, config.rms_norm_eps),
-                                "pre_fc_norm_hidden": m.Qwen3NextRMSNorm(d, config.rms_norm_eps),
+    mods = torch.nn.ModuleDict({"pre_fc_norm_embedding": norm(d, config.rms_norm_eps),
+                                "pre_fc_norm_hidden": norm(d, config.rms_norm_eps),
                                 "fc": torch.nn.Linear(2 * d, d, bias=False),
-                                "layers": torch.nn.ModuleList([m.Qwen3NextDecoderLayer(config, full)]),
-                                "norm": m.Qwen3NextRMSNorm(d, config.rms_norm_eps)})
-    rotary = m.Qwen3NextRotaryEmbedding(config)
+                                "layers": torch.nn.ModuleList([getattr(m, prefix + "DecoderLayer")(config, full)]),
+                                "norm": norm(d, config.rms_norm_eps)})
+    rotary = getattr(m, rope)(config)
 
     def forward(embeds, hidden, positions):
         x = mods["fc"](torch.cat([mods["pre_fc_norm_embedding"](embeds), mods["pre_fc_norm_hidden"](hidden)], -1))
@@ -95,16 +103,16 @@ def qwen3_next_mtp_block(config):
     return mods, forward
 
 
-def with_mtp_block(checkpoint, out, seed: int = 0):
-    """A copy of the tiny Qwen3-Next at `out` with a random MTP block in a shard of its own (model-mtp.safetensors,
-    transformers' names after `mtp.`): (out, its config, the block's reference forward)."""
+def with_mtp_block(checkpoint, out, family: str = "qwen3_next", seed: int = 0):
+    """A copy of the tiny hybrid checkpoint at `out` with a random MTP block in a shard of its own
+    (model-mtp.safetensors, transformers' names after `mtp.`): (out, its config, the block's reference forward)."""
     import shutil
     from safetensors.torch import save_file
     from transformers import AutoConfig
     shutil.copytree(checkpoint, out)
     config = AutoConfig.from_pretrained(out)
     torch.manual_seed(seed)
-    mods, block = qwen3_next_mtp_block(config)
+    mods, block = hybrid_mtp_block(family, config)
     with torch.no_grad():
         for name, p in mods.named_parameters():
             p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.08))
@@ -112,13 +120,14 @@ def with_mtp_block(checkpoint, out, seed: int = 0):
     return out, config, block
 
 
-def test_a_qwen3_next_checkpoints_mtp_block_computes_what_transformers_layers_compute(hybrid_models, tmp_path):
-    """The tiny Qwen3-Next's MTP block (its norms stored as w and used as 1 + w, its experts fused as transformers 5
-    writes them, beside the checkpoint in its own shard) read by load_mtp and computed by the numpy block: rows at
-    positions 1..6, then one row chained from the block's own last state, against transformers' modules."""
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_a_hybrid_checkpoints_mtp_block_computes_what_transformers_layers_compute(hybrid_models, tmp_path, family):
+    """A tiny Qwen3-Next's or Qwen3.5-MoE's MTP block (its norms stored as w and used as 1 + w, its experts fused as
+    transformers 5 writes them, in the checkpoint's own shards) read by load_mtp and computed by the numpy block:
+    rows at positions 1..6, then one row chained from the block's own last state, against transformers' modules."""
     from engines.mtp import MTPHead
     from workbench.models.mtp import load_mtp
-    src, config, block = with_mtp_block(hybrid_models["qwen3_next"], tmp_path / "qwen3_next")
+    src, config, block = with_mtp_block(hybrid_models[family], tmp_path / family, family)
     spec = open_model(src).spec
     w = load_mtp(src, zero_centred=True)
     assert "layers.0.mlp.experts.15.down_proj.weight" in w and "layers.0.mlp.experts.gate_up_proj" not in w
@@ -152,3 +161,31 @@ def test_mtp_drafts_on_qwen3_next_give_plain_greedy_output(hybrid_models, tmp_pa
     (plain, _), (drafted, summary) = runs
     assert drafted == plain
     assert summary["draft"] == "mtp" and summary["spec_proposed"] > 0 and summary["draft_s"] > 0
+
+
+def test_a_gguf_nextn_block_is_the_checkpoints_mtp_block_and_drafts_plain_greedy_output(hybrid_models, tmp_path):
+    """The tiny Qwen3-Next with its MTP block, exported to GGUF (f16): the block is one more block with llama.cpp's
+    nextn tensors (which stock llama.cpp loads as its MTP), read back as the checkpoint's to f16 rounding, its memory
+    in the plan is what it holds, and its drafts on the GGUF (streamed in place) give plain greedy output."""
+    from engines.gguf_export import export_gguf
+    from workbench.models.gguf_model import GGUFModel
+    from workbench.models.hf import HFModel
+    from workbench.models.mtp import load_mtp, mtp_bytes
+    src, _, _ = with_mtp_block(hybrid_models["qwen3_next"], tmp_path / "qwen3_next")
+    gguf = export_gguf(HFModel(src), tmp_path / "qwen3_next.gguf", "f16")
+    g = GGUFModel(gguf)
+    assert (g.mtp_layers, g.spec.num_layers) == (1, 4) and "blk.4.nextn.eh_proj.weight" in g.mtp_tensors
+    ref, got = load_mtp(src, zero_centred=True), load_mtp(gguf)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-3, atol=1e-4, err_msg=name)
+    assert mtp_bytes(gguf) == sum(a.nbytes for a in got.values()) == mtp_bytes(src)
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from child import in_child
+    from test_make_gguf import _llama_mtp
+    assert in_child(_llama_mtp, gguf) == (4, 1, True)          # stock llama.cpp loads the block as its MTP draft
+    runs = []
+    for knobs in ({}, {"speculative": 3, "draft": "mtp"}):
+        with open_session(str(gguf), "les", "0.5", tokens=24, **knobs) as s:
+            runs.append(s.generate("Once upon a time", 24)["tokens"])
+    assert runs[0] == runs[1]

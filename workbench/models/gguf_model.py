@@ -24,7 +24,8 @@ RoPE and are stored as in Hugging Face.
 Multi-token prediction (llama.cpp's nextn blocks, e.g. in Qwen3-Next and Qwen3.5/3.6-MoE files): the last
 `{arch}.nextn_predict_layers` of the `{arch}.block_count` blocks are MTP blocks (a decoder block plus
 blk.N.nextn.*). The model is the main layers; every tensor of those blocks is accepted, listed in `mtp_tensors`
-and never read (so it is in no index or pack and never in memory); `mtp_layers` and source_info say how many.
+and never read as the model's (so it is in no index or pack); `mtp_layers` and source_info say how many. The
+first block is read, dequantized, only to draft (`mtp_block`: draft=mtp).
 """
 from __future__ import annotations
 
@@ -62,6 +63,18 @@ _BLOCK = {
 _STACKED = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down",
             "ffn_gate_up_exps.weight": "gate_up"}
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
+# An MTP (nextn) block's tensors -> the names after `mtp.` that workbench.models.mtp.load_mtp gives (Hugging Face's)
+NEXTN = {"nextn.eh_proj.weight": "fc.weight", "nextn.enorm.weight": "pre_fc_norm_embedding.weight",
+          "nextn.hnorm.weight": "pre_fc_norm_hidden.weight", "nextn.shared_head_norm.weight": "norm.weight",
+          "nextn.embed_tokens.weight": None, "nextn.shared_head_head.weight": None,     # the model's own: not read
+          **{f"{g}.weight": f"layers.0.{h}.weight" for g, h in (
+              ("attn_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+              ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+              ("attn_output", "self_attn.o_proj"), ("attn_q_norm", "self_attn.q_norm"),
+              ("attn_k_norm", "self_attn.k_norm"), ("ffn_gate_inp", "mlp.gate"),
+              ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"), ("ffn_up_shexp", "mlp.shared_expert.up_proj"),
+              ("ffn_down_shexp", "mlp.shared_expert.down_proj"), ("ffn_gate_inp_shexp", "mlp.shared_expert_gate"))},
+          **{f"ffn_{p}_exps.weight": f"layers.0.mlp.experts.{{}}.{p}_proj.weight" for p in ("gate", "up", "down")}}
 _SPLIT_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")   # old Mixtral GGUFs: one tensor per expert
 _KV_B_SPLIT = {"attn_k_b.weight": "k_b", "attn_v_b.weight": "v_b"}
 
@@ -209,6 +222,37 @@ class GGUFModel:
             raise WorkbenchError(f"{self.path}: {self.arch}.nextn_predict_layers {self.mtp_layers} leaves no main "
                                  f"layers of {self.arch}.block_count {blocks}")
         return blocks - self.mtp_layers
+
+    def mtp_tensors_of_block(self) -> dict[str, str | None]:
+        """{GGUF name: its name after `mtp.`, or None where it is the model's own (embedding, head)} of the first MTP
+        block: the one that drafts."""
+        if not self.mtp_layers:
+            raise WorkbenchError(f"{self.path}: no MTP layers ({self.arch}.nextn_predict_layers is 0): draft=mtp needs "
+                                 f"a checkpoint with a multi-token-prediction block")
+        first, out = self.spec.num_layers, {}
+        for name in self.mtp_tensors:
+            if int(_BLK.fullmatch(name)[1]) != first:
+                continue
+            rest = _BLK.fullmatch(name)[2]
+            if rest not in NEXTN:
+                raise WorkbenchError(f"{self.path}: MTP tensor {name} has no place in an MTP block of the Qwen3-Next kind")
+            out[name] = NEXTN[rest]
+        return out
+
+    def mtp_block(self) -> dict[str, np.ndarray]:
+        """The first MTP block's tensors by their names after `mtp.`, f32, experts one tensor each: what
+        workbench.models.mtp.load_mtp gives of a Hugging Face checkpoint. Norms as the file holds them (llama.cpp's
+        converter wrote the hybrid family's as 1 + w)."""
+        out = {}
+        for gname, name in self.mtp_tensors_of_block().items():
+            if name is None:
+                continue
+            a = self._dequantized(gname)
+            if "{}" in name:
+                out.update((name.format(e), a[e]) for e in range(a.shape[0]))
+            else:
+                out[name] = a.reshape(1, -1) if name.endswith("shared_expert_gate.weight") else a
+        return out
 
     # ------------------------------------------------------------ metadata
 
