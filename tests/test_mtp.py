@@ -163,16 +163,19 @@ def test_mtp_drafts_on_qwen3_next_give_plain_greedy_output(hybrid_models, tmp_pa
     assert summary["draft"] == "mtp" and summary["spec_proposed"] > 0 and summary["draft_s"] > 0
 
 
-def test_a_gguf_nextn_block_is_the_checkpoints_mtp_block_and_drafts_plain_greedy_output(hybrid_models, tmp_path):
-    """The tiny Qwen3-Next with its MTP block, exported to GGUF (f16): the block is one more block with llama.cpp's
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_a_gguf_nextn_block_is_the_checkpoints_mtp_block_and_drafts_plain_greedy_output(hybrid_models, tmp_path,
+                                                                                        family):
+    """A tiny Qwen3-Next or Qwen3.5-MoE with its MTP block, exported to GGUF (f16; qwen3next or qwen35moe): the block
+    is one more block with llama.cpp's
     nextn tensors (which stock llama.cpp loads as its MTP), read back as the checkpoint's to f16 rounding, its memory
     in the plan is what it holds, and its drafts on the GGUF (streamed in place) give plain greedy output."""
     from engines.gguf_export import export_gguf
     from workbench.models.gguf_model import GGUFModel
     from workbench.models.hf import HFModel
     from workbench.models.mtp import load_mtp, mtp_bytes
-    src, _, _ = with_mtp_block(hybrid_models["qwen3_next"], tmp_path / "qwen3_next")
-    gguf = export_gguf(HFModel(src), tmp_path / "qwen3_next.gguf", "f16")
+    src, _, _ = with_mtp_block(hybrid_models[family], tmp_path / family, family)
+    gguf = export_gguf(HFModel(src), tmp_path / f"{family}.gguf", "f16")
     g = GGUFModel(gguf)
     assert (g.mtp_layers, g.spec.num_layers) == (1, 4) and "blk.4.nextn.eh_proj.weight" in g.mtp_tensors
     ref, got = load_mtp(src, zero_centred=True), load_mtp(gguf)
