@@ -250,3 +250,11 @@ def test_mlx_lms_shards_give_the_one_files_logits_bit_for_bit(converted, hf, tmp
                 assert s.pack.path.suffix == ".index"
                 got.append(np.asarray(s.step(ids, "prefill")))
         assert np.array_equal(*got), (engine, preset)
+
+
+def test_mtp_drafts_on_a_conversion_are_refused_in_one_line(converted):
+    """mlx-lm's convert drops a checkpoint's mtp.* (its sanitize): asked for MTP drafts, the directory says so."""
+    from test_bad_input import assert_one_line_error, cli
+    res = cli("bench", "--model", str(converted), "--preset", "les", "--tokens", "4", "--no-record",
+              "--set", "speculative=2", "--set", "draft=mtp")
+    assert_one_line_error(res, str(converted), "mlx-lm's convert drops a checkpoint's mtp.* tensors")

@@ -192,3 +192,12 @@ def test_a_gguf_nextn_block_is_the_checkpoints_mtp_block_and_drafts_plain_greedy
         with open_session(str(gguf), "les", "0.5", tokens=24, **knobs) as s:
             runs.append(s.generate("Once upon a time", 24)["tokens"])
     assert runs[0] == runs[1]
+
+
+def test_a_gguf_without_an_mtp_block_is_refused_in_one_line(hybrid_models, tmp_path):
+    from engines.gguf_export import export_gguf
+    from workbench.models.hf import HFModel
+    gguf = export_gguf(HFModel(hybrid_models["qwen3_next"]), tmp_path / "plain.gguf", "f16")
+    res = cli("bench", "--model", str(gguf), "--preset", "les", "--tokens", "4", "--no-record",
+              "--set", "speculative=2", "--set", "draft=mtp")
+    assert_one_line_error(res, str(gguf), "no MTP layers (qwen3next.nextn_predict_layers is 0)")
