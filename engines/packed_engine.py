@@ -351,8 +351,8 @@ class PackedEngine(Decoder):
                      self.spec.rms_norm_eps, bias, k)
 
     def delta_rule(self, S, q, k, v, beta, decay):
-        """The linear-attention step in one kernel call: numpy's took 2 ms a layer on the 80B's 32 heads of 128 x 128
-        (72 ms of a 450 ms token, py-spy), writing six arrays the state's size."""
+        """The linear-attention step in one kernel call, where numpy's writes six arrays the state's size a token
+        (results/overhead.md, part 3)."""
         f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
         out, o = np.empty(S.shape, np.float32), np.empty(v.shape, np.float32)
         K.delta_rule(f32(S), f32(q), f32(k), f32(v), f32(beta), f32(decay), out, o)

@@ -53,8 +53,7 @@ OFF, LEN, NIOV, NRUN = range(4)       # a job's row
 # crc and stamps are written before its state, with no fence between them); elsewhere (macOS, ARM) a Reader reads
 # into slots on Python threads. libc, libz and ISA-L by symbol name (resolved when the compiled code is loaded, so
 # numba can cache it); pointers as u64. The readers' crc32 is ISA-L's (python-isal's extension exports it): the
-# same crc as zlib's, with carry-less multiplies, 13 GB/s here against libz's 2.0. At the 80B's 250 MB a token,
-# libz's took 125 ms of a core from compute on these 2 cores.
+# same crc as zlib's, several times faster, and the readers share the cores with compute (docs/numbers.md).
 LIBZ = ctypes.util.find_library("z")
 AVAILABLE = bool(sys.platform == "linux" and platform.machine() == "x86_64" and hasattr(os, "eventfd") and LIBZ)
 if AVAILABLE:

@@ -231,9 +231,9 @@ class GGUFModel:
                                  f"a checkpoint with a multi-token-prediction block")
         first, out = self.spec.num_layers, {}
         for name in self.mtp_tensors:
-            if int(_BLK.fullmatch(name)[1]) != first:
+            block, rest = _BLK.fullmatch(name).groups()
+            if int(block) != first:
                 continue
-            rest = _BLK.fullmatch(name)[2]
             if rest not in NEXTN:
                 raise WorkbenchError(f"{self.path}: MTP tensor {name} has no place in an MTP block of the Qwen3-Next kind")
             out[name] = NEXTN[rest]

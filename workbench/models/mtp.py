@@ -25,9 +25,9 @@ PREFIX = "mtp."
 FILE = "mtp/mtp.safetensors"
 
 
-def _block(path: Path) -> list:
+def _tensors(path: Path) -> list:
     """[(shard, name)] of the block's tensors in a Hugging Face checkpoint: mtp.* outside its layers, and its first
-    layer's (one block drafts)."""
+    layer's (one block drafts); none where it has no block."""
     if not path.is_dir():
         raise WorkbenchError(f"{path}: MTP drafts read a Hugging Face checkpoint's mtp.* tensors (or mtp.safetensors "
                              f"beside it) or a GGUF's nextn block; a pack's are not read")
@@ -42,18 +42,23 @@ def _block(path: Path) -> list:
                     raise WorkbenchError(f"{f}: {name}: the MTP block is quantized (MLX's affine groups); draft=mtp "
                                          f"reads it in float (bf16, f16 or f32), as the Hugging Face checkpoint holds it")
                 out.append((shard, name))
+    return out
+
+
+def has_mtp(path: Path) -> bool:
+    """Whether a Hugging Face checkpoint holds an MTP block (mtp.fc.weight in its shards, or mtp.safetensors)."""
+    return any(name == PREFIX + "fc.weight" for _, name in _tensors(Path(path)))
+
+
+def _block(path: Path) -> list:
+    """_tensors, or one line where there is no block."""
+    out = _tensors(path)
     if not any(name == PREFIX + "fc.weight" for _, name in out):
         why = (" (an MLX conversion: mlx-lm's convert drops a checkpoint's mtp.* tensors)" if is_mlx_layout(path)
                else "")
         raise WorkbenchError(f"{path}: no MTP layers (no mtp.fc.weight in its safetensors, no {FILE} beside it{why}): "
                              f"draft=mtp needs a checkpoint with a multi-token-prediction block")
     return out
-
-
-def has_mtp(path: Path) -> bool:
-    """Whether a Hugging Face checkpoint holds an MTP block (mtp.fc.weight in a shard, or mtp.safetensors beside)."""
-    path = Path(path)
-    return (path / FILE).exists() or any(PREFIX + "fc.weight" in Shard(f).header for f in path.glob("*.safetensors"))
 
 
 def mtp_bytes(path: Path) -> int:
