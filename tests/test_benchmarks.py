@@ -251,7 +251,7 @@ def test_before_after(tmp_path):
     for t in ("before (HEAD)", "after"):
         od, les = rows[("on_demand", t)], rows[("les", t)]
         assert od[6] == "1.00" and float(les[6]) == pytest.approx(float(les[5]) / float(od[5]), abs=0.02)
-        assert float(les[9]) > 0 and float(les[7]) > float(od[7])     # les's lookahead is in its router's time
+        assert float(les[10]) > 0 and float(les[8]) > float(od[8])    # les's lookahead is in its router's time (col 7: compute)
         assert f"- {t}: lowest of floor" in md
 
 
