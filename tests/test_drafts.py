@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from test_bad_input import assert_one_line_error, cli
+from test_budget_agree import engine_or_skip
 from runtime.session import open_session
 from workbench.registry import MODELS, model_dir
 
@@ -20,10 +21,10 @@ def greedy(engine: str, tokens: int = 32, **knobs) -> tuple[list[int], dict]:
         return out["tokens"], s.summary()
 
 
-@pytest.mark.parametrize("engine", ["packed", "numpy"])
+@pytest.mark.parametrize("engine", ["packed", "numpy", "mlx"])      # every engine that batches a verification
 @pytest.mark.parametrize("draft", ["demo-draft", "lookup"])
 def test_greedy_output_is_the_same_with_and_without_drafts(engine, draft):
-    plain, _ = greedy(engine)
+    plain, _ = greedy(engine_or_skip(engine))
     drafted, s = greedy(engine, speculative=4, draft=draft)
     assert drafted == plain
     assert s["draft"] == draft and s["spec_steps"] < len(plain) - 1        # some drafts were accepted
