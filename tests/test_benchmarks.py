@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py"))
 TESTED = {"before_after", "forced_text", "full_size", "kernels", "ladders", "lossy", "pack_formats", "peer", "regimes",
-          "run_setup", "server_limits", "server_load", "speculative", "targets"}
+          "router_cost", "run_setup", "server_limits", "server_load", "speculative", "targets"}
 
 
 def run(script: str, *args, timeout: float = 1800) -> str:
@@ -132,6 +132,20 @@ def test_peer(tmp_path):
         assert cells[2] == f"{r['ratio']:.2f}" and cells[-1] == ("yes" if r["ratio"] >= res["target"] else "no")
     assert all(s["steps"] == 2 for s in res["steps"].values())
     assert f"Greedy text identical across arms: {'yes' if res['same_text'] else 'no'}" in md
+
+
+def test_router_cost(tmp_path):
+    run("router_cost", "--rounds", 2, "--repeat", 3, "--layers", 3, "--sweep-mib", 16, "--out", tmp_path)
+    res, md = json.loads((tmp_path / "router_cost.json").read_text()), (tmp_path / "router_cost.md").read_text()
+    assert command_line(md) == res["command"] == ("python benchmarks/router_cost.py --shape qwen3-next-80b-a3b "
+                                                  "--rounds 2 --repeat 3 --sweep-mib 16 --layers 3")
+    assert (res["rows"], res["cols"]) == (512, 2048)
+    assert {(r["kind"], r["arm"]) for r in res["arms"]} == {(k, a) for k in ("Q8_0", "Q4_0") for a in ("warm", "cold")}
+    for r in res["arms"]:
+        assert len(r["us_rounds"]) == 2 and r["us_min"] <= r["us"] <= r["us_max"], r
+        assert same(r["ms_per_token_2_per_layer"], 2 * 3 * r["us"] / 1e3) and same(r["gb_s"], r["bytes"] / r["us"] / 1e3)
+        assert rows_of(md, r["kind"]) and any(c[1] == r["arm"] and c[3] == f"{r['us']:.0f}" for c in rows_of(md, r["kind"]))
+    assert {r["bytes"] for r in res["arms"]} == {512 * 2048 // 32 * 34, 512 * 2048 // 32 * 18}    # ggml's block sizes
 
 
 @pytest.mark.slow
