@@ -253,8 +253,150 @@ def test_mlx_lms_shards_give_the_one_files_logits_bit_for_bit(converted, hf, tmp
 
 
 def test_mtp_drafts_on_a_conversion_are_refused_in_one_line(converted):
-    """mlx-lm's convert drops a checkpoint's mtp.* (its sanitize): asked for MTP drafts, the directory says so."""
+    """mlx-lm's convert drops a checkpoint's mtp.* (its sanitize): asked for MTP drafts, the directory says so, and
+    where a block given back to it is looked for."""
     from test_bad_input import assert_one_line_error, cli
     res = cli("bench", "--model", str(converted), "--preset", "les", "--tokens", "4", "--no-record",
               "--set", "speculative=2", "--set", "draft=mtp")
-    assert_one_line_error(res, str(converted), "mlx-lm's convert drops a checkpoint's mtp.* tensors")
+    assert_one_line_error(res, str(converted), "mlx-lm's convert drops a checkpoint's mtp.* tensors",
+                          "mtp/weights.safetensors")
+
+
+# vllm-mlx's add_mtp_weights scripts: the 1-D norms given their 1; fc, the norms and the shared expert's gate in float
+MTP_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight",
+             "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.norm.weight")
+MTP_FLOAT = (*MTP_NORMS, "mtp.fc.weight", ".shared_expert_gate.weight")
+
+
+def companion(key: str, what: str) -> str:
+    """A quantized tensor's scales or biases beside it (vllm-mlx's quantization_companion_key: a bare fused tensor's
+    too)."""
+    return key.removesuffix("weight") + what if key.endswith(".weight") else f"{key}.{what}"
+
+
+def add_mtp_as_vllm_mlx(block: Path, converted: Path, out: Path, bits: int | None, file: str = "mtp/weights.safetensors",
+                        router_bits: int | None = None, stack: bool = True) -> dict:
+    """What vllm-mlx's add_mtp_weights scripts do, with mlx itself, into a copy of the conversion at `out`: the Hugging
+    Face block's `mtp.*` in bf16 (the real checkpoints' dtype), its experts stacked into switch_mlp (E, rows, cols)
+    (stack=False: left fused, as the Qwen3.5 script leaves a fused source's), 1 added to its norms, every other matrix
+    whose rows are at least 64 wide mx.quantize'd at `bits` and group 64 (the router at `router_bits` where given;
+    None: all kept bf16, --no-quantize), saved with mx.save_safetensors at `file`. Returns what was written."""
+    import shutil
+    shutil.copytree(converted, out)
+    w = {k: v.astype(mx.bfloat16) for k, v in mx.load(str(block)).items()}
+    ex = "mtp.layers.0.mlp.experts."
+    if stack:
+        if (fused := w.pop(ex + "gate_up_proj", None)) is not None:         # transformers 5 writes them fused
+            ff = fused.shape[1] // 2
+            parts = {"gate": fused[:, :ff], "up": fused[:, ff:], "down": w.pop(ex + "down_proj")}
+        else:
+            E = sum(k.startswith(ex) and k.endswith(".gate_proj.weight") for k in w)
+            parts = {p: mx.stack([w.pop(f"{ex}{e}.{p}_proj.weight") for e in range(E)]) for p in ("gate", "up", "down")}
+        w.update({f"mtp.layers.0.mlp.switch_mlp.{p}_proj.weight": a for p, a in parts.items()})
+    written = {}
+    for k, a in w.items():
+        if k.endswith(MTP_NORMS) and a.ndim == 1:
+            a = a + 1.0
+        b = router_bits if k == "mtp.layers.0.mlp.gate.weight" and router_bits else bits
+        if b is None or k.endswith(MTP_FLOAT) or a.ndim < 2 or a.shape[-1] < 64:
+            written[k] = a
+        else:
+            q, s, z = mx.quantize(a, group_size=64, bits=b)
+            written.update({k: q, companion(k, "scales"): s, companion(k, "biases"): z})
+    (out / file).parent.mkdir(exist_ok=True)
+    mx.save_safetensors(str(out / file), written, metadata={"format": "mlx"})
+    return written
+
+
+def mtp_as_written(written: dict, bits: dict) -> dict:
+    """What was written, by load_mtp's names: {name: (float32 array, its bits or None)}, mx.dequantize'd in float32
+    (at bits[key], else bits[None]) where quantized, float as it is, the stacked or fused experts one tensor each."""
+    out = {}
+    for k, a in written.items():
+        if k.endswith((".scales", ".biases")):
+            continue
+        b = None
+        if (s := written.get(companion(k, "scales"))) is not None:
+            b, z = bits.get(k, bits[None]), written[companion(k, "biases")]
+            a = mx.dequantize(a, s.astype(mx.float32), z.astype(mx.float32), group_size=64, bits=b)
+        a, name = np.array(a.astype(mx.float32)), k.removeprefix("mtp.")
+        ex = "layers.0.mlp.experts."
+        if ".switch_mlp." in name:
+            out.update({name.replace("switch_mlp.", f"experts.{e}."): (a[e], b) for e in range(a.shape[0])})
+        elif name == ex + "gate_up_proj":
+            ff = a.shape[1] // 2
+            out.update({f"{ex}{e}.{p}_proj.weight": (a[e, i * ff:(i + 1) * ff], b)
+                        for e in range(a.shape[0]) for i, p in enumerate(("gate", "up"))})
+        elif name == ex + "down_proj":
+            out.update({f"{ex}{e}.down_proj.weight": (a[e], b) for e in range(a.shape[0])})
+        else:
+            out[name] = (a, b)
+    return out
+
+
+def test_an_mtp_block_given_back_as_vllm_mlx_does_is_read_and_drafts_plain_greedy_output(converted, hf, tmp_path,
+                                                                                          monkeypatch):
+    """A random MTP block (transformers' own modules, test_mtp.with_mtp_block) given back to mlx-lm's conversion as
+    vllm-mlx's add_mtp_weights scripts do (add_mtp_as_vllm_mlx): read back as mx.dequantize of what was written
+    element for element (float32), the Hugging Face reader's block within 1.5 steps of each matrix's affine grid
+    (the norms within bf16 rounding: 1 + w as the zero-centred reader gives them), its memory from the headers alone
+    what it decodes to, and its drafts on the packed, MLX and numpy engines give plain greedy decoding's tokens. Kept
+    in bf16 (--no-quantize) in Qwen3-Next's model-mtp.safetensors, named in the index as that script does: read as
+    written, the model as before. Its experts left fused (as the Qwen3.5 script leaves a fused source's: bare
+    `experts.gate_up_proj` codes with `.gate_up_proj.scales`) and its router quantized at other bits than config.json's
+    without an override for it (mlx-lm's 8 for routers): refused in one line naming the file and the module; with the
+    override, read."""
+    from runtime.session import open_session
+    from test_mtp import with_mtp_block
+    from workbench.models.mtp import has_mtp, load_mtp, mtp_bytes
+    bits = json.loads((converted / "config.json").read_text())["quantization"]["bits"]
+    src, _, _ = with_mtp_block(hf, tmp_path / "hf", hf.name)
+    ref = load_mtp(src, zero_centred=True)
+
+    def check(out: Path, written: dict, at: dict):
+        got = load_mtp(out, zero_centred=True)          # as MTPDraft asks for a hybrid: not added to MLX's norms
+        want = mtp_as_written(written, at)
+        assert got.keys() == want.keys() == ref.keys() and has_mtp(out)
+        for name, a in got.items():
+            (w, b), r = want[name], ref[name]
+            assert a.dtype == np.float32 and np.array_equal(a, w), name
+            if b:               # within 1.5 steps of the affine grid over the matrix's range (bf16 scales, biases)
+                assert np.abs(a - r).max() <= 1.5 * (r.max() - r.min()) / (2 ** b - 1), name
+            else:               # bf16 rounding of the Hugging Face w (then of 1 + w, for the norms)
+                assert (np.abs(a - r) <= 2 ** -8 * (np.abs(r) + np.abs(r - 1) * ("norm" in name))).all(), name
+        assert mtp_bytes(out) == sum(a.nbytes for a in got.values()) == mtp_bytes(src)
+
+    out = tmp_path / "mlx"
+    check(out, add_mtp_as_vllm_mlx(src / "model-mtp.safetensors", converted, out, bits), {None: bits})
+
+    plain = tmp_path / "bf16"
+    written = add_mtp_as_vllm_mlx(src / "model-mtp.safetensors", converted, plain, None, "model-mtp.safetensors")
+    index = json.loads((plain / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(written, "model-mtp.safetensors"))
+    (plain / "model.safetensors.index.json").write_text(json.dumps(index))
+    check(plain, written, {None: None})
+    assert MLXModel(plain).names() == MLXModel(converted).names()
+
+    other = tmp_path / "router"
+    written = add_mtp_as_vllm_mlx(src / "model-mtp.safetensors", converted, other, bits, router_bits=12 - bits,
+                                  stack=False)
+    assert "mtp.layers.0.mlp.experts.gate_up_proj.scales" in written
+    with pytest.raises(WorkbenchError) as e:
+        mtp_bytes(other)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{other / 'mtp/weights.safetensors'}: mtp.layers.0.mlp.gate: ") and \
+        f"not {bits}-bit codes" in msg, msg
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["quantization"]["mtp.layers.0.mlp.gate"] = {"group_size": 64, "bits": 12 - bits}
+    (other / "config.json").write_text(json.dumps(cfg))
+    check(other, written, {None: bits, "mtp.layers.0.mlp.gate.weight": 12 - bits})
+
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    for engine in ("packed", "mlx", "numpy"):
+        runs = []
+        for knobs in ({}, {"speculative": 3, "draft": "mtp"}):
+            with open_session(str(out), "les", "0.5", engine=engine, tokens=24, **knobs) as s:
+                runs.append((s.generate(PROMPT, 24)["tokens"], s.summary()))
+        (plain_tokens, _), (drafted, summary) = runs
+        assert drafted == plain_tokens, engine
+        assert summary["draft"] == "mtp" and summary["spec_proposed"] > 0, (engine, summary)

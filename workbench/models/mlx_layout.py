@@ -4,6 +4,9 @@
     m.spec, m.names(), m.tensor(name), m.tensor_shape(name), m.expert(layer, e), m.path   (as HFModel)
     m.tensor_kind(name), m.tensor_runs(name)          its kind as it lies, and where its bytes lie
     m.expert_kinds(layer), m.expert_runs(layer, e)    the same for one expert's gate, up, down
+    quantization(config, path), module_kind(module, parts, q, path), logical_shape(shape, kind),
+    module_runs(parts), decode(runs, shape, kind, what)   one module by the same rules, outside a model's own
+                                                          (workbench/models/mtp.py: an MTP block given back to one)
 
 The layout: each layer's experts stacked, `model.layers.{i}.mlp.switch_mlp.{gate,up,down}_proj.weight`
 (E, rows, ...); the rest named as in the Hugging Face checkpoint (mapped to canonical names by hf.py's rules).
@@ -61,17 +64,85 @@ def is_mlx_layout(path) -> bool:
         return False
 
 
+def quantization(config: dict, config_path) -> dict | None:
+    """config.json's `quantization` ({"group_size", "bits", per-module overrides}), None where it has none; a mode
+    other than affine refused."""
+    q = config.get("quantization") or None
+    if isinstance(q, dict) and q.get("mode", "affine") != "affine":
+        raise WorkbenchError(f"{config_path}: quantization mode {q.get('mode')!r} is not read (affine only)")
+    return q
+
+
+def module_kind(module: str, parts: dict, q: dict | None, config_path) -> str:
+    """A module's kind as it lies, from its parts {weight|scales|biases: (shard, tensor name)}: float (bf16/f16/f32),
+    or affine at the bits and group config.json's quantization `q` gives it (its own override, or the top level's),
+    its codes, scales and biases checked against them."""
+    where = f"{next(iter(parts.values()))[0].path}: {module}"
+    if "weight" not in parts:
+        raise WorkbenchError(f"{where}: has {', '.join(parts)} but no .weight")
+    shard, name = parts["weight"]
+    dtype = shard.dtype(name)
+    if "scales" not in parts:
+        if dtype not in _KINDS:
+            raise WorkbenchError(f"{where}.weight is {dtype} without .scales: neither float nor MLX-quantized")
+        return _KINDS[dtype]
+    if "biases" not in parts:
+        raise WorkbenchError(f"{where}: has .scales but no .biases (affine mode keeps both)")
+    own = q.get(module, q) if isinstance(q, dict) else None
+    if not isinstance(own, dict) or not isinstance(own.get("bits"), int) or not isinstance(own.get("group_size"), int):
+        raise WorkbenchError(f"{config_path}: no quantization bits and group_size for {module}")
+    bits, group = own["bits"], own["group_size"]
+    sdt = parts["scales"][0].dtype(parts["scales"][1])
+    w, sc = (p[0].header[p[1]]["shape"] for p in (parts["weight"], parts["scales"]))
+    cols = w[-1] * 32 // bits if bits in range(1, 9) else 0
+    if dtype != "U32" or sdt not in _KINDS or not cols or sc[-1] * group != cols or sc[:-1] != w[:-1] \
+            or parts["biases"][0].header[parts["biases"][1]]["shape"] != sc \
+            or parts["biases"][0].dtype(parts["biases"][1]) != sdt:
+        raise WorkbenchError(f"{where}: .weight {dtype} {w}, .scales {sdt} {sc} are not {bits}-bit codes with "
+                             f"scales per {group} (config.json's quantization)")
+    return quant.mlx_kind(bits, group, _KINDS[sdt])
+
+
+def logical_shape(shape, kind: str) -> list[int]:
+    """A module's shape from its .weight's as it lies: a quantized one's columns are its codes' times 32 / bits."""
+    shape, a = list(shape), quant.affine(kind)
+    return shape[:-1] + [shape[-1] * 32 // a[0]] if a else shape
+
+
+def module_runs(parts: dict, index: int | None = None, count: int = 1) -> list[tuple[Shard, int, int]]:
+    """(shard, file offset, bytes) of a module's codes, scales and biases (a float one: its one tensor); of its slice
+    `index` of `count` along the first axis, for stacked experts."""
+    out = []
+    for what in ("weight", "scales", "biases"):
+        if what not in parts:
+            continue
+        shard, name = parts[what]
+        start, end = shard.header[name]["data_offsets"]
+        n, off = end - start, shard.base + start
+        if index is not None:
+            n //= count
+            off += index * n
+        out.append((shard, off, n))
+    return out
+
+
+def decode(runs, shape, kind: str, what: str) -> np.ndarray:
+    """float32 (shape) of a module's runs at its kind, or one line naming the file where they do not hold it."""
+    buf = np.concatenate([shard._read(off, n) for shard, off, n in runs])
+    try:
+        return quant.decode(buf, tuple(shape), kind)
+    except ValueError as e:
+        raise WorkbenchError(f"{runs[0][0].path}: {what} does not hold a {kind} {list(shape)} ({e})") from None
+
+
 class MLXModel(HFModel):
     """A checkpoint directory in MLX's layout, read lazily tensor by tensor."""
 
     def __init__(self, path):
         self.modules: dict[str, dict[str, tuple[Shard, str]]] = {}     # module path -> {weight|scales|biases: ...}
         super().__init__(path)      # config, shards, spec; _index files each tensor under its module
-        q = self.config.get("quantization") or {}
-        if q.get("mode", "affine") != "affine":
-            raise WorkbenchError(f"{self.path / 'config.json'}: quantization mode {q.get('mode')!r} is not read "
-                                 f"(affine only)")
-        self.kinds = {m: self._kind(m, t) for m, t in self.modules.items()}
+        q = quantization(self.config, self.path / "config.json")
+        self.kinds = {m: module_kind(m, t, q, self.path / "config.json") for m, t in self.modules.items()}
         self._check_experts()
         self._check_conv()
 
@@ -97,34 +168,6 @@ class MLXModel(HFModel):
             self.where[canonical] = (shard, module)
         self.modules.setdefault(module, {})[what] = (shard, name)
 
-    def _kind(self, module: str, parts: dict) -> str:
-        """The module's kind as it lies: float (bf16/f16/f32), or affine at the config's bits and group for it."""
-        where = f"{next(iter(parts.values()))[0].path}: {module}"
-        if "weight" not in parts:
-            raise WorkbenchError(f"{where}: has {', '.join(parts)} but no .weight")
-        shard, name = parts["weight"]
-        dtype = shard.dtype(name)
-        if "scales" not in parts:
-            if dtype not in _KINDS:
-                raise WorkbenchError(f"{where}.weight is {dtype} without .scales: neither float nor MLX-quantized")
-            return _KINDS[dtype]
-        if "biases" not in parts:
-            raise WorkbenchError(f"{where}: has .scales but no .biases (affine mode keeps both)")
-        q = self.config.get("quantization")
-        own = q.get(module, q) if isinstance(q, dict) else None
-        if not isinstance(own, dict) or not isinstance(own.get("bits"), int) or not isinstance(own.get("group_size"), int):
-            raise WorkbenchError(f"{self.path / 'config.json'}: no quantization bits and group_size for {module}")
-        bits, group = own["bits"], own["group_size"]
-        sdt = parts["scales"][0].dtype(parts["scales"][1])
-        w, sc = (p[0].header[p[1]]["shape"] for p in (parts["weight"], parts["scales"]))
-        cols = w[-1] * 32 // bits if bits in range(1, 9) else 0
-        if dtype != "U32" or sdt not in _KINDS or not cols or sc[-1] * group != cols or sc[:-1] != w[:-1] \
-                or parts["biases"][0].header[parts["biases"][1]]["shape"] != sc \
-                or parts["biases"][0].dtype(parts["biases"][1]) != sdt:
-            raise WorkbenchError(f"{where}: .weight {dtype} {w}, .scales {sdt} {sc} are not {bits}-bit codes with "
-                                 f"scales per {group} (config.json's quantization)")
-        return quant.mlx_kind(bits, group, _KINDS[sdt])
-
     def _check_experts(self):
         for (layer, e, p), (_, module, _) in self.experts.items():
             shape = self._shape(module)
@@ -144,27 +187,13 @@ class MLXModel(HFModel):
                 raise WorkbenchError(f"{self.path}: {module} holds {shape}, not mlx-lm's (channels, {K}, 1)")
 
     def _shape(self, module: str) -> list[int]:
-        """The module's logical shape (a quantized one's columns are its codes' times 32 / bits)."""
+        """The module's logical shape (logical_shape)."""
         shard, name = self.modules[module]["weight"]
-        shape = list(shard.header[name]["shape"])
-        a = quant.affine(self.kinds[module])
-        return shape[:-1] + [shape[-1] * 32 // a[0]] if a else shape
+        return logical_shape(shard.header[name]["shape"], self.kinds[module])
 
     def _runs(self, module: str, index: int | None = None) -> list[tuple[Shard, int, int]]:
-        """(shard, file offset, bytes) of the module's codes, scales and biases (a float one: its one tensor); of
-        its slice `index` along the first axis, for stacked experts."""
-        out = []
-        for what in ("weight", "scales", "biases"):
-            if what not in self.modules[module]:
-                continue
-            shard, name = self.modules[module][what]
-            start, end = shard.header[name]["data_offsets"]
-            n, off = end - start, shard.base + start
-            if index is not None:
-                n //= self.spec.num_experts
-                off += index * n
-            out.append((shard, off, n))
-        return out
+        """module_runs of the module, or of expert `index` of its stacked experts."""
+        return module_runs(self.modules[module], index, self.spec.num_experts)
 
     # ------------------------------------------------------------ the reader's interface
 
@@ -181,7 +210,7 @@ class MLXModel(HFModel):
         return self._runs(self.where[name][1])
 
     def tensor(self, name: str) -> np.ndarray:
-        return self._decode(self.tensor_runs(name), self.tensor_shape(name), self.tensor_kind(name), name)
+        return decode(self.tensor_runs(name), self.tensor_shape(name), self.tensor_kind(name), name)
 
     def tensor_raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as they lie (codes, scales, biases joined: its kind's buffer), for a pack that keeps
@@ -203,15 +232,8 @@ class MLXModel(HFModel):
 
     def expert(self, layer: int, e: int) -> dict[str, np.ndarray]:
         kinds, runs = self.expert_kinds(layer), self.expert_runs(layer, e)
-        return {p: self._decode(runs[p], self._shape(self.experts[(layer, e, p)][1])[1:], kinds[p],
-                                f"expert {e} of layer {layer}") for p in PARTS}
-
-    def _decode(self, runs, shape, kind: str, what: str) -> np.ndarray:
-        buf = np.concatenate([shard._read(off, n) for shard, off, n in runs])
-        try:
-            return quant.decode(buf, tuple(shape), kind)
-        except ValueError as e:
-            raise WorkbenchError(f"{runs[0][0].path}: {what} does not hold a {kind} {list(shape)} ({e})") from None
+        return {p: decode(runs[p], self._shape(self.experts[(layer, e, p)][1])[1:], kinds[p],
+                          f"expert {e} of layer {layer}") for p in PARTS}
 
     def names(self) -> list[str]:
         return list(self.where)
