@@ -225,6 +225,13 @@ class Decoder(GatedDeltaNet, Engine):
             return self.router_hook(i, logits, ctx)
         return route(self.spec, logits, self.w.get(f"layers.{i}.router_bias"))
 
+    def routers(self, x, h, name: str, wanted: dict) -> tuple:
+        """Router `name`'s logits on x (numpy), and for each later layer t the predictor wants ({t: (norm, bias,
+        k)}: Predictor.routers) router_top(h, norm, layer t's router, bias, k): a MoE layer's routing and its
+        lookahead, in one call where the backend computes them side by side (the packed engine)."""
+        return (self.to_numpy(self.linear(x, name)),
+                {t: self.router_top(h, norm, f"layers.{t}.router", bias, k) for t, (norm, bias, k) in wanted.items()})
+
     def router_top(self, h, norm, name: str, bias, k: int) -> np.ndarray:
         """The k experts router `name` ranks first on each row of h RMS-normed with weight `norm`, its selection
         bias added, best first (the lookahead: a later layer's router on this layer's residual)."""
@@ -244,8 +251,11 @@ class Decoder(GatedDeltaNet, Engine):
         expert is added here."""
         s, p = self.spec, f"layers.{i}."
         t0 = time.perf_counter()
-        ctx = {"x": self.to_numpy(x), "h": self.to_numpy(h), "logits": self.to_numpy(self.linear(x, p + "router")),
-               "phase": phase, "engine": self}
+        later = getattr(self.predictor, "routers", None) if phase == "decode" else None     # Predictor.routers
+        wanted = later(i) if later else {}
+        logits, tops = self.routers(x, h, p + "router", wanted)
+        ctx = {"x": self.to_numpy(x), "h": self.to_numpy(h), "logits": logits, "tops": tops, "phase": phase,
+               "engine": self}
         idx, weights, *low = self.route(i, ctx["logits"], ctx)
         low = low[0] if low else None           # the choices computed from the low tier (a router's third array)
         if low is not None and self.low is None:

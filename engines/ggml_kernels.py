@@ -223,6 +223,34 @@ def top(buf: np.ndarray, rows: int, cols: int, p: np.ndarray, H: np.ndarray, nor
     return out
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def _routers(addrs, rows, cols, p, X, H, norms, eps, biases, logits, tops):
+    xs = np.empty((addrs.shape[0], cols), np.float32)
+    xs[0] = X[0]
+    for j in range(1, addrs.shape[0]):
+        rms_norm(H, norms[j - 1], eps, xs[j:j + 1])
+    for j in prange(addrs.shape[0]):
+        _matvec(addrs[j], rows, cols, p, xs[j], np.empty(p[4], np.uint8), logits[j])
+    for j in range(1, addrs.shape[0]):
+        for o in range(rows):
+            logits[j, o] += biases[j - 1, o]
+        topk_rows(logits[j:j + 1], tops.shape[1], tops[j - 1:j])
+
+
+def routers(bufs: list, rows: int, cols: int, p: np.ndarray, x: np.ndarray, h: np.ndarray, norms: np.ndarray, eps,
+            biases: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A MoE layer's router and the lookahead's, side by side on the engine's threads (one product each), for one
+    row: (W0 x (1, rows), for each later router Wj (j >= 1) the k largest of Wj rms_norm(h, norms[j-1]) +
+    biases[j-1], best first (len(bufs) - 1, k)): what dense(W0, x) and top(Wj, h, ...) give, in one call. Every W
+    (rows, cols) in the same GGUF blocks (p = part_row()); x, h, norms, biases float32. Out of cache, as a decode step
+    meets them, two routers' products take about the time of one side by side (results/router_cost.md)."""
+    logits = np.empty((len(bufs), rows), np.float32)
+    tops = np.empty((len(bufs) - 1, k), np.int64)
+    _routers(np.array([b.ctypes.data for b in bufs], np.int64), rows, cols, p, x, h, norms, np.float32(eps), biases,
+             logits, tops)
+    return logits[:1], tops
+
+
 def dense(buf: np.ndarray, rows: int, cols: int, p: np.ndarray, X: np.ndarray, Y: np.ndarray) -> None:
     """Y[r] = W X[r] for each row of X (float32, C order), W (rows, cols) in GGUF blocks at buf, p = part_row()."""
     _product(buf.ctypes.data, rows, cols, p, X, Y)

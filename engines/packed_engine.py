@@ -343,6 +343,18 @@ class PackedEngine(Decoder):
             K.dense(w.buf, w.shape[0], w.shape[1], w.bits, x, y, w.scales)
         return y
 
+    def routers(self, x, h, name: str, wanted: dict) -> tuple:
+        ws = [self.w[name], *(self.w[f"layers.{t}.router"] for t in wanted)]
+        same = all(isinstance(w, Encoded) and w.ggml is not None and (w.kind, w.shape) == (ws[0].kind, ws[0].shape)
+                   for w in ws)
+        if not wanted or not same or x.shape[0] != 1 or len({k for _, _, k in wanted.values()}) != 1:
+            return super().routers(x, h, name, wanted)
+        f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
+        norms, biases = (np.stack([f32(v[i]).reshape(-1) for v in wanted.values()]) for i in (0, 1))
+        logits, tops = G.routers([w.buf for w in ws], *ws[0].shape, ws[0].ggml, f32(x), f32(h).reshape(1, -1), norms,
+                                 self.spec.rms_norm_eps, biases, next(iter(wanted.values()))[2])
+        return logits, dict(zip(wanted, tops[:, None]))
+
     def router_top(self, h, norm, name: str, bias, k: int) -> np.ndarray:
         w = self.w[name]
         if not isinstance(w, Encoded) or w.ggml is None or h.shape[0] > KERNEL_ROWS or norm.dtype != np.float32:

@@ -140,7 +140,8 @@ def test_router_cost(tmp_path):
     assert command_line(md) == res["command"] == ("python benchmarks/router_cost.py --shape qwen3-next-80b-a3b "
                                                   "--rounds 2 --repeat 3 --sweep-mib 16 --layers 3")
     assert (res["rows"], res["cols"]) == (512, 2048)
-    assert {(r["kind"], r["arm"]) for r in res["arms"]} == {(k, a) for k in ("Q8_0", "Q4_0") for a in ("warm", "cold")}
+    assert {(r["kind"], r["arm"]) for r in res["arms"]} == {(k, a) for k in ("Q8_0", "Q4_0")
+                                                    for a in ("warm", "cold", "side by side")}
     for r in res["arms"]:
         assert len(r["us_rounds"]) == 2 and r["us_min"] <= r["us"] <= r["us_max"], r
         assert same(r["ms_per_token_2_per_layer"], 2 * 3 * r["us"] / 1e3) and same(r["gb_s"], r["bytes"] / r["us"] / 1e3)

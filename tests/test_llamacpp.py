@@ -720,6 +720,36 @@ def test_a_routers_choice_in_one_call_is_the_norm_the_dot_products_and_the_top_k
 
 
 @needs_llama
+def test_a_layers_router_and_the_lookaheads_side_by_side_are_dense_and_top_apart():
+    """G.routers (a MoE layer's own router on its normed input and the later layers' on its residual, one product
+    a thread) gives G.dense's logits and G.top's choices, bit for bit, one or two later routers, at any thread
+    count."""
+    import numba
+    from engines import ggml_kernels as G
+    E, d, k, eps = 256, 512, 16, np.float32(1e-6)
+    rng = np.random.default_rng(5)
+    mats = [G.quantize(rng.standard_normal((E, d)).astype(np.float32) * 0.05, "gguf:Q8_0").reshape(-1)
+            for _ in range(3)]
+    p = G.part_row("gguf:Q8_0", d)
+    norms = rng.random((2, d)).astype(np.float32) + 0.5
+    biases = rng.standard_normal((2, E)).astype(np.float32) * 0.1
+    x, h = (rng.standard_normal((1, d)).astype(np.float32) * s for s in (1, 3))
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            for later in (1, 2):
+                logits, tops = G.routers(mats[:1 + later], E, d, p, x, h, norms[:later], eps, biases[:later], k)
+                y = np.empty((1, E), np.float32)
+                G.dense(mats[0], E, d, p, x, y)
+                assert (logits == y).all()
+                for j in range(later):
+                    assert (tops[j] == G.top(mats[1 + j], E, d, p, h, norms[j], eps, biases[j], k)[0]).all()
+    finally:
+        numba.set_num_threads(before)
+
+
+@needs_llama
 @pytest.mark.parametrize("kinds", [("Q4_K", "Q4_K", "Q6_K"), ("Q2_K", "Q2_K", "Q4_K"), ("Q8_0", "Q8_0", "Q8_0")])
 def test_ggml_experts_and_projections_share_the_cores_without_changing_a_bit(kinds):
     """moe_ready and dense cut their output rows into runs that numba's threads share: the result is each row's

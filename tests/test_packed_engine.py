@@ -270,3 +270,26 @@ def test_a_full_size_router_is_kept_in_q8_and_routes_and_predicts_as_the_f32_one
     same = lambda a, b: sum(len(set(x) & set(y)) for x, y in zip(a, b)) / sum(len(x) for x in a)
     assert same(routed, routed8) >= 0.95 and same(predicted, predicted8) >= 0.95
     assert any(predicted8)
+
+
+def test_the_lookahead_beside_the_layers_router_names_what_it_names_apart(monkeypatch):
+    """With routers in Q8_0 (forced on the demo), the packed engine computes a layer's router and the lookahead's
+    in one call (PackedEngine.routers): every decoded token routes and predicts exactly what the two computed apart
+    (the decoder's routers) do."""
+    pytest.importorskip("llama_cpp")
+    import engines.packed_engine as P
+    from engines.decoder import Decoder
+    from runtime.session import open_session
+    monkeypatch.setattr(P, "ROUTER_Q8_BYTES", 0)
+    calls, routers = [], P.G.routers
+    monkeypatch.setattr(P.G, "routers", lambda *a: calls.append(1) or routers(*a))
+    got = []
+    for apart in (False, True):
+        if apart:
+            monkeypatch.setattr(P.PackedEngine, "routers", Decoder.routers)
+        with open_session("demo", "les", budget="0.25", tokens=12) as s:
+            out = s.generate("Once upon a time", tokens=12)
+            ev = [e for e in s.tel.events if e.phase == "decode"]
+            got.append((out["tokens"], [e.routed for e in ev], [e.predicted for e in ev]))
+    assert got[0] == got[1] and any(got[0][2])
+    assert len(calls) == 11 * 7     # 11 decoded tokens x the 7 MoE layers with a later one: the side-by-side path

@@ -96,17 +96,26 @@ class Lookahead(Predictor):
         _norm_then_router(h, norm, self.eps, router, np.zeros(router.shape[0], np.float32), out)
         return out
 
+    def routers(self, layer: int) -> dict:
+        t = self.targets.get(layer)
+        if t is None:
+            return {}
+        norm, _, bias = self._weights(t)
+        return {t: (norm, bias, self.width)}
+
     def predict(self, layer: int, ctx) -> dict:
         t = self.targets.get(layer)
         if t is None or ctx["phase"] != "decode":
             return {}
-        norm, router, bias = self._weights(t)
-        h = ctx["h"]
-        h = np.ascontiguousarray(h, dtype=np.float32).reshape(-1, h.shape[-1])
-        if router is None:          # encoded: the engine's kernels
-            top = ctx["engine"].router_top(h, norm, f"layers.{t}.router", bias, self.width)
-        else:
-            top = _lookahead(h, norm, self.eps, router, bias, self.width)
+        top = ctx.get("tops", {}).get(t)        # the engine's, computed beside the layer's own router
+        if top is None:
+            norm, router, bias = self._weights(t)
+            h = ctx["h"]
+            h = np.ascontiguousarray(h, dtype=np.float32).reshape(-1, h.shape[-1])
+            if router is None:          # encoded: the engine's kernels
+                top = ctx["engine"].router_top(h, norm, f"layers.{t}.router", bias, self.width)
+            else:
+                top = _lookahead(h, norm, self.eps, router, bias, self.width)
         if top.shape[0] == 1:
             return {t: top[0].tolist()}
         return {t: list(dict.fromkeys(top.T.reshape(-1).tolist()))}     # a speculative batch: the rows' union

@@ -35,7 +35,8 @@ class Predictor:
     """Names experts to read ahead. After MoE layer `layer` routes, predict(layer, ctx) returns {target: experts,
     best first}: a target is a later MoE layer of this token, or (layer, token index) of a later token.
     ctx: "phase" ("prefill" | "decode"), "routed" (this layer's experts, an int array: rows x top-k), "engine"
-    (its token_index); in a live run also "h" (the residual stream entering the layer), "x" and "logits".
+    (its token_index); in a live run also "h" (the residual stream entering the layer), "x", "logits" and "tops"
+    (the later routers `routers` asked for).
     A predictor reading "h" says so in `needs`: a trace-driven run (no residual stream) refuses it."""
     params: dict = {}               # its own knobs and their defaults: `--set NAME=VALUE` reaches them
     needs: tuple = ()               # ctx keys beyond phase, routed and engine ("h")
@@ -53,6 +54,12 @@ class Predictor:
             setattr(self, k, type(self.params[k])(v) if k in self.params else v)
 
     def predict(self, layer: int, ctx: dict) -> dict:
+        return {}
+
+    def routers(self, layer: int) -> dict:
+        """Later layers' routers this predictor reads on `layer`'s residual stream at decode, {t: (norm, bias, k)}:
+        the engine computes each beside the layer's own router, in one call, and hands predict() their k best a
+        row (ctx["tops"][t]: layer t's router on h RMS-normed with `norm`, plus `bias`, best first)."""
         return {}
 
     def reset(self):
