@@ -105,7 +105,8 @@ def measure(shape: str, rounds: int, repeat: int, sweep_mib: int, layers: int | 
 
 def markdown(res: dict, command: str) -> str:
     md = [f"# A full-size router product, warm and cold: {res['shape']}", "",
-          f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, one thread)", "",
+          f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, one thread; side by side "
+          f"{res['threads']})", "",
           f"Router ({res['rows']} x {res['cols']}), {res['layers']} layers' own matrices; warm: one matrix "
           f"{res['repeat']} times; cold: every layer's once after a {res['sweep_mib']} MiB sweep; side by side: "
           f"cold, two a call on {res['threads']} threads (us per product). Median of "
