@@ -382,16 +382,16 @@ def _service(reads: list) -> tuple[float, float] | None:
 
 def _line(by: dict) -> tuple[float, float]:
     """(intercept, slope) of a line through the mean y of each x ({x: [y]}; a run's time is the sum of its reads' and
-    calls', stalls and all), each point weighted by the root of its count; one x, or a line that makes no sense: no
+    calls', stalls and all), each point weighted by the root of its count, neither negative (non-negative least
+    squares: where the means do not grow with x the cost is the intercept's, a call's, not x's); one x: no
     intercept, the points' ratio."""
     xs = np.array(sorted(by), float)
     mean = np.array([statistics.fmean(by[x]) for x in sorted(by)])
     count = np.array([len(by[x]) for x in sorted(by)], float)
     if len(xs) > 1:
         w = np.sqrt(count)
-        slope, at0 = np.linalg.lstsq(np.c_[xs, np.ones_like(xs)] * w[:, None], mean * w, rcond=None)[0]
-        if slope > 0 and at0 >= 0:
-            return float(at0), float(slope)
+        at0, slope = nnls(np.c_[np.ones_like(xs), xs] * w[:, None], mean * w)[0]
+        return float(at0), float(slope)
     return 0.0, float(np.sum(mean * count) / np.sum(xs * count))
 
 
