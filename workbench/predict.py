@@ -97,11 +97,14 @@ class Lookahead(Predictor):
         return out
 
     def routers(self, layer: int) -> dict:
+        """An encoded router (a full-size one) is the engine's to compute, beside the layer's own; a float32 one (the
+        demo's, which stays in cache) predict() computes in _lookahead, one compiled call where the engine's
+        decoder would make several numpy ones."""
         t = self.targets.get(layer)
         if t is None:
             return {}
-        norm, _, bias = self._weights(t)
-        return {t: (norm, bias, self.width)}
+        norm, router, bias = self._weights(t)
+        return {t: (norm, bias, self.width)} if router is None else {}
 
     def predict(self, layer: int, ctx) -> dict:
         t = self.targets.get(layer)
