@@ -35,6 +35,7 @@ from experiments.bench import bench  # noqa: E402
 from experiments.compute_profile import measure_compute  # noqa: E402
 from experiments.simulate import run as simulate  # noqa: E402
 from runtime.session import open_session  # noqa: E402
+from runtime.speculative import ReplayedAcceptance  # noqa: E402
 from workbench.atomic import atomic_write  # noqa: E402
 from workbench.presets import get_preset  # noqa: E402
 from workbench.registry import resolve_pack, storage_for  # noqa: E402
@@ -144,10 +145,11 @@ def chain_acceptance(accepted_per_step: float, n: int) -> float:
 
 
 def predicted(rows, runs, arms, trace, tokens, cp, wheres, model) -> None:
-    """The simulator's prediction of each real draft's run (rows' `predicted`: tok/s on each of `wheres`, and x les
-    on each): the trace's routing; a draft model's or MTP head's measured acceptance as a chain acceptance of the
-    same mean accepted drafts a step, prompt lookup's drafts those of the trace's own text; each draft's measured
-    time a proposed token charged on the compute thread."""
+    """The simulator's prediction of each real draft's run (rows' `predicted`: tok/s on each of `wheres`, the median
+    over the measured rounds, and x les on each): the trace's routing; a draft model's or MTP head's drafts accepted
+    as each measured round accepted them, step by step (runtime.speculative.ReplayedAcceptance; the chain acceptance
+    of the same mean, `predicted_acceptance`, is the run's label), prompt lookup's drafts those of the trace's own
+    text; each draft's measured time a proposed token charged on the compute thread."""
     les = get_preset("les")
     for r in rows:
         knobs = arms[r["arm"]]
@@ -161,8 +163,11 @@ def predicted(rows, runs, arms, trace, tokens, cp, wheres, model) -> None:
             n, steps = knobs["speculative"], sum(x["spec_steps"] for x in got)
             r["predicted_acceptance"] = p = chain_acceptance(sum(x["spec_accepted"] for x in got) / max(1, steps), n)
             preset = les.with_(speculative=n, draft=f"modelled:{p:.4f}")
-        r["predicted"] = {w: simulate(trace, preset, r["budget"], w, tokens=tokens, model=model, compute=c,
-                                      record=False)["tok_s"] for w in wheres}
+        replays = [ReplayedAcceptance(x["spec_accepted_by_step"]) for x in got] \
+            if knobs and knobs["draft"] != "lookup" else [None]
+        r["predicted"] = {w: statistics.median(simulate(trace, preset, r["budget"], w, tokens=tokens, model=model,
+                                                        compute=c, record=False, acceptance=a)["tok_s"]
+                                               for a in replays) for w in wheres}
     for r in rows:
         ref = next(x for x in rows if x["budget"] == r["budget"] and not arms[x["arm"]])["predicted"]
         r["predicted_over_les"] = {w: r["predicted"][w] / ref[w] for w in ref}
@@ -226,9 +231,10 @@ def markdown(res: dict) -> str:
     if res["rows"] and "profile" in res:
         measured = f"measured (EMULATED {res['device']})" if res["device"] else "measured here"
         on = res["device"] or "this-machine"
-        md += ["", f"Predicted: experiments.simulate on the routing trace, a draft model or MTP head as a chain "
-               f"acceptance with its measured mean accepted drafts a step, prompt lookup as the lookup drafts of the "
-               f"trace's own text, each with its measured draft time a proposed token (x les: over les simulated alike). {measured} against predicted on {on}, x les:", ""]
+        md += ["", f"Predicted: experiments.simulate on the routing trace, a draft model's or MTP head's drafts "
+               f"accepted as each measured round accepted them, step by step (the median over the rounds), prompt "
+               f"lookup as the lookup drafts of the trace's own text, each with its measured draft time a proposed "
+               f"token (x les: over les simulated alike). {measured} against predicted on {on}, x les:", ""]
         md += [f"- {r['arm']} @{r['budget']}: {r['over_les']:.2f} measured, {r['predicted_over_les'][on]:.2f} "
                f"predicted ({100 * (r['predicted_over_les'][on] / r['over_les'] - 1):+.0f}%)"
                for r in res["rows"] if r["arm"] != "les"]

@@ -43,7 +43,8 @@ def measure(session: Session, prompt, tokens: int, warmup: int = 4, warm: bool =
     res = {**s, **fl, "achieved_over_floor": s["tok_s"] / fl["floor_tok_s"], "cache_bytes": s["cache_peak_bytes"],
            "tokens": len(out["tokens"]), "text": out["text"], "engine": session.engine.name,
            "start": "warm" if warm else "cold", "page_cache_dropped": page_cache, "text_source": s["text"],
-           "text_check": text_check(session, out)}
+           "text_check": text_check(session, out),
+           "spec_accepted_by_step": [t.produced - 1 for t in session.tel.tokens if t.phase == "decode" and t.drafted]}
     if session.preset.prefetch.predictor is Predictor.PREROUTER:     # Edge0: what its prediction staged and dropped
         from workbench.edge0.serve import edge0_counters
         res.update(edge0_counters(session))

@@ -245,10 +245,11 @@ class _Simulation:
 
     def __init__(self, drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
                  workers: int, plan: ReadPlan | None, shared_cpu: bool, switch_s: float | None, split: bool,
-                 readers=None):
+                 readers=None, acceptance=None):
         self.drive, self.spec, self.preset, self.profile = drive, spec, preset, compute
         a = modelled_acceptance(preset.execution.draft) if preset.execution.speculative else None
-        self.acceptance = ModelledAcceptance(a) if a is not None else None       # else the trace's recorded drafts
+        # a modelled draft: a measured run's acceptance replayed, or A's draws; else the trace's recorded drafts
+        self.acceptance = (acceptance or ModelledAcceptance(a)) if a is not None else None
         if preset.execution.speculative and a is None and preset.execution.draft != "lookup":
             raise WorkbenchError(f"draft={preset.execution.draft}: a simulated run replays the trace's recorded "
                                  f"prompt-lookup drafts (draft=lookup) or a modelled acceptance (draft=modelled:A)")
@@ -462,7 +463,7 @@ class Simulated:
 def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfile, compute: ComputeProfile,
                  tokens: int, prompt: int = 4, workers: int = 1, plan: ReadPlan | None = None,
                  shared_cpu: bool = True, switch_s: float | None = None, split: bool = True,
-                 readers=None) -> Simulated:
+                 readers=None, acceptance=None) -> Simulated:
     """Prefill `prompt` trace rows (reads only, untimed), then decode `tokens - 1` steps on the virtual clock,
     as `bench` measures: tok_s counts decode steps only. shared_cpu: the numpy engine's dequant (reader threads)
     and compute (its own thread) hold one GIL: a dequant that starts while the compute thread works delays that
@@ -470,9 +471,11 @@ def simulate_run(drive, spec: MoESpec, preset, budget: str, device: DeviceProfil
     time (compute.dequant_busy_s); without a measured contended time, a read that ends while the compute thread
     works waits for the GIL instead (switch_s: CPython's switch interval, 0 to ignore). split: a large read goes to
     several readers in pieces (workbench.io.split_sizes), as reads into slots do; the numpy engine's reads do not.
-    readers: this machine's readers as a streaming run served them (devices.ServedReads): their wake-ups."""
+    readers: this machine's readers as a streaming run served them (devices.ServedReads): their wake-ups.
+    acceptance: with a modelled draft (draft=modelled:A), the drafts accepted a step, drawn from it in place of A's
+    (runtime.speculative.ReplayedAcceptance: a measured run's, step by step)."""
     sim = _Simulation(drive, spec, preset, budget, device, compute, workers, plan, shared_cpu, switch_s, split,
-                      readers)
+                      readers, acceptance)
     at_decode = sim.prefill(prompt)
     t_decode = sim.clock.now
     steps, n_spec = max(0, tokens - 1), preset.execution.speculative
@@ -572,14 +575,15 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
         tokens: int = 64, prompt: int = 4, skip: int = 0, compute: ComputeProfile | None = None,
         workers: int | None = None,
         model: str | None = None, record: bool = True, spec: MoESpec | None = None, rung: dict | None = None,
-        predictor: str | None = None, engine: str | None = None, here: bool | None = None) -> dict:
+        predictor: str | None = None, engine: str | None = None, here: bool | None = None, acceptance=None) -> dict:
     """One design over a trace. The simulated model: `spec` if given, else the traced model at `shape`'s expert
     shape, else the traced model itself. preset: a name or a Preset (a ladder rung). rung: {ladder, rung,
     rung_index, model} for the run record, so the dashboard's ladders page shows a simulated ladder beside the rest.
     engine: whose compute is measured (None: the default engine), unless `compute` is given: its engine's.
     here: the run predicted is this machine's, on its own flash or the device emulated on it (as bench --device
     measures): reads take at least what this machine's readers took in a streaming run (compute.read_floor), and
-    the result is labelled as simulate --calibrate found it here; None: only for this-machine."""
+    the result is labelled as simulate --calibrate found it here; None: only for this-machine. acceptance: as
+    simulate_run's."""
     from workbench import devices
     from workbench.presets import get_preset
     from experiments.routing_trace import TraceDrive
@@ -633,7 +637,8 @@ def run(trace_path: str, preset, budget: str | None, device: str, shape: str | N
             p, plan = p.with_(**dict(zip(("layout", "experts", "rest"), storage))), pack_plan(pack, compute.engine)
     plan = plan or read_plan(spec, p.storage.layout.value, experts_for(p.storage.experts, compute.engine))
     sim = simulate_run(drive, spec, p, budget, dev, run_compute, tokens, prompt, workers, plan=plan,
-                       shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil, readers=readers)
+                       shared_cpu=compute.reader_holds_gil, split=not compute.reader_holds_gil, readers=readers,
+                       acceptance=acceptance)
     res = sim.summary.record()
     bound = belady(drive, spec, p, budget, prompt, tokens, initial=sim.at_decode, engine=compute.engine,
                    item=plan.item)

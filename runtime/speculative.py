@@ -168,6 +168,21 @@ class ModelledAcceptance:
         return int(n if flips.all() else np.argmin(flips))
 
 
+class ReplayedAcceptance:
+    """A measured run's accepted drafts, step by step, replayed in order (from the start again where the replay
+    runs longer): a prediction of that run takes its acceptance as it was, not drawn anew (experiments.simulate)."""
+
+    def __init__(self, accepted: list[int]):
+        if not accepted:
+            raise ValueError("a replayed acceptance needs at least one step")
+        self.accepted, self.step = list(accepted), 0
+
+    def draw(self, n: int) -> int:
+        a = self.accepted[self.step % len(self.accepted)]
+        self.step += 1
+        return min(n, a)
+
+
 def modelled_acceptance(source: str) -> float | None:
     """A draft knob's modelled acceptance (modelled:A), None for a real draft; one line where A is not in (0, 1]."""
     if not source.startswith("modelled"):

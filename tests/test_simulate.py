@@ -629,3 +629,16 @@ def test_below_every_expert_the_streaming_run_holds_less_than_the_first_and_no_r
     monkeypatch.setattr(memory, "available_bytes", lambda: resident // 2)
     with pytest.raises(WorkbenchError, match="hold none beside its weights"):
         _budgets("demo", p, "packed", 16, "0.5")
+
+
+def test_a_measured_runs_acceptance_replayed_is_what_the_simulated_steps_accept():
+    """A modelled draft (2 a step) with a measured run's accepted drafts a step, 2, 0, 1, replayed in place of the
+    modelled draws: 7 decoded tokens take 4 steps, 2 + 0 + 1 drafts accepted, then 1 (only one is left to make: the
+    replay's 2, capped)."""
+    from runtime.speculative import ReplayedAcceptance
+    a = ReplayedAcceptance([2, 0, 4])
+    assert [a.draw(4), a.draw(4), a.draw(3), a.draw(4)] == [2, 0, 3, 2]       # capped at 3; again from the start
+    p = get_preset("on_demand").with_(layout="contiguous", speculative=2, draft="modelled:0.5")
+    res = sim(Drive([{0: [i % 4, 4 + i % 3]} for i in range(12)]), spec(), p, str(3 * 4 * 3 * 64 * 64), DEV, CPU,
+              tokens=8, prompt=1, workers=2, plan=PLAN, acceptance=ReplayedAcceptance([2, 0, 1]))
+    assert (res["spec_steps"], res["spec_accepted"]) == (4, 4)
